@@ -1,0 +1,83 @@
+"""Registers lzero's strategy names with Lightning the moment Lightning loads its strategies.
+
+Imported at interpreter start by ``lzero_startup.pth`` (installed next to the package). It imports
+neither torch, nor Lightning, nor lzero: it only watches for ``lightning.pytorch.strategies`` to be
+imported and then adds names whose factory imports lzero on first use. Any failure is swallowed:
+this file must never break ``pip`` or the interpreter.
+"""
+
+import sys
+
+PRESETS = {
+    "zero1": "ZeRO stage 1 (lzero): optimizer state sharded",
+    "zero2": "ZeRO stage 2 (lzero): optimizer state and gradients sharded",
+}
+"""Registered strategy names and their descriptions; lzero.presets holds their configurations."""
+
+_TARGET = "lightning.pytorch.strategies"
+
+
+class _LazyPreset:
+    """A registry factory that resolves its name to lzero only when a Trainer asks for it."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __call__(self, **init_params):
+        from lzero.presets import build_preset
+
+        return build_preset(self.name, **init_params)
+
+
+def register(registry):
+    """Add the names to a Lightning StrategyRegistry; harmless to repeat."""
+    for name, description in PRESETS.items():
+        registry.register(name, _LazyPreset(name), description=description, override=True)
+
+
+def _register_from(module):
+    try:
+        register(module.StrategyRegistry)
+    except Exception:
+        pass
+
+
+class _Finder:
+    """A meta path finder that only adds a post-import step to Lightning's strategies package."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _TARGET:
+            return None
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+            else:
+                return None
+            loader = spec.loader
+            original = loader.exec_module
+
+            def exec_module(module):
+                original(module)
+                _register_from(module)
+
+            loader.exec_module = exec_module
+            return spec
+        except Exception:
+            return None
+
+
+def install():
+    if _TARGET in sys.modules:
+        _register_from(sys.modules[_TARGET])
+    elif not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+
+
+try:
+    install()
+except Exception:
+    pass

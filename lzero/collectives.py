@@ -1,0 +1,89 @@
+"""Collectives over flat buffers: pure ``@torch.no_grad()`` functions, no Lightning.
+
+Every input handed to a backend is checked to be contiguous: gloo silently reduces the wrong
+memory for a non-contiguous tensor. At world size 1 the functions do the local equivalent
+without touching the backend. An asynchronous call returns a handle with ``wait()``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+class Handle(Protocol):
+    def wait(self) -> Any: ...
+
+
+class _Done:
+    """The handle of an operation that already completed locally."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def world_size(group: Optional[dist.ProcessGroup] = None) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank(group: Optional[dist.ProcessGroup] = None) -> int:
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+
+
+def _require_contiguous(*tensors: Tensor) -> None:
+    for t in tensors:
+        if not t.is_contiguous():
+            raise ValueError(
+                f"lzero internal error: a collective got a non-contiguous tensor of shape {tuple(t.shape)}"
+                " (gloo would silently reduce the wrong memory)."
+            )
+
+
+@torch.no_grad()
+def reduce_scatter(output: Tensor, flat: Tensor, group: Optional[dist.ProcessGroup] = None,
+                   async_op: bool = False) -> Handle:
+    """Sum ``flat`` (1-D, N * len(output)) over ranks; this rank receives its slice in ``output``."""
+    _require_contiguous(output, flat)
+    if world_size(group) == 1:
+        output.copy_(flat)
+        return _Done()
+    work = dist.reduce_scatter_single(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return work if async_op else _Done()
+
+
+@torch.no_grad()
+def all_gather(flat: Tensor, shard: Tensor, group: Optional[dist.ProcessGroup] = None,
+               async_op: bool = False) -> Handle:
+    """Concatenate every rank's ``shard`` into ``flat`` (1-D, N * len(shard)), rank order."""
+    _require_contiguous(flat, shard)
+    if world_size(group) == 1:
+        flat.copy_(shard)
+        return _Done()
+    work = dist.all_gather_single(flat, shard, group=group, async_op=async_op)
+    return work if async_op else _Done()
+
+
+@torch.no_grad()
+def all_reduce(tensor: Tensor, op: Any = None, group: Optional[dist.ProcessGroup] = None) -> Tensor:
+    """In-place synchronous all-reduce (SUM unless ``op`` is given); returns ``tensor``."""
+    _require_contiguous(tensor)
+    if world_size(group) > 1:
+        dist.all_reduce(tensor, op=op if op is not None else dist.ReduceOp.SUM, group=group)
+    return tensor
+
+
+@torch.no_grad()
+def broadcast_(tensors: Sequence[Tensor], src: int = 0, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Overwrite every tensor in place with rank ``src``'s values (as DDP does at construction)."""
+    if world_size(group) == 1:
+        return
+    for t in tensors:
+        if t.is_contiguous():
+            dist.broadcast(t, src=src, group=group)
+        else:
+            staging = t.contiguous()
+            dist.broadcast(staging, src=src, group=group)
+            t.copy_(staging)

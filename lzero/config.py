@@ -1,0 +1,119 @@
+"""The one typed configuration of a ZeRO run, validated in one place."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, fields, replace
+from typing import Any, Literal, Optional
+
+BUILT_STAGES = (1, 2)
+"""Stages this release implements; the others are refused with a clear error."""
+
+OffloadDevice = Literal["none", "cpu", "nvme"]
+
+
+class ZeroConfigError(ValueError):
+    """A configuration value that lzero cannot run with; the message names the value and the fix."""
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """What a ZeRO strategy shards, how it communicates and where it keeps state.
+
+    Every field is checked in ``__post_init__``; a bad value raises :class:`ZeroConfigError`.
+    """
+
+    stage: int = 2
+    """ZeRO stage. 1: optimizer state sharded. 2: also gradients. 3: also parameters (not built yet)."""
+
+    reduce_bucket_size: int = 5_000_000
+    """Elements per gradient reduce-scatter. At stages 1 and 2 this is also the size limit of a unit:
+    parameters are packed, in backward order, into flat units of at most this many elements (a larger
+    parameter forms a unit of its own). Counted in elements, as DeepSpeed counts them."""
+
+    allgather_bucket_size: int = 50_000_000
+    """Elements per parameter all-gather after the optimizer step. Consecutive units are coalesced into
+    one collective up to this many elements, so small units do not each pay a collective's latency."""
+
+    overlap_comm: bool = True
+    """Launch each unit's gradient reduce-scatter asynchronously as soon as its gradients are ready, so
+    communication overlaps the rest of backward. False runs every collective synchronously."""
+
+    max_inflight_reductions: int = 2
+    """With ``overlap_comm``, how many reduce-scatters may be outstanding at once. Each holds one unit
+    of gradients, so this bounds the extra memory that overlapping costs."""
+
+    offload_optimizer: OffloadDevice = "none"
+    """Where the fp32 master shards and optimizer state live: "none" (the device), "cpu" or "nvme".
+    Only "none" is built in this release."""
+
+    offload_param: OffloadDevice = "none"
+    """Where stage-3 parameter shards live between uses. Only "none" is built in this release."""
+
+    allow_untested_optimizer: bool = False
+    """Run an optimizer that is not on lzero's allow-list of elementwise optimizers. Such an optimizer
+    may compute something other than it would on the whole model (e.g. a norm over a shard only)."""
+
+    def __post_init__(self) -> None:
+        _check_stage(self.stage)
+        for name in ("reduce_bucket_size", "allgather_bucket_size", "max_inflight_reductions"):
+            value = getattr(self, name)
+            if isinstance(value, float) and value.is_integer():  # DeepSpeed configs write 5e8
+                object.__setattr__(self, name, int(value))
+            _check_positive_int(name, getattr(self, name))
+        for name in ("offload_optimizer", "offload_param"):
+            value = getattr(self, name)
+            if value not in ("none", "cpu", "nvme"):
+                raise ZeroConfigError(
+                    f"`{name}={value!r}` is not a store. HINT: use one of 'none', 'cpu', 'nvme'."
+                )
+            if value != "none":
+                raise ZeroConfigError(
+                    f"`{name}={value!r}`: offload is not built in this lzero release."
+                    f" HINT: use `{name}='none'`."
+                )
+        for name in ("overlap_comm", "allow_untested_optimizer"):
+            if not isinstance(getattr(self, name), bool):
+                raise ZeroConfigError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
+
+    def with_overrides(self, **overrides: Any) -> "ZeroConfig":
+        """A copy with some fields changed; an unknown field name is refused with a suggestion."""
+        known = [f.name for f in fields(self)]
+        for name in overrides:
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = f"did you mean `{close[0]}`?" if close else f"the options are: {', '.join(known)}."
+                raise ZeroConfigError(f"Unknown lzero strategy option `{name}`. HINT: {hint}")
+        return replace(self, **overrides)
+
+
+def _check_stage(stage: Any) -> None:
+    if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
+        raise ZeroConfigError(
+            f"Unknown ZeRO stage {stage!r}. HINT: use stage 1 (optimizer state), 2 (+ gradients)"
+            " or 3 (+ parameters); for plain data parallel use `strategy='ddp'`."
+        )
+    if stage not in BUILT_STAGES:
+        raise ZeroConfigError(
+            f"ZeRO stage {stage} is not built in this lzero release (built: {BUILT_STAGES})."
+            " HINT: use `strategy='zero1'` or `strategy='zero2'`"
+            + ("; stage 0 is plain data parallel: use `strategy='ddp'`." if stage == 0 else ".")
+        )
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ZeroConfigError(
+            f"`{name}={value!r}` must be a positive whole number of elements."
+            f" HINT: e.g. `{name}={ZeroConfig.__dataclass_fields__[name].default}`."
+        )
+
+
+def optional_config(config: Optional[ZeroConfig], **overrides: Any) -> ZeroConfig:
+    """The config a strategy runs with: ``config`` (or the defaults) with ``overrides`` applied."""
+    base = config if config is not None else ZeroConfig()
+    if not isinstance(base, ZeroConfig):
+        raise ZeroConfigError(
+            f"`config` must be an lzero.ZeroConfig, got {type(base).__name__}. HINT: `ZeroConfig(stage=2)`."
+        )
+    return base.with_overrides(**{k: v for k, v in overrides.items() if v is not None})

@@ -1,0 +1,316 @@
+"""The ZeRO engine: units of one model, their gradient hooks, reductions and parameter gathers.
+
+No Lightning here; the strategy is thin glue over this class.
+
+[Note: reduction order]
+Collectives on one process group are matched by the order in which ranks issue them, so every
+rank must reduce units in the same order even when a rank's backward skips a parameter. Units
+are reduced strictly in unit order: a unit whose gradients are all in is launched only after
+every earlier unit was launched. At the end of backward, one tiny MAX all-reduce on a separate
+process group tells every rank which units got a gradient on any rank; the rest of those are then
+launched in unit order, with zeros for the gradients a rank lacks. A unit that got no gradient on
+any rank is not reduced and its shard keeps ``grad = None``, so the optimizer skips it (as DDP
+leaves ``grad = None`` for a globally unused parameter).
+
+[Note: stage 1 vs stage 2]
+Stage 1 reduces once per optimizer step: micro-batches accumulate into the full flat gradient
+(autograd adds into ``p.grad`` views), and the reduction runs in the backward of the last
+micro-batch (automatic optimization) or in ``optimizer.step()`` (manual optimization). Stage 2
+reduces every micro-batch as soon as a unit's gradients are complete and frees them; the
+reduced shards accumulate.
+"""
+
+from __future__ import annotations
+
+import collections
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lzero import collectives
+from lzero.config import ZeroConfig
+from lzero.flat_unit import FlatUnit, GradState
+from lzero.partition import Partition, ParamSpec, partition_by_size
+
+
+class ZeroEngineError(RuntimeError):
+    """A model or optimizer setup that the engine cannot shard; the message says how to fix it."""
+
+
+class ZeroEngine:
+    def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], config: ZeroConfig,
+                 group: Optional[dist.ProcessGroup] = None) -> None:
+        self.config = config
+        self.group = group
+        self.world_size = collectives.world_size(group)
+        self.rank = collectives.rank(group)
+        specs, by_name = _collect_params(module, optimizers)
+        self.partition: Partition = partition_by_size(specs, self.world_size, config.reduce_bucket_size)
+        self.units = [
+            FlatUnit(spec, [by_name[p.name] for p in spec.params], self.rank, config.stage)
+            for spec in self.partition.units
+        ]
+        self._where: dict[nn.Parameter, tuple[FlatUnit, int]] = {
+            p: (unit, i) for unit in self.units for i, p in enumerate(unit.params)
+        }
+        self._broadcast_initial_state(module)
+        self._flag_group = dist.new_group() if self.world_size > 1 else None
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._where]
+        self.sync = True  # False inside Lightning's block_backward_sync (accumulating micro-batches)
+        self.automatic = True  # Lightning's automatic optimization
+        self._round_open = False
+        self._reduce_in_backward = False
+        self._next = 0  # index of the next unit to launch in this backward
+        self._inflight: collections.deque = collections.deque()
+
+    # --- setup -------------------------------------------------------------------------------
+
+    def _broadcast_initial_state(self, module: nn.Module) -> None:
+        """Rank 0's parameters and buffers everywhere, as DDP does, so unseeded models agree."""
+        managed = set(self._where)
+        tensors = [u.flat_param for u in self.units]
+        tensors += [p.data for p in module.parameters() if p not in managed]
+        tensors += [b for b in module.buffers()]
+        collectives.broadcast_(tensors, src=0, group=self.group)
+
+    def units_of(self, optimizer_index: int) -> list[FlatUnit]:
+        return [u for u in self.units if u.spec.group[0] == optimizer_index]
+
+    def remove(self) -> None:
+        """Detach from the module: hooks removed, side process group destroyed."""
+        self.wait()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if self._flag_group is not None:
+            dist.destroy_process_group(self._flag_group)
+            self._flag_group = None
+
+    # --- backward ----------------------------------------------------------------------------
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate locally: stage 1 defers its reduction to the last micro-batch."""
+        previous, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = previous
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        unit, index = self._where[param]
+        if not self._round_open:
+            self._open_round()
+        if unit.grad_state is GradState.REDUCED and unit.flat_grad is not None:
+            raise ZeroEngineError(
+                f"A gradient for `{unit.spec.params[index].name}` arrived after its unit was reduced for this"
+                " step. HINT: call `optimizer.zero_grad()` after `optimizer.step()`, and under manual"
+                " optimization call `optimizer.step()` only after the last backward of the step."
+            )
+        if unit.flat_grad is not None:
+            unit.link_grad(index)
+        unit.grad_state = GradState.LOCAL
+        unit.seen += 1
+        if self._reduce_in_backward:
+            self._launch_ready_in_order()
+
+    def _open_round(self) -> None:
+        self._round_open = True
+        self._next = 0
+        self._reduce_in_backward = self.config.stage >= 2 or (self.sync and self.automatic)
+        for u in self.units:
+            u.expected = sum(1 for p in u.params if p.requires_grad)
+            u.seen = 0
+            u.launched = False
+        torch.autograd.Variable._execution_engine.queue_callback(self._close_round)
+
+    def _launch_ready_in_order(self) -> None:
+        while self._next < len(self.units):
+            unit = self.units[self._next]
+            if unit.expected and unit.seen < unit.expected:
+                return
+            if unit.expected:
+                self._launch(unit)
+            self._next += 1
+
+    def _close_round(self) -> None:
+        try:
+            if self._reduce_in_backward:
+                self._reduce_remaining(self.units)
+        finally:
+            self._round_open = False
+
+    # --- reductions --------------------------------------------------------------------------
+
+    def _reduce_remaining(self, units: Sequence[FlatUnit]) -> None:
+        """Launch, in unit order, every unit that has a gradient on any rank. See [Note: reduction order]."""
+        flags = torch.tensor(
+            [1.0 if (u.launched or u.grad_state is GradState.LOCAL) else 0.0 for u in units],
+            device=units[0].flat_param.device if units else None,
+        )
+        if len(units):
+            collectives.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._flag_group)
+        for unit, flag in zip(units, flags.tolist()):
+            if flag and not unit.launched:
+                self._launch(unit)
+        self.wait()
+        for unit in units:
+            unit.launched = False
+
+    def _launch(self, unit: FlatUnit) -> None:
+        unit.launched = True
+        while len(self._inflight) >= self.config.max_inflight_reductions:
+            self._finish_oldest()
+        scale = 1.0 / self.world_size  # multiply before summing, exactly as DDP's reducer does
+        if unit.flat_grad is not None:
+            unit.flat_grad.mul_(scale)
+            bucket = unit.flat_grad
+        else:
+            bucket = unit.pack_grads(scale)
+        out = torch.empty_like(unit.shard_grad)
+        handle = collectives.reduce_scatter(out, bucket, self.group, async_op=self.config.overlap_comm)
+        unit.grad_state = GradState.REDUCING
+        self._inflight.append((handle, unit, out, bucket))
+        if not self.config.overlap_comm:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        handle, unit, out, _bucket = self._inflight.popleft()
+        handle.wait()
+        with torch.no_grad():
+            if unit.flat_grad is not None:
+                unit.shard_grad.copy_(out)
+            else:
+                unit.shard_grad.add_(out)
+        unit.mark_reduced()
+
+    def wait(self) -> None:
+        """Block until every launched reduction has landed in its shard."""
+        while self._inflight:
+            self._finish_oldest()
+
+    def prepare_step(self, units: Sequence[FlatUnit]) -> None:
+        """Make the shard gradients of ``units`` final. A collective: every rank calls it."""
+        if self.config.stage == 1 and not self.automatic:
+            self._reduce_remaining(units)
+        self.wait()
+
+    def zero_grad(self, units: Sequence[FlatUnit]) -> None:
+        self.wait()
+        for unit in units:
+            unit.zero_grad()
+
+    # --- gradient norm and clipping ----------------------------------------------------------
+
+    @torch.no_grad()
+    def grad_norm(self, units: Sequence[FlatUnit]) -> Tensor:
+        """Global L2 norm of the reduced gradients of ``units``: one all-reduce. A collective."""
+        self.prepare_step(units)
+        device = units[0].flat_param.device if units else None
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for unit in units:
+            if unit.shard_param.grad is not None:
+                total += unit.shard_grad.float().pow(2).sum()
+        return collectives.all_reduce(total, group=self.group).sqrt()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, units: Sequence[FlatUnit], max_norm: float) -> Tensor:
+        """Scale gradients as ``torch.nn.utils.clip_grad_norm_`` would on the whole model."""
+        norm = self.grad_norm(units)
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for unit in units:
+            if unit.shard_param.grad is not None:
+                unit.shard_grad.mul_(coef.to(unit.shard_grad.dtype))
+        return norm
+
+    @torch.no_grad()
+    def clip_grad_value_(self, units: Sequence[FlatUnit], clip_value: float) -> None:
+        self.prepare_step(units)
+        for unit in units:
+            if unit.shard_param.grad is not None:
+                unit.shard_grad.clamp_(min=-clip_value, max=clip_value)
+
+    # --- parameters --------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def gather_params(self, units: Sequence[FlatUnit]) -> None:
+        """All-gather updated shards into the full flat parameters, coalescing small units."""
+        if self.world_size == 1:
+            return
+        pending = []
+        for bucket in _coalesce(units, self.config.allgather_bucket_size):
+            if len(bucket) == 1:
+                unit = bucket[0]
+                shard = unit.owned_param().clone()  # the owned slice aliases the output
+                pending.append((collectives.all_gather(unit.flat_param, shard, self.group, async_op=True), None, None))
+            else:
+                shard = torch.cat([u.owned_param() for u in bucket])
+                out = torch.empty(shard.numel() * self.world_size, dtype=shard.dtype, device=shard.device)
+                pending.append((collectives.all_gather(out, shard, self.group, async_op=True), bucket, out))
+        for handle, bucket, out in pending:
+            handle.wait()
+            if bucket is not None:
+                _scatter_coalesced(bucket, out, self.world_size)
+
+    def metadata(self) -> dict[str, Any]:
+        return self.partition.metadata()
+
+
+def _coalesce(units: Sequence[FlatUnit], limit: int) -> Iterator[list[FlatUnit]]:
+    bucket: list[FlatUnit] = []
+    size = 0
+    for unit in units:
+        if bucket and size + unit.spec.padded_numel > limit:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(unit)
+        size += unit.spec.padded_numel
+    if bucket:
+        yield bucket
+
+
+def _scatter_coalesced(bucket: list[FlatUnit], out: Tensor, world_size: int) -> None:
+    """``out`` holds, for each rank in order, the concatenated shards of ``bucket``."""
+    per_rank = out.numel() // world_size
+    for r in range(world_size):
+        offset = r * per_rank
+        for unit in bucket:
+            lo, hi = unit.spec.shard_range(r)
+            unit.flat_param[lo:hi].copy_(out[offset : offset + unit.spec.shard_numel])
+            offset += unit.spec.shard_numel
+
+
+def _collect_params(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
+                    ) -> tuple[list[ParamSpec], dict[str, nn.Parameter]]:
+    """ParamSpecs, in registration order, of the trainable parameters that some optimizer holds."""
+    names = {p: n for n, p in module.named_parameters()}
+    group_of: dict[nn.Parameter, tuple[int, int]] = {}
+    for oi, optimizer in enumerate(optimizers):
+        for gi, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if p not in names:
+                    raise ZeroEngineError(
+                        f"Optimizer {oi} ({type(optimizer).__name__}), param group {gi}, holds a tensor of shape"
+                        f" {tuple(p.shape)} that is not a parameter of the LightningModule. HINT: build the"
+                        " optimizer from `self.parameters()` in `configure_optimizers`."
+                    )
+                if p in group_of:
+                    raise ZeroEngineError(
+                        f"Parameter `{names[p]}` is in two optimizers or param groups ({group_of[p]} and"
+                        f" {(oi, gi)}). HINT: give every parameter to exactly one optimizer param group."
+                    )
+                group_of[p] = (oi, gi)
+    specs, by_name = [], {}
+    for name, p in module.named_parameters():
+        if p in group_of and p.requires_grad:
+            if p.dtype != torch.float32:
+                raise ZeroEngineError(
+                    f"Parameter `{name}` is {p.dtype}; this lzero release shards float32 parameters."
+                    " HINT: keep parameters in float32 and use `precision='32-true'`."
+                )
+            specs.append(ParamSpec(name, tuple(p.shape), group_of[p]))
+            by_name[name] = p
+    return specs, by_name

@@ -1,0 +1,114 @@
+"""The tensors of one unit on one rank: flat parameters, gradients, and the fp32 master shard.
+
+See [Note: unit layout] in partition.py for the layout. Stages 1 and 2 keep the full flat
+parameter buffer resident; every module parameter's ``.data`` is a view into it.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from lzero.partition import UnitSpec
+
+
+class GradState(enum.Enum):
+    """Where this unit's gradients are in the step cycle."""
+
+    EMPTY = "no gradient since the last zero_grad"
+    LOCAL = "this rank holds unreduced gradients (accumulating)"
+    REDUCING = "a reduce-scatter is in flight"
+    REDUCED = "the shard gradient holds the global average; the optimizer may step"
+
+
+class FlatUnit:
+    """One unit's storage on this rank.
+
+    Stage 1 keeps a full flat gradient buffer and makes every ``p.grad`` a view into it, so
+    micro-batches accumulate locally exactly as they would under DDP; the shard gradient is a
+    view of the owned slice. Stage 2 keeps only the shard gradient: each micro-batch's full
+    gradients are packed into a temporary bucket, reduce-scattered, and freed.
+    """
+
+    def __init__(self, spec: UnitSpec, params: Sequence[nn.Parameter], rank: int, stage: int) -> None:
+        self.spec = spec
+        self.params = list(params)
+        self.stage = stage
+        self.rank = rank
+        lo, hi = spec.shard_range(rank)
+        device, dtype = params[0].device, params[0].dtype
+        with torch.no_grad():
+            self.flat_param = torch.zeros(spec.padded_numel, device=device, dtype=dtype)  # 1D
+            for p, (_, start, end) in zip(self.params, spec.param_ranges()):
+                self.flat_param[start:end].copy_(p.detach().reshape(-1))
+                p.data = self.flat_param[start:end].view(p.shape)
+        # fp32 training: the master is the owned slice itself, not a copy
+        self.shard_param = nn.Parameter(self.flat_param[lo:hi], requires_grad=True)  # 1D, shard_numel
+        if stage == 1:
+            self.flat_grad = torch.zeros_like(self.flat_param)  # 1D, padded_numel
+            self.shard_grad = self.flat_grad[lo:hi]
+        else:
+            self.flat_grad = None
+            self.shard_grad = torch.zeros_like(self.shard_param)  # 1D, shard_numel
+        self.grad_state = GradState.EMPTY
+        self.expected = 0  # params needing a gradient in the current backward
+        self.seen = 0  # params whose gradient arrived in the current backward
+        self.launched = False  # reduction launched in the current backward
+
+    # --- gradients ---------------------------------------------------------------------------
+
+    def grad_view(self, index: int) -> Tensor:
+        """Stage 1: the slice of the flat gradient that ``params[index].grad`` should be."""
+        assert self.flat_grad is not None
+        _, start, end = list(self.spec.param_ranges())[index]
+        return self.flat_grad[start:end].view(self.params[index].shape)
+
+    def link_grad(self, index: int) -> None:
+        """Stage 1: make ``p.grad`` a view of the flat gradient (after autograd allocated its own)."""
+        p = self.params[index]
+        view = self.grad_view(index)
+        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+            with torch.no_grad():
+                view.copy_(p.grad)
+            p.grad = view
+
+    @torch.no_grad()
+    def pack_grads(self, scale: float) -> Tensor:
+        """Stage 2: a new bucket holding ``scale * p.grad`` for every param (zeros where a param
+        has none); the params' full gradients are released."""
+        bucket = torch.zeros(self.spec.padded_numel, device=self.flat_param.device, dtype=self.flat_param.dtype)
+        for p, (_, start, end) in zip(self.params, self.spec.param_ranges()):
+            if p.grad is not None:
+                torch.mul(p.grad.reshape(-1), scale, out=bucket[start:end])
+                p.grad = None
+        return bucket
+
+    @torch.no_grad()
+    def zero_grad(self) -> None:
+        if self.flat_grad is not None:
+            self.flat_grad.zero_()
+        else:
+            self.shard_grad.zero_()
+            for p in self.params:
+                p.grad = None
+        self.shard_param.grad = None
+        self.grad_state = GradState.EMPTY
+
+    def mark_reduced(self) -> None:
+        self.grad_state = GradState.REDUCED
+        self.shard_param.grad = self.shard_grad
+
+    # --- parameters --------------------------------------------------------------------------
+
+    def owned_param(self) -> Tensor:
+        """The owned slice of the flat parameters, in the dtype the model computes in."""
+        lo, hi = self.spec.shard_range(self.rank)
+        return self.flat_param[lo:hi]
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat_param.numel() * self.flat_param.element_size()
+

@@ -1,0 +1,137 @@
+"""The user's optimizer, kept as written, re-targeted at the fp32 shards.
+
+[Note: two faces of one optimizer]
+``ZeroOptimizer`` shows Lightning and the user the optimizer they built: the same class name in
+logs, and ``param_groups`` that are the very dicts of their optimizer, listing the module's
+parameters (so ``toggle_optimizer`` works and LR schedulers bound to their optimizer keep
+steering it). Behind it, an instance of the same class with the same constructor flags holds one
+param group per user group whose params are this rank's shard tensors. Before every step the
+hyperparameters of the user's groups are copied into the inner groups, so LR schedulers and
+manual LR changes reach the sharded step.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch.optim import Optimizer
+
+from lzero.engine import ZeroEngine
+from lzero.flat_unit import FlatUnit
+
+ELEMENTWISE_OPTIMIZERS = tuple(
+    getattr(torch.optim, name)
+    for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "ASGD")
+)
+"""Optimizers whose update of an element depends only on that element's history, so stepping a
+shard gives exactly what stepping the whole model gives."""
+
+
+class ZeroOptimizerError(TypeError):
+    """An optimizer lzero cannot shard as written; the message says how to fix it."""
+
+
+def check_optimizer(optimizer: Optimizer, allow_untested: bool) -> None:
+    if type(optimizer) in ELEMENTWISE_OPTIMIZERS or allow_untested:
+        return
+    allowed = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+    raise ZeroOptimizerError(
+        f"lzero cannot shard `{type(optimizer).__module__}.{type(optimizer).__qualname__}`: it is not on the"
+        f" allow-list of elementwise optimizers ({allowed}). An optimizer that looks across elements (LBFGS,"
+        " Adafactor, Muon, Shampoo, ...) would see only this rank's shard. HINT: use an allow-listed optimizer,"
+        " or pass `ZeroStrategy(allow_untested_optimizer=True)` if you know the update is elementwise."
+    )
+
+
+class _Shared:
+    """Mutable state kept out of ``__dict__``: LightningOptimizer copies that dict once at wrap time."""
+
+    def __init__(self) -> None:
+        self.inner: Optional[Optimizer] = None
+
+
+class ZeroOptimizer(Optimizer):
+    """See [Note: two faces of one optimizer]."""
+
+    def __init__(self, optimizer: Optimizer, engine: ZeroEngine, index: int) -> None:
+        self._building = True
+        super().__init__([p for g in optimizer.param_groups for p in g["params"]] or [torch.zeros(0)],
+                         dict(optimizer.defaults))
+        self._building = False
+        self.optimizer = optimizer
+        self.engine = engine
+        self.index = index
+        self.units: list[FlatUnit] = engine.units_of(index)
+        self.param_groups = optimizer.param_groups  # the same dicts: see the Note
+        self.defaults = optimizer.defaults
+        self._shared = _Shared()
+        self._shared.inner = _build_inner(optimizer, self.units, index)
+
+    @property
+    def inner(self) -> Optional[Optimizer]:
+        """The optimizer that steps this rank's shards (None when no parameter is trainable)."""
+        return self._shared.inner
+
+    def __repr__(self) -> str:
+        return f"ZeroOptimizer({type(self.optimizer).__name__}, stage={self.engine.config.stage})"
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.engine.prepare_step(self.units)
+        inner = self.inner
+        if inner is not None:
+            for outer, group in zip(self.param_groups, inner.param_groups):
+                group.update({k: v for k, v in outer.items() if k != "params"})
+            inner.step()
+            self.engine.gather_params(self.units)
+        self.optimizer._opt_called = True  # LR schedulers check that the optimizer they wrap has stepped
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.engine.zero_grad(self.units)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_building", False):
+            return super().add_param_group(param_group)
+        raise ZeroOptimizerError(
+            "`add_param_group` after setup is not supported under lzero: the parameters are already packed into"
+            " sharded units. HINT: create every param group in `configure_optimizers` (a group may start with"
+            " lr=0 and be enabled later by a scheduler or by setting its 'lr')."
+        )
+
+    def grad_norm(self) -> torch.Tensor:
+        """Global L2 norm of this optimizer's reduced gradients (a collective: call it on every rank)."""
+        return self.engine.grad_norm(self.units)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full per-parameter state in torch's format (a collective: call it on every rank)."""
+        from lzero.full_state import gather_optimizer_state
+
+        return gather_optimizer_state(self, to_all=True)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full per-parameter state (from DDP or from :meth:`state_dict`) into this rank's shards."""
+        from lzero.full_state import load_optimizer_state
+
+        load_optimizer_state(self, state_dict)
+
+
+def _build_inner(optimizer: Optimizer, units: Sequence[FlatUnit], index: int) -> Optional[Optimizer]:
+    """Same class, same constructor flags, one group per user group holding this rank's shards."""
+    groups = []
+    for gi, outer in enumerate(optimizer.param_groups):
+        group = {k: v for k, v in outer.items() if k != "params"}
+        group["params"] = [u.shard_param for u in units if u.spec.group == (index, gi)]
+        groups.append(group)
+    if not any(g["params"] for g in groups):
+        return None
+    cls = type(optimizer)
+    accepted = inspect.signature(cls.__init__).parameters
+    kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return cls(groups, **kwargs)

@@ -1,0 +1,155 @@
+"""Partition math: parameters -> units -> flat ranges -> the shard each rank owns.
+
+Pure functions of (parameter names, shapes, param groups, world size, unit policy); no tensors, no
+communication. The result is exported as JSON-able metadata keyed by parameter name, so a
+checkpoint written at one world size or stage can be re-sliced for another.
+
+[Note: unit layout]
+A unit is a flat 1-D buffer holding its parameters back to back, padded at the end to a multiple
+of the world size N. Rank r owns the contiguous slice [r * S, (r + 1) * S) with S = padded / N.
+A unit never mixes param groups: its shard is one tensor in exactly one optimizer param group.
+At stages 1 and 2 units are formed in backward order (reverse registration order) up to
+``max_unit_numel`` elements, so the first units to complete in backward are the first reduced.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
+
+GroupKey = tuple[int, int]
+"""(optimizer index, param group index) of a parameter."""
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """What the partition needs to know of one parameter."""
+
+    name: str
+    shape: tuple[int, ...]
+    group: GroupKey
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """One unit: its parameters, where each starts in the flat buffer, and the padding."""
+
+    index: int
+    group: GroupKey
+    params: tuple[ParamSpec, ...]
+    offsets: tuple[int, ...]  # start of each param in the flat buffer
+    numel: int  # sum of the params' numel
+    world_size: int
+
+    @property
+    def padded_numel(self) -> int:
+        return math.ceil(self.numel / self.world_size) * self.world_size
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.world_size
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """[start, end) of rank's shard in the flat buffer."""
+        return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def param_ranges(self) -> Iterator[tuple[ParamSpec, int, int]]:
+        """(param, flat start, flat end) for every param of the unit."""
+        for spec, offset in zip(self.params, self.offsets):
+            yield spec, offset, offset + spec.numel
+
+    def owned_pieces(self, rank: int) -> Iterator[tuple[ParamSpec, int, int, int]]:
+        """(param, start within param, end within param, start within shard) for the parts of
+        params that fall in rank's shard."""
+        lo, hi = self.shard_range(rank)
+        for spec, start, end in self.param_ranges():
+            a, b = max(start, lo), min(end, hi)
+            if a < b:
+                yield spec, a - start, b - start, a - lo
+
+
+@dataclass(frozen=True)
+class Partition:
+    """All units of a model at one world size."""
+
+    units: tuple[UnitSpec, ...]
+    world_size: int
+
+    @property
+    def numel(self) -> int:
+        return sum(u.numel for u in self.units)
+
+    @property
+    def padding_numel(self) -> int:
+        return sum(u.padded_numel - u.numel for u in self.units)
+
+    def metadata(self) -> dict[str, Any]:
+        """JSON-able description, keyed by parameter name, of where every element lives."""
+        params: dict[str, Any] = {}
+        for unit in self.units:
+            for spec, start, end in unit.param_ranges():
+                ranks = {}
+                for rank in range(self.world_size):
+                    lo, hi = unit.shard_range(rank)
+                    a, b = max(start, lo), min(end, hi)
+                    if a < b:
+                        ranks[rank] = [a - start, b - start]
+                params[spec.name] = {
+                    "unit": unit.index,
+                    "group": list(spec.group),
+                    "offset": start,
+                    "numel": spec.numel,
+                    "shape": list(spec.shape),
+                    "ranks": ranks,
+                }
+        units = [
+            {
+                "index": u.index,
+                "group": list(u.group),
+                "numel": u.numel,
+                "padded_numel": u.padded_numel,
+                "shard_numel": u.shard_numel,
+                "params": [p.name for p in u.params],
+            }
+            for u in self.units
+        ]
+        return {"world_size": self.world_size, "units": units, "params": params}
+
+
+def partition_by_size(params: Sequence[ParamSpec], world_size: int, max_unit_numel: int) -> Partition:
+    """Pack ``params`` (given in registration order) into units of at most ``max_unit_numel``
+    elements, in backward order, never mixing param groups. See [Note: unit layout]."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if max_unit_numel < 1:
+        raise ValueError(f"max_unit_numel must be >= 1, got {max_unit_numel}")
+    names = [p.name for p in params]
+    if len(set(names)) != len(names):
+        raise ValueError("parameter names must be unique (pass each shared parameter once)")
+    open_units: dict[GroupKey, list[ParamSpec]] = {}
+    closed: list[list[ParamSpec]] = []
+    for spec in reversed(params):
+        current = open_units.setdefault(spec.group, [])
+        if current and sum(p.numel for p in current) + spec.numel > max_unit_numel:
+            closed.append(current)
+            current = open_units[spec.group] = []
+        current.append(spec)
+    closed.extend(u for u in open_units.values() if u)
+    # order units by when their first parameter appears in backward order, so that every rank
+    # agrees on one order and it follows backward as closely as the grouping allows
+    position = {p.name: i for i, p in enumerate(reversed(params))}
+    closed.sort(key=lambda members: position[members[0].name])
+    return Partition(tuple(_make_unit(i, members, world_size) for i, members in enumerate(closed)), world_size)
+
+
+def _make_unit(index: int, members: list[ParamSpec], world_size: int) -> UnitSpec:
+    offsets, total = [], 0
+    for spec in members:
+        offsets.append(total)
+        total += spec.numel
+    return UnitSpec(index, members[0].group, tuple(members), tuple(offsets), total, world_size)

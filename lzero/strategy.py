@@ -1,0 +1,186 @@
+"""``ZeroStrategy``: thin Lightning glue over the ZeRO engine.
+
+It reuses ``DDPStrategy`` for everything that is not ZeRO-specific (launching, process groups,
+barrier/broadcast/reduce, samplers) and replaces the DDP wrapper with the engine: no module
+wrapper, gradient hooks on the parameters, and optimizers re-targeted at the shards.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Generator, Mapping, Optional
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lzero.config import ZeroConfig, optional_config
+from lzero.engine import ZeroEngine
+from lzero.full_state import gather_optimizer_state
+from lzero.optimizer import ZeroOptimizer, check_optimizer
+from lzero.precision import ZeroPrecision, to_zero_precision
+
+
+class ZeroStrategy(DDPStrategy):
+    """ZeRO data parallelism: ``Trainer(strategy="zero2")`` or ``Trainer(strategy=ZeroStrategy(...))``.
+
+    Args:
+        config: the full configuration; see :class:`lzero.ZeroConfig` for every field.
+        stage: shortcut for ``config.stage``.
+        allow_untested_optimizer: shortcut for ``config.allow_untested_optimizer``.
+        **options: any other :class:`lzero.ZeroConfig` field, applied over ``config``.
+        The remaining arguments are Lightning's, as for ``DDPStrategy``.
+    """
+
+    strategy_name = "zero"
+
+    def __init__(
+        self,
+        config: Optional[ZeroConfig] = None,
+        stage: Optional[int] = None,
+        allow_untested_optimizer: Optional[bool] = None,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        **options: Any,
+    ) -> None:
+        self.config = optional_config(config, stage=stage, allow_untested_optimizer=allow_untested_optimizer, **options)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method="popen",  # the spawn launcher's state_dict round trip does not fit sharding
+        )
+        self._engine: Optional[ZeroEngine] = None
+
+    # --- plugins -----------------------------------------------------------------------------
+
+    @property
+    @override
+    def precision_plugin(self) -> ZeroPrecision:
+        return self._precision_plugin if self._precision_plugin is not None else ZeroPrecision()
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        self._precision_plugin = None if plugin is None else to_zero_precision(plugin)
+
+    @property
+    def engine(self) -> Optional[ZeroEngine]:
+        """The engine of the current ``fit`` (None outside fitting)."""
+        return self._engine
+
+    # --- setup -------------------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if fitting:
+            self.setup_optimizers(trainer)
+            for optimizer in self.optimizers:
+                check_optimizer(optimizer, self.config.allow_untested_optimizer)
+            self._engine = ZeroEngine(self.model, self.optimizers, self.config)
+            self._engine.automatic = self.lightning_module.automatic_optimization
+            self.optimizers = [ZeroOptimizer(opt, self._engine, i) for i, opt in enumerate(self.optimizers)]
+        else:
+            _sync_module_states(self.model)
+        self.setup_precision_plugin()
+
+    @override
+    def configure_ddp(self) -> None:
+        """No module wrapper: the engine's gradient hooks replace DDP's reducer."""
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator:
+        if self._engine is None:
+            yield None
+            return
+        with self._engine.no_sync():
+            yield None
+
+    @override
+    def teardown(self) -> None:
+        if self._engine is not None:
+            self._engine.remove()
+            self._engine = None
+        super().teardown()
+
+    # --- user-facing extras ------------------------------------------------------------------
+
+    def grad_norm(self, optimizer_index: int = 0) -> torch.Tensor:
+        """Global L2 norm of the reduced gradients of one optimizer, as ``clip_grad_norm_`` would
+        report it under DDP. A collective: call it on every rank, e.g. in ``on_before_optimizer_step``."""
+        return _unwrap(self.optimizers[optimizer_index]).grad_norm()
+
+    def partition_metadata(self) -> dict[str, Any]:
+        """Where every parameter element lives: unit, offset, shape and each rank's range."""
+        if self._engine is None:
+            raise RuntimeError("The partition exists only while fitting. HINT: call it from a training hook.")
+        return self._engine.metadata()
+
+    # --- checkpoints (full DDP format until sharded checkpoints land) ------------------------
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return gather_optimizer_state(_unwrap(optimizer))
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            _unwrap(optimizer).load_state_dict(state)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(checkpoint_path)
+        if not path.exists():
+            raise FileNotFoundError(f"Checkpoint `{path}` does not exist. HINT: check `ckpt_path`.")
+        try:
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        except Exception as err:
+            raise ValueError(
+                f"`{path}` is not a readable Lightning checkpoint ({type(err).__name__}: {err})."
+                " HINT: pass a `.ckpt` file written by `trainer.save_checkpoint` or `ModelCheckpoint`."
+            ) from err
+        if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+            raise ValueError(
+                f"`{path}` holds no 'state_dict', so it is not a Lightning checkpoint."
+                " HINT: pass a `.ckpt` file written by `trainer.save_checkpoint` or `ModelCheckpoint`."
+            )
+        return checkpoint
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        from lzero.presets import register_presets
+
+        register_presets(strategy_registry)
+
+
+def _unwrap(optimizer: Any) -> ZeroOptimizer:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
