@@ -1,23 +1,37 @@
-"""lzero: ZeRO (the Zero Redundancy Optimizer) as a PyTorch Lightning strategy, in pure PyTorch."""
+"""lzero: ZeRO (the Zero Redundancy Optimizer) as a PyTorch Lightning strategy, in pure PyTorch.
 
+The engine (partition, collectives, optimizer) needs only torch; the Lightning glue
+(``ZeroStrategy``, ``ZeroPrecision``) is imported on first access, so engine code and tests do
+not pay for importing Lightning. Importing lzero makes the strategy names known to Lightning:
+at once if Lightning's strategies are already loaded, otherwise the moment they load.
+"""
+
+from typing import Any
+
+import _lzero_startup
 from lzero.config import ZeroConfig, ZeroConfigError
 from lzero.engine import ZeroEngine, ZeroEngineError
 from lzero.optimizer import ZeroOptimizer, ZeroOptimizerError
-from lzero.partition import Partition, ParamSpec, UnitSpec, partition_by_size
-from lzero.precision import ZeroPrecision, ZeroPrecisionError
-from lzero.presets import register_presets
-from lzero.strategy import ZeroStrategy
+from lzero.partition import ParamSpec, Partition, UnitSpec, partition_by_size
 
 __version__ = "0.1.0"
 
+_LIGHTNING_EXPORTS = {
+    "ZeroStrategy": "lzero.strategy",
+    "ZeroPrecision": "lzero.precision",
+    "ZeroPrecisionError": "lzero.precision",
+}
 
-def _register_with_lightning() -> None:
-    from lightning.pytorch.strategies import StrategyRegistry
 
-    register_presets(StrategyRegistry)
+def __getattr__(name: str) -> Any:
+    if name in _LIGHTNING_EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_LIGHTNING_EXPORTS[name]), name)
+    raise AttributeError(f"module 'lzero' has no attribute {name!r}")
 
 
-_register_with_lightning()
+_lzero_startup.install()
 
 __all__ = [
     "ParamSpec",

@@ -87,3 +87,20 @@ def broadcast_(tensors: Sequence[Tensor], src: int = 0, group: Optional[dist.Pro
             staging = t.contiguous()
             dist.broadcast(staging, src=src, group=group)
             t.copy_(staging)
+
+
+@torch.no_grad()
+def broadcast_coalesced_(tensors: Sequence[Tensor], src: int = 0, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Like :func:`broadcast_` but one collective per dtype: for many small tensors (buffers)."""
+    if world_size(group) == 1 or not tensors:
+        return
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.broadcast(flat, src=src, group=group)
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()

@@ -43,6 +43,10 @@ class ZeroConfig:
     """With ``overlap_comm``, how many reduce-scatters may be outstanding at once. Each holds one unit
     of gradients, so this bounds the extra memory that overlapping costs."""
 
+    broadcast_buffers: bool = True
+    """Before every training step, overwrite module buffers (BatchNorm running statistics...) with
+    rank 0's, as DDP does by default, so evaluation sees the same buffers on every rank."""
+
     offload_optimizer: OffloadDevice = "none"
     """Where the fp32 master shards and optimizer state live: "none" (the device), "cpu" or "nvme".
     Only "none" is built in this release."""
@@ -72,7 +76,7 @@ class ZeroConfig:
                     f"`{name}={value!r}`: offload is not built in this lzero release."
                     f" HINT: use `{name}='none'`."
                 )
-        for name in ("overlap_comm", "allow_untested_optimizer"):
+        for name in ("overlap_comm", "broadcast_buffers", "allow_untested_optimizer"):
             if not isinstance(getattr(self, name), bool):
                 raise ZeroConfigError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
 

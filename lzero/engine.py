@@ -56,6 +56,8 @@ class ZeroEngine:
         self._where: dict[nn.Parameter, tuple[FlatUnit, int]] = {
             p: (unit, i) for unit in self.units for i, p in enumerate(unit.params)
         }
+        self._buffers = [b for b in module.buffers()]
+        self._sync_buffers_next = True
         self._broadcast_initial_state(module)
         self._flag_group = dist.new_group() if self.world_size > 1 else None
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._where]
@@ -75,6 +77,13 @@ class ZeroEngine:
         tensors += [p.data for p in module.parameters() if p not in managed]
         tensors += [b for b in module.buffers()]
         collectives.broadcast_(tensors, src=0, group=self.group)
+
+    def before_forward(self) -> None:
+        """Rank 0's buffers (BatchNorm running stats...) everywhere, exactly when DDP would sync them:
+        before a forward that follows a forward run with gradients enabled and gradient sync on."""
+        if self.config.broadcast_buffers and self._sync_buffers_next:
+            collectives.broadcast_coalesced_(self._buffers, src=0, group=self.group)
+        self._sync_buffers_next = torch.is_grad_enabled() and self.sync
 
     def units_of(self, optimizer_index: int) -> list[FlatUnit]:
         return [u for u in self.units if u.spec.group[0] == optimizer_index]

@@ -108,7 +108,7 @@ def load_optimizer_state(zopt: "ZeroOptimizer", state_dict: dict[str, Any]) -> N
 def _slice_into_shard(unit, per_param, key: str, dtype: torch.dtype) -> Tensor:
     shard = torch.zeros(unit.spec.shard_numel, dtype=dtype, device=unit.flat_param.device)
     by_name = dict(zip((s.name for s in unit.spec.params), per_param))
-    for spec, a, b, s in unit.owned_pieces(unit.rank):
+    for spec, a, b, s in unit.spec.owned_pieces(unit.rank):
         entry = by_name[spec.name]
         if not entry or key not in entry:
             raise OptimizerStateError(

@@ -125,6 +125,20 @@ class ZeroStrategy(DDPStrategy):
             yield None
 
     @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_forward()
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_forward()
+        return super().validation_step(*args, **kwargs)
+
+    def _before_forward(self) -> None:
+        if self._engine is not None:
+            self._engine.before_forward()
+
+    @override
     def teardown(self) -> None:
         if self._engine is not None:
             self._engine.remove()
