@@ -17,11 +17,16 @@ from torch import Tensor
 class Handle(Protocol):
     def wait(self) -> Any: ...
 
+    def is_completed(self) -> bool: ...
+
 
 class _Done:
     """The handle of an operation that already completed locally."""
 
     def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
         return True
 
 

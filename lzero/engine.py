@@ -65,6 +65,7 @@ class ZeroEngine:
         self.automatic = True  # Lightning's automatic optimization
         self._round_open = False
         self._reduce_in_backward = False
+        self._launch_in_hooks = False
         self._next = 0  # index of the next unit to launch in this backward
         self._inflight: collections.deque = collections.deque()
 
@@ -123,13 +124,15 @@ class ZeroEngine:
             unit.link_grad(index)
         unit.grad_state = GradState.LOCAL
         unit.seen += 1
-        if self._reduce_in_backward:
+        if self._launch_in_hooks:
             self._launch_ready_in_order()
 
     def _open_round(self) -> None:
         self._round_open = True
         self._next = 0
         self._reduce_in_backward = self.config.stage >= 2 or (self.sync and self.automatic)
+        # without overlap every reduction waits at the end of backward (see _launch_ready_in_order)
+        self._launch_in_hooks = self._reduce_in_backward and self.config.overlap_comm
         for u in self.units:
             u.expected = sum(1 for p in u.params if p.requires_grad)
             u.seen = 0
@@ -137,13 +140,25 @@ class ZeroEngine:
         torch.autograd.Variable._execution_engine.queue_callback(self._close_round)
 
     def _launch_ready_in_order(self) -> None:
+        """Launch complete units in unit order, without ever blocking: a rank whose backward skips
+        a parameter launches that unit only at the end of backward, and a peer blocked here
+        waiting for it would never reach the flag exchange. See [Note: reduction order]."""
         while self._next < len(self.units):
             unit = self.units[self._next]
             if unit.expected and unit.seen < unit.expected:
                 return
             if unit.expected:
+                if not self._room_without_waiting():
+                    return
                 self._launch(unit)
             self._next += 1
+
+    def _room_without_waiting(self) -> bool:
+        while len(self._inflight) >= self.config.max_inflight_reductions:
+            if not self._inflight[0][0].is_completed():
+                return False
+            self._finish_oldest()
+        return True
 
     def _close_round(self) -> None:
         try:
