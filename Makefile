@@ -1,0 +1,31 @@
+# The two commands: `make demo` (train the demo GPT with ZeRO-2 on 2 CPU processes) and `make test`.
+PYTHON ?= python3
+TORCH_SPEC ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.lzero-installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first: installing lightning first would pull a multi-GB CUDA build
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/lzero fit --config configs/demo_zero2.yaml --trainer.enable_progress_bar false
+	@echo
+	@echo "TensorBoard logs and checkpoints: $$(ls -td runs/demo/demo/version_* | head -1)"
+	@echo "  view with: $(BIN)/tensorboard --logdir runs/demo"
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q --durations=20
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench_step_time.py --strategies ddp,zero1,zero2
+
+clean:
+	rm -rf runs lightning_logs .pytest_cache

@@ -1,0 +1,107 @@
+"""Bad input gets an error that names the value and the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lzero import ZeroConfig, ZeroConfigError, ZeroOptimizerError
+from lzero.optimizer import check_optimizer
+
+
+@pytest.mark.parametrize("stage", [5, -1, "two", True])
+def test_unknown_stage(stage) -> None:
+    with pytest.raises(ZeroConfigError, match=f"Unknown ZeRO stage {stage!r}.*HINT"):
+        ZeroConfig(stage=stage)
+
+
+def test_unbuilt_stage_is_refused_by_name() -> None:
+    with pytest.raises(ZeroConfigError, match="stage 3 is not built.*HINT: use `strategy='zero1'`"):
+        ZeroConfig(stage=3)
+
+
+@pytest.mark.parametrize("field", ["reduce_bucket_size", "allgather_bucket_size"])
+@pytest.mark.parametrize("value", [0, -5, 2.5, "big"])
+def test_bucket_size_must_be_positive(field: str, value) -> None:
+    with pytest.raises(ZeroConfigError, match=f"`{field}={value!r}` must be a positive whole number"):
+        ZeroConfig(**{field: value})
+
+
+def test_deepspeed_style_float_bucket_accepted() -> None:
+    assert ZeroConfig(reduce_bucket_size=5e8).reduce_bucket_size == 500_000_000
+
+
+def test_unknown_option_suggests_the_field() -> None:
+    from lzero import ZeroStrategy
+
+    with pytest.raises(ZeroConfigError, match="Unknown lzero strategy option `reduce_bucket`.*reduce_bucket_size"):
+        ZeroStrategy(reduce_bucket=10)
+
+
+def test_unbuilt_offload_refused() -> None:
+    with pytest.raises(ZeroConfigError, match="offload_optimizer='cpu'.*not built"):
+        ZeroConfig(offload_optimizer="cpu")
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.LBFGS(ps),
+    lambda ps: torch.optim.SparseAdam(ps),
+    lambda ps: type("Muon", (torch.optim.SGD,), {})(ps, lr=0.1),
+])
+def test_optimizer_off_the_allow_list(make) -> None:
+    opt = make([nn.Parameter(torch.zeros(3))])
+    with pytest.raises(ZeroOptimizerError, match=f"`.*{type(opt).__qualname__}`.*allow_untested_optimizer=True"):
+        check_optimizer(opt, allow_untested=False)
+    check_optimizer(opt, allow_untested=True)
+
+
+def test_allow_listed_optimizers_pass() -> None:
+    p = [nn.Parameter(torch.zeros(3))]
+    for opt in (torch.optim.AdamW(p), torch.optim.SGD(p, lr=0.1), torch.optim.Adagrad(p), torch.optim.RMSprop(p)):
+        check_optimizer(opt, allow_untested=False)
+
+
+def test_precision_not_built_is_refused() -> None:
+    from lightning.pytorch import Trainer
+
+    from lzero import ZeroPrecisionError
+
+    with pytest.raises(ZeroPrecisionError, match="precision='bf16-mixed'.*HINT"):
+        Trainer(strategy="zero2", accelerator="cpu", devices=1, precision="bf16-mixed", logger=False)
+
+
+@pytest.mark.parametrize("content", [b"not a checkpoint at all", None])
+def test_resume_from_something_that_is_not_a_checkpoint(tmp_path, content) -> None:
+    from lzero import ZeroStrategy
+
+    path = tmp_path / "bogus.ckpt"
+    if content is not None:
+        path.write_bytes(content)
+        match = "(?s)is not a readable Lightning checkpoint.*HINT"
+    else:
+        match = "does not exist"
+    strategy = ZeroStrategy(stage=2)
+    with pytest.raises((ValueError, FileNotFoundError), match=match):
+        strategy.load_checkpoint(path)
+
+
+def test_resume_from_a_file_without_state_dict(tmp_path) -> None:
+    from lzero import ZeroStrategy
+
+    path = tmp_path / "weights.pt"
+    torch.save({"weight": torch.zeros(2)}, path)
+    with pytest.raises(ValueError, match="holds no 'state_dict'"):
+        ZeroStrategy(stage=1).load_checkpoint(path)
+
+
+def test_add_param_group_after_setup_is_refused() -> None:
+    from lzero import ZeroEngine, ZeroOptimizer
+
+    model = nn.Linear(3, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=1))
+    zopt = ZeroOptimizer(opt, engine, 0)
+    with pytest.raises(ZeroOptimizerError, match="add_param_group.*HINT"):
+        zopt.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})
+    engine.remove()
