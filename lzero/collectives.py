@@ -47,14 +47,42 @@ def _require_contiguous(*tensors: Tensor) -> None:
             )
 
 
+class _SliceAfter:
+    """Handle of an all-reduce whose result this rank reads one slice of."""
+
+    def __init__(self, work: Any, flat: Tensor, output: Tensor, start: int) -> None:
+        self.work, self.flat, self.output, self.start = work, flat, output, start
+
+    def wait(self) -> bool:
+        self.work.wait()
+        self.output.copy_(self.flat[self.start : self.start + self.output.numel()])
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+def reduces_by_all_reduce(group: Optional[dist.ProcessGroup] = None) -> bool:
+    """gloo's all-reduce is 1.6-2.4x faster than its reduce-scatter (20-200 MB, 2 ranks, measured in
+    benchmarks/results_collectives.md), so on gloo a reduce-scatter is an all-reduce plus a slice."""
+    return dist.get_backend(group) == "gloo"
+
+
 @torch.no_grad()
 def reduce_scatter(output: Tensor, flat: Tensor, group: Optional[dist.ProcessGroup] = None,
                    async_op: bool = False) -> Handle:
-    """Sum ``flat`` (1-D, N * len(output)) over ranks; this rank receives its slice in ``output``."""
+    """Sum ``flat`` (1-D, N * len(output)) over ranks; this rank receives its slice in ``output``.
+    ``flat`` is scratch: on gloo it ends up holding the whole sum."""
     _require_contiguous(output, flat)
     if world_size(group) == 1:
         output.copy_(flat)
         return _Done()
+    if reduces_by_all_reduce(group):
+        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        handle = _SliceAfter(work, flat, output, rank(group) * output.numel())
+        if not async_op:
+            handle.wait()
+        return handle
     work = dist.reduce_scatter_single(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
     return work if async_op else _Done()
 

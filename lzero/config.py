@@ -31,9 +31,10 @@ class ZeroConfig:
     parameters are packed, in backward order, into flat units of at most this many elements (a larger
     parameter forms a unit of its own). Counted in elements, as DeepSpeed counts them."""
 
-    allgather_bucket_size: int = 50_000_000
+    allgather_bucket_size: int = 5_000_000
     """Elements per parameter all-gather after the optimizer step. Consecutive units are coalesced into
-    one collective up to this many elements, so small units do not each pay a collective's latency."""
+    one collective up to this many elements, so small units do not each pay a collective's latency
+    (gloo's all-gather costs 1.7x more per element at 50M elements than at 5M)."""
 
     overlap_comm: bool = True
     """Launch each unit's gradient reduce-scatter asynchronously as soon as its gradients are ready, so

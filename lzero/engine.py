@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import collections
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -260,24 +260,30 @@ class ZeroEngine:
     # --- parameters --------------------------------------------------------------------------
 
     @torch.no_grad()
-    def gather_params(self, units: Sequence[FlatUnit]) -> None:
-        """All-gather updated shards into the full flat parameters, coalescing small units."""
-        if self.world_size == 1:
-            return
+    def step_and_gather(self, units: Sequence[FlatUnit], step_unit: Callable[[FlatUnit], None]) -> None:
+        """Step every unit's shard and all-gather the updated shards into the full flat parameters.
+        Units are coalesced into gathers of about ``allgather_bucket_size`` elements, and each gather
+        is launched as soon as its units are stepped, so it overlaps the step of the next ones."""
         pending = []
         for bucket in _coalesce(units, self.config.allgather_bucket_size):
-            if len(bucket) == 1:
-                unit = bucket[0]
-                shard = unit.owned_param().clone()  # the owned slice aliases the output
-                pending.append((collectives.all_gather(unit.flat_param, shard, self.group, async_op=True), None, None))
-            else:
-                shard = torch.cat([u.owned_param() for u in bucket])
-                out = torch.empty(shard.numel() * self.world_size, dtype=shard.dtype, device=shard.device)
-                pending.append((collectives.all_gather(out, shard, self.group, async_op=True), bucket, out))
+            for unit in bucket:
+                if unit.shard_param.grad is not None:
+                    step_unit(unit)
+            if self.world_size > 1:
+                pending.append(self._launch_gather(bucket))
         for handle, bucket, out in pending:
             handle.wait()
-            if bucket is not None:
+            if out is not None:
                 _scatter_coalesced(bucket, out, self.world_size)
+
+    def _launch_gather(self, bucket: list[FlatUnit]) -> tuple[collectives.Handle, list[FlatUnit], Optional[Tensor]]:
+        if len(bucket) == 1:
+            unit = bucket[0]
+            shard = unit.owned_param().clone()  # the owned slice aliases the output
+            return collectives.all_gather(unit.flat_param, shard, self.group, async_op=True), bucket, None
+        shard = torch.cat([u.owned_param() for u in bucket])
+        out = torch.empty(shard.numel() * self.world_size, dtype=shard.dtype, device=shard.device)
+        return collectives.all_gather(out, shard, self.group, async_op=True), bucket, out
 
     def metadata(self) -> dict[str, Any]:
         return self.partition.metadata()

@@ -42,12 +42,12 @@ def _packed_groups(zopt: "ZeroOptimizer") -> list[dict[str, Any]]:
 @torch.no_grad()
 def gather_optimizer_state(zopt: "ZeroOptimizer", to_all: bool = False) -> dict[str, Any]:
     """Full state dict on rank 0 (or on every rank with ``to_all``). A collective."""
-    engine, inner = zopt.engine, zopt.inner
+    engine = zopt.engine
     keep = to_all or engine.rank == 0
     index = _param_indices(zopt)
     state: dict[int, dict[str, Any]] = {}
     for unit in zopt.units:
-        shard_state = inner.state.get(unit.shard_param) if inner is not None else None
+        shard_state = zopt.shard_optimizer(unit).state.get(unit.shard_param)
         if not shard_state:
             continue
         for key in sorted(shard_state):
@@ -87,10 +87,8 @@ def load_optimizer_state(zopt: "ZeroOptimizer", state_dict: dict[str, Any]) -> N
         outer.update({k: v for k, v in saved.items() if k != "params"})
         outer["params"] = params
     index = _param_indices(zopt)
-    inner = zopt.inner
-    if inner is None:
-        return
     for unit in zopt.units:
+        inner = zopt.shard_optimizer(unit)
         per_param = [saved_state.get(index[id(p)]) for p in unit.params]
         template = next((s for s in per_param if s), None)
         if template is None:

@@ -4,8 +4,9 @@
 ``ZeroOptimizer`` shows Lightning and the user the optimizer they built: the same class name in
 logs, and ``param_groups`` that are the very dicts of their optimizer, listing the module's
 parameters (so ``toggle_optimizer`` works and LR schedulers bound to their optimizer keep
-steering it). Behind it, an instance of the same class with the same constructor flags holds one
-param group per user group whose params are this rank's shard tensors. Before every step the
+steering it). Behind it, instances of the same class with the same constructor flags step this
+rank's shard tensors: one instance per unit, so that each unit's all-gather is launched as soon as
+that unit is stepped and overlaps the step of the next units. Before every step the
 hyperparameters of the user's groups are copied into the inner groups, so LR schedulers and
 manual LR changes reach the sharded step.
 """
@@ -13,7 +14,7 @@ manual LR changes reach the sharded step.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 from torch.optim import Optimizer
@@ -49,7 +50,7 @@ class _Shared:
     """Mutable state kept out of ``__dict__``: LightningOptimizer copies that dict once at wrap time."""
 
     def __init__(self) -> None:
-        self.inner: Optional[Optimizer] = None
+        self.inner: dict[int, Optimizer] = {}  # unit index -> the optimizer stepping its shard
 
 
 class ZeroOptimizer(Optimizer):
@@ -67,12 +68,11 @@ class ZeroOptimizer(Optimizer):
         self.param_groups = optimizer.param_groups  # the same dicts: see the Note
         self.defaults = optimizer.defaults
         self._shared = _Shared()
-        self._shared.inner = _build_inner(optimizer, self.units, index)
+        self._shared.inner = {u.spec.index: _build_inner(optimizer, u) for u in self.units}
 
-    @property
-    def inner(self) -> Optional[Optimizer]:
-        """The optimizer that steps this rank's shards (None when no parameter is trainable)."""
-        return self._shared.inner
+    def shard_optimizer(self, unit: FlatUnit) -> Optimizer:
+        """The optimizer (the user's class and flags) that steps ``unit``'s shard on this rank."""
+        return self._shared.inner[unit.spec.index]
 
     def __repr__(self) -> str:
         return f"ZeroOptimizer({type(self.optimizer).__name__}, stage={self.engine.config.stage})"
@@ -84,14 +84,15 @@ class ZeroOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.engine.prepare_step(self.units)
-        inner = self.inner
-        if inner is not None:
-            for outer, group in zip(self.param_groups, inner.param_groups):
-                group.update({k: v for k, v in outer.items() if k != "params"})
-            inner.step()
-            self.engine.gather_params(self.units)
+        self.engine.step_and_gather(self.units, self._step_unit)
         self.optimizer._opt_called = True  # LR schedulers check that the optimizer they wrap has stepped
         return loss
+
+    def _step_unit(self, unit: FlatUnit) -> None:
+        outer = self.param_groups[unit.spec.group[1]]
+        inner = self.shard_optimizer(unit)
+        inner.param_groups[0].update({k: v for k, v in outer.items() if k != "params"})
+        inner.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad(self.units)
@@ -122,16 +123,10 @@ class ZeroOptimizer(Optimizer):
         load_optimizer_state(self, state_dict)
 
 
-def _build_inner(optimizer: Optimizer, units: Sequence[FlatUnit], index: int) -> Optional[Optimizer]:
-    """Same class, same constructor flags, one group per user group holding this rank's shards."""
-    groups = []
-    for gi, outer in enumerate(optimizer.param_groups):
-        group = {k: v for k, v in outer.items() if k != "params"}
-        group["params"] = [u.shard_param for u in units if u.spec.group == (index, gi)]
-        groups.append(group)
-    if not any(g["params"] for g in groups):
-        return None
+def _build_inner(optimizer: Optimizer, unit: FlatUnit) -> Optimizer:
+    """Same class, same constructor flags, the unit's group hyperparameters, the unit's shard."""
+    group = {k: v for k, v in optimizer.param_groups[unit.spec.group[1]].items() if k != "params"}
+    group["params"] = [unit.shard_param]
     cls = type(optimizer)
     accepted = inspect.signature(cls.__init__).parameters
-    kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-    return cls(groups, **kwargs)
+    return cls([group], **{k: v for k, v in optimizer.defaults.items() if k in accepted})
