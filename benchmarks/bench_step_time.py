@@ -1,6 +1,6 @@
 """Time training steps of DDP against the lzero ZeRO strategies on CPU.
 
-Trains DemoGPT (about 85M parameters by default, fp32) on 2 CPU processes with one
+Trains DemoGPT (about 100M parameters by default, fp32) on 2 CPU processes with one
 thread each, once per strategy, and reports rank 0's wall time per step, measured from
 ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, communication and
 optimizer step; no extra barriers). The first ``--warmup`` steps are not timed.
@@ -36,9 +36,9 @@ from typing_extensions import override
 
 from lzero.demo import DemoGPT, TextDataModule
 
-# GPT-2 small's shape with a byte vocabulary; "small" is for smoke tests only.
+# GPT-2 small's width, 14 layers (~100M parameters), byte vocabulary; "small" is for smoke tests only.
 MODEL_SHAPES = {
-    "full": dict(n_layer=12, n_head=12, n_embd=768, block_size=128),
+    "full": dict(n_layer=14, n_head=12, n_embd=768, block_size=128),
     "small": dict(n_layer=2, n_head=2, n_embd=64, block_size=32),
 }
 WORLD_SIZE = 2

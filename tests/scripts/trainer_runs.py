@@ -122,6 +122,10 @@ class Recorder(Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.grad_norms: list[float] = []
+        self.norm_layer = ""
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.norm_layer = type(getattr(pl_module, "bn", None)).__name__
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if isinstance(trainer.strategy, lzero.ZeroStrategy):
@@ -175,6 +179,7 @@ def fit(out: Path, name: str, strategy: Any, model: LightningModule, devices: in
         torch.save({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
                     "buffers": {n: b.clone() for n, b in model.named_buffers()},
                     "losses": recorder.losses, "grad_norms": recorder.grad_norms, "metrics": metrics,
+                    "norm_layer": recorder.norm_layer,
                     "global_step": trainer.global_step}, out / f"{name}.pt")
     return trainer
 
@@ -206,6 +211,10 @@ def suite_ws1(out: Path) -> None:
     for strategy in ("ddp", "zero1", "zero2"):
         fit(out, f"ws1_resume_zero2_{strategy}", strategy, TiedNet(), 1, data(),
             ckpt_path=str(out / "zero2_acc1.ckpt"), steps=2 * STEPS)
+    # torch's SyncBatchNorm syncs only on GPU; at world size 1 it runs on CPU, converted as under DDP
+    for strategy in ("ddp", "zero2"):
+        unseeded_init()
+        fit(out, f"ws1_syncbn_{strategy}", strategy, TiedNet(), 1, data(), sync_batchnorm=True)
 
 
 if __name__ == "__main__":
