@@ -38,11 +38,12 @@ class FlatUnit:
         self.params = list(params)
         self.stage = stage
         self.rank = rank
+        self.ranges = [(start, end) for _, start, end in spec.param_ranges()]  # each param in the flat buffer
         lo, hi = spec.shard_range(rank)
         device, dtype = params[0].device, params[0].dtype
         with torch.no_grad():
             self.flat_param = torch.zeros(spec.padded_numel, device=device, dtype=dtype)  # 1D
-            for p, (_, start, end) in zip(self.params, spec.param_ranges()):
+            for p, (start, end) in zip(self.params, self.ranges):
                 self.flat_param[start:end].copy_(p.detach().reshape(-1))
                 p.data = self.flat_param[start:end].view(p.shape)
         # fp32 training: the master is the owned slice itself, not a copy
@@ -63,7 +64,7 @@ class FlatUnit:
     def grad_view(self, index: int) -> Tensor:
         """Stage 1: the slice of the flat gradient that ``params[index].grad`` should be."""
         assert self.flat_grad is not None
-        _, start, end = list(self.spec.param_ranges())[index]
+        start, end = self.ranges[index]
         return self.flat_grad[start:end].view(self.params[index].shape)
 
     def link_grad(self, index: int) -> None:
@@ -80,7 +81,7 @@ class FlatUnit:
         """Stage 2: a new bucket holding ``scale * p.grad`` for every param (zeros where a param
         has none); the params' full gradients are released."""
         bucket = torch.zeros(self.spec.padded_numel, device=self.flat_param.device, dtype=self.flat_param.dtype)
-        for p, (_, start, end) in zip(self.params, self.spec.param_ranges()):
+        for p, (start, end) in zip(self.params, self.ranges):
             if p.grad is not None:
                 torch.mul(p.grad.reshape(-1), scale, out=bucket[start:end])
                 p.grad = None
