@@ -11,6 +11,7 @@ import sys
 PRESETS = {
     "zero1": "ZeRO stage 1 (lzero): optimizer state sharded",
     "zero2": "ZeRO stage 2 (lzero): optimizer state and gradients sharded",
+    "zero3": "ZeRO stage 3 (lzero): optimizer state, gradients and parameters sharded",
 }
 """Registered strategy names and their descriptions; lzero.presets holds their configurations."""
 

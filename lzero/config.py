@@ -6,7 +6,7 @@ import difflib
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal, Optional
 
-BUILT_STAGES = (1, 2)
+BUILT_STAGES = (1, 2, 3)
 """Stages this release implements; the others are refused with a clear error."""
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
@@ -24,7 +24,7 @@ class ZeroConfig:
     """
 
     stage: int = 2
-    """ZeRO stage. 1: optimizer state sharded. 2: also gradients. 3: also parameters (not built yet)."""
+    """ZeRO stage. 1: optimizer state sharded. 2: also gradients. 3: also parameters."""
 
     reduce_bucket_size: int = 5_000_000
     """Elements per gradient reduce-scatter. At stages 1 and 2 this is also the size limit of a unit:
@@ -43,6 +43,13 @@ class ZeroConfig:
     max_inflight_reductions: int = 2
     """With ``overlap_comm``, how many reduce-scatters may be outstanding at once. Each holds one unit
     of gradients, so this bounds the extra memory that overlapping costs."""
+
+    unit_modules: Optional[tuple[str, ...]] = None
+    """Stage 3: class names of the modules whose instances form units (e.g. ``("Block",)``). None
+    finds them: the outermost module classes that repeat (transformer blocks)."""
+
+    prefetch: int = 1
+    """Stage 3: how many units ahead to all-gather while the current one computes (0: none)."""
 
     broadcast_buffers: bool = True
     """Before every training step, overwrite module buffers (BatchNorm running statistics...) with
@@ -66,6 +73,14 @@ class ZeroConfig:
             if isinstance(value, float) and value.is_integer():  # DeepSpeed configs write 5e8
                 object.__setattr__(self, name, int(value))
             _check_positive_int(name, getattr(self, name))
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ZeroConfigError(f"`prefetch={self.prefetch!r}` must be a whole number >= 0. HINT: e.g. `prefetch=1`.")
+        if self.unit_modules is not None:
+            if isinstance(self.unit_modules, str) or not all(isinstance(n, str) for n in self.unit_modules):
+                raise ZeroConfigError(
+                    f"`unit_modules={self.unit_modules!r}` must be a list of class names. HINT: `unit_modules=['Block']`."
+                )
+            object.__setattr__(self, "unit_modules", tuple(self.unit_modules))
         for name in ("offload_optimizer", "offload_param"):
             value = getattr(self, name)
             if value not in ("none", "cpu", "nvme"):
@@ -100,9 +115,8 @@ def _check_stage(stage: Any) -> None:
         )
     if stage not in BUILT_STAGES:
         raise ZeroConfigError(
-            f"ZeRO stage {stage} is not built in this lzero release (built: {BUILT_STAGES})."
-            " HINT: use `strategy='zero1'` or `strategy='zero2'`"
-            + ("; stage 0 is plain data parallel: use `strategy='ddp'`." if stage == 0 else ".")
+            f"ZeRO stage {stage} is not part of lzero (stages: {BUILT_STAGES})."
+            " HINT: stage 0 is plain data parallel: use `strategy='ddp'`."
         )
 
 

@@ -12,12 +12,14 @@ launched in unit order, with zeros for the gradients a rank lacks. A unit that g
 any rank is not reduced and its shard keeps ``grad = None``, so the optimizer skips it (as DDP
 leaves ``grad = None`` for a globally unused parameter).
 
-[Note: stage 1 vs stage 2]
+[Note: stages]
 Stage 1 reduces once per optimizer step: micro-batches accumulate into the full flat gradient
 (autograd adds into ``p.grad`` views), and the reduction runs in the backward of the last
 micro-batch (automatic optimization) or in ``optimizer.step()`` (manual optimization). Stage 2
 reduces every micro-batch as soon as a unit's gradients are complete and frees them; the
-reduced shards accumulate.
+reduced shards accumulate. Stage 3 reduces as stage 2 does and also shards the parameters: units
+are module blocks (units.py) gathered on demand (gather.py); the optimizer steps the kept shards
+and nothing is gathered after the step.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from torch import Tensor, nn
 from lzero import collectives
 from lzero.config import ZeroConfig
 from lzero.flat_unit import FlatUnit, GradState
-from lzero.partition import Partition, ParamSpec, partition_by_size
+from lzero.gather import Block, Gatherer
+from lzero.partition import Partition, ParamSpec, partition_by_label, partition_by_size
+from lzero.units import ROOT, find_blocks, label_parameters
 
 
 class ZeroEngineError(RuntimeError):
@@ -48,7 +52,12 @@ class ZeroEngine:
         self.world_size = collectives.world_size(group)
         self.rank = collectives.rank(group)
         specs, by_name = _collect_params(module, optimizers)
-        self.partition: Partition = partition_by_size(specs, self.world_size, config.reduce_bucket_size)
+        if config.stage >= 3:
+            block_modules = find_blocks(module, config.unit_modules)
+            labels = label_parameters(module, block_modules)
+            self.partition: Partition = partition_by_label(specs, self.world_size, labels)
+        else:
+            self.partition = partition_by_size(specs, self.world_size, config.reduce_bucket_size)
         self.units = [
             FlatUnit(spec, [by_name[p.name] for p in spec.params], self.rank, config.stage)
             for spec in self.partition.units
@@ -59,6 +68,9 @@ class ZeroEngine:
         self._buffers = [b for b in module.buffers()]
         self._sync_buffers_next = True
         self._broadcast_initial_state(module)
+        self.gatherer: Optional[Gatherer] = None
+        if config.stage >= 3:
+            self.gatherer = self._shard_parameters(block_modules, labels)
         self._flag_group = dist.new_group() if self.world_size > 1 else None
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._where]
         self.sync = True  # False inside Lightning's block_backward_sync (accumulating micro-batches)
@@ -79,6 +91,60 @@ class ZeroEngine:
         tensors += [b for b in module.buffers()]
         collectives.broadcast_(tensors, src=0, group=self.group)
 
+    def _shard_parameters(self, block_modules: dict[str, nn.Module], labels: dict[str, str]) -> Gatherer:
+        """Stage 3: keep only the owned shards and hook the blocks. See [Note: stage-3 parameter lifecycle]."""
+        for unit in self.units:
+            unit.keep_shard_only()
+        members: dict[str, list[FlatUnit]] = {ROOT: []}
+        for unit in self.units:
+            members.setdefault(labels[unit.spec.params[0].name], []).append(unit)
+        blocks = {name: Block(name, units) for name, units in members.items()}
+        modules = {name: block_modules[name] for name in blocks if name != ROOT}
+        # Parameter gathers follow forward/backward order, reductions follow unit order and are
+        # launched when ready: on one process group their interleaving would differ between ranks.
+        self._gather_group = dist.new_group() if self.world_size > 1 else None
+        return Gatherer(blocks, modules, self._gather_group, self.config.prefetch)
+
+    def gather_root(self) -> None:
+        """Stage 3: the root unit stays gathered from the start of a step to the end of its backward."""
+        if self.gatherer is not None:
+            self.gatherer.gather(ROOT)
+
+    def release_all(self) -> None:
+        if self.gatherer is not None:
+            self.gatherer.release_all()
+
+    @torch.no_grad()
+    def full_state_dict(self, module: nn.Module) -> dict[str, Tensor]:
+        """Stage 3: the module's state dict with full tensors on rank 0 (empty elsewhere), gathered one
+        block at a time. A collective."""
+        assert self.gatherer is not None
+        keep = self.rank == 0
+        full: dict[int, Tensor] = {}
+        for name, block in self.gatherer.blocks.items():
+            was_gathered = name in self.gatherer.gathered_names()
+            self.gatherer.gather(name)
+            if keep:
+                for unit in block.units:
+                    full.update({id(p): p.detach().clone() for p in unit.params})
+            if not was_gathered:
+                self.gatherer.release(name)
+        if not keep:
+            return {}
+        return {k: full.get(id(v), v.detach()) for k, v in module.state_dict(keep_vars=True).items()}
+
+    @torch.no_grad()
+    def unshard(self) -> None:
+        """Stage 3, at the end of fit: every parameter becomes a full standalone tensor again."""
+        if self.gatherer is None:
+            return
+        for name, block in self.gatherer.blocks.items():
+            self.gatherer.gather(name)
+            for unit in block.units:
+                for p in unit.params:
+                    p.data = p.detach().clone()
+            self.gatherer.release(name)
+
     def before_forward(self) -> None:
         """Rank 0's buffers (BatchNorm running stats...) everywhere, exactly when DDP would sync them:
         before a forward that follows a forward run with gradients enabled and gradient sync on."""
@@ -95,6 +161,11 @@ class ZeroEngine:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        if self.gatherer is not None:
+            self.gatherer.remove()
+            if self._gather_group is not None:
+                dist.destroy_process_group(self._gather_group)
+                self._gather_group = None
         if self._flag_group is not None:
             dist.destroy_process_group(self._flag_group)
             self._flag_group = None
@@ -124,6 +195,8 @@ class ZeroEngine:
             unit.link_grad(index)
         unit.grad_state = GradState.LOCAL
         unit.seen += 1
+        if self.gatherer is not None:
+            self.gatherer.on_param_grad(unit)
         if self._launch_in_hooks:
             self._launch_ready_in_order()
 
@@ -137,6 +210,8 @@ class ZeroEngine:
             u.expected = sum(1 for p in u.params if p.requires_grad)
             u.seen = 0
             u.launched = False
+        if self.gatherer is not None:
+            self.gatherer.start_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self._close_round)
 
     def _launch_ready_in_order(self) -> None:
@@ -166,6 +241,7 @@ class ZeroEngine:
                 self._reduce_remaining(self.units)
         finally:
             self._round_open = False
+            self.release_all()
 
     # --- reductions --------------------------------------------------------------------------
 
@@ -269,7 +345,7 @@ class ZeroEngine:
             for unit in bucket:
                 if unit.shard_param.grad is not None:
                     step_unit(unit)
-            if self.world_size > 1:
+            if self.world_size > 1 and self.gatherer is None:  # stage 3 gathers on demand instead
                 pending.append(self._launch_gather(bucket))
         for handle, bucket, out in pending:
             handle.wait()

@@ -1,7 +1,10 @@
 """The tensors of one unit on one rank: flat parameters, gradients, and the fp32 master shard.
 
-See [Note: unit layout] in partition.py for the layout. Stages 1 and 2 keep the full flat
-parameter buffer resident; every module parameter's ``.data`` is a view into it.
+See [Note: unit layout] in partition.py for the layout. Every module parameter's ``.data`` is a
+view into the unit's full flat buffer. Stages 1 and 2 keep that buffer resident. Stage 3 keeps
+only the owned shard; the full buffer's storage is resized to zero between uses and refilled by
+an all-gather, so the parameter views (and the tensors autograd saved) stay valid objects with
+their real shapes, and touching a released parameter raises instead of reading stale values.
 """
 
 from __future__ import annotations
@@ -46,8 +49,9 @@ class FlatUnit:
             for p, (start, end) in zip(self.params, self.ranges):
                 self.flat_param[start:end].copy_(p.detach().reshape(-1))
                 p.data = self.flat_param[start:end].view(p.shape)
-        # fp32 training: the master is the owned slice itself, not a copy
-        self.shard_param = nn.Parameter(self.flat_param[lo:hi], requires_grad=True)  # 1D, shard_numel
+        # fp32 training: the master is the owned slice itself (stages 1-2) or the kept shard (stage 3)
+        master = self.flat_param[lo:hi] if stage < 3 else self.flat_param[lo:hi].clone()
+        self.shard_param = nn.Parameter(master, requires_grad=True)  # 1D, shard_numel
         if stage == 1:
             self.flat_grad = torch.zeros_like(self.flat_param)  # 1D, padded_numel
             self.shard_grad = self.flat_grad[lo:hi]
@@ -105,9 +109,32 @@ class FlatUnit:
     # --- parameters --------------------------------------------------------------------------
 
     def owned_param(self) -> Tensor:
-        """The owned slice of the flat parameters, in the dtype the model computes in."""
+        """This rank's slice of the parameters, in the dtype the model computes in."""
+        if self.stage >= 3:
+            return self.shard_param.data
         lo, hi = self.spec.shard_range(self.rank)
         return self.flat_param[lo:hi]
+
+    @torch.no_grad()
+    def keep_shard_only(self) -> None:
+        """Stage 3, after the initial broadcast: keep the owned shard, release the full buffer."""
+        lo, hi = self.spec.shard_range(self.rank)
+        self.shard_param.data.copy_(self.flat_param[lo:hi])
+        self.release()
+
+    @property
+    def gathered(self) -> bool:
+        return self.flat_param.untyped_storage().nbytes() > 0
+
+    def allocate(self) -> None:
+        """Give the full flat buffer its storage back (contents undefined until gathered)."""
+        storage = self.flat_param.untyped_storage()
+        if storage.nbytes() == 0:
+            storage.resize_(self.spec.padded_numel * self.flat_param.element_size())
+
+    def release(self) -> None:
+        """Free the full flat buffer's storage; parameter views keep their shapes."""
+        self.flat_param.untyped_storage().resize_(0)
 
     @property
     def nbytes(self) -> int:

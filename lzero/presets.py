@@ -9,6 +9,7 @@ from _lzero_startup import PRESETS
 PRESET_CONFIGS: dict[str, dict[str, Any]] = {
     "zero1": {"stage": 1},
     "zero2": {"stage": 2},
+    "zero3": {"stage": 3},
 }
 assert PRESET_CONFIGS.keys() == PRESETS.keys(), "every registered name needs a configuration"
 

@@ -132,15 +132,28 @@ class ZeroStrategy(DDPStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         self._before_forward()
-        return super().validation_step(*args, **kwargs)
+        try:
+            return super().validation_step(*args, **kwargs)
+        finally:
+            if self._engine is not None:
+                self._engine.release_all()  # stage 3: no backward will release the root
 
     def _before_forward(self) -> None:
         if self._engine is not None:
             self._engine.before_forward()
+            self._engine.gather_root()
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Stage 3: full tensors gathered one unit at a time, on rank 0 (a collective)."""
+        if self._engine is not None and self._engine.gatherer is not None:
+            return self._engine.full_state_dict(self.lightning_module)
+        return super().lightning_module_state_dict()
 
     @override
     def teardown(self) -> None:
         if self._engine is not None:
+            self._engine.unshard()  # stage 3: test/predict after fit see full parameters
             self._engine.remove()
             self._engine = None
         super().teardown()

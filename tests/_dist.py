@@ -19,6 +19,10 @@ def _free_port() -> int:
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+    import faulthandler
+    import sys
+
+    faulthandler.dump_traceback_later(110, exit=True, file=sys.stderr)  # a hung rank shows where
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -39,12 +43,21 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120) -
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
     try:
         for _ in range(world_size):
-            rank, value, error = queue.get(timeout=timeout)
+            try:
+                rank, value, error = queue.get(timeout=timeout if not errors else 30)
+            except Exception:
+                break  # a peer of a failed rank may never report
             if error is not None:
-                raise AssertionError(f"rank {rank} failed:\n{error}")
+                errors[rank] = error
             results[rank] = value
+        missing = sorted(set(range(world_size)) - set(results))
+        if missing:
+            errors.update({r: f"no result within {timeout} s (hung?)" for r in missing})
+        if errors:
+            raise AssertionError("\n".join(f"rank {r} failed:\n{e}" for r, e in sorted(errors.items())))
     finally:
         for p in procs:
             p.join(timeout=10)

@@ -48,7 +48,9 @@ def against_ddp(rank: int, world_size: int, configs: list[dict]) -> list[dict]:
         ref_opt = adamw(list(ref.parameters()))
         opt = adamw(list(model.parameters()))
         engine = ZeroEngine(model, [opt], ZeroConfig(stage=cfg["stage"], reduce_bucket_size=cfg.get("bucket", 60),
-                                                     overlap_comm=cfg.get("overlap", True)))
+                                                     overlap_comm=cfg.get("overlap", True),
+                                                     prefetch=cfg.get("prefetch", 1),
+                                                     unit_modules=("Linear",) if cfg["stage"] == 3 else None))
         zopt = ZeroOptimizer(opt, engine, 0)
         gen = torch.Generator().manual_seed(7 + rank)
         acc = cfg.get("acc", 1)
@@ -59,12 +61,14 @@ def against_ddp(rank: int, world_size: int, configs: list[dict]) -> list[dict]:
                 last = micro == acc - 1
                 with (torch.enable_grad() if last else ref.no_sync()):
                     (nn.functional.mse_loss(ref(x, use_spare), y) / acc).backward()
+                engine.gather_root()
                 with (torch.enable_grad() if last else engine.no_sync()):
                     (nn.functional.mse_loss(model(x, use_spare), y) / acc).backward()
             ref_opt.step()
             ref_opt.zero_grad()
             zopt.step()
             zopt.zero_grad()
+        engine.unshard()
         pairs = list(zip(model.parameters(), ref.module.parameters()))
         results.append({
             "bitwise": all(torch.equal(a, b) for a, b in pairs),
@@ -112,8 +116,79 @@ def memory_after_backward(rank: int, world_size: int, stage: int, bucket: int) -
 
 
 def everything(rank: int, world_size: int, ddp_configs: list[dict], memory_bucket: int) -> dict:
-    """One process group per world size: DDP comparisons, then memory at stages 1 and 2."""
+    """One process group per world size: DDP comparisons, then memory at stages 1, 2 and 3."""
     return {
         "ddp": against_ddp(rank, world_size, ddp_configs),
         "memory": {stage: memory_after_backward(rank, world_size, stage, memory_bucket) for stage in (1, 2)},
+        "stage3": {prefetch: stage3_memory(rank, world_size, prefetch) for prefetch in (0, 1, 2)},
     }
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.fc(self.norm(h)))
+
+
+class Deep(nn.Module):
+    """8 blocks between a tied embedding and head: 8 block units and a root unit."""
+
+    def __init__(self, vocab: int = 64, width: int = 48, depth: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x).mean(1)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def param_storage_bytes(model: nn.Module) -> int:
+    """Bytes of the distinct storages behind the module's parameters, as they are right now."""
+    return sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}.values())
+
+
+def stage3_memory(rank: int, world_size: int, prefetch: int) -> dict:
+    """Peak parameter storage during forward/backward, and live bytes between steps."""
+    torch.manual_seed(0)
+    model = Deep()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, prefetch=prefetch))
+    zopt = ZeroOptimizer(opt, engine, 0)
+    peak = [0]
+
+    def probe(*_: object) -> None:
+        peak[0] = max(peak[0], param_storage_bytes(model))
+
+    hooks = [m.register_forward_pre_hook(probe) for m in model.modules()]
+    hooks += [m.register_forward_hook(probe) for m in model.modules()]
+    hooks += [p.register_post_accumulate_grad_hook(probe) for p in model.parameters()]
+    x, y = torch.randint(0, 64, (4, 3)), torch.randint(0, 64, (4,))
+    between = []
+    for step in range(3):
+        engine.gather_root()
+        nn.functional.cross_entropy(model(x), y).backward()
+        zopt.step()
+        zopt.zero_grad()
+        gc.collect()
+        between.append(live_tensor_bytes())
+    for h in hooks:
+        h.remove()
+    blocks = engine.gatherer.blocks
+    unit_bytes = {name: sum(u.spec.padded_numel * 4 for u in b.units) for name, b in blocks.items()}
+    result = {
+        "peak_params": peak[0], "between": between[-1], "units": len(engine.units),
+        "root_bytes": unit_bytes[""], "max_block_bytes": max(v for k, v in unit_bytes.items() if k),
+        "psi": sum(p.numel() for p in model.parameters()), "padding": engine.partition.padding_numel,
+        "full_bytes": 4 * sum(p.numel() for p in model.parameters()),
+    }
+    engine.remove()
+    return result

@@ -16,9 +16,15 @@ def test_unknown_stage(stage) -> None:
         ZeroConfig(stage=stage)
 
 
-def test_unbuilt_stage_is_refused_by_name() -> None:
-    with pytest.raises(ZeroConfigError, match="stage 3 is not built.*HINT: use `strategy='zero1'`"):
-        ZeroConfig(stage=3)
+def test_stage_0_points_to_ddp() -> None:
+    with pytest.raises(ZeroConfigError, match="stage 0 .*HINT: .*use `strategy='ddp'`"):
+        ZeroConfig(stage=0)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True])
+def test_prefetch_must_be_whole_and_non_negative(value) -> None:
+    with pytest.raises(ZeroConfigError, match=f"`prefetch={value!r}`"):
+        ZeroConfig(stage=3, prefetch=value)
 
 
 @pytest.mark.parametrize("field", ["reduce_bucket_size", "allgather_bucket_size"])

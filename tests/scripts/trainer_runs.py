@@ -138,7 +138,7 @@ class Recorder(Callback):
                            batch_idx: int) -> None:
         if isinstance(outputs, dict) and "loss" in outputs:
             self.losses.append(outputs["loss"].item())
-        if isinstance(trainer.strategy, lzero.ZeroStrategy) and trainer.strategy.config.stage == 2:
+        if isinstance(trainer.strategy, lzero.ZeroStrategy) and trainer.strategy.config.stage >= 2:
             leaked = [n for n, p in pl_module.named_parameters() if p.grad is not None]
             if leaked:
                 raise AssertionError(f"stage 2 left full gradients on {leaked}")
@@ -188,27 +188,29 @@ def suite_ws2(out: Path) -> None:
     """World size 2: DDP vs zero1/zero2, accumulation, clipping, manual GAN, checkpoints."""
     ddp = "ddp_find_unused_parameters_true"
     for acc in (1, 3):
-        for strategy in (ddp, "zero1", "zero2"):
+        for strategy in (ddp, "zero1", "zero2", "zero3"):
             unseeded_init()
             fit(out, f"{strategy}_acc{acc}", strategy, TiedNet(), 2, data(), data(16, seed=9),
-                accumulate_grad_batches=acc, save=(acc == 1 and strategy in (ddp, "zero2")))
-    for strategy in (ddp, "zero1", "zero2"):
+                accumulate_grad_batches=acc, save=(acc == 1 and strategy in (ddp, "zero2", "zero3")))
+    for strategy in (ddp, "zero1", "zero2", "zero3"):
         unseeded_init()
         fit(out, f"{strategy}_unused", strategy, TiedNet(use_spare_every=2, zero_unused=strategy == ddp), 2, data())
-    for strategy in (ddp, "zero1", "zero2"):
+    unseeded_init()
+    fit(out, f"{ddp}_unused_skipped", ddp, TiedNet(use_spare_every=2), 2, data())
+    for strategy in (ddp, "zero1", "zero2", "zero3"):
         unseeded_init()
         fit(out, f"{strategy}_clip", strategy, TiedNet(), 2, data(), gradient_clip_val=0.05)
         unseeded_init()
         fit(out, f"{strategy}_gan", strategy, GAN(), 2, gan_data())
-    for source in (ddp, "zero2"):
-        for strategy in (ddp, "zero1", "zero2"):
+    for source in (ddp, "zero2", "zero3"):
+        for strategy in (ddp, "zero1", "zero2", "zero3"):
             fit(out, f"resume_{source}_{strategy}", strategy, TiedNet(), 2, data(),
                 ckpt_path=str(out / f"{source}_acc1.ckpt"), steps=2 * STEPS)
 
 
 def suite_ws1(out: Path) -> None:
     """World size 1: a zero2 checkpoint written at world size 2 resumes under DDP and zero1/zero2."""
-    for strategy in ("ddp", "zero1", "zero2"):
+    for strategy in ("ddp", "zero1", "zero2", "zero3"):
         fit(out, f"ws1_resume_zero2_{strategy}", strategy, TiedNet(), 1, data(),
             ckpt_path=str(out / "zero2_acc1.ckpt"), steps=2 * STEPS)
 

@@ -1,0 +1,157 @@
+"""Stage 3: gather each block's parameters just before use and release them right after.
+
+[Note: stage-3 parameter lifecycle]
+A block (one module instance, see units.py) owns one FlatUnit per param group. Its parameters
+are all-gathered in the block's forward pre-hook and released in its forward hook. If the
+forward ran with gradients, hooks on the block's outputs gather it again as soon as backward
+reaches them (before the block's own backward nodes run); once every parameter of the block has
+its gradient, the block is released again (its gradients are then reduce-scattered by the
+engine, as at stage 2). The root unit (parameters outside every block, e.g. tied embeddings) is
+gathered for the whole step by the strategy and released at the end of backward.
+
+The order in which blocks ran in the first forward is recorded; from then on, entering block k
+also launches the all-gathers of the next ``prefetch`` blocks (reversed in backward), so their
+communication overlaps the current block's compute. Every rank must gather in the same order:
+ranks that run different blocks are not supported yet.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from lzero import collectives
+from lzero.flat_unit import FlatUnit
+
+
+class BlockState(enum.Enum):
+    RELEASED = "only this rank's shard is resident"
+    GATHERING = "all-gathers launched, not yet waited for"
+    GATHERED = "full parameters resident"
+
+
+class Block:
+    """The units of one module instance (or of the root), gathered and released together."""
+
+    def __init__(self, name: str, units: Sequence[FlatUnit]) -> None:
+        self.name = name
+        self.units = list(units)
+        self.state = BlockState.RELEASED
+        self.handles: list[Any] = []
+        self.pending_grads = 0  # params of the block still waiting for a gradient in this backward
+
+
+class Gatherer:
+    """See [Note: stage-3 parameter lifecycle]."""
+
+    def __init__(self, blocks: dict[str, Block], modules: dict[str, nn.Module], group: Any, prefetch: int) -> None:
+        self.blocks = blocks
+        self.group = group
+        self.prefetch = prefetch
+        self.order: list[str] = []  # block names in first-forward order
+        self._recording = True
+        self._block_of_unit = {id(u): b for b in blocks.values() for u in b.units}
+        self._hooks = []
+        for name, module in modules.items():
+            self._hooks.append(module.register_forward_pre_hook(self._pre_forward_hook(name)))
+            self._hooks.append(module.register_forward_hook(self._post_forward_hook(name)))
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    # --- gather / release --------------------------------------------------------------------
+
+    def launch(self, name: str) -> None:
+        block = self.blocks[name]
+        if block.state is not BlockState.RELEASED:
+            return
+        for unit in block.units:
+            unit.allocate()
+            block.handles.append(collectives.all_gather(unit.flat_param, unit.owned_param(), self.group, async_op=True))
+        block.state = BlockState.GATHERING
+
+    def gather(self, name: str) -> None:
+        """Full parameters of ``name`` resident on return."""
+        self.launch(name)
+        block = self.blocks[name]
+        if block.state is BlockState.GATHERING:
+            for handle in block.handles:
+                handle.wait()
+            block.handles = []
+            block.state = BlockState.GATHERED
+
+    def release(self, name: str) -> None:
+        block = self.blocks[name]
+        if block.state is BlockState.RELEASED:
+            return
+        for handle in block.handles:  # a prefetch never used: still has to land before freeing
+            handle.wait()
+        block.handles = []
+        for unit in block.units:
+            unit.release()
+        block.state = BlockState.RELEASED
+
+    def release_all(self) -> None:
+        for name in self.blocks:
+            self.release(name)
+
+    def gathered_names(self) -> list[str]:
+        return [n for n, b in self.blocks.items() if b.state is not BlockState.RELEASED]
+
+    # --- hooks -------------------------------------------------------------------------------
+
+    def _prefetch_after(self, name: str, step: int) -> None:
+        if name not in self.order or not self.prefetch:
+            return
+        k = self.order.index(name)
+        for j in range(1, self.prefetch + 1):
+            if 0 <= k + step * j < len(self.order):
+                self.launch(self.order[k + step * j])
+
+    def _pre_forward_hook(self, name: str):
+        def hook(module: nn.Module, args: Any) -> None:
+            if self._recording and name not in self.order:
+                self.order.append(name)
+            self.gather(name)
+            self._prefetch_after(name, +1)
+        return hook
+
+    def _post_forward_hook(self, name: str):
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            self.release(name)
+            if torch.is_grad_enabled():
+                for t in tree_flatten(output)[0]:
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(self._pre_backward_hook(name))
+            return output
+        return hook
+
+    def _pre_backward_hook(self, name: str):
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            self._recording = False
+            self.gather(name)
+            self._prefetch_after(name, -1)
+            return grad
+        return hook
+
+    # --- backward bookkeeping (called by the engine) -----------------------------------------
+
+    def start_backward(self) -> None:
+        for block in self.blocks.values():
+            block.pending_grads = sum(u.expected for u in block.units)
+
+    def on_param_grad(self, unit: FlatUnit) -> None:
+        """One parameter of ``unit`` got its gradient; a block whose gradients are all in is released."""
+        block = self._block_of_unit[id(unit)]
+        block.pending_grads -= 1
+        if block.pending_grads == 0 and block.name:
+            self.release(block.name)
+
+    def block_of(self, unit: FlatUnit) -> Optional[Block]:
+        return self._block_of_unit.get(id(unit))
