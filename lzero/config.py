@@ -51,6 +51,11 @@ class ZeroConfig:
     prefetch: int = 1
     """Stage 3: how many units ahead to all-gather while the current one computes (0: none)."""
 
+    unit_order_timeout_s: float = 120.0
+    """Stage 3: before each unit's all-gather the ranks check that they gather the same unit; a rank
+    that does not arrive within this many seconds raises an error naming the unit (0 disables the
+    check). This turns a unit run on only some ranks into a clear error instead of a silent mix."""
+
     broadcast_buffers: bool = True
     """Before every training step, overwrite module buffers (BatchNorm running statistics...) with
     rank 0's, as DDP does by default, so evaluation sees the same buffers on every rank."""
@@ -75,6 +80,12 @@ class ZeroConfig:
             _check_positive_int(name, getattr(self, name))
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ZeroConfigError(f"`prefetch={self.prefetch!r}` must be a whole number >= 0. HINT: e.g. `prefetch=1`.")
+        if isinstance(self.unit_order_timeout_s, bool) or not isinstance(self.unit_order_timeout_s, (int, float)) \
+                or self.unit_order_timeout_s < 0:
+            raise ZeroConfigError(
+                f"`unit_order_timeout_s={self.unit_order_timeout_s!r}` must be a number of seconds >= 0."
+                " HINT: e.g. 120, or 0 to disable the check."
+            )
         if self.unit_modules is not None:
             if isinstance(self.unit_modules, str) or not all(isinstance(n, str) for n in self.unit_modules):
                 raise ZeroConfigError(

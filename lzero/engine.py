@@ -25,6 +25,7 @@ and nothing is gathered after the step.
 from __future__ import annotations
 
 import collections
+import datetime
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -103,7 +104,12 @@ class ZeroEngine:
         # Parameter gathers follow forward/backward order, reductions follow unit order and are
         # launched when ready: on one process group their interleaving would differ between ranks.
         self._gather_group = dist.new_group() if self.world_size > 1 else None
-        return Gatherer(blocks, modules, self._gather_group, self.config.prefetch)
+        self._check_group = None
+        if self.world_size > 1 and self.config.unit_order_timeout_s > 0:
+            timeout = datetime.timedelta(seconds=self.config.unit_order_timeout_s)
+            self._check_group = dist.new_group(backend="gloo", timeout=timeout)
+        return Gatherer(blocks, modules, self._gather_group, self.config.prefetch, self._check_group,
+                        self.config.unit_order_timeout_s)
 
     def gather_root(self) -> None:
         """Stage 3: the root unit stays gathered from the start of a step to the end of its backward."""
@@ -132,6 +138,30 @@ class ZeroEngine:
         if not keep:
             return {}
         return {k: full.get(id(v), v.detach()) for k, v in module.state_dict(keep_vars=True).items()}
+
+    @contextmanager
+    def gathered(self, module: nn.Module) -> Iterator[None]:
+        """Full parameters of ``module`` inside the block; writes are carried back to the shards.
+        Stage 3 only gathers (stages 1-2 hold full parameters already). A collective: every rank
+        enters it for the same module, and should write the same values."""
+        if self.gatherer is None:
+            yield
+            return
+        wanted = {id(p) for p in module.parameters()}
+        names = [n for n, b in self.gatherer.blocks.items() if any(id(p) in wanted for u in b.units for p in u.params)]
+        already = set(self.gatherer.gathered_names())
+        for name in names:
+            self.gatherer.gather(name)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name in names:
+                    for unit in self.gatherer.blocks[name].units:
+                        lo, hi = unit.spec.shard_range(self.rank)
+                        unit.shard_param.data.copy_(unit.flat_param[lo:hi])
+                    if name not in already:
+                        self.gatherer.release(name)
 
     @torch.no_grad()
     def unshard(self) -> None:
@@ -163,9 +193,10 @@ class ZeroEngine:
         self._hooks = []
         if self.gatherer is not None:
             self.gatherer.remove()
-            if self._gather_group is not None:
-                dist.destroy_process_group(self._gather_group)
-                self._gather_group = None
+            for pg in (self._gather_group, self._check_group):
+                if pg is not None:
+                    dist.destroy_process_group(pg)
+            self._gather_group = self._check_group = None
         if self._flag_group is not None:
             dist.destroy_process_group(self._flag_group)
             self._flag_group = None

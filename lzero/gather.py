@@ -11,8 +11,12 @@ gathered for the whole step by the strategy and released at the end of backward.
 
 The order in which blocks ran in the first forward is recorded; from then on, entering block k
 also launches the all-gathers of the next ``prefetch`` blocks (reversed in backward), so their
-communication overlaps the current block's compute. Every rank must gather in the same order:
-ranks that run different blocks are not supported yet.
+communication overlaps the current block's compute.
+
+Every rank must gather the same blocks in the same order: gloo pairs any two buffers of equal
+size, so a block run on only some ranks would silently mix parameters. Before each gather the
+ranks therefore exchange the block's index on a small process group with a short timeout: a
+disagreement, or a rank that never arrives, raises an error naming the block on every rank.
 """
 
 from __future__ import annotations
@@ -24,8 +28,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+import torch.distributed as dist
+
 from lzero import collectives
 from lzero.flat_unit import FlatUnit
+
+
+class UnitOrderError(RuntimeError):
+    """Ranks did not run the same stage-3 units in the same order."""
 
 
 class BlockState(enum.Enum):
@@ -48,9 +58,13 @@ class Block:
 class Gatherer:
     """See [Note: stage-3 parameter lifecycle]."""
 
-    def __init__(self, blocks: dict[str, Block], modules: dict[str, nn.Module], group: Any, prefetch: int) -> None:
+    def __init__(self, blocks: dict[str, Block], modules: dict[str, nn.Module], group: Any, prefetch: int,
+                 check_group: Any = None, check_timeout_s: float = 0.0) -> None:
         self.blocks = blocks
         self.group = group
+        self.check_group = check_group
+        self.check_timeout_s = check_timeout_s
+        self._names = list(blocks)
         self.prefetch = prefetch
         self.order: list[str] = []  # block names in first-forward order
         self._recording = True
@@ -71,10 +85,33 @@ class Gatherer:
         block = self.blocks[name]
         if block.state is not BlockState.RELEASED:
             return
+        self._agree_on(name)
         for unit in block.units:
             unit.allocate()
             block.handles.append(collectives.all_gather(unit.flat_param, unit.owned_param(), self.group, async_op=True))
         block.state = BlockState.GATHERING
+
+    def _agree_on(self, name: str) -> None:
+        if self.check_group is None:
+            return
+        mine = torch.tensor([self._names.index(name)], dtype=torch.int64)
+        every = torch.empty(dist.get_world_size(self.check_group), dtype=torch.int64)
+        try:
+            dist.all_gather_into_tensor(every, mine, group=self.check_group)
+        except RuntimeError as err:
+            raise UnitOrderError(
+                f"Rank {dist.get_rank()} is about to gather unit `{_show(name)}`, but not every rank reached a"
+                f" gather within {self.check_timeout_s:g} s ({err}). A unit ran on only some ranks. HINT: every"
+                " rank must run the same modules in the same order under ZeRO-3 (no rank-dependent branches"
+                " around sharded modules), or put such a module in the root unit via `unit_modules`."
+            ) from err
+        if bool((every != mine).any()):
+            seen = {r: _show(self._names[i]) for r, i in enumerate(every.tolist())}
+            raise UnitOrderError(
+                f"Ranks disagree on the next unit to gather: {seen}. A unit ran on only some ranks. HINT: every"
+                " rank must run the same modules in the same order under ZeRO-3 (no rank-dependent branches"
+                " around sharded modules), or put such a module in the root unit via `unit_modules`."
+            )
 
     def gather(self, name: str) -> None:
         """Full parameters of ``name`` resident on return."""
@@ -155,3 +192,7 @@ class Gatherer:
 
     def block_of(self, unit: FlatUnit) -> Optional[Block]:
         return self._block_of_unit.get(id(unit))
+
+
+def _show(name: str) -> str:
+    return name or "<root>"

@@ -165,6 +165,17 @@ class ZeroStrategy(DDPStrategy):
         report it under DDP. A collective: call it on every rank, e.g. in ``on_before_optimizer_step``."""
         return _unwrap(self.optimizers[optimizer_index]).grad_norm()
 
+    @contextmanager
+    def gathered_parameters(self, module: Optional[torch.nn.Module] = None) -> Generator:
+        """Temporary full access to ``module``'s parameters (default: the whole LightningModule) under
+        stage 3, like DeepSpeed's GatheredParameters; in-place writes are carried back to the shards.
+        A collective: enter it on every rank. Outside fitting the parameters are full already."""
+        if self._engine is None:
+            yield
+            return
+        with self._engine.gathered(module if module is not None else self.lightning_module):
+            yield
+
     def partition_metadata(self) -> dict[str, Any]:
         """Where every parameter element lives: unit, offset, shape and each rank's range."""
         if self._engine is None:

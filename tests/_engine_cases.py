@@ -121,6 +121,9 @@ def everything(rank: int, world_size: int, ddp_configs: list[dict], memory_bucke
         "ddp": against_ddp(rank, world_size, ddp_configs),
         "memory": {stage: memory_after_backward(rank, world_size, stage, memory_bucket) for stage in (1, 2)},
         "stage3": {prefetch: stage3_memory(rank, world_size, prefetch) for prefetch in (0, 1, 2)},
+        "gathered": stage3_gathered_parameters(rank, world_size),
+        # last: it leaves the engine mid-step
+        "partial": stage3_unit_on_some_ranks(rank, world_size) if world_size == 2 else None,
     }
 
 
@@ -192,3 +195,40 @@ def stage3_memory(rank: int, world_size: int, prefetch: int) -> dict:
     }
     engine.remove()
     return result
+
+
+def stage3_unit_on_some_ranks(rank: int, world_size: int) -> str:
+    """Rank 1 skips a sharded Linear that rank 0 runs: every rank must get an error naming it."""
+    from lzero.gather import UnitOrderError
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, unit_modules=("Linear",), unit_order_timeout_s=20))
+    x, y = torch.randn(4, 7), torch.randn(4, 5)
+    try:
+        nn.functional.mse_loss(model(x, use_spare=rank == 0), y).backward()
+    except UnitOrderError as err:
+        return str(err)
+    return "no error"
+
+
+def stage3_gathered_parameters(rank: int, world_size: int) -> dict:
+    """Full access to one sharded block outside forward; a write is carried back to the shards."""
+    torch.manual_seed(0)
+    model = Deep()
+    expected = model.blocks[3].fc.weight.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=3))
+    released_numel = model.blocks[3].fc.weight.untyped_storage().nbytes()
+    with engine.gathered(model.blocks[3]):
+        seen = torch.equal(model.blocks[3].fc.weight, expected)
+        others_released = model.blocks[2].fc.weight.untyped_storage().nbytes() == 0
+        with torch.no_grad():
+            model.blocks[3].fc.weight.add_(1.0)
+    after_exit = model.blocks[3].fc.weight.untyped_storage().nbytes()
+    engine.unshard()
+    carried = torch.equal(model.blocks[3].fc.weight, expected + 1.0)
+    engine.remove()
+    return {"released_before": released_numel == 0, "seen_full": seen, "others_released": others_released,
+            "released_after": after_exit == 0, "write_carried": carried}
