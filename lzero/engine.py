@@ -37,6 +37,7 @@ from lzero import collectives
 from lzero.config import ZeroConfig
 from lzero.flat_unit import FlatUnit, GradState
 from lzero.gather import Block, Gatherer
+from lzero.materialize import InitFn, Materializer, common_seed, has_meta
 from lzero.partition import Partition, ParamSpec, partition_by_label, partition_by_size
 from lzero.units import ROOT, find_blocks, label_parameters
 
@@ -47,7 +48,8 @@ class ZeroEngineError(RuntimeError):
 
 class ZeroEngine:
     def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], config: ZeroConfig,
-                 group: Optional[dist.ProcessGroup] = None) -> None:
+                 group: Optional[dist.ProcessGroup] = None, device: torch.device = torch.device("cpu"),
+                 init_fn: Optional[InitFn] = None) -> None:
         self.config = config
         self.group = group
         self.world_size = collectives.world_size(group)
@@ -59,16 +61,19 @@ class ZeroEngine:
             self.partition: Partition = partition_by_label(specs, self.world_size, labels)
         else:
             self.partition = partition_by_size(specs, self.world_size, config.reduce_bucket_size)
-        self.units = [
-            FlatUnit(spec, [by_name[p.name] for p in spec.params], self.rank, config.stage)
-            for spec in self.partition.units
-        ]
+        if config.stage >= 3 and has_meta(module):
+            self.units = self._materialize_by_unit(module, optimizers, block_modules, labels, device, init_fn)
+        else:
+            self.units = [
+                FlatUnit(spec, [by_name[p.name] for p in spec.params], self.rank, config.stage)
+                for spec in self.partition.units
+            ]
+            self._broadcast_initial_state(module)
         self._where: dict[nn.Parameter, tuple[FlatUnit, int]] = {
             p: (unit, i) for unit in self.units for i, p in enumerate(unit.params)
         }
         self._buffers = [b for b in module.buffers()]
         self._sync_buffers_next = True
-        self._broadcast_initial_state(module)
         self.gatherer: Optional[Gatherer] = None
         if config.stage >= 3:
             self.gatherer = self._shard_parameters(block_modules, labels)
@@ -84,9 +89,35 @@ class ZeroEngine:
 
     # --- setup -------------------------------------------------------------------------------
 
+    def _materialize_by_unit(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
+                             block_modules: dict[str, nn.Module], labels: dict[str, str], device: torch.device,
+                             init_fn: Optional[InitFn]) -> list[FlatUnit]:
+        """Stage 3 from the meta device: one block of full parameters at a time, the same RNG on every
+        rank, each rank keeping its shard. See materialize.py."""
+        materializer = Materializer(module, device, init_fn)
+        seed = common_seed(lambda t: collectives.broadcast_([t], src=0, group=self.group))
+        inside = {label: [(f"{label}.{n}" if n else label, m) for n, m in block.named_modules()]
+                  for label, block in block_modules.items()}
+        in_blocks = {id(m) for mods in inside.values() for _, m in mods}
+        inside[ROOT] = [(n, m) for n, m in module.named_modules() if id(m) not in in_blocks]
+        units, done = [], set()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            for spec in self.partition.units:
+                label = labels[spec.params[0].name]
+                if label not in done:
+                    materializer.run(inside[label])
+                    done.add(label)
+                unit = FlatUnit(spec, [module.get_parameter(p.name) for p in spec.params], self.rank, self.config.stage)
+                unit.keep_shard_only()
+                units.append(unit)
+            materializer.run(module.named_modules())  # frozen parameters and buffers outside every unit
+        materializer.retarget(optimizers)
+        return units
+
     def _broadcast_initial_state(self, module: nn.Module) -> None:
         """Rank 0's parameters and buffers everywhere, as DDP does, so unseeded models agree."""
-        managed = set(self._where)
+        managed = {p for u in self.units for p in u.params}
         tensors = [u.flat_param for u in self.units]
         tensors += [p.data for p in module.parameters() if p not in managed]
         tensors += [b for b in module.buffers()]
@@ -95,7 +126,8 @@ class ZeroEngine:
     def _shard_parameters(self, block_modules: dict[str, nn.Module], labels: dict[str, str]) -> Gatherer:
         """Stage 3: keep only the owned shards and hook the blocks. See [Note: stage-3 parameter lifecycle]."""
         for unit in self.units:
-            unit.keep_shard_only()
+            if unit.gathered:  # units materialized from the meta device keep only their shard already
+                unit.keep_shard_only()
         members: dict[str, list[FlatUnit]] = {ROOT: []}
         for unit in self.units:
             members.setdefault(labels[unit.spec.params[0].name], []).append(unit)
@@ -301,7 +333,7 @@ class ZeroEngine:
             bucket = unit.flat_grad
         else:
             bucket = unit.pack_grads(scale)
-        out = torch.empty_like(unit.shard_grad)
+        out = torch.empty(unit.spec.shard_numel, dtype=unit.flat_param.dtype, device=unit.flat_param.device)
         handle = collectives.reduce_scatter(out, bucket, self.group, async_op=self.config.overlap_comm)
         unit.grad_state = GradState.REDUCING
         self._inflight.append((handle, unit, out, bucket))
@@ -314,6 +346,8 @@ class ZeroEngine:
         with torch.no_grad():
             if unit.flat_grad is not None:
                 unit.shard_grad.copy_(out)
+            elif unit.shard_grad is None:
+                unit.shard_grad = out  # allocated at the first reduction, then kept and accumulated into
             else:
                 unit.shard_grad.add_(out)
         unit.mark_reduced()

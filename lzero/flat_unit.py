@@ -10,7 +10,7 @@ their real shapes, and touching a released parameter raises instead of reading s
 from __future__ import annotations
 
 import enum
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -57,7 +57,7 @@ class FlatUnit:
             self.shard_grad = self.flat_grad[lo:hi]
         else:
             self.flat_grad = None
-            self.shard_grad = torch.zeros_like(self.shard_param)  # 1D, shard_numel
+            self.shard_grad: Optional[Tensor] = None  # 1D, shard_numel; the first reduction's output
         self.grad_state = GradState.EMPTY
         self.expected = 0  # params needing a gradient in the current backward
         self.seen = 0  # params whose gradient arrived in the current backward
@@ -96,7 +96,8 @@ class FlatUnit:
         if self.flat_grad is not None:
             self.flat_grad.zero_()
         else:
-            self.shard_grad.zero_()
+            if self.shard_grad is not None:
+                self.shard_grad.zero_()
             for p in self.params:
                 p.grad = None
         self.shard_param.grad = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Generator, Mapping, Optional
+from typing import Any, Callable, Generator, Mapping, Optional
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -28,6 +28,7 @@ from typing_extensions import override
 from lzero.config import ZeroConfig, optional_config
 from lzero.engine import ZeroEngine
 from lzero.full_state import gather_optimizer_state
+from lzero.materialize import has_meta
 from lzero.optimizer import ZeroOptimizer, check_optimizer
 from lzero.precision import ZeroPrecision, to_zero_precision
 
@@ -39,6 +40,9 @@ class ZeroStrategy(DDPStrategy):
         config: the full configuration; see :class:`lzero.ZeroConfig` for every field.
         stage: shortcut for ``config.stage``.
         allow_untested_optimizer: shortcut for ``config.allow_untested_optimizer``.
+        init_fn: stage 3, for models built on the meta device (``configure_model`` or
+            ``Trainer.init_module(empty_init=True)``): called on every module to initialize it; by
+            default the module's ``reset_parameters()``.
         **options: any other :class:`lzero.ZeroConfig` field, applied over ``config``.
         The remaining arguments are Lightning's, as for ``DDPStrategy``.
     """
@@ -57,6 +61,7 @@ class ZeroStrategy(DDPStrategy):
         precision_plugin: Optional[Precision] = None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        init_fn: Optional[Callable[[torch.nn.Module], None]] = None,
         **options: Any,
     ) -> None:
         self.config = optional_config(config, stage=stage, allow_untested_optimizer=allow_untested_optimizer, **options)
@@ -71,6 +76,7 @@ class ZeroStrategy(DDPStrategy):
             start_method="popen",  # the spawn launcher's state_dict round trip does not fit sharding
         )
         self._engine: Optional[ZeroEngine] = None
+        self.init_fn = init_fn
 
     # --- plugins -----------------------------------------------------------------------------
 
@@ -99,17 +105,41 @@ class ZeroStrategy(DDPStrategy):
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
+        if not has_meta(self.model):  # a meta model is materialized unit by unit by the engine
+            self.model_to_device()
         if fitting:
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:
                 check_optimizer(optimizer, self.config.allow_untested_optimizer)
-            self._engine = ZeroEngine(self.model, self.optimizers, self.config)
+            self._engine = ZeroEngine(self.model, self.optimizers, self.config, device=self.root_device,
+                                      init_fn=self.init_fn)
             self._engine.automatic = self.lightning_module.automatic_optimization
             self.optimizers = [ZeroOptimizer(opt, self._engine, i) for i, opt in enumerate(self.optimizers)]
         else:
             _sync_module_states(self.model)
         self.setup_precision_plugin()
+
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator:
+        """Stage 3 with ``empty_init=True``: build on the meta device; the engine materializes the model
+        one unit at a time at setup, each rank keeping only its shard."""
+        if self.config.stage >= 3 and empty_init:
+            with torch.device("meta"):
+                yield
+            return
+        with super().tensor_init_context(empty_init):
+            yield
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator:
+        """Stage 3: ``configure_model`` builds on the meta device (see ``tensor_init_context``)."""
+        if self.config.stage >= 3:
+            with torch.device("meta"):
+                yield
+            return
+        yield
 
     @override
     def configure_ddp(self) -> None:

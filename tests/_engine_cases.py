@@ -122,6 +122,7 @@ def everything(rank: int, world_size: int, ddp_configs: list[dict], memory_bucke
         "memory": {stage: memory_after_backward(rank, world_size, stage, memory_bucket) for stage in (1, 2)},
         "stage3": {prefetch: stage3_memory(rank, world_size, prefetch) for prefetch in (0, 1, 2)},
         "gathered": stage3_gathered_parameters(rank, world_size),
+        "sharded_init": stage3_sharded_init(rank, world_size) if world_size == 2 else None,
         # last: it leaves the engine mid-step
         "partial": stage3_unit_on_some_ranks(rank, world_size) if world_size == 2 else None,
     }
@@ -232,3 +233,44 @@ def stage3_gathered_parameters(rank: int, world_size: int) -> dict:
     engine.remove()
     return {"released_before": released_numel == 0, "seen_full": seen, "others_released": others_released,
             "released_after": after_exit == 0, "write_carried": carried}
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def stage3_sharded_init(rank: int, world_size: int) -> dict:
+    """A model built on the meta device, materialized block by block: RSS growth vs full size."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    with torch.device("meta"):
+        model = Deep(vocab=256, width=1024, depth=8)  # ~8.7M params: 35 MB in fp32
+    full_bytes = 4 * sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gc.collect()
+    libc.malloc_trim(0)
+    before = rss_bytes()
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=3))
+    gc.collect()
+    libc.malloc_trim(0)
+    growth = rss_bytes() - before
+    zopt = ZeroOptimizer(opt, engine, 0)
+    gen = torch.Generator().manual_seed(5)
+    x, y = torch.randint(0, 256, (16, 3), generator=gen), torch.randint(0, 256, (16,), generator=gen)
+    losses = []
+    for _ in range(4):
+        engine.gather_root()
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        zopt.step()
+        zopt.zero_grad()
+        losses.append(loss.item())
+    engine.unshard()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    rank0 = flat.clone()
+    torch.distributed.broadcast(rank0, src=0)
+    engine.remove()
+    return {"full_bytes": full_bytes, "growth": growth, "losses": losses, "same_as_rank0": torch.equal(flat, rank0),
+            "tied": model.head.weight is model.embed.weight}

@@ -84,3 +84,17 @@ def test_stage3_gathered_parameters_context(ranks: tuple[int, list[dict]]) -> No
     for res in results:
         assert res["gathered"] == {"released_before": True, "seen_full": True, "others_released": True,
                                    "released_after": True, "write_carried": True}
+
+
+def test_stage3_sharded_init_from_meta_device(ranks: tuple[int, list[dict]]) -> None:
+    world_size, results = ranks
+    if world_size != 2:
+        return  # run once
+    for rank, res in enumerate(results):
+        r = res["sharded_init"]
+        print(f"rank {rank}: RSS grew {r['growth']} bytes while materializing a {r['full_bytes']}-byte model;"
+              f" losses {r['losses']}")
+        assert r["tied"]
+        assert r["growth"] < r["full_bytes"]  # each rank holds its shards + one block, not the model
+        assert r["losses"][-1] < r["losses"][0]  # it trains
+        assert r["same_as_rank0"]  # the same RNG on every rank: one model, not two

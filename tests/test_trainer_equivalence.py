@@ -116,3 +116,11 @@ def test_checkpoint_has_ddp_format(runs: Path, stage: str) -> None:
         for key, value in state.items():
             assert torch.equal(opt["state"][i][key], value), (i, key)
 
+
+
+def test_zero3_configure_model_builds_on_meta_and_trains(runs: Path) -> None:
+    res = load(runs, "zero3_configure_model")
+    assert torch.load(runs / "zero3_configure_model_device.pt")["built_on"] == "meta"
+    assert res["global_step"] == 20
+    assert all(torch.isfinite(p).all() for p in res["params"].values())
+    assert sum(res["losses"][-5:]) < sum(res["losses"][:5])

@@ -116,6 +116,25 @@ class GAN(LightningModule):
                                                                                    momentum=0.9))
 
 
+class LazyNet(LightningModule):
+    """Layers created in ``configure_model``: under zero3 they are built on the meta device."""
+
+    def configure_model(self) -> None:
+        if hasattr(self, "blocks"):
+            return
+        self.embed = nn.Embedding(16, 32)
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 32)) for _ in range(4)])
+        self.head = nn.Linear(32, 16)
+        self.built_on = self.blocks[0][1].weight.device.type
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.head(self.blocks(self.embed(x).mean(1))), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
 class Recorder(Callback):
     """Per-step loss and, under lzero, the global gradient norm the strategy reports."""
 
@@ -197,6 +216,10 @@ def suite_ws2(out: Path) -> None:
         fit(out, f"{strategy}_unused", strategy, TiedNet(use_spare_every=2, zero_unused=strategy == ddp), 2, data())
     unseeded_init()
     fit(out, f"{ddp}_unused_skipped", ddp, TiedNet(use_spare_every=2), 2, data())
+    lazy = LazyNet()
+    fit(out, "zero3_configure_model", "zero3", lazy, 2, data(), steps=20)
+    if lazy.trainer.is_global_zero:
+        torch.save({"built_on": lazy.built_on}, out / "zero3_configure_model_device.pt")
     for strategy in (ddp, "zero1", "zero2", "zero3"):
         unseeded_init()
         fit(out, f"{strategy}_clip", strategy, TiedNet(), 2, data(), gradient_clip_val=0.05)
