@@ -56,6 +56,11 @@ class ZeroConfig:
     that does not arrive within this many seconds raises an error naming the unit (0 disables the
     check). This turns a unit run on only some ranks into a clear error instead of a silent mix."""
 
+    state_dict_type: Literal["sharded", "full"] = "sharded"
+    """Stage 3, ``strategy.lightning_module_state_dict()``: "sharded" values expose this rank's piece
+    and ``full_tensor()``; "full" gathers plain tensors onto rank 0, one unit at a time. Checkpoints
+    are written in full DDP format either way (sharded checkpoints are a later release)."""
+
     broadcast_buffers: bool = True
     """Before every training step, overwrite module buffers (BatchNorm running statistics...) with
     rank 0's, as DDP does by default, so evaluation sees the same buffers on every rank."""
@@ -85,6 +90,10 @@ class ZeroConfig:
             raise ZeroConfigError(
                 f"`unit_order_timeout_s={self.unit_order_timeout_s!r}` must be a number of seconds >= 0."
                 " HINT: e.g. 120, or 0 to disable the check."
+            )
+        if self.state_dict_type not in ("sharded", "full"):
+            raise ZeroConfigError(
+                f"`state_dict_type={self.state_dict_type!r}` is not one of 'sharded', 'full'. HINT: use 'sharded'."
             )
         if self.unit_modules is not None:
             if isinstance(self.unit_modules, str) or not all(isinstance(n, str) for n in self.unit_modules):

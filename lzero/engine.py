@@ -152,35 +152,27 @@ class ZeroEngine:
         if self.gatherer is not None:
             self.gatherer.release_all()
 
-    @torch.no_grad()
-    def full_state_dict(self, module: nn.Module) -> dict[str, Tensor]:
-        """Stage 3: the module's state dict with full tensors on rank 0 (empty elsewhere), gathered one
-        block at a time. A collective."""
-        assert self.gatherer is not None
-        keep = self.rank == 0
-        full: dict[int, Tensor] = {}
-        for name, block in self.gatherer.blocks.items():
-            was_gathered = name in self.gatherer.gathered_names()
-            self.gatherer.gather(name)
-            if keep:
-                for unit in block.units:
-                    full.update({id(p): p.detach().clone() for p in unit.params})
-            if not was_gathered:
-                self.gatherer.release(name)
-        if not keep:
-            return {}
-        return {k: full.get(id(v), v.detach()) for k, v in module.state_dict(keep_vars=True).items()}
-
     @contextmanager
     def gathered(self, module: nn.Module) -> Iterator[None]:
         """Full parameters of ``module`` inside the block; writes are carried back to the shards.
         Stage 3 only gathers (stages 1-2 hold full parameters already). A collective: every rank
         enters it for the same module, and should write the same values."""
+        wanted = {id(p) for p in module.parameters()}
+        with self.gathered_units([u for u in self.units if any(id(p) in wanted for p in u.params)]):
+            yield
+
+    @contextmanager
+    def gathered_units(self, units: Sequence[FlatUnit]) -> Iterator[None]:
+        """Stage 3: the blocks holding ``units`` gathered inside the block, written back and released
+        after (unless they were gathered before)."""
         if self.gatherer is None:
             yield
             return
-        wanted = {id(p) for p in module.parameters()}
-        names = [n for n, b in self.gatherer.blocks.items() if any(id(p) in wanted for u in b.units for p in u.params)]
+        names = []
+        for unit in units:
+            block = self.gatherer.block_of(unit)
+            if block is not None and block.name not in names:
+                names.append(block.name)
         already = set(self.gatherer.gathered_names())
         for name in names:
             self.gatherer.gather(name)

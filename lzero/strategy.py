@@ -29,6 +29,7 @@ from lzero.config import ZeroConfig, optional_config
 from lzero.engine import ZeroEngine
 from lzero.full_state import gather_optimizer_state
 from lzero.materialize import has_meta
+from lzero.state_dict import consolidate, has_sharded, sharded_state_dict
 from lzero.optimizer import ZeroOptimizer, check_optimizer
 from lzero.precision import ZeroPrecision, to_zero_precision
 
@@ -175,10 +176,22 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Stage 3: full tensors gathered one unit at a time, on rank 0 (a collective)."""
-        if self._engine is not None and self._engine.gatherer is not None:
-            return self._engine.full_state_dict(self.lightning_module)
-        return super().lightning_module_state_dict()
+        """Stage 3: the module's own keys with global shapes. With ``state_dict_type="sharded"`` (the
+        default) sharded parameters are :class:`lzero.state_dict.ShardedTensor` values (this rank's
+        piece and ``full_tensor()``); with ``"full"`` rank 0 receives plain tensors gathered one unit at
+        a time. A collective: call it on every rank."""
+        if self._engine is None or self._engine.gatherer is None:
+            return super().lightning_module_state_dict()
+        state = sharded_state_dict(self._engine, self.lightning_module)
+        return consolidate(self._engine, state) if self.config.state_dict_type == "full" else state
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
+                        ) -> None:
+        """Until sharded checkpoints exist: a full DDP-format file, sharded values gathered unit by unit."""
+        if has_sharded(checkpoint.get("state_dict", {})):
+            checkpoint = {**checkpoint, "state_dict": consolidate(self._engine, checkpoint["state_dict"])}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def teardown(self) -> None:

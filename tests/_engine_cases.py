@@ -122,6 +122,8 @@ def everything(rank: int, world_size: int, ddp_configs: list[dict], memory_bucke
         "memory": {stage: memory_after_backward(rank, world_size, stage, memory_bucket) for stage in (1, 2)},
         "stage3": {prefetch: stage3_memory(rank, world_size, prefetch) for prefetch in (0, 1, 2)},
         "gathered": stage3_gathered_parameters(rank, world_size),
+        "reuse": stage3_reuse_and_checkpointing(rank, world_size),
+        "state_dicts": stage3_state_dicts(rank, world_size),
         "sharded_init": stage3_sharded_init(rank, world_size) if world_size == 2 else None,
         # last: it leaves the engine mid-step
         "partial": stage3_unit_on_some_ranks(rank, world_size) if world_size == 2 else None,
@@ -274,3 +276,82 @@ def stage3_sharded_init(rank: int, world_size: int) -> dict:
     engine.remove()
     return {"full_bytes": full_bytes, "growth": growth, "losses": losses, "same_as_rank0": torch.equal(flat, rank0),
             "tied": model.head.weight is model.embed.weight}
+
+
+class Reused(nn.Module):
+    """A block called twice per forward, and a block under activation checkpointing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(6, 16)
+        self.blocks = nn.ModuleList(Block(16) for _ in range(3))
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor, checkpointed: bool) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.blocks[0](self.blocks[0](self.embed(x)))  # the same module twice
+        h = checkpoint(self.blocks[1], h, use_reentrant=False) if checkpointed else self.blocks[1](h)
+        return self.out(self.blocks[2](h))
+
+
+def stage3_reuse_and_checkpointing(rank: int, world_size: int) -> dict:
+    """Stage 3 with a module called twice and activation checkpointing, against DDP without it."""
+    torch.manual_seed(3)
+    model = Reused()
+    ref = DDP(copy.deepcopy(model))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, unit_modules=("Block",)))
+    zopt = ZeroOptimizer(opt, engine, 0)
+    gen = torch.Generator().manual_seed(11 + rank)
+    for _ in range(4):
+        x, y = torch.randn(8, 6, generator=gen), torch.randn(8, 4, generator=gen)
+        nn.functional.mse_loss(ref(x, False), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        engine.gather_root()
+        nn.functional.mse_loss(model(x, True), y).backward()
+        assert engine.gatherer.gathered_names() == []
+        zopt.step()
+        zopt.zero_grad()
+    engine.unshard()
+    pairs = list(zip(model.parameters(), ref.module.parameters()))
+    engine.remove()
+    return {"bitwise": all(torch.equal(a, b) for a, b in pairs),
+            "max_rel": max(((a - b).norm() / b.norm()).item() for a, b in pairs)}
+
+
+def stage3_state_dicts(rank: int, world_size: int) -> dict:
+    """Sharded and consolidated state dicts against the plain state_dict of the same model."""
+    from lzero.state_dict import ShardedTensor, consolidate, sharded_state_dict
+
+    torch.manual_seed(0)
+    model = Deep()
+    reference = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    engine = ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], ZeroConfig(stage=3))
+    sharded = sharded_state_dict(engine, model)
+    pieces_ok = True
+    for key, value in sharded.items():
+        if isinstance(value, ShardedTensor):
+            start, local = value.local_shard()
+            pieces = [None] * world_size
+            torch.distributed.all_gather_object(pieces, (start, local.tolist()))
+            rebuilt = torch.zeros(value.shape.numel())
+            for s0, vals in pieces:
+                rebuilt[s0 : s0 + len(vals)] = torch.tensor(vals)
+            pieces_ok &= torch.equal(rebuilt.view(value.shape), reference[key])
+    full_tensor_ok = all(torch.equal(v.full_tensor(), reference[k]) for k, v in sharded.items()
+                         if isinstance(v, ShardedTensor))
+    released = engine.gatherer.gathered_names() == []
+    full = consolidate(engine, sharded)
+    result = {
+        "keys": list(sharded) == list(reference),
+        "shapes": all(tuple(v.shape) == tuple(reference[k].shape) for k, v in sharded.items()),
+        "tied_same_object": sharded["embed.weight"] is sharded["head.weight"],
+        "pieces": pieces_ok, "full_tensor": full_tensor_ok, "released": released,
+        "consolidated": (full.keys() == reference.keys() and all(torch.equal(full[k], reference[k]) for k in full))
+        if rank == 0 else full == {},
+    }
+    engine.remove()
+    return result

@@ -98,3 +98,18 @@ def test_stage3_sharded_init_from_meta_device(ranks: tuple[int, list[dict]]) -> 
         assert r["growth"] < r["full_bytes"]  # each rank holds its shards + one block, not the model
         assert r["losses"][-1] < r["losses"][0]  # it trains
         assert r["same_as_rank0"]  # the same RNG on every rank: one model, not two
+
+
+def test_stage3_module_called_twice_and_activation_checkpointing(ranks: tuple[int, list[dict]]) -> None:
+    world_size, results = ranks
+    res = results[0]["reuse"]
+    print(f"world size {world_size}: reuse + checkpointing vs DDP: {res}")
+    if world_size == 2:
+        assert res["bitwise"], res
+    assert res["max_rel"] < 1e-6, res
+
+
+def test_stage3_sharded_and_full_state_dicts(ranks: tuple[int, list[dict]]) -> None:
+    world_size, results = ranks
+    for res in results:
+        assert all(res["state_dicts"].values()), res["state_dicts"]

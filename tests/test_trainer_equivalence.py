@@ -48,6 +48,7 @@ def test_bitwise_equal_to_ddp_without_accumulation(runs: Path, stage: str) -> No
     for k in ref["buffers"]:  # BatchNorm statistics follow DDP's buffer broadcast
         assert torch.equal(ours["buffers"][k], ref["buffers"][k]), k
     assert ours["metrics"] == ref["metrics"]  # val_loss, torchmetrics accuracy, test after fit
+    assert ours["summary_params"] == ref["summary_params"] == sum(p.numel() for p in ref["params"].values())
 
 
 def test_zero1_accumulation_is_bitwise(runs: Path) -> None:

@@ -142,9 +142,13 @@ class Recorder(Callback):
         self.losses: list[float] = []
         self.grad_norms: list[float] = []
         self.norm_layer = ""
+        self.summary_params = 0
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        from lightning.pytorch.utilities.model_summary import ModelSummary
+
         self.norm_layer = type(getattr(pl_module, "bn", None)).__name__
+        self.summary_params = ModelSummary(pl_module).total_parameters  # real sizes even when sharded
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
         if isinstance(trainer.strategy, lzero.ZeroStrategy):
@@ -198,7 +202,7 @@ def fit(out: Path, name: str, strategy: Any, model: LightningModule, devices: in
         torch.save({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
                     "buffers": {n: b.clone() for n, b in model.named_buffers()},
                     "losses": recorder.losses, "grad_norms": recorder.grad_norms, "metrics": metrics,
-                    "norm_layer": recorder.norm_layer,
+                    "norm_layer": recorder.norm_layer, "summary_params": recorder.summary_params,
                     "global_step": trainer.global_step}, out / f"{name}.pt")
     return trainer
 
