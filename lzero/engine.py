@@ -195,8 +195,7 @@ class ZeroEngine:
         for name, block in self.gatherer.blocks.items():
             self.gatherer.gather(name)
             for unit in block.units:
-                for p in unit.params:
-                    p.data = p.detach().clone()
+                unit.hand_back()
             self.gatherer.release(name)
 
     def before_forward(self) -> None:

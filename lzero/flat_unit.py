@@ -2,9 +2,10 @@
 
 See [Note: unit layout] in partition.py for the layout. Every module parameter's ``.data`` is a
 view into the unit's full flat buffer. Stages 1 and 2 keep that buffer resident. Stage 3 keeps
-only the owned shard; the full buffer's storage is resized to zero between uses and refilled by
-an all-gather, so the parameter views (and the tensors autograd saved) stay valid objects with
-their real shapes, and touching a released parameter raises instead of reading stale values.
+only the owned shard: between uses the full buffer's storage is resized to zero and each
+parameter's ``.data`` is a NaN placeholder of the real shape (one element, expanded), so
+``ModelSummary`` still sees real sizes and a stray read gives NaN instead of touching freed memory.
+The parameters stay the same objects, so autograd's saved references see the re-gathered data.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class FlatUnit:
         else:
             self.flat_grad = None
             self.shard_grad: Optional[Tensor] = None  # 1D, shard_numel; the first reduction's output
+        self.owns_params = True  # parameters are views of (or placeholders for) this unit's buffer
         self.grad_state = GradState.EMPTY
         self.expected = 0  # params needing a gradient in the current backward
         self.seen = 0  # params whose gradient arrived in the current backward
@@ -133,11 +135,37 @@ class FlatUnit:
         if storage.nbytes() == 0:
             storage.resize_(self.spec.padded_numel * self.flat_param.element_size())
 
+    def attach(self) -> None:
+        """Point every parameter at its slice of the (gathered) full flat buffer."""
+        for p, (start, end) in zip(self.params, self.ranges):
+            p.data = self.flat_param[start:end].view(p.shape)
+
     def release(self) -> None:
-        """Free the full flat buffer's storage; parameter views keep their shapes."""
+        """Free the full flat buffer; parameters keep their shapes on a NaN placeholder."""
+        if self.owns_params:
+            placeholder = _placeholder(self.flat_param.dtype, self.flat_param.device)
+            for p in self.params:
+                p.data = placeholder.expand(p.shape)
         self.flat_param.untyped_storage().resize_(0)
+
+    def hand_back(self) -> None:
+        """Stage 3, end of fit (while gathered): every parameter becomes a standalone full tensor."""
+        for p in self.params:
+            p.data = p.detach().clone()
+        self.owns_params = False
 
     @property
     def nbytes(self) -> int:
         return self.flat_param.numel() * self.flat_param.element_size()
 
+
+
+_PLACEHOLDERS: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+
+def _placeholder(dtype: torch.dtype, device: torch.device) -> Tensor:
+    """One NaN element per dtype and device, shared by every released parameter."""
+    key = (dtype, device)
+    if key not in _PLACEHOLDERS:
+        _PLACEHOLDERS[key] = torch.full((1,), float("nan"), dtype=dtype, device=device)
+    return _PLACEHOLDERS[key]

@@ -121,6 +121,8 @@ class Gatherer:
             for handle in block.handles:
                 handle.wait()
             block.handles = []
+            for unit in block.units:
+                unit.attach()
             block.state = BlockState.GATHERED
 
     def release(self, name: str) -> None:

@@ -223,18 +223,19 @@ def stage3_gathered_parameters(rank: int, world_size: int) -> dict:
     expected = model.blocks[3].fc.weight.detach().clone()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     engine = ZeroEngine(model, [opt], ZeroConfig(stage=3))
-    released_numel = model.blocks[3].fc.weight.untyped_storage().nbytes()
+    released_numel = model.blocks[3].fc.weight.untyped_storage().nbytes()  # the shared NaN placeholder
+    stray_read = bool(torch.isnan(model.blocks[3].fc.weight.sum()))  # no freed memory is touched
     with engine.gathered(model.blocks[3]):
         seen = torch.equal(model.blocks[3].fc.weight, expected)
-        others_released = model.blocks[2].fc.weight.untyped_storage().nbytes() == 0
+        others_released = model.blocks[2].fc.weight.untyped_storage().nbytes() <= 4
         with torch.no_grad():
             model.blocks[3].fc.weight.add_(1.0)
     after_exit = model.blocks[3].fc.weight.untyped_storage().nbytes()
     engine.unshard()
     carried = torch.equal(model.blocks[3].fc.weight, expected + 1.0)
     engine.remove()
-    return {"released_before": released_numel == 0, "seen_full": seen, "others_released": others_released,
-            "released_after": after_exit == 0, "write_carried": carried}
+    return {"released_before": released_numel <= 4, "seen_full": seen, "others_released": others_released,
+            "released_after": after_exit <= 4, "write_carried": carried, "stray_read_is_nan": stray_read}
 
 
 def rss_bytes() -> int:

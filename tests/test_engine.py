@@ -66,7 +66,7 @@ def test_stage3_memory(ranks: tuple[int, list[dict]], prefetch: int) -> None:
               f" full model {r['full_bytes']})")
         assert r["units"] >= 9
         assert formula - padding <= r["between"] <= formula + padding + 1024  # + the batch, Adam step counters
-        assert r["peak_params"] <= bound < r["full_bytes"]
+        assert r["peak_params"] <= bound + 4 < r["full_bytes"]  # + the shared one-element NaN placeholder
 
 
 def test_stage3_unit_run_on_some_ranks_is_a_clear_error(ranks: tuple[int, list[dict]]) -> None:
@@ -83,7 +83,7 @@ def test_stage3_gathered_parameters_context(ranks: tuple[int, list[dict]]) -> No
     world_size, results = ranks
     for res in results:
         assert res["gathered"] == {"released_before": True, "seen_full": True, "others_released": True,
-                                   "released_after": True, "write_carried": True}
+                                   "released_after": True, "write_carried": True, "stray_read_is_nan": True}
 
 
 def test_stage3_sharded_init_from_meta_device(ranks: tuple[int, list[dict]]) -> None:
