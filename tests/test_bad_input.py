@@ -111,3 +111,27 @@ def test_add_param_group_after_setup_is_refused() -> None:
     with pytest.raises(ZeroOptimizerError, match="add_param_group.*HINT"):
         zopt.add_param_group({"params": [nn.Parameter(torch.zeros(1))]})
     engine.remove()
+
+
+def test_meta_module_without_reset_parameters_is_named() -> None:
+    from lzero import ZeroEngine
+    from lzero.materialize import UninitializedModuleError
+
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gain = nn.Parameter(torch.ones(4))
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), Scale(), nn.Linear(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(UninitializedModuleError, match=r"Module `1` \(Scale\).*reset_parameters.*init_fn"):
+        ZeroEngine(model, [opt], ZeroConfig(stage=3, unit_modules=("Linear",)))
+
+
+def test_unknown_unit_module_class_is_named() -> None:
+    from lzero import ZeroEngine
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"unit_modules names \['Block'\].*HINT.*Linear"):
+        ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], ZeroConfig(stage=3, unit_modules=["Block"]))

@@ -210,7 +210,7 @@ def fit(out: Path, name: str, strategy: Any, model: LightningModule, devices: in
 def suite_ws2(out: Path) -> None:
     """World size 2: DDP vs zero1/zero2, accumulation, clipping, manual GAN, checkpoints."""
     ddp = "ddp_find_unused_parameters_true"
-    for acc in (1, 3):
+    for acc in (1, 2, 3):
         for strategy in (ddp, "zero1", "zero2", "zero3"):
             unseeded_init()
             fit(out, f"{strategy}_acc{acc}", strategy, TiedNet(), 2, data(), data(16, seed=9),
