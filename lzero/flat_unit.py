@@ -154,11 +154,6 @@ class FlatUnit:
             p.data = p.detach().clone()
         self.owns_params = False
 
-    @property
-    def nbytes(self) -> int:
-        return self.flat_param.numel() * self.flat_param.element_size()
-
-
 
 _PLACEHOLDERS: dict[tuple[torch.dtype, torch.device], Tensor] = {}
 
