@@ -25,7 +25,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=20
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/bench_step_time.py --strategies ddp,zero1,zero2
+	$(BIN)/python benchmarks/bench_step_time.py --strategies ddp,zero1,zero2,zero3,fsdp2
 
 clean:
 	rm -rf runs lightning_logs .pytest_cache

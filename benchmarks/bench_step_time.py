@@ -1,12 +1,17 @@
-"""Time training steps of DDP against the lzero ZeRO strategies on CPU.
+"""Time training steps of DDP and FSDP2 against the lzero ZeRO strategies on CPU.
 
 Trains DemoGPT (about 100M parameters by default, fp32) on 2 CPU processes with one
 thread each, once per strategy, and reports rank 0's wall time per step, measured from
 ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, communication and
 optimizer step; no extra barriers). The first ``--warmup`` steps are not timed.
 
-    python benchmarks/bench_step_time.py --strategies ddp,zero1,zero2
+    python benchmarks/bench_step_time.py --strategies ddp,zero1,zero2,zero3,fsdp2
     python benchmarks/bench_step_time.py --strategies ddp --small   # seconds-long smoke test
+
+Strategy names are Lightning registry names (``ddp``; ``zero1``/``zero2``/``zero3`` come
+from lzero), except ``fsdp2``: torch's ``fully_shard`` applied per transformer block and
+then to the whole GPT, through Lightning's ``ModelParallelStrategy`` (data-parallel size 2,
+tensor-parallel size 1), see :class:`FSDP2DemoGPT`.
 
 Lightning launches rank 1 by re-running this script with the same arguments, so both
 ranks walk the strategy list in the same order and each ``Trainer.fit`` pairs up.
@@ -24,6 +29,7 @@ import argparse
 import ctypes
 import gc
 import statistics
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +38,7 @@ import lightning
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from typing_extensions import override
 
 from lzero.demo import DemoGPT, TextDataModule
@@ -43,6 +50,38 @@ MODEL_SHAPES = {
 }
 WORLD_SIZE = 2
 DEFAULT_OUT = Path(__file__).with_name("results_step_time.md")
+
+
+class FSDP2DemoGPT(DemoGPT):
+    """DemoGPT sharded with FSDP2 in ``configure_model``, as ModelParallelStrategy requires.
+
+    Like torchtitan: every transformer block is its own ``fully_shard`` group, then the
+    GPT itself takes the rest (embeddings, the tied head weight, final LayerNorm). The last
+    block keeps its parameters gathered after forward, because backward needs them first.
+    DemoGPT's ``configure_optimizers`` runs after this hook, so AdamW gets the DTensor shards.
+    """
+
+    @override
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if isinstance(self.model, FSDPModule):  # Lightning calls this hook again on a later fit/test
+            return
+        mesh = self.device_mesh["data_parallel"]
+        blocks = self.model.blocks
+        for i, block in enumerate(blocks):
+            fully_shard(block, mesh=mesh, reshard_after_forward=i < len(blocks) - 1)
+        fully_shard(self.model, mesh=mesh)
+
+
+def make_strategy(name: str) -> str | Strategy:
+    """What to pass as ``Trainer(strategy=...)`` for a benchmark strategy name."""
+    if name == "fsdp2":
+        # "auto" would make the tensor-parallel dimension span the node's 2 processes;
+        # here both processes are data-parallel (pure FSDP2). Nothing in the strategy
+        # is tied to CUDA: on the CPU accelerator it uses gloo and a "cpu" device mesh.
+        return ModelParallelStrategy(data_parallel_size=WORLD_SIZE, tensor_parallel_size=1)
+    return name
 
 
 class StepTimer(Callback):
@@ -66,7 +105,7 @@ class StepTimer(Callback):
 @dataclass
 class Result:
     strategy: str
-    """Name the Trainer resolved through the strategy registry."""
+    """Benchmark strategy name (a registry name, or ``fsdp2``)."""
     times: list[float]
     """Rank 0's timed step durations in seconds."""
     peak_rss_mb: list[float]
@@ -116,7 +155,8 @@ def gather_floats(value: float) -> list[float]:
 def run_one(strategy: str, args: argparse.Namespace) -> Result:
     shape = MODEL_SHAPES["small" if args.small else "full"]
     seed_everything(0, verbose=False)
-    model = DemoGPT(vocab_size=256, **shape)
+    model_class = FSDP2DemoGPT if strategy == "fsdp2" else DemoGPT
+    model = model_class(vocab_size=256, **shape)
     data = TextDataModule(
         block_size=shape["block_size"], batch_size=args.batch_size, steps_per_epoch=args.warmup + args.steps
     )
@@ -124,7 +164,7 @@ def run_one(strategy: str, args: argparse.Namespace) -> Result:
     trainer = Trainer(
         accelerator="cpu",
         devices=WORLD_SIZE,
-        strategy=strategy,
+        strategy=make_strategy(strategy),
         precision="32-true",
         max_steps=args.warmup + args.steps,
         limit_val_batches=0,
@@ -140,6 +180,25 @@ def run_one(strategy: str, args: argparse.Namespace) -> Result:
     result = Result(strategy, timer.times, gather_floats(peak_rss_mb()))
     del trainer, model, data
     return result
+
+
+def lzero_revision() -> str:
+    """Which lzero was imported: its git commit, marked when lzero/ has uncommitted changes."""
+    import lzero
+
+    package = Path(lzero.__file__).resolve().parent
+
+    def git(*cmd: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(package), *cmd], capture_output=True, text=True)
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        if head.returncode != 0:
+            return "lzero (not in a git checkout)"
+        dirty = git("status", "--porcelain", "--", ".").stdout.strip()
+    except OSError:
+        return "lzero (git unavailable)"
+    return f"lzero {head.stdout.strip()}" + (" + uncommitted changes" if dirty else "")
 
 
 def format_table(results: list[Result], header: str, rss_resettable: bool) -> str:
@@ -170,8 +229,12 @@ def format_table(results: list[Result], header: str, rss_resettable: bool) -> st
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Time DDP and lzero ZeRO steps on 2 CPU processes.")
-    parser.add_argument("--strategies", default="ddp,zero1,zero2", help="comma-separated strategy names")
+    parser = argparse.ArgumentParser(description="Time DDP, FSDP2 and lzero ZeRO steps on 2 CPU processes.")
+    parser.add_argument(
+        "--strategies",
+        default="ddp,zero1,zero2",
+        help="comma-separated names: Lightning registry names (ddp, zero1, zero2, zero3, ...) or fsdp2",
+    )
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per process per step")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
@@ -186,7 +249,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
-    import lzero  # noqa: F401  registers the zero1/zero2 strategy names
+    import lzero  # noqa: F401  registers the zero1/zero2/zero3 strategy names
 
     args = parse_args()
     torch.set_num_threads(1)
@@ -200,7 +263,7 @@ def main() -> None:
     header = (
         f"DemoGPT {n_params:,} parameters ({shape}), fp32, {WORLD_SIZE} CPU processes x 1 thread,"
         f" batch {args.batch_size}/process, {args.warmup} warmup + {args.steps} timed steps;"
-        f" torch {torch.__version__}, lightning {lightning.__version__}, {os.cpu_count()} CPUs."
+        f" {lzero_revision()}, torch {torch.__version__}, lightning {lightning.__version__}, {os.cpu_count()} CPUs."
     )
     table = format_table(results, header, rss_resettable)
     print(table)

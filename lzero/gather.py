@@ -97,7 +97,7 @@ class Gatherer:
         mine = torch.tensor([self._names.index(name)], dtype=torch.int64)
         every = torch.empty(dist.get_world_size(self.check_group), dtype=torch.int64)
         try:
-            dist.all_gather_into_tensor(every, mine, group=self.check_group)
+            dist.all_gather_single(every, mine, group=self.check_group)
         except RuntimeError as err:
             raise UnitOrderError(
                 f"Rank {dist.get_rank()} is about to gather unit `{_show(name)}`, but not every rank reached a"

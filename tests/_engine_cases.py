@@ -157,9 +157,11 @@ class Deep(nn.Module):
         return self.head(h)
 
 
-def param_storage_bytes(model: nn.Module) -> int:
-    """Bytes of the distinct storages behind the module's parameters, as they are right now."""
-    return sum({p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}.values())
+def param_storage_bytes(model: nn.Module, buffers: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind the module's parameters and the given flat buffers
+    (a prefetched unit's buffer is filled before its parameters point at it), as they are now."""
+    storages = [t.untyped_storage() for t in [*model.parameters(), *buffers]]
+    return sum({st.data_ptr(): st.nbytes() for st in storages if st.nbytes()}.values())
 
 
 def stage3_memory(rank: int, world_size: int, prefetch: int) -> dict:
@@ -171,8 +173,10 @@ def stage3_memory(rank: int, world_size: int, prefetch: int) -> dict:
     zopt = ZeroOptimizer(opt, engine, 0)
     peak = [0]
 
+    flat_buffers = [u.flat_param for u in engine.units]
+
     def probe(*_: object) -> None:
-        peak[0] = max(peak[0], param_storage_bytes(model))
+        peak[0] = max(peak[0], param_storage_bytes(model, flat_buffers))
 
     hooks = [m.register_forward_pre_hook(probe) for m in model.modules()]
     hooks += [m.register_forward_hook(probe) for m in model.modules()]
