@@ -123,17 +123,29 @@ def broadcast_(tensors: Sequence[Tensor], src: int = 0, group: Optional[dist.Pro
 
 
 @torch.no_grad()
-def broadcast_coalesced_(tensors: Sequence[Tensor], src: int = 0, group: Optional[dist.ProcessGroup] = None) -> None:
-    """Like :func:`broadcast_` but one collective per dtype: for many small tensors (buffers)."""
+def broadcast_coalesced_(tensors: Sequence[Tensor], src: int = 0, group: Optional[dist.ProcessGroup] = None,
+                         max_numel: int = 2**62) -> None:
+    """Like :func:`broadcast_` but packing tensors of one dtype into collectives of up to
+    ``max_numel`` elements (a larger tensor goes alone): for many small tensors."""
     if world_size(group) == 1 or not tensors:
         return
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     for same in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in same])
-        dist.broadcast(flat, src=src, group=group)
-        offset = 0
-        for t in same:
-            t.copy_(flat[offset : offset + t.numel()].view_as(t))
-            offset += t.numel()
+        batch: list[Tensor] = []
+        for t in same + [None]:
+            if batch and (t is None or sum(b.numel() for b in batch) + t.numel() > max_numel):
+                _broadcast_packed(batch, src, group)
+                batch = []
+            if t is not None:
+                batch.append(t)
+
+
+def _broadcast_packed(batch: list[Tensor], src: int, group: Optional[dist.ProcessGroup]) -> None:
+    flat = torch.cat([t.reshape(-1) for t in batch])
+    dist.broadcast(flat, src=src, group=group)
+    offset = 0
+    for t in batch:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()

@@ -49,7 +49,8 @@ class ZeroEngineError(RuntimeError):
 class ZeroEngine:
     def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], config: ZeroConfig,
                  group: Optional[dist.ProcessGroup] = None, device: torch.device = torch.device("cpu"),
-                 init_fn: Optional[InitFn] = None) -> None:
+                 init_fn: Optional[InitFn] = None, param_dtype: Optional[torch.dtype] = None,
+                 reduce_dtype: Optional[torch.dtype] = None) -> None:
         self.config = config
         self.group = group
         self.world_size = collectives.world_size(group)
@@ -61,14 +62,22 @@ class ZeroEngine:
             self.partition: Partition = partition_by_label(specs, self.world_size, labels)
         else:
             self.partition = partition_by_size(specs, self.world_size, config.reduce_bucket_size)
+        self._dtypes = {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype}
+        if param_dtype is not None:
+            _refuse_batchnorm(module)
         if config.stage >= 3 and has_meta(module):
             self.units = self._materialize_by_unit(module, optimizers, block_modules, labels, device, init_fn)
         else:
+            self._broadcast_initial_state(module)  # before the units take (fp32 master) copies
             self.units = [
-                FlatUnit(spec, [by_name[p.name] for p in spec.params], self.rank, config.stage)
+                FlatUnit(spec, [by_name[p.name] for p in spec.params], self.rank, config.stage, **self._dtypes)
                 for spec in self.partition.units
             ]
-            self._broadcast_initial_state(module)
+            if param_dtype is not None:  # parameters outside every unit compute in the same dtype
+                managed = {p for u in self.units for p in u.params}
+                for p in module.parameters():
+                    if p not in managed and p.is_floating_point():
+                        p.data = p.data.to(param_dtype)
         self._where: dict[nn.Parameter, tuple[FlatUnit, int]] = {
             p: (unit, i) for unit in self.units for i, p in enumerate(unit.params)
         }
@@ -108,7 +117,8 @@ class ZeroEngine:
                 if label not in done:
                     materializer.run(inside[label])
                     done.add(label)
-                unit = FlatUnit(spec, [module.get_parameter(p.name) for p in spec.params], self.rank, self.config.stage)
+                unit = FlatUnit(spec, [module.get_parameter(p.name) for p in spec.params], self.rank, self.config.stage,
+                                **self._dtypes)
                 unit.keep_shard_only()
                 units.append(unit)
             materializer.run(module.named_modules())  # frozen parameters and buffers outside every unit
@@ -117,11 +127,8 @@ class ZeroEngine:
 
     def _broadcast_initial_state(self, module: nn.Module) -> None:
         """Rank 0's parameters and buffers everywhere, as DDP does, so unseeded models agree."""
-        managed = {p for u in self.units for p in u.params}
-        tensors = [u.flat_param for u in self.units]
-        tensors += [p.data for p in module.parameters() if p not in managed]
-        tensors += [b for b in module.buffers()]
-        collectives.broadcast_(tensors, src=0, group=self.group)
+        tensors = [p.data for p in module.parameters()] + [b for b in module.buffers()]
+        collectives.broadcast_coalesced_(tensors, src=0, group=self.group, max_numel=self.config.reduce_bucket_size)
 
     def _shard_parameters(self, block_modules: dict[str, nn.Module], labels: dict[str, str]) -> Gatherer:
         """Stage 3: keep only the owned shards and hook the blocks. See [Note: stage-3 parameter lifecycle]."""
@@ -320,11 +327,11 @@ class ZeroEngine:
             self._finish_oldest()
         scale = 1.0 / self.world_size  # multiply before summing, exactly as DDP's reducer does
         if unit.flat_grad is not None:
-            unit.flat_grad.mul_(scale)
-            bucket = unit.flat_grad
+            bucket = unit.flat_grad.to(unit.reduce_dtype)  # the gradient buffer itself when dtypes agree
+            bucket.mul_(scale)
         else:
             bucket = unit.pack_grads(scale)
-        out = torch.empty(unit.spec.shard_numel, dtype=unit.flat_param.dtype, device=unit.flat_param.device)
+        out = torch.empty(unit.spec.shard_numel, dtype=bucket.dtype, device=bucket.device)
         handle = collectives.reduce_scatter(out, bucket, self.group, async_op=self.config.overlap_comm)
         unit.grad_state = GradState.REDUCING
         self._inflight.append((handle, unit, out, bucket))
@@ -337,8 +344,8 @@ class ZeroEngine:
         with torch.no_grad():
             if unit.flat_grad is not None:
                 unit.shard_grad.copy_(out)
-            elif unit.shard_grad is None:
-                unit.shard_grad = out  # allocated at the first reduction, then kept and accumulated into
+            elif unit.shard_grad is None:  # allocated at the first reduction, then kept and accumulated into
+                unit.shard_grad = out.to(unit.shard_param.dtype)
             else:
                 unit.shard_grad.add_(out)
         unit.mark_reduced()
@@ -401,6 +408,7 @@ class ZeroEngine:
             for unit in bucket:
                 if unit.shard_param.grad is not None:
                     step_unit(unit)
+                    unit.publish()
             if self.world_size > 1 and self.gatherer is None:  # stage 3 gathers on demand instead
                 pending.append(self._launch_gather(bucket))
         for handle, bucket, out in pending:
@@ -468,11 +476,23 @@ def _collect_params(module: nn.Module, optimizers: Sequence[torch.optim.Optimize
     specs, by_name = [], {}
     for name, p in module.named_parameters():
         if p in group_of and p.requires_grad:
-            if p.dtype != torch.float32:
+            if p.dtype not in (torch.float32, torch.bfloat16):
                 raise ZeroEngineError(
-                    f"Parameter `{name}` is {p.dtype}; this lzero release shards float32 parameters."
-                    " HINT: keep parameters in float32 and use `precision='32-true'`."
+                    f"Parameter `{name}` is {p.dtype}; lzero shards float32 (and, under bf16-true, bfloat16)"
+                    " parameters. HINT: keep parameters in float32 and choose the compute dtype with"
+                    " `Trainer(precision=...)`."
                 )
             specs.append(ParamSpec(name, tuple(p.shape), group_of[p]))
             by_name[name] = p
     return specs, by_name
+
+
+def _refuse_batchnorm(module: nn.Module) -> None:
+    """BatchNorm needs its weights in the dtype of its fp32 running statistics."""
+    for name, m in module.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            raise ZeroEngineError(
+                f"`{name}` ({type(m).__name__}) cannot run with bf16 working parameters and fp32 running"
+                " statistics. HINT: use `ZeroPrecision('bf16-mixed', param_dtype=torch.float32)` (fp32"
+                " parameters under bf16 autocast), or replace BatchNorm with LayerNorm/GroupNorm."
+            )

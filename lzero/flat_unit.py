@@ -37,25 +37,38 @@ class FlatUnit:
     gradients are packed into a temporary bucket, reduce-scattered, and freed.
     """
 
-    def __init__(self, spec: UnitSpec, params: Sequence[nn.Parameter], rank: int, stage: int) -> None:
+    def __init__(self, spec: UnitSpec, params: Sequence[nn.Parameter], rank: int, stage: int,
+                 param_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None) -> None:
         self.spec = spec
         self.params = list(params)
         self.stage = stage
         self.rank = rank
         self.ranges = [(start, end) for _, start, end in spec.param_ranges()]  # each param in the flat buffer
         lo, hi = spec.shard_range(rank)
-        device, dtype = params[0].device, params[0].dtype
+        device, master_dtype = params[0].device, params[0].dtype
+        compute_dtype = param_dtype or master_dtype
+        self.mixed = compute_dtype != master_dtype  # 16-bit compute with higher-precision masters
+        self.reduce_dtype = reduce_dtype or master_dtype
         with torch.no_grad():
-            self.flat_param = torch.zeros(spec.padded_numel, device=device, dtype=dtype)  # 1D
+            full = torch.zeros(spec.padded_numel, device=device, dtype=master_dtype)  # 1D, the unit's values
             for p, (start, end) in zip(self.params, self.ranges):
-                self.flat_param[start:end].copy_(p.detach().reshape(-1))
+                full[start:end].copy_(p.detach().reshape(-1))
+            if self.mixed:
+                master = full[lo:hi].clone()
+                self.flat_param = full.to(compute_dtype)  # 1D, padded_numel
+            else:
+                # full precision: the master is the owned slice itself (stages 1-2), or the kept shard (stage 3)
+                master = full[lo:hi] if stage < 3 else full[lo:hi].clone()
+                self.flat_param = full
+            del full
+            for p, (start, end) in zip(self.params, self.ranges):
                 p.data = self.flat_param[start:end].view(p.shape)
-        # fp32 training: the master is the owned slice itself (stages 1-2) or the kept shard (stage 3)
-        master = self.flat_param[lo:hi] if stage < 3 else self.flat_param[lo:hi].clone()
-        self.shard_param = nn.Parameter(master, requires_grad=True)  # 1D, shard_numel
+        self.shard_param = nn.Parameter(master, requires_grad=True)  # 1D, shard_numel: what the optimizer steps
+        # stage 3: the compute-dtype shard that all-gathers read (the master itself in full precision)
+        self.param_shard = (master if not self.mixed else master.to(compute_dtype)) if stage >= 3 else None
         if stage == 1:
             self.flat_grad = torch.zeros_like(self.flat_param)  # 1D, padded_numel
-            self.shard_grad = self.flat_grad[lo:hi]
+            self.shard_grad = self.flat_grad[lo:hi] if not self.mixed else torch.zeros_like(master)
         else:
             self.flat_grad = None
             self.shard_grad: Optional[Tensor] = None  # 1D, shard_numel; the first reduction's output
@@ -86,7 +99,7 @@ class FlatUnit:
     def pack_grads(self, scale: float) -> Tensor:
         """Stage 2: a new bucket holding ``scale * p.grad`` for every param (zeros where a param
         has none); the params' full gradients are released."""
-        bucket = torch.zeros(self.spec.padded_numel, device=self.flat_param.device, dtype=self.flat_param.dtype)
+        bucket = torch.zeros(self.spec.padded_numel, device=self.flat_param.device, dtype=self.reduce_dtype)
         for p, (start, end) in zip(self.params, self.ranges):
             if p.grad is not None:
                 torch.mul(p.grad.reshape(-1), scale, out=bucket[start:end])
@@ -113,16 +126,21 @@ class FlatUnit:
 
     def owned_param(self) -> Tensor:
         """This rank's slice of the parameters, in the dtype the model computes in."""
-        if self.stage >= 3:
-            return self.shard_param.data
+        if self.param_shard is not None:
+            return self.param_shard
         lo, hi = self.spec.shard_range(self.rank)
         return self.flat_param[lo:hi]
 
     @torch.no_grad()
+    def publish(self) -> None:
+        """After the optimizer stepped the master: write it, in the compute dtype, where the next
+        all-gather reads. A no-op in full precision, where the master is that very tensor."""
+        if self.mixed:
+            self.owned_param().copy_(self.shard_param.detach())
+
+    @torch.no_grad()
     def keep_shard_only(self) -> None:
-        """Stage 3, after the initial broadcast: keep the owned shard, release the full buffer."""
-        lo, hi = self.spec.shard_range(self.rank)
-        self.shard_param.data.copy_(self.flat_param[lo:hi])
+        """Stage 3: keep the owned shard, release the full buffer."""
         self.release()
 
     @property

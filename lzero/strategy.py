@@ -41,6 +41,8 @@ class ZeroStrategy(DDPStrategy):
         config: the full configuration; see :class:`lzero.ZeroConfig` for every field.
         stage: shortcut for ``config.stage``.
         allow_untested_optimizer: shortcut for ``config.allow_untested_optimizer``.
+        precision: a precision for this strategy (``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``);
+            it wins over ``Trainer(precision=...)``.
         init_fn: stage 3, for models built on the meta device (``configure_model`` or
             ``Trainer.init_module(empty_init=True)``): called on every module to initialize it; by
             default the module's ``reset_parameters()``.
@@ -63,9 +65,13 @@ class ZeroStrategy(DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         init_fn: Optional[Callable[[torch.nn.Module], None]] = None,
+        precision: Optional[str] = None,
         **options: Any,
     ) -> None:
         self.config = optional_config(config, stage=stage, allow_untested_optimizer=allow_untested_optimizer, **options)
+        self._explicit_precision = precision is not None
+        if precision is not None:
+            precision_plugin = ZeroPrecision(precision)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -89,6 +95,9 @@ class ZeroStrategy(DDPStrategy):
     @precision_plugin.setter
     @override
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        explicit = getattr(self, "_explicit_precision", False) and self._precision_plugin is not None
+        if explicit and not isinstance(plugin, ZeroPrecision):
+            return  # the strategy's own precision wins over the Trainer's generic plugin
         self._precision_plugin = None if plugin is None else to_zero_precision(plugin)
 
     @property
@@ -113,7 +122,8 @@ class ZeroStrategy(DDPStrategy):
             for optimizer in self.optimizers:
                 check_optimizer(optimizer, self.config.allow_untested_optimizer)
             self._engine = ZeroEngine(self.model, self.optimizers, self.config, device=self.root_device,
-                                      init_fn=self.init_fn)
+                                      init_fn=self.init_fn, param_dtype=self.precision_plugin.param_dtype,
+                                      reduce_dtype=self.precision_plugin.reduce_dtype)
             self._engine.automatic = self.lightning_module.automatic_optimization
             self.optimizers = [ZeroOptimizer(opt, self._engine, i) for i, opt in enumerate(self.optimizers)]
         else:

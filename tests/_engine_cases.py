@@ -125,6 +125,7 @@ def everything(rank: int, world_size: int, ddp_configs: list[dict], memory_bucke
         "reuse": stage3_reuse_and_checkpointing(rank, world_size),
         "state_dicts": stage3_state_dicts(rank, world_size),
         "sharded_init": stage3_sharded_init(rank, world_size) if world_size == 2 else None,
+        "bf16": bf16_against_ddp(rank, world_size) if world_size == 2 else None,
         # last: it leaves the engine mid-step
         "partial": stage3_unit_on_some_ranks(rank, world_size) if world_size == 2 else None,
     }
@@ -360,3 +361,48 @@ def stage3_state_dicts(rank: int, world_size: int) -> dict:
     }
     engine.remove()
     return result
+
+
+def bf16_against_ddp(rank: int, world_size: int, stages: tuple[int, ...] = (1, 2, 3)) -> dict:
+    """20 AdamW steps per precision mode against DDP: "mixed" (bf16 working parameters, fp32 masters)
+    and "autocast" (fp32 parameters) against DDP under bf16 autocast; "true" (all bf16) against DDP
+    on a bf16 model."""
+    results = {}
+    for stage in stages:
+        for mode in ("mixed", "autocast", "true"):
+            torch.manual_seed(1000 + rank)
+            model = Deep(width=32, depth=4)
+            if mode == "true":
+                model = model.to(torch.bfloat16)
+            ref = DDP(copy.deepcopy(model))
+            ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+            dtypes = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if mode == "mixed" else {}
+            engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage), **dtypes)
+            zopt = ZeroOptimizer(opt, engine, 0)
+            gen = torch.Generator().manual_seed(21 + rank)
+            diffs = []
+            for _ in range(20):
+                x, y = torch.randint(0, 64, (64, 3), generator=gen), torch.randint(0, 64, (64,), generator=gen)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode != "true"):
+                    ref_loss = nn.functional.cross_entropy(ref(x).float(), y)
+                ref_loss.backward()
+                ref_opt.step()
+                ref_opt.zero_grad()
+                engine.gather_root()
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode != "true"):
+                    loss = nn.functional.cross_entropy(model(x).float(), y)
+                loss.backward()
+                zopt.step()
+                zopt.zero_grad()
+                diffs.append(abs(loss.item() - ref_loss.item()))
+            engine.unshard()
+            pairs = list(zip(model.parameters(), ref.module.parameters()))
+            results[(stage, mode)] = {
+                "worst_loss_diff": max(diffs), "first_loss": diffs and ref_loss.item(),
+                "masters": sorted({str(u.shard_param.dtype) for u in engine.units}),
+                "params": sorted({str(p.dtype) for p in model.parameters()}),
+                "max_rel": max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in pairs),
+            }
+            engine.remove()
+    return results

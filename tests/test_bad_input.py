@@ -68,13 +68,28 @@ def test_allow_listed_optimizers_pass() -> None:
         check_optimizer(opt, allow_untested=False)
 
 
-def test_precision_not_built_is_refused() -> None:
+@pytest.mark.parametrize("precision", ["16-mixed", "16-true", "64-true", "transformer-engine"])
+def test_unsupported_precision_is_refused_by_name(precision: str) -> None:
+    from lzero import ZeroPrecision, ZeroPrecisionError
+
+    with pytest.raises(ZeroPrecisionError, match=f"precision='{precision}' is not supported.*HINT"):
+        ZeroPrecision(precision)
+
+
+def test_trainer_precision_becomes_zero_precision() -> None:
     from lightning.pytorch import Trainer
 
-    from lzero import ZeroPrecisionError
+    from lzero import ZeroPrecision, ZeroPrecisionError, ZeroStrategy
 
-    with pytest.raises(ZeroPrecisionError, match="precision='bf16-mixed'.*HINT"):
-        Trainer(strategy="zero2", accelerator="cpu", devices=1, precision="bf16-mixed", logger=False)
+    plugin = Trainer(strategy="zero2", accelerator="cpu", devices=1, precision="bf16-mixed",
+                     logger=False).strategy.precision_plugin
+    assert isinstance(plugin, ZeroPrecision) and plugin.param_dtype == torch.bfloat16
+    assert plugin.reduce_dtype == torch.float32
+    with pytest.raises(ZeroPrecisionError, match="precision='64-true' is not supported"):
+        Trainer(strategy="zero2", accelerator="cpu", devices=1, precision="64-true", logger=False)
+    explicit = ZeroStrategy(stage=2, precision="bf16-true")  # the strategy's own precision wins
+    trainer = Trainer(strategy=explicit, accelerator="cpu", devices=1, precision="32-true", logger=False)
+    assert trainer.strategy.precision_plugin.precision == "bf16-true"
 
 
 @pytest.mark.parametrize("content", [b"not a checkpoint at all", None])

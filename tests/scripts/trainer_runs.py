@@ -32,14 +32,15 @@ class TiedNet(LightningModule):
     (``zero_unused=True``: a zero gradient, the reference for lzero's unit semantics).
     """
 
-    def __init__(self, use_spare_every: int = 1, zero_unused: bool = False, lr_decay: float = 0.9) -> None:
+    def __init__(self, use_spare_every: int = 1, zero_unused: bool = False, lr_decay: float = 0.9,
+                 batchnorm: bool = True) -> None:
         super().__init__()
         self.use_spare_every = use_spare_every
         self.zero_unused = zero_unused
         self.lr_decay = lr_decay
         self.embed = nn.Embedding(16, 8)
         self.body = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.Linear(32, 8))
-        self.bn = nn.BatchNorm1d(8)
+        self.bn = nn.BatchNorm1d(8) if batchnorm else nn.LayerNorm(8)
         self.norm = nn.LayerNorm(8)
         self.spare = nn.Linear(8, 8)
         self.frozen = nn.Linear(8, 8)
@@ -143,6 +144,7 @@ class Recorder(Callback):
         self.grad_norms: list[float] = []
         self.norm_layer = ""
         self.summary_params = 0
+        self.param_dtype = ""
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         from lightning.pytorch.utilities.model_summary import ModelSummary
@@ -161,6 +163,7 @@ class Recorder(Callback):
                            batch_idx: int) -> None:
         if isinstance(outputs, dict) and "loss" in outputs:
             self.losses.append(outputs["loss"].item())
+        self.param_dtype = str(pl_module.body[0].weight.dtype) if hasattr(pl_module, "body") else ""
         if isinstance(trainer.strategy, lzero.ZeroStrategy) and trainer.strategy.config.stage >= 2:
             leaked = [n for n, p in pl_module.named_parameters() if p.grad is not None]
             if leaked:
@@ -203,6 +206,7 @@ def fit(out: Path, name: str, strategy: Any, model: LightningModule, devices: in
                     "buffers": {n: b.clone() for n, b in model.named_buffers()},
                     "losses": recorder.losses, "grad_norms": recorder.grad_norms, "metrics": metrics,
                     "norm_layer": recorder.norm_layer, "summary_params": recorder.summary_params,
+                    "param_dtype": recorder.param_dtype,
                     "global_step": trainer.global_step}, out / f"{name}.pt")
     return trainer
 
@@ -220,6 +224,9 @@ def suite_ws2(out: Path) -> None:
         fit(out, f"{strategy}_unused", strategy, TiedNet(use_spare_every=2, zero_unused=strategy == ddp), 2, data())
     unseeded_init()
     fit(out, f"{ddp}_unused_skipped", ddp, TiedNet(use_spare_every=2), 2, data())
+    for strategy in (ddp, "zero1", "zero2", "zero3"):
+        unseeded_init()
+        fit(out, f"{strategy}_bf16", strategy, TiedNet(batchnorm=False), 2, data(), precision="bf16-mixed")
     lazy = LazyNet()
     fit(out, "zero3_configure_model", "zero3", lazy, 2, data(), steps=20)
     if lazy.trainer.is_global_zero:
