@@ -63,6 +63,7 @@ class ZeroEngine:
         else:
             self.partition = partition_by_size(specs, self.world_size, config.reduce_bucket_size)
         self._dtypes = {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype}
+        self._cast_back: list[tuple[nn.Parameter, torch.dtype]] = []  # frozen parameters cast to param_dtype
         if param_dtype is not None:
             _refuse_batchnorm(module)
         if config.stage >= 3 and has_meta(module):
@@ -76,7 +77,8 @@ class ZeroEngine:
             if param_dtype is not None:  # parameters outside every unit compute in the same dtype
                 managed = {p for u in self.units for p in u.params}
                 for p in module.parameters():
-                    if p not in managed and p.is_floating_point():
+                    if p not in managed and p.is_floating_point() and p.dtype != param_dtype:
+                        self._cast_back.append((p, p.dtype))
                         p.data = p.data.to(param_dtype)
         self._where: dict[nn.Parameter, tuple[FlatUnit, int]] = {
             p: (unit, i) for unit in self.units for i, p in enumerate(unit.params)
@@ -159,6 +161,27 @@ class ZeroEngine:
         if self.gatherer is not None:
             self.gatherer.release_all()
 
+    @property
+    def mixed(self) -> bool:
+        """16-bit working parameters with fp32 masters."""
+        return any(u.mixed for u in self.units)
+
+    @torch.no_grad()
+    def master_state_dict(self, module: nn.Module) -> dict[str, Tensor]:
+        """The module's state dict with the fp32 masters in place of the 16-bit working parameters,
+        on rank 0 (an empty dict elsewhere), gathered one unit at a time. A collective."""
+        keep = self.rank == 0
+        full: dict[int, Tensor] = {}
+        for unit in self.units:
+            flat = torch.empty(unit.spec.padded_numel, dtype=unit.shard_param.dtype, device=unit.shard_param.device)
+            collectives.all_gather(flat, unit.shard_param.detach(), self.group)
+            if keep:
+                for p, (start, end) in zip(unit.params, unit.ranges):
+                    full[id(p)] = flat[start:end].view(p.shape).clone()
+        if not keep:
+            return {}
+        return {k: full.get(id(v), v.detach()) for k, v in module.state_dict(keep_vars=True).items()}
+
     @contextmanager
     def gathered(self, module: nn.Module) -> Iterator[None]:
         """Full parameters of ``module`` inside the block; writes are carried back to the shards.
@@ -193,6 +216,21 @@ class ZeroEngine:
                         unit.shard_param.data.copy_(unit.flat_param[lo:hi])
                     if name not in already:
                         self.gatherer.release(name)
+
+    @torch.no_grad()
+    def restore_masters(self) -> None:
+        """16-bit working parameters, at the end of fit: every parameter becomes a standalone full
+        tensor holding its fp32 master again (frozen ones return to their dtype). A collective."""
+        for unit in self.units:
+            flat = torch.empty(unit.spec.padded_numel, dtype=unit.shard_param.dtype, device=unit.shard_param.device)
+            collectives.all_gather(flat, unit.shard_param.detach(), self.group)
+            for p, (start, end) in zip(unit.params, unit.ranges):
+                p.data = flat[start:end].view(p.shape).clone()
+            unit.owns_params = False
+            if self.gatherer is not None:
+                self.gatherer.release(self.gatherer.block_of(unit).name)
+        for p, dtype in self._cast_back:
+            p.data = p.data.to(dtype)
 
     @torch.no_grad()
     def unshard(self) -> None:

@@ -190,6 +190,8 @@ class ZeroStrategy(DDPStrategy):
         default) sharded parameters are :class:`lzero.state_dict.ShardedTensor` values (this rank's
         piece and ``full_tensor()``); with ``"full"`` rank 0 receives plain tensors gathered one unit at
         a time. A collective: call it on every rank."""
+        if self._engine is not None and self._engine.mixed:
+            return self._engine.master_state_dict(self.lightning_module)  # fp32 masters, not bf16 copies
         if self._engine is None or self._engine.gatherer is None:
             return super().lightning_module_state_dict()
         state = sharded_state_dict(self._engine, self.lightning_module)
@@ -206,7 +208,10 @@ class ZeroStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         if self._engine is not None:
-            self._engine.unshard()  # stage 3: test/predict after fit see full parameters
+            if self._engine.mixed:
+                self._engine.restore_masters()  # the module leaves fit with its fp32 weights, as under DDP
+            else:
+                self._engine.unshard()  # stage 3: test/predict after fit see full parameters
             self._engine.remove()
             self._engine = None
         super().teardown()

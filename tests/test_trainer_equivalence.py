@@ -135,3 +135,14 @@ def test_bf16_mixed_tracks_ddp_autocast(runs: Path, stage: str) -> None:
     worst = max(abs(a - b) for a, b in zip(ours["losses"], ref["losses"], strict=True))
     print(f"{stage} bf16-mixed: worst per-step loss difference vs DDP bf16-mixed {worst:.4f}")
     assert worst < 3e-2
+
+
+@pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3"])
+def test_bf16_mixed_checkpoint_holds_fp32_masters(runs: Path, stage: str) -> None:
+    ours = torch.load(runs / f"{stage}_bf16.ckpt", weights_only=True)
+    ref = torch.load(runs / f"{DDP}_bf16.ckpt", weights_only=True)
+    assert ours["state_dict"].keys() == ref["state_dict"].keys()
+    for key, value in ours["state_dict"].items():
+        assert value.dtype == ref["state_dict"][key].dtype, key  # fp32 masters, like DDP's fp32 weights
+    opt = ours["optimizer_states"][0]["state"]
+    assert all(s["exp_avg"].dtype == torch.float32 for s in opt.values())

@@ -226,7 +226,8 @@ def suite_ws2(out: Path) -> None:
     fit(out, f"{ddp}_unused_skipped", ddp, TiedNet(use_spare_every=2), 2, data())
     for strategy in (ddp, "zero1", "zero2", "zero3"):
         unseeded_init()
-        fit(out, f"{strategy}_bf16", strategy, TiedNet(batchnorm=False), 2, data(), precision="bf16-mixed")
+        fit(out, f"{strategy}_bf16", strategy, TiedNet(batchnorm=False), 2, data(), precision="bf16-mixed",
+            save=True)
     lazy = LazyNet()
     fit(out, "zero3_configure_model", "zero3", lazy, 2, data(), steps=20)
     if lazy.trainer.is_global_zero:
