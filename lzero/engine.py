@@ -172,15 +172,20 @@ class ZeroEngine:
         on rank 0 (an empty dict elsewhere), gathered one unit at a time. A collective."""
         keep = self.rank == 0
         full: dict[int, Tensor] = {}
-        for unit in self.units:
-            flat = torch.empty(unit.spec.padded_numel, dtype=unit.shard_param.dtype, device=unit.shard_param.device)
-            collectives.all_gather(flat, unit.shard_param.detach(), self.group)
+        for unit, flat in self._gathered_masters():
             if keep:
                 for p, (start, end) in zip(unit.params, unit.ranges):
                     full[id(p)] = flat[start:end].view(p.shape).clone()
         if not keep:
             return {}
         return {k: full.get(id(v), v.detach()) for k, v in module.state_dict(keep_vars=True).items()}
+
+    def _gathered_masters(self) -> Iterator[tuple[FlatUnit, Tensor]]:
+        """(unit, its full fp32 master buffer), one unit at a time, on every rank."""
+        for unit in self.units:
+            flat = torch.empty(unit.spec.padded_numel, dtype=unit.shard_param.dtype, device=unit.shard_param.device)
+            collectives.all_gather(flat, unit.shard_param.detach(), self.group)
+            yield unit, flat
 
     @contextmanager
     def gathered(self, module: nn.Module) -> Iterator[None]:
@@ -221,9 +226,7 @@ class ZeroEngine:
     def restore_masters(self) -> None:
         """16-bit working parameters, at the end of fit: every parameter becomes a standalone full
         tensor holding its fp32 master again (frozen ones return to their dtype). A collective."""
-        for unit in self.units:
-            flat = torch.empty(unit.spec.padded_numel, dtype=unit.shard_param.dtype, device=unit.shard_param.device)
-            collectives.all_gather(flat, unit.shard_param.detach(), self.group)
+        for unit, flat in self._gathered_masters():
             for p, (start, end) in zip(unit.params, unit.ranges):
                 p.data = flat[start:end].view(p.shape).clone()
             unit.owns_params = False
