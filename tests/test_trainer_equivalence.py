@@ -146,3 +146,11 @@ def test_bf16_mixed_checkpoint_holds_fp32_masters(runs: Path, stage: str) -> Non
         assert value.dtype == ref["state_dict"][key].dtype, key  # fp32 masters, like DDP's fp32 weights
     opt = ours["optimizer_states"][0]["state"]
     assert all(s["exp_avg"].dtype == torch.float32 for s in opt.values())
+
+
+@pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3"])
+def test_clipping_by_value_matches_ddp(runs: Path, stage: str) -> None:
+    ours, ref = load(runs, f"{stage}_clipvalue"), load(runs, f"{DDP}_clipvalue")
+    rel = max_rel(ours["params"], ref["params"])
+    print(f"{stage} clip by value: max relative difference vs DDP {rel:.2e}")
+    assert rel < 1e-6

@@ -236,6 +236,9 @@ def suite_ws2(out: Path) -> None:
         unseeded_init()
         fit(out, f"{strategy}_clip", strategy, TiedNet(), 2, data(), gradient_clip_val=0.05)
         unseeded_init()
+        fit(out, f"{strategy}_clipvalue", strategy, TiedNet(), 2, data(), gradient_clip_val=0.01,
+            gradient_clip_algorithm="value")
+        unseeded_init()
         fit(out, f"{strategy}_gan", strategy, GAN(), 2, gan_data())
     for source in (ddp, "zero2", "zero3"):
         for strategy in (ddp, "zero1", "zero2", "zero3"):
