@@ -54,12 +54,14 @@ class _SliceAfter:
         self.work, self.flat, self.output, self.start = work, flat, output, start
 
     def wait(self) -> bool:
-        self.work.wait()
-        self.output.copy_(self.flat[self.start : self.start + self.output.numel()])
+        if self.work is not None:
+            self.work.wait()
+            self.output.copy_(self.flat[self.start : self.start + self.output.numel()])
+            self.work = self.flat = None  # the bucket can go as soon as its slice is out
         return True
 
     def is_completed(self) -> bool:
-        return self.work.is_completed()
+        return self.work is None or self.work.is_completed()
 
 
 def reduces_by_all_reduce(group: Optional[dist.ProcessGroup] = None) -> bool:

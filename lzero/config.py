@@ -72,6 +72,11 @@ class ZeroConfig:
     offload_param: OffloadDevice = "none"
     """Where stage-3 parameter shards live between uses. Only "none" is built in this release."""
 
+    train_batch_size: Optional[int] = None
+    """The global batch you mean to train with. When set, the strategy checks at the start of
+    training that it equals micro batch x ``accumulate_grad_batches`` x world size, and refuses the
+    run otherwise. None: no check (``strategy.global_batch_size`` still reports the product)."""
+
     allow_untested_optimizer: bool = False
     """Run an optimizer that is not on lzero's allow-list of elementwise optimizers. Such an optimizer
     may compute something other than it would on the whole model (e.g. a norm over a shard only)."""
@@ -83,6 +88,8 @@ class ZeroConfig:
             if isinstance(value, float) and value.is_integer():  # DeepSpeed configs write 5e8
                 object.__setattr__(self, name, int(value))
             _check_positive_int(name, getattr(self, name))
+        if self.train_batch_size is not None:
+            _check_positive_int("train_batch_size", self.train_batch_size)
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ZeroConfigError(f"`prefetch={self.prefetch!r}` must be a whole number >= 0. HINT: e.g. `prefetch=1`.")
         if isinstance(self.unit_order_timeout_s, bool) or not isinstance(self.unit_order_timeout_s, (int, float)) \
@@ -144,7 +151,7 @@ def _check_positive_int(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ZeroConfigError(
             f"`{name}={value!r}` must be a positive whole number of elements."
-            f" HINT: e.g. `{name}={ZeroConfig.__dataclass_fields__[name].default}`."
+            f" HINT: e.g. `{name}={ZeroConfig.__dataclass_fields__[name].default or 32}`."
         )
 
 

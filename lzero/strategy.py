@@ -25,7 +25,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lzero.config import ZeroConfig, optional_config
+from lzero.config import ZeroConfig, ZeroConfigError, optional_config
 from lzero.engine import ZeroEngine
 from lzero.full_state import gather_optimizer_state
 from lzero.materialize import has_meta
@@ -83,6 +83,7 @@ class ZeroStrategy(DDPStrategy):
             start_method="popen",  # the spawn launcher's state_dict round trip does not fit sharding
         )
         self._engine: Optional[ZeroEngine] = None
+        self._global_batch: Optional[int] = None
         self.init_fn = init_fn
 
     # --- plugins -----------------------------------------------------------------------------
@@ -234,6 +235,26 @@ class ZeroStrategy(DDPStrategy):
         with self._engine.gathered(module if module is not None else self.lightning_module):
             yield
 
+    @property
+    def global_batch_size(self) -> Optional[int]:
+        """micro batch x accumulate_grad_batches x world size, once training has started."""
+        return self._global_batch
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        trainer = self.lightning_module.trainer
+        micro = _micro_batch_size(trainer.train_dataloader)
+        accumulation, world = trainer.accumulate_grad_batches, self.world_size
+        self._global_batch = None if micro is None else micro * accumulation * world
+        wanted = self.config.train_batch_size
+        if wanted is not None and self._global_batch != wanted:
+            raise ZeroConfigError(
+                f"train_batch_size={wanted} but micro batch {micro} x accumulate_grad_batches {accumulation} x"
+                f" world size {world} = {self._global_batch}. HINT: change the DataLoader's batch_size or"
+                " `accumulate_grad_batches` so that the product matches, or drop `train_batch_size`."
+            )
+
     def partition_metadata(self) -> dict[str, Any]:
         """Where every parameter element lives: unit, offset, shape and each rank's range."""
         if self._engine is None:
@@ -280,3 +301,15 @@ class ZeroStrategy(DDPStrategy):
 
 def _unwrap(optimizer: Any) -> ZeroOptimizer:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def _micro_batch_size(loader: Any) -> Optional[int]:
+    """The per-rank batch size of a DataLoader (or of the first of several), if it states one."""
+    if isinstance(loader, (list, tuple)):
+        loader = loader[0] if loader else None
+    if isinstance(loader, dict):
+        loader = next(iter(loader.values()), None)
+    size = getattr(loader, "batch_size", None)
+    if size is None:
+        size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    return size

@@ -150,3 +150,51 @@ def test_unknown_unit_module_class_is_named() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     with pytest.raises(ValueError, match=r"unit_modules names \['Block'\].*HINT.*Linear"):
         ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], ZeroConfig(stage=3, unit_modules=["Block"]))
+
+
+@pytest.fixture
+def in_process_fit():
+    """A devices=1 fit in the pytest process sets MASTER_PORT/rank variables and a process group;
+    undo both so later launched scripts do not inherit them."""
+    import os
+
+    import torch.distributed as dist
+
+    saved = dict(os.environ)
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def _tiny_fit(strategy, accumulate: int, batch_size: int = 4):
+    from lightning.pytorch import LightningModule, Trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Tiny(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(3, 1)
+
+        def training_step(self, batch, batch_idx):
+            return nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = DataLoader(TensorDataset(torch.randn(32, 3), torch.randn(32, 1)), batch_size=batch_size)
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=2, accumulate_grad_batches=accumulate,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(Tiny(), data)
+    return trainer
+
+
+def test_inconsistent_global_batch_is_refused_with_the_three_numbers(in_process_fit) -> None:
+    from lzero import ZeroStrategy
+
+    with pytest.raises(ZeroConfigError, match=r"train_batch_size=16 but micro batch 4 x accumulate_grad_batches 2"
+                                              r" x world size 1 = 8\. HINT"):
+        _tiny_fit(ZeroStrategy(stage=2, train_batch_size=16), accumulate=2)
+    trainer = _tiny_fit(ZeroStrategy(stage=2, train_batch_size=8), accumulate=2)
+    assert trainer.strategy.global_batch_size == 8
