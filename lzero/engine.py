@@ -193,13 +193,15 @@ class ZeroEngine:
         Stage 3 only gathers (stages 1-2 hold full parameters already). A collective: every rank
         enters it for the same module, and should write the same values."""
         wanted = {id(p) for p in module.parameters()}
-        with self.gathered_units([u for u in self.units if any(id(p) in wanted for p in u.params)]):
+        with self.gathered_units([u for u in self.units if any(id(p) in wanted for p in u.params)], write_back=True):
             yield
 
     @contextmanager
-    def gathered_units(self, units: Sequence[FlatUnit]) -> Iterator[None]:
-        """Stage 3: the blocks holding ``units`` gathered inside the block, written back and released
-        after (unless they were gathered before)."""
+    def gathered_units(self, units: Sequence[FlatUnit], write_back: bool = False) -> Iterator[None]:
+        """Stage 3: the blocks holding ``units`` gathered inside the block and released after (unless
+        they were gathered before). With ``write_back`` the full values are carried back into the
+        shards (and masters); readers leave the masters untouched, which under bf16-mixed matters:
+        copying the bf16 values back would round the fp32 masters."""
         if self.gatherer is None:
             yield
             return
@@ -216,9 +218,12 @@ class ZeroEngine:
         finally:
             with torch.no_grad():
                 for name in names:
-                    for unit in self.gatherer.blocks[name].units:
-                        lo, hi = unit.spec.shard_range(self.rank)
-                        unit.shard_param.data.copy_(unit.flat_param[lo:hi])
+                    if write_back:
+                        for unit in self.gatherer.blocks[name].units:
+                            lo, hi = unit.spec.shard_range(self.rank)
+                            unit.owned_param().copy_(unit.flat_param[lo:hi])
+                            if unit.mixed:
+                                unit.shard_param.data.copy_(unit.flat_param[lo:hi])
                     if name not in already:
                         self.gatherer.release(name)
 
