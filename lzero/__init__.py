@@ -11,6 +11,7 @@ from typing import Any
 import _lzero_startup
 from lzero.config import ZeroConfig, ZeroConfigError
 from lzero.engine import ZeroEngine, ZeroEngineError
+from lzero.loss_scale import LossScaleConfig, LossScaleError, LossScaler
 from lzero.optimizer import ZeroOptimizer, ZeroOptimizerError
 from lzero.partition import ParamSpec, Partition, UnitSpec, partition_by_size
 
@@ -34,6 +35,9 @@ def __getattr__(name: str) -> Any:
 _lzero_startup.install()
 
 __all__ = [
+    "LossScaleConfig",
+    "LossScaleError",
+    "LossScaler",
     "ParamSpec",
     "Partition",
     "UnitSpec",

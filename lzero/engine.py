@@ -92,6 +92,7 @@ class ZeroEngine:
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._where]
         self.sync = True  # False inside Lightning's block_backward_sync (accumulating micro-batches)
         self.automatic = True  # Lightning's automatic optimization
+        self.loss_scale = 1.0  # the fp16 loss scale of the current backward; reductions divide it out
         self._round_open = False
         self._reduce_in_backward = False
         self._launch_in_hooks = False
@@ -371,7 +372,8 @@ class ZeroEngine:
         unit.launched = True
         while len(self._inflight) >= self.config.max_inflight_reductions:
             self._finish_oldest()
-        scale = 1.0 / self.world_size  # multiply before summing, exactly as DDP's reducer does
+        # multiply before summing, exactly as DDP's reducer does; the loss scale is divided out here too
+        scale = 1.0 / (self.world_size * self.loss_scale)
         if unit.flat_grad is not None:
             bucket = unit.flat_grad.to(unit.reduce_dtype)  # the gradient buffer itself when dtypes agree
             bucket.mul_(scale)
@@ -411,6 +413,20 @@ class ZeroEngine:
         self.wait()
         for unit in units:
             unit.zero_grad()
+
+    @torch.no_grad()
+    def found_nonfinite(self, units: Sequence[FlatUnit]) -> bool:
+        """Whether any rank holds an inf/NaN in the reduced gradients of ``units``: one all-reduce of one
+        flag, so every rank takes the same decision. A collective."""
+        self.prepare_step(units)
+        device = units[0].flat_param.device if units else None
+        bad = torch.zeros((), dtype=torch.float32, device=device)
+        for unit in units:
+            if unit.shard_param.grad is not None:  # no host sync per unit: the flag is read once
+                bad = torch.maximum(bad, (~torch.isfinite(unit.shard_grad).all()).float())
+        if self._flag_group is not None:
+            collectives.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._flag_group)
+        return bool(bad.item())
 
     # --- gradient norm and clipping ----------------------------------------------------------
 

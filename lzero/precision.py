@@ -1,4 +1,5 @@
-"""The precision plugin a ZeRO strategy installs: compute dtype, masters, autocast and clipping.
+"""The precision plugin a ZeRO strategy installs: compute dtype, masters, autocast, loss scaling,
+non-finite gradients and clipping.
 
 Lightning routes clipping through the precision plugin; its generic plugin would clip the module's
 ``p.grad`` (None under stage 2, partial under stage 1). This plugin asks the engine for the
@@ -10,16 +11,27 @@ global norm over all shards instead.
   shards and optimizer state, reduction in ``reduce_dtype`` (fp32 by default); the forward runs
   under bf16 autocast so fp32 inputs and buffers mix with bf16 weights. Memory follows the
   mixed-precision formula.
-- ``bf16-mixed`` with ``param_dtype=torch.float32`` (Lightning's own semantics): fp32 parameters,
-  bf16 autocast in forward; the fp32 memory formula.
+- ``16-mixed``: the same with fp16 working parameters, fp16 autocast and dynamic loss scaling
+  (loss_scale.py); the division by the scale is folded into the reduction, so everything after
+  the reduction (clipping, the norm, the optimizer) sees unscaled fp32 gradients.
+- ``bf16-mixed``/``16-mixed`` with ``param_dtype=torch.float32`` (Lightning's own semantics): fp32
+  parameters, 16-bit autocast in forward; the fp32 memory formula.
 - ``bf16-true``: everything bf16, no masters.
-``16-mixed`` needs dynamic loss scaling, which is not built yet, and is refused by name.
+
+[Note: skipped steps]
+Before every optimizer step the engine all-reduces one flag saying whether any rank has an
+inf/NaN gradient, so all ranks decide alike. Such a step is skipped: masters and optimizer state
+stay bitwise unchanged, step-interval LR schedulers of that optimizer are not stepped (as in
+DeepSpeed), and the step still counts toward ``trainer.global_step`` (as in Lightning's AMP and
+DeepSpeed's ``global_steps``). Under ``16-mixed`` this is the loss scaler's overflow; under the other
+precisions it is counted and, with ``nonfinite_grads="raise"``, ends training instead.
 """
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
-from typing import Any, Generator, Optional, Union
+from typing import Any, Callable, Generator, Optional, Union
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
@@ -27,14 +39,19 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "bf16-true")
+from lzero.loss_scale import LossScaleConfig, LossScaler
+
+log = logging.getLogger("lzero")
+
+SUPPORTED_PRECISION = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 REFUSED = {
-    "16-mixed": "fp16 needs dynamic loss scaling, which this lzero release does not have yet",
     "16-true": "pure fp16 training has no loss scaling or fp32 masters",
     "64-true": "ZeRO's flat buffers and masters are at most fp32",
     "transformer-engine": "Transformer Engine layers are not supported",
     "transformer-engine-float16": "Transformer Engine layers are not supported",
 }
+_HALF = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
+NONFINITE_POLICIES = ("skip", "raise")
 
 
 class ZeroPrecisionError(ValueError):
@@ -42,18 +59,22 @@ class ZeroPrecisionError(ValueError):
 
 
 class ZeroPrecision(Precision):
-    """See [Note: precision modes].
+    """See [Note: precision modes] and [Note: skipped steps].
 
     Args:
-        precision: ``"32-true"``, ``"bf16-mixed"`` or ``"bf16-true"``.
-        param_dtype: dtype of the working parameters under ``bf16-mixed`` (bf16 by default; fp32 for
-            Lightning's autocast-only semantics).
-        reduce_dtype: dtype of gradient reductions (default: fp32 under ``bf16-mixed``, the parameter
-            dtype otherwise).
+        precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"`` or ``"bf16-true"``.
+        param_dtype: dtype of the working parameters under ``bf16-mixed``/``16-mixed`` (the 16-bit
+            type by default; fp32 for Lightning's autocast-only semantics).
+        reduce_dtype: dtype of gradient reductions (default: fp32 under the mixed modes, the
+            parameter dtype otherwise). ``16-mixed`` reduces in fp32 only.
+        loss_scaling: ``16-mixed`` only: DeepSpeed's loss-scaling knobs (:class:`lzero.LossScaleConfig`).
+        nonfinite_grads: what an inf/NaN gradient does outside ``16-mixed``: ``"skip"`` the step
+            (counted, reported) or ``"raise"``.
     """
 
     def __init__(self, precision: str = "32-true", param_dtype: Optional[torch.dtype] = None,
-                 reduce_dtype: Optional[torch.dtype] = None) -> None:
+                 reduce_dtype: Optional[torch.dtype] = None, loss_scaling: Optional[LossScaleConfig] = None,
+                 nonfinite_grads: str = "skip") -> None:
         precision = str(precision)
         if precision in REFUSED:
             raise ZeroPrecisionError(
@@ -64,27 +85,62 @@ class ZeroPrecision(Precision):
             raise ZeroPrecisionError(
                 f"Unknown precision {precision!r}. HINT: use one of {', '.join(SUPPORTED_PRECISION)}."
             )
-        for name, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype)):
-            if dtype is not None and dtype not in (torch.float32, torch.bfloat16):
-                raise ZeroPrecisionError(f"`{name}={dtype}` must be torch.float32 or torch.bfloat16.")
-        if precision != "bf16-mixed" and param_dtype is not None:
+        half = _HALF.get(precision)
+        if param_dtype is not None and half is None:
             raise ZeroPrecisionError(
-                f"`param_dtype` applies to precision='bf16-mixed' only, got precision={precision!r}."
+                f"`param_dtype` applies to precision='bf16-mixed' or '16-mixed' only, got precision={precision!r}."
                 " HINT: drop `param_dtype`."
             )
+        if param_dtype is not None and param_dtype not in (half, torch.float32):
+            raise ZeroPrecisionError(f"`param_dtype={param_dtype}` under precision={precision!r} must be {half} or"
+                                     " torch.float32.")
+        allowed_reduce = (torch.float32,) if precision == "16-mixed" else (torch.float32, torch.bfloat16)
+        if reduce_dtype is not None and reduce_dtype not in allowed_reduce:
+            raise ZeroPrecisionError(
+                f"`reduce_dtype={reduce_dtype}` is not supported under precision={precision!r}; use one of"
+                f" {', '.join(map(str, allowed_reduce))}."
+                + (" fp16 sums of loss-scaled gradients overflow." if precision == "16-mixed" else "")
+            )
+        if loss_scaling is not None and precision != "16-mixed":
+            raise ZeroPrecisionError(f"`loss_scaling` applies to precision='16-mixed' only, got {precision!r}."
+                                     " HINT: drop `loss_scaling`.")
+        if nonfinite_grads not in NONFINITE_POLICIES:
+            raise ZeroPrecisionError(f"`nonfinite_grads={nonfinite_grads!r}`; use one of {NONFINITE_POLICIES}.")
         self.precision = precision
-        self.param_dtype = param_dtype if param_dtype is not None else (
-            torch.bfloat16 if precision == "bf16-mixed" else None)
+        self.param_dtype = param_dtype if param_dtype is not None else half
         if self.param_dtype == torch.float32:
             self.param_dtype = None  # autocast mode: the parameters stay as they are
-        self.reduce_dtype = reduce_dtype if reduce_dtype is not None else (
-            torch.float32 if precision == "bf16-mixed" else None)
+        self.reduce_dtype = reduce_dtype if reduce_dtype is not None else (torch.float32 if half else None)
+        self.autocast_dtype = half
+        self.scaler = LossScaler(loss_scaling or LossScaleConfig()) if precision == "16-mixed" else None
+        self.nonfinite_grads = nonfinite_grads
+        self.skipped_steps = 0  # optimizer steps skipped for inf/NaN gradients, all optimizers
+        self._skipped_last: dict[int, bool] = {}  # id(optimizer) -> its last step was skipped
+        self._engine: Any = None
+
+    def bind(self, engine: Any) -> None:
+        """Called by the strategy at setup: the engine divides the loss scale out in its reductions."""
+        self._engine = engine
+        self._sync_scale()
+
+    def _sync_scale(self) -> None:
+        if self._engine is not None:
+            self._engine.loss_scale = self.scaler.scale if self.scaler is not None else 1.0
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 without fp16)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    def skipped_last_step(self, optimizer: Any) -> bool:
+        """Whether the last step of ``optimizer`` (the user's or the ZeRO one) was skipped."""
+        return self._skipped_last.get(id(optimizer), False)
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         if self.precision == "bf16-true":
             return module.to(torch.bfloat16)
-        return module  # bf16-mixed: the engine casts the working parameters and keeps fp32 masters
+        return module  # mixed: the engine casts the working parameters and keeps fp32 masters
 
     @override
     def convert_input(self, data: Any) -> Any:
@@ -97,11 +153,70 @@ class ZeroPrecision(Precision):
     @contextmanager
     @override
     def forward_context(self) -> Generator[None, None, None]:
-        if self.precision == "bf16-mixed":
-            with torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16):
+        if self.autocast_dtype is not None:
+            with torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=self.autocast_dtype):
                 yield
         else:
             yield
+
+    @override
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
+        if self.scaler is not None:
+            tensor = tensor * self.scaler.scale
+        return super().pre_backward(tensor, module)
+
+    @override
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        """Closure (forward, backward), the non-finite check, hooks and clipping, then the step or a skip.
+        See [Note: skipped steps]."""
+        from lightning.pytorch.trainer import call
+
+        zopt = _zero_optimizer(optimizer)
+        closure_result = closure()
+        if getattr(model, "automatic_optimization", False) and closure_result is None:
+            return closure_result  # training_step returned None: no backward, no step (as Lightning's AMP)
+        skip = zopt.engine.found_nonfinite(zopt.units)
+        trainer = model.trainer
+        call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
+        call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+        if not skip:
+            self._clip_gradients(model, optimizer, trainer.gradient_clip_val,
+                                 gradient_clip_algorithm=trainer.gradient_clip_algorithm)
+            zopt.step(**kwargs)
+        self._account(skip, zopt, model)
+        return closure_result
+
+    def _account(self, skip: bool, zopt: Any, model: Any) -> None:
+        before = self.loss_scale
+        if skip and self.scaler is None and self.nonfinite_grads == "raise":
+            raise FloatingPointError(
+                f"A gradient is inf/NaN at global step {model.trainer.global_step} (precision={self.precision!r})."
+                " HINT: lower the learning rate or clip gradients; `ZeroPrecision(nonfinite_grads='skip')` skips"
+                " such steps instead."
+            )
+        for opt in (zopt, zopt.optimizer):
+            self._skipped_last[id(opt)] = skip
+        if skip:
+            self.skipped_steps += 1
+        if self.scaler is not None:
+            self.scaler.update(skip)
+            self._sync_scale()
+        if skip and model.trainer.global_rank == 0:
+            every = self.scaler.config.report_every_n_skips if self.scaler is not None else 100
+            if self.skipped_steps == 1 or self.skipped_steps % every == 0:
+                cause = "fp16 gradient overflow" if self.scaler is not None else "inf/NaN gradient"
+                scale = ""
+                if self.scaler is not None:
+                    scale = (f"; loss scale {before:g} -> {self.loss_scale:g}" if self.loss_scale != before else
+                             f"; loss scale stays {before:g} (hysteresis: it halves after"
+                             f" {self.scaler.hysteresis_left} more overflow(s))")
+                log.warning("lzero: skipped the optimizer step at global step %d (%s)%s; %d steps skipped so far"
+                            " (reported at the first skip and every %d)", model.trainer.global_step, cause, scale,
+                            self.skipped_steps, every)
+        if getattr(model, "_current_fx_name", None) is not None and (self.scaler is not None or self.skipped_steps):
+            if self.scaler is not None:
+                model.log("lzero/loss_scale", before, on_step=True, on_epoch=False, batch_size=1)
+            model.log("lzero/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False, batch_size=1)
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
@@ -112,6 +227,20 @@ class ZeroPrecision(Precision):
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         zopt = _zero_optimizer(optimizer)
         zopt.engine.clip_grad_value_(zopt.units, float(clip_val))
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"skipped_steps": self.skipped_steps}
+        if self.scaler is not None:
+            state["loss_scaler"] = self.scaler.state_dict()
+        return state
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        if self.scaler is not None and "loss_scaler" in state_dict:
+            self.scaler.load_state_dict(state_dict["loss_scaler"])
+            self._sync_scale()
 
 
 def _zero_optimizer(optimizer: Any) -> Any:

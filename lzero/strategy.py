@@ -127,6 +127,8 @@ class ZeroStrategy(DDPStrategy):
                                       reduce_dtype=self.precision_plugin.reduce_dtype)
             self._engine.automatic = self.lightning_module.automatic_optimization
             self.optimizers = [ZeroOptimizer(opt, self._engine, i) for i, opt in enumerate(self.optimizers)]
+            self.precision_plugin.bind(self._engine)
+            _guard_lr_schedulers(self.lightning_module, self.precision_plugin)
         else:
             _sync_module_states(self.model)
         self.setup_precision_plugin()
@@ -215,6 +217,9 @@ class ZeroStrategy(DDPStrategy):
                 self._engine.unshard()  # stage 3: test/predict after fit see full parameters
             self._engine.remove()
             self._engine = None
+            self.precision_plugin.bind(None)
+            if self.lightning_module is not None:
+                self.lightning_module.__dict__.pop("lr_scheduler_step", None)
         super().teardown()
 
     # --- user-facing extras ------------------------------------------------------------------
@@ -301,6 +306,23 @@ class ZeroStrategy(DDPStrategy):
 
 def _unwrap(optimizer: Any) -> ZeroOptimizer:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def _guard_lr_schedulers(module: LightningModule, precision: ZeroPrecision) -> None:
+    """Step-interval LR schedulers do not step after a skipped optimizer step (see [Note: skipped
+    steps] in precision.py). Lightning steps them through ``module.lr_scheduler_step``, so for this
+    fit that hook is shadowed on the instance by one that consults the precision plugin first."""
+    module.__dict__.pop("lr_scheduler_step", None)
+    original = module.lr_scheduler_step
+
+    def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
+        configs = module.trainer.lr_scheduler_configs if module._trainer is not None else []
+        interval = next((c.interval for c in configs if c.scheduler is scheduler), "epoch")
+        if interval == "step" and precision.skipped_last_step(getattr(scheduler, "optimizer", None)):
+            return
+        original(scheduler, metric)
+
+    module.__dict__["lr_scheduler_step"] = lr_scheduler_step
 
 
 def _micro_batch_size(loader: Any) -> Optional[int]:

@@ -68,7 +68,7 @@ def test_allow_listed_optimizers_pass() -> None:
         check_optimizer(opt, allow_untested=False)
 
 
-@pytest.mark.parametrize("precision", ["16-mixed", "16-true", "64-true", "transformer-engine"])
+@pytest.mark.parametrize("precision", ["16-true", "64-true", "transformer-engine"])
 def test_unsupported_precision_is_refused_by_name(precision: str) -> None:
     from lzero import ZeroPrecision, ZeroPrecisionError
 
@@ -90,6 +90,28 @@ def test_trainer_precision_becomes_zero_precision() -> None:
     explicit = ZeroStrategy(stage=2, precision="bf16-true")  # the strategy's own precision wins
     trainer = Trainer(strategy=explicit, accelerator="cpu", devices=1, precision="32-true", logger=False)
     assert trainer.strategy.precision_plugin.precision == "bf16-true"
+    # fp16 on CPU: Lightning rewrites Trainer(precision="16-mixed") to bf16-mixed, so fp16 is asked for
+    # through the strategy or an explicit plugin, and either wins over the Trainer's flag
+    fp16 = Trainer(strategy=ZeroStrategy(stage=3, precision="16-mixed"), accelerator="cpu", devices=1,
+                   precision="bf16-mixed", logger=False).strategy.precision_plugin
+    assert fp16.precision == "16-mixed" and fp16.param_dtype == torch.float16 and fp16.loss_scale == 2.0**16
+    fp16 = Trainer(strategy="zero1", plugins=[ZeroPrecision("16-mixed")], accelerator="cpu", devices=1,
+                   logger=False).strategy.precision_plugin
+    assert fp16.precision == "16-mixed" and fp16.reduce_dtype == torch.float32
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"precision": "32-true", "param_dtype": torch.bfloat16}, "`param_dtype` applies to precision='bf16-mixed' or"),
+    ({"precision": "16-mixed", "param_dtype": torch.bfloat16}, "`param_dtype=torch.bfloat16` under precision='16-mixed'"),
+    ({"precision": "16-mixed", "reduce_dtype": torch.float16}, "`reduce_dtype=torch.float16` is not supported"),
+    ({"precision": "bf16-mixed", "loss_scaling": "x"}, "`loss_scaling` applies to precision='16-mixed' only"),
+    ({"precision": "bf16-mixed", "nonfinite_grads": "ignore"}, "`nonfinite_grads='ignore'`"),
+])
+def test_bad_precision_options_are_named(kwargs: dict, match: str) -> None:
+    from lzero import ZeroPrecision, ZeroPrecisionError
+
+    with pytest.raises(ZeroPrecisionError, match=match):
+        ZeroPrecision(**kwargs)
 
 
 @pytest.mark.parametrize("content", [b"not a checkpoint at all", None])

@@ -1,0 +1,102 @@
+"""fp16 dynamic loss scaling and skipped steps at world size 2, under the Trainer.
+
+See tests/scripts/skip_runs.py: rank 1 injects inf/NaN into one parameter's gradient at global
+steps 3 (inf), 4 (NaN) and 9 (inf); the scaler starts at 2**8 with window 5 and hysteresis 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from _launch import run_script
+
+SKIPPED = [3, 4, 9]
+# hand-computed (DeepSpeed's rules): step 3 uses up hysteresis, 4 halves, 9 halves again (the
+# counter was not refilled: no growth since), then x2 at steps 14, 19, 24, 29, 34, 39
+# ((step - 9) % 5 == 0)
+SCALES = [256.0] * 4 + [128.0] * 5 + [64.0] * 5 + [128.0] * 5 + [256.0] * 5 + [512.0] * 5 + [1024.0] * 5 \
+    + [2048.0] * 5 + [4096.0]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("skip_runs")
+    run_script("skip_runs.py", str(out))
+    return out
+
+
+def load(runs: Path, name: str, rank: int) -> dict:
+    return torch.load(runs / f"{name}_rank{rank}.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fp16_overflow_on_one_rank_skips_everywhere_and_follows_the_scale_rules(runs: Path, stage: str) -> None:
+    for rank in (0, 1):
+        res = load(runs, f"fp16_zero{stage}", rank)
+        rows = res["rows"]
+        assert res["global_step"] == 40  # skipped steps count toward global_step
+        assert [i for i, r in enumerate(rows) if r["skipped"]] == SKIPPED
+        # masters and optimizer state bitwise unchanged exactly across the skipped steps
+        assert [i for i, r in enumerate(rows) if r["unchanged"]] == SKIPPED
+        assert [r["scale"] for r in rows] == SCALES
+        assert res["skipped_steps"] == 3
+        # the step-interval LambdaLR(0.97**s) stepped only for the 37 steps taken
+        assert rows[-1]["lr"] == pytest.approx(2e-2 * 0.97**37, rel=1e-12)
+        assert rows[0]["master_dtype"] == "torch.float32" and rows[0]["param_dtype"] == "torch.float16"
+        assert all(torch.isfinite(p).all() for p in res["params"].values())
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fp16_converges_and_tracks_fp32_with_the_same_skips(runs: Path, stage: int) -> None:
+    fp16, fp32 = load(runs, f"fp16_zero{stage}", 0)["rows"], load(runs, "fp32_zero2", 0)["rows"]
+    worst = max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(fp16, fp32, strict=True))
+    last = sum(r["loss"] for r in fp16[-5:]) / 5
+    print(f"zero{stage} fp16: loss {fp16[0]['loss']:.3f} -> {last:.3f} (last 5), worst relative difference vs fp32"
+          f" {worst:.2e}")
+    assert last < 0.25 * fp16[0]["loss"]
+    assert worst < 1e-2
+
+
+@pytest.mark.parametrize("name", ["fp32_zero2", "bf16_zero3"])
+def test_nonfinite_gradient_skips_and_counts_in_fp32_and_bf16(runs: Path, name: str) -> None:
+    for rank in (0, 1):
+        res = load(runs, name, rank)
+        assert [i for i, r in enumerate(res["rows"]) if r["skipped"]] == SKIPPED
+        assert [i for i, r in enumerate(res["rows"]) if r["unchanged"]] == SKIPPED
+        assert res["skipped_steps"] == 3
+        assert all(r["scale"] == 1.0 for r in res["rows"])
+        assert all(torch.isfinite(p).all() for p in res["params"].values())  # NaN never reached the masters
+
+
+def test_loss_scaler_state_survives_save_and_resume(runs: Path) -> None:
+    # 20 steps, save, resume to 30 vs 30 uninterrupted; overflow again at 22, after the resume
+    full, resumed = load(runs, "fp16_full", 0), load(runs, "fp16_resumed", 0)
+    ckpt = torch.load(runs / "fp16_first.ckpt", weights_only=True)
+    assert ckpt["ZeroPrecision"] == {"skipped_steps": 3, "loss_scaler": {
+        "scale": 256.0, "iteration": 20, "last_overflow_iteration": 9, "hysteresis_left": 2,
+        "overflows_at_min_scale": 0}}
+    assert [r["scale"] for r in resumed["rows"]] == [r["scale"] for r in full["rows"]][20:]
+    assert [r["loss"] for r in resumed["rows"]] == [r["loss"] for r in full["rows"]][20:]
+    assert resumed["skipped_steps"] == full["skipped_steps"] == 4
+    for name, value in full["params"].items():
+        assert torch.equal(resumed["params"][name], value), name
+
+
+def test_overflowing_at_min_scale_ends_training_with_a_clear_error(runs: Path) -> None:
+    for rank in (0, 1):
+        res = load(runs, "fp16_stuck", rank)
+        # 256 -> 128 -> 64 (= min_loss_scale) at steps 2 and 3, then 3 overflows at 64: steps 4, 5, 6
+        assert res["global_step"] == 6
+        assert res["error"].startswith("LossScaleError: fp16 gradients overflowed in 3 consecutive steps at the"
+                                       " minimum loss scale 64")
+        assert "HINT" in res["error"]
+
+
+def test_nonfinite_raise_policy(runs: Path) -> None:
+    for rank in (0, 1):
+        res = load(runs, "fp32_raise", rank)
+        assert res["error"].startswith("FloatingPointError: A gradient is inf/NaN at global step 3")
+        assert res["global_step"] == 3
