@@ -106,17 +106,22 @@ def _live_tensor_bytes_once() -> int:
     return sum(storages.values())
 
 
-def memory_after_backward(rank: int, world_size: int, stage: int, bucket: int) -> dict:
-    """Live tensor bytes after the backward of step 3 (optimizer state exists), before its step."""
+def memory_after_backward(rank: int, world_size: int, stage: int, bucket: int,
+                          param_dtype: torch.dtype | None = None) -> dict:
+    """Live tensor bytes after the backward of step 3 (optimizer state exists), before its step.
+    With ``param_dtype=torch.bfloat16``: bf16 working parameters, fp32 masters (bf16-mixed)."""
     torch.manual_seed(0)
     model = Net(width=96, depth=6)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage, reduce_bucket_size=bucket))
+    dtypes = {"param_dtype": param_dtype, "reduce_dtype": torch.float32} if param_dtype is not None else {}
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage, reduce_bucket_size=bucket), **dtypes)
     zopt = ZeroOptimizer(opt, engine, 0)
     x, y = torch.randn(2, 7), torch.randn(2, 5)
     measured = 0
     for step in range(3):
-        nn.functional.mse_loss(model(x), y).backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=param_dtype is not None):
+            loss = nn.functional.mse_loss(model(x).float(), y)
+        loss.backward()
         if step == 2:
             gc.collect()
             measured = live_tensor_bytes()
@@ -133,6 +138,8 @@ def everything(rank: int, world_size: int, ddp_configs: list[dict], memory_bucke
     return {
         "ddp": against_ddp(rank, world_size, ddp_configs),
         "memory": {stage: memory_after_backward(rank, world_size, stage, memory_bucket) for stage in (1, 2)},
+        "memory_bf16": {stage: memory_after_backward(rank, world_size, stage, memory_bucket, torch.bfloat16)
+                        for stage in (1, 2)},
         "stage3": {prefetch: stage3_memory(rank, world_size, prefetch) for prefetch in (0, 1, 2)},
         "gathered": stage3_gathered_parameters(rank, world_size),
         "reuse": stage3_reuse_and_checkpointing(rank, world_size),

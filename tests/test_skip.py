@@ -43,6 +43,9 @@ def test_fp16_overflow_on_one_rank_skips_everywhere_and_follows_the_scale_rules(
         assert [i for i, r in enumerate(rows) if r["unchanged"]] == SKIPPED
         assert [r["scale"] for r in rows] == SCALES
         assert res["skipped_steps"] == 3
+        # metrics: the scale each step used, and the running skip count
+        assert [r["logged_scale"] for r in rows] == [256.0] + SCALES[:-1]
+        assert [r["logged_skips"] for r in rows] == [float(sum(s <= i for s in SKIPPED)) for i in range(40)]
         # the step-interval LambdaLR(0.97**s) stepped only for the 37 steps taken
         assert rows[-1]["lr"] == pytest.approx(2e-2 * 0.97**37, rel=1e-12)
         assert rows[0]["master_dtype"] == "torch.float32" and rows[0]["param_dtype"] == "torch.float16"
@@ -68,6 +71,7 @@ def test_nonfinite_gradient_skips_and_counts_in_fp32_and_bf16(runs: Path, name: 
         assert [i for i, r in enumerate(res["rows"]) if r["unchanged"]] == SKIPPED
         assert res["skipped_steps"] == 3
         assert all(r["scale"] == 1.0 for r in res["rows"])
+        assert [r["logged_skips"] for r in res["rows"]][:5] == [-1.0, -1.0, -1.0, 1.0, 2.0]  # from the first skip
         assert all(torch.isfinite(p).all() for p in res["params"].values())  # NaN never reached the masters
 
 

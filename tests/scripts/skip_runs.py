@@ -81,6 +81,8 @@ class Record(Callback):
             "scale": plugin.loss_scale,
             "skipped": plugin.skipped_last_step(trainer.strategy.optimizers[0]),
             "lr": trainer.optimizers[0].param_groups[0]["lr"],
+            "logged_scale": trainer.callback_metrics.get("lzero/loss_scale", torch.tensor(-1.0)).item(),
+            "logged_skips": trainer.callback_metrics.get("lzero/skipped_steps", torch.tensor(-1.0)).item(),
             "unchanged": all(torch.equal(a, b) for a, b in zip(self._before, after, strict=True)),
             "master_dtype": str(trainer.strategy.optimizers[0].units[0].shard_param.dtype),
             "param_dtype": str(pl_module.net[0].weight.dtype),
