@@ -151,3 +151,8 @@ def _broadcast_packed(batch: list[Tensor], src: int, group: Optional[dist.Proces
     for t in batch:
         t.copy_(flat[offset : offset + t.numel()].view_as(t))
         offset += t.numel()
+
+
+def barrier(group: Optional[dist.ProcessGroup] = None) -> None:
+    if world_size(group) > 1:
+        dist.barrier(group=group)

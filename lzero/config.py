@@ -58,8 +58,13 @@ class ZeroConfig:
 
     state_dict_type: Literal["sharded", "full"] = "sharded"
     """Stage 3, ``strategy.lightning_module_state_dict()``: "sharded" values expose this rank's piece
-    and ``full_tensor()``; "full" gathers plain tensors onto rank 0, one unit at a time. Checkpoints
-    are written in full DDP format either way (sharded checkpoints are a later release)."""
+    and ``full_tensor()``; "full" gathers plain tensors onto rank 0, one unit at a time."""
+
+    checkpoint_format: Literal["sharded", "full"] = "sharded"
+    """What ``trainer.save_checkpoint`` and ``ModelCheckpoint`` write while fitting: "sharded", a
+    directory in which every rank writes its own pieces (resumable at any world size and stage;
+    ``lzero consolidate`` turns it into one file), or "full", one DDP-format file gathered onto rank 0
+    one unit at a time (readable by plain Lightning)."""
 
     broadcast_buffers: bool = True
     """Before every training step, overwrite module buffers (BatchNorm running statistics...) with
@@ -101,6 +106,11 @@ class ZeroConfig:
         if self.state_dict_type not in ("sharded", "full"):
             raise ZeroConfigError(
                 f"`state_dict_type={self.state_dict_type!r}` is not one of 'sharded', 'full'. HINT: use 'sharded'."
+            )
+        if self.checkpoint_format not in ("sharded", "full"):
+            raise ZeroConfigError(
+                f"`checkpoint_format={self.checkpoint_format!r}` is not one of 'sharded', 'full'."
+                " HINT: 'sharded' (a directory per checkpoint) or 'full' (one DDP-format file)."
             )
         if self.unit_modules is not None:
             if isinstance(self.unit_modules, str) or not all(isinstance(n, str) for n in self.unit_modules):

@@ -490,6 +490,29 @@ class ZeroEngine:
     def metadata(self) -> dict[str, Any]:
         return self.partition.metadata()
 
+    def param_names(self) -> dict[int, str]:
+        """id(parameter) -> its name in the partition."""
+        return {id(p): unit.spec.params[i].name for p, (unit, i) in self._where.items()}
+
+    @torch.no_grad()
+    def load_params(self, fetch: Callable[[str, int, int], Tensor]) -> None:
+        """Set every parameter from ``fetch(name, start, end)`` (elements [start, end) of the flattened
+        parameter): each rank fetches only the pieces it owns into its fp32 masters, publishes them in the
+        compute dtype, and stages 1-2 all-gather the full parameters. A collective."""
+        for unit in self.units:
+            for spec, a, b, s in unit.spec.owned_pieces(self.rank):
+                unit.shard_param.data[s : s + (b - a)].copy_(fetch(spec.name, a, b))
+            unit.publish()
+            if self.config.stage >= 3 and unit.gathered:
+                lo, hi = unit.spec.shard_range(self.rank)
+                unit.flat_param[lo:hi].copy_(unit.owned_param())
+        if self.world_size > 1 and self.gatherer is None:
+            pending = [self._launch_gather(bucket) for bucket in _coalesce(self.units, self.config.allgather_bucket_size)]
+            for handle, bucket, out in pending:
+                handle.wait()
+                if out is not None:
+                    _scatter_coalesced(bucket, out, self.world_size)
+
 
 def _coalesce(units: Sequence[FlatUnit], limit: int) -> Iterator[list[FlatUnit]]:
     bucket: list[FlatUnit] = []

@@ -7,6 +7,7 @@ wrapper, gradient hooks on the parameters, and optimizers re-targeted at the sha
 
 from __future__ import annotations
 
+import pickle
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -29,7 +30,9 @@ from lzero.config import ZeroConfig, ZeroConfigError, optional_config
 from lzero.engine import ZeroEngine
 from lzero.full_state import gather_optimizer_state
 from lzero.materialize import has_meta
-from lzero.state_dict import consolidate, has_sharded, sharded_state_dict
+from lzero.sharded_checkpoint import (ShardedCheckpoint, fetch_full, is_sharded_checkpoint, load_optimizer_shards,
+                                      save_sharded)
+from lzero.state_dict import ShardedTensor, consolidate, has_sharded, sharded_state_dict
 from lzero.optimizer import ZeroOptimizer, check_optimizer
 from lzero.precision import ZeroPrecision, to_zero_precision
 
@@ -192,7 +195,12 @@ class ZeroStrategy(DDPStrategy):
         """Stage 3: the module's own keys with global shapes. With ``state_dict_type="sharded"`` (the
         default) sharded parameters are :class:`lzero.state_dict.ShardedTensor` values (this rank's
         piece and ``full_tensor()``); with ``"full"`` rank 0 receives plain tensors gathered one unit at
-        a time. A collective: call it on every rank."""
+        a time. A collective: call it on every rank.
+
+        While a sharded checkpoint is being written (``checkpoint_format="sharded"``), every stage returns
+        the sharded form: no rank gathers anything."""
+        if self._engine is not None and self.config.checkpoint_format == "sharded":
+            return sharded_state_dict(self._engine, self.lightning_module)
         if self._engine is not None and self._engine.mixed:
             return self._engine.master_state_dict(self.lightning_module)  # fp32 masters, not bf16 copies
         if self._engine is None or self._engine.gatherer is None:
@@ -200,13 +208,42 @@ class ZeroStrategy(DDPStrategy):
         state = sharded_state_dict(self._engine, self.lightning_module)
         return consolidate(self._engine, state) if self.config.state_dict_type == "full" else state
 
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Checkpoints load into the engine's shards, so after setup (as DeepSpeed and FSDP do)."""
+        return True
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
                         ) -> None:
-        """Until sharded checkpoints exist: a full DDP-format file, sharded values gathered unit by unit."""
+        """While fitting with ``checkpoint_format="sharded"``: a checkpoint directory, every rank writing
+        its own pieces (see [Note: sharded checkpoint layout]). Otherwise one DDP-format file on rank 0,
+        sharded values gathered one unit at a time."""
+        if self._engine is not None and self.config.checkpoint_format == "sharded":
+            self._save_sharded(checkpoint, filepath)
+            return
         if has_sharded(checkpoint.get("state_dict", {})):
             checkpoint = {**checkpoint, "state_dict": consolidate(self._engine, checkpoint["state_dict"])}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _save_sharded(self, checkpoint: dict[str, Any], filepath: Any) -> None:
+        engine = self._engine
+        assert engine is not None
+        state = checkpoint.get("state_dict", {})
+        module_state = {k: v for k, v in state.items() if not isinstance(v, ShardedTensor)}
+        aliases = {k: v.spec.name for k, v in state.items() if isinstance(v, ShardedTensor) and v.spec.name != k}
+        params = {spec.name: {"shape": list(spec.shape), "numel": spec.numel}
+                  for unit in engine.units for spec in unit.spec.params}
+        optimizers = [_unwrap(o) for o in self.optimizers] if "optimizer_states" in checkpoint else []
+        extra = {
+            "stage": self.config.stage, "precision": self.precision_plugin.precision,
+            "global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch"),
+            "pytorch-lightning_version": checkpoint.get("pytorch-lightning_version"),
+            "parameter_count": sum(p["numel"] for p in params.values()), "params": params,
+            "state_dict_keys": list(state), "aliases": aliases, "weights_only": not optimizers,
+        }
+        save_sharded(filepath, engine, optimizers, checkpoint, module_state, extra)
 
     @override
     def teardown(self) -> None:
@@ -270,20 +307,80 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self._engine is not None and self.config.checkpoint_format == "sharded":
+            return {"lzero": "written by the sharded checkpoint"}  # the pieces come from the shards
         return gather_optimizer_state(_unwrap(optimizer))
 
     @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Into the shards while fitting: each rank reads only the pieces it owns, from a sharded
+        checkpoint or a full (DDP/Lightning) one."""
+        reader: Optional[ShardedCheckpoint] = checkpoint.get("lzero/reader")
+        module = self.lightning_module
+        if self._engine is None:
+            state = dict(reader.iter_state_dict()) if reader is not None else checkpoint["state_dict"]
+            module.load_state_dict(state, strict=strict)
+            return
+        engine = self._engine
+        specs = {spec.name: spec for unit in engine.units for spec in unit.spec.params}
+        if reader is not None:
+            saved_shapes = {n: tuple(p["shape"]) for n, p in reader.manifest["params"].items()}
+            aliases = reader.manifest["aliases"]
+            fetch = lambda name, a, b: reader.read_range(f"param/{name}", a, b)  # noqa: E731
+            rest = reader.lightning_state()["lzero/module_state"]
+        else:
+            state = checkpoint["state_dict"]
+            aliases = {}
+            saved_shapes = {k: tuple(v.shape) for k, v in state.items()}
+            fetch = fetch_full(state, aliases)
+            rest = {k: v for k, v in state.items() if k not in specs}
+        wrong = [f"`{n}` saved {saved_shapes.get(n)} now {s.shape}" for n, s in specs.items()
+                 if n in saved_shapes and saved_shapes[n] != tuple(s.shape)]
+        missing = [n for n in specs if n not in saved_shapes]
+        if wrong or (strict and missing):
+            raise ValueError(f"The checkpoint does not fit this model: {'; '.join(wrong + [f'`{n}` missing' for n in missing])}."
+                             " HINT: resume with the model the checkpoint was saved from.")
+        engine.load_params(fetch)
+        own = module.state_dict(keep_vars=True)
+        managed = {id(p) for unit in engine.units for p in unit.params}
+        rest = {k: v for k, v in rest.items() if k in own and id(own[k]) not in managed}
+        result = module.load_state_dict(rest, strict=False)
+        unexpected_missing = [k for k in result.missing_keys if id(own[k]) not in managed]
+        if strict and unexpected_missing:
+            raise ValueError(f"The checkpoint lacks {unexpected_missing}. HINT: resume with the model it was saved from.")
+
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            _unwrap(optimizer).load_state_dict(state)
+        reader: Optional[ShardedCheckpoint] = checkpoint.get("lzero/reader")
+        for k, optimizer in enumerate(self.optimizers):
+            if reader is not None:
+                load_optimizer_shards(_unwrap(optimizer), k, reader)
+            else:
+                _unwrap(optimizer).load_state_dict(checkpoint["optimizer_states"][k])
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         path = Path(checkpoint_path)
         if not path.exists():
             raise FileNotFoundError(f"Checkpoint `{path}` does not exist. HINT: check `ckpt_path`.")
+        if is_sharded_checkpoint(path):
+            reader = ShardedCheckpoint(path)
+            checkpoint = {k: v for k, v in reader.lightning_state().items() if not k.startswith("lzero/")}
+            checkpoint["lzero/reader"] = reader
+            checkpoint["state_dict"] = _LazyStateDict(reader)
+            if not reader.manifest.get("weights_only"):
+                checkpoint["optimizer_states"] = [{"lzero": "read from the shards"}] * len(
+                    reader.lightning_state()["lzero/param_groups"])
+            reader.restore_rng(self.global_rank, self.world_size)
+            return checkpoint
+        safe = weights_only is None or weights_only  # a foreign file is unpickled only when the user says so
         try:
-            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=safe)
+        except pickle.UnpicklingError as err:
+            raise ValueError(
+                f"`{path}` needs pickle to load ({err}). HINT: if you trust this file, pass"
+                " `trainer.fit(..., weights_only=False)`; lzero never unpickles files of its own checkpoints."
+            ) from err
         except Exception as err:
             raise ValueError(
                 f"`{path}` is not a readable Lightning checkpoint ({type(err).__name__}: {err})."
@@ -302,6 +399,27 @@ class ZeroStrategy(DDPStrategy):
         from lzero.presets import register_presets
 
         register_presets(strategy_registry)
+
+
+class _LazyStateDict(Mapping):
+    """The module's state dict of a sharded checkpoint, for ``on_load_checkpoint`` hooks that look at
+    it: keys at once, each tensor read (whole) only when asked for."""
+
+    def __init__(self, reader: ShardedCheckpoint) -> None:
+        self._reader = reader
+        self._keys = list(reader.manifest["state_dict_keys"])
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        name = self._reader.manifest["aliases"].get(key, key)
+        if name in self._reader.manifest["params"]:
+            return self._reader.full_param(name)
+        return self._reader.lightning_state()["lzero/module_state"][key]
+
+    def __iter__(self) -> Any:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
 
 
 def _unwrap(optimizer: Any) -> ZeroOptimizer:

@@ -35,7 +35,7 @@ class Toy(LightningModule):
         self._hook: Any = None
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = step_batch(self.trainer.global_step, self.global_rank)
+        x, y = step_batch(self.trainer.global_step, self.global_rank, self.trainer.world_size)
         kind = self.inject.get(self.trainer.global_step)
         if kind is not None and self.global_rank == 1:
             value = float(kind)
@@ -92,10 +92,16 @@ class Record(Callback):
 TEACHER = torch.randn(8, 1, generator=torch.Generator().manual_seed(0))
 
 
-def step_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A function of the global step and rank, not of the loader's position, so a resumed run sees the
-    samples the uninterrupted one saw (Lightning's loader order after a resume is its own matter)."""
-    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(1000 * step + rank))
+GLOBAL_BATCH = 12  # divisible by world sizes 1, 2, 3 and 4
+
+
+def step_batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's slice of the global batch of ``step``: a function of the global step, not of the
+    loader's position, so a resumed run, at any world size, sees the samples the uninterrupted one saw
+    (Lightning restarts a plain loader's epoch on a mid-epoch resume)."""
+    x = torch.randn(GLOBAL_BATCH, 8, generator=torch.Generator().manual_seed(1000 + step))
+    micro = GLOBAL_BATCH // world_size
+    x = x[rank * micro : (rank + 1) * micro]
     return x, torch.tanh(x @ TEACHER)
 
 

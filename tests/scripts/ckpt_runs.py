@@ -1,0 +1,59 @@
+"""Sharded checkpoints: continuation and re-sharding (Lightning re-runs this script for the other ranks).
+
+    python tests/scripts/ckpt_runs.py SUITE OUT_DIR
+
+The toy model of skip_runs.py, whose samples are a function of the global step (the same global
+batch of 12 at every world size). ``ModelCheckpoint(every_n_train_steps=10, save_last=True)``
+writes the checkpoints. Rank 0 writes ``OUT_DIR/<run>.pt`` with the final parameters and losses.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+sys.path.insert(0, str(Path(__file__).parent))
+from skip_runs import Record, Toy, data  # noqa: E402
+
+from lzero import ZeroStrategy  # noqa: E402
+
+
+def fit(out: Path, name: str, strategy: object, devices: int, steps: int, resume: Optional[str] = None) -> None:
+    torch.manual_seed(0)
+    model = Toy({})
+    record = Record() if strategy != "ddp" else None
+    checkpoints = ModelCheckpoint(dirpath=out / name, every_n_train_steps=10, save_last=True)
+    trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[checkpoints] + ([record] if record else []))
+    trainer.fit(model, data(), ckpt_path=resume)
+    if trainer.is_global_zero:
+        torch.save({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+                    "losses": [r["loss"] for r in record.rows] if record else [],
+                    "files": sorted(p.name for p in (out / name).iterdir())}, out / f"{name}.pt")
+
+
+def main(suite: str, out: Path) -> None:
+    zero = {s: (lambda s=s: ZeroStrategy(stage=s)) for s in (1, 2, 3)}
+    if suite == "ws2":
+        for stage in (1, 2, 3):
+            fit(out, f"zero{stage}_full", zero[stage](), 2, steps=30)
+            fit(out, f"zero{stage}_first", zero[stage](), 2, steps=20)
+            fit(out, f"zero{stage}_resumed", zero[stage](), 2, steps=30,
+                resume=str(out / f"zero{stage}_first" / "last.ckpt"))
+        fit(out, "ddp_first", "ddp", 2, steps=20)
+    elif suite == "ws1":  # 2 -> 1: zero3 -> zero1 and DDP -> DDP
+        fit(out, "zero3_to_zero1_ws1", zero[1](), 1, steps=30, resume=str(out / "zero3_first" / "last.ckpt"))
+        fit(out, "ddp_to_ddp_ws1", "ddp", 1, steps=30, resume=str(out / "ddp_first" / "last.ckpt"))
+
+
+if __name__ == "__main__":
+    out_dir = Path(sys.argv[2])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    main(sys.argv[1], out_dir)
