@@ -15,8 +15,22 @@ from collections.abc import Callable
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
+
+
+def _consolidate(argv: list[str]) -> int:
+    from lzero.consolidate import consolidate_command
+
+    return consolidate_command(argv)
+
+
+def _inspect(argv: list[str]) -> int:
+    from lzero.consolidate import inspect_command
+
+    return inspect_command(argv)
+
+
 # Extra subcommands, name -> handler(argv after the name) returning an exit code.
-EXTRA_COMMANDS: dict[str, Callable[[list[str]], int]] = {}
+EXTRA_COMMANDS: dict[str, Callable[[list[str]], int]] = {"consolidate": _consolidate, "inspect": _inspect}
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 

@@ -34,8 +34,11 @@ def losses_and_weights(save_dir: Path) -> tuple[list[float], dict]:
     events = EventAccumulator(str(run))
     events.Reload()
     losses = [e.value for e in events.Scalars("train_loss")]
-    ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
-    return losses, ckpt["state_dict"]
+    from lzero.cli import main
+
+    plain = save_dir / "consolidated.ckpt"  # last.ckpt is a sharded directory; the command makes one file
+    assert main(["consolidate", str(run / "checkpoints" / "last.ckpt"), str(plain)]) == 0
+    return losses, torch.load(plain, weights_only=True)["state_dict"]
 
 
 def test_two_torchrun_nodes_equal_one_node_bitwise(tmp_path: Path) -> None:

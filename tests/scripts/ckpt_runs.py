@@ -47,9 +47,19 @@ def main(suite: str, out: Path) -> None:
             fit(out, f"zero{stage}_resumed", zero[stage](), 2, steps=30,
                 resume=str(out / f"zero{stage}_first" / "last.ckpt"))
         fit(out, "ddp_first", "ddp", 2, steps=20)
-    elif suite == "ws1":  # 2 -> 1: zero3 -> zero1 and DDP -> DDP
+    elif suite == "ws1":  # 2 -> 1: zero3 -> zero1 and DDP -> DDP; and the world-size-1 saves for 1 -> 2
         fit(out, "zero3_to_zero1_ws1", zero[1](), 1, steps=30, resume=str(out / "zero3_first" / "last.ckpt"))
         fit(out, "ddp_to_ddp_ws1", "ddp", 1, steps=30, resume=str(out / "ddp_first" / "last.ckpt"))
+        fit(out, "zero2_first_ws1", zero[2](), 1, steps=20)
+        fit(out, "ddp_first_ws1", "ddp", 1, steps=20)
+    elif suite == "ws3":  # world size 3, micro batch 4, saved for 3 -> 2
+        fit(out, "zero2_first_ws3", zero[2](), 3, steps=20)
+        fit(out, "ddp_first_ws3", "ddp", 3, steps=20)
+    elif suite == "ws2b":  # 1 -> 2 and 3 -> 2 at stage 2, against DDP resumed the same way
+        for source in ("ws1", "ws3"):
+            fit(out, f"zero2_{source}_to_ws2", zero[2](), 2, steps=30,
+                resume=str(out / f"zero2_first_{source}" / "last.ckpt"))
+            fit(out, f"ddp_{source}_to_ws2", "ddp", 2, steps=30, resume=str(out / f"ddp_first_{source}" / "last.ckpt"))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,138 @@
+"""Sharded checkpoints under the Trainer: continuation, re-sharding, consolidation, damaged files.
+
+See tests/scripts/ckpt_runs.py (a toy regression whose samples are a function of the global step;
+``ModelCheckpoint(every_n_train_steps=10, save_last=True)``).
+"""
+
+from __future__ import annotations
+
+import pickle
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from _launch import SCRIPTS, run_script
+from lzero.ckpt_format import CheckpointError
+from lzero.consolidate import consolidate, inspect
+from lzero.sharded_checkpoint import MANIFEST, ShardedCheckpoint
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ckpt_runs")
+    for suite in ("ws2", "ws1", "ws3", "ws2b"):
+        run_script("ckpt_runs.py", suite, str(out))
+    return out
+
+
+def load(runs: Path, name: str) -> dict:
+    return torch.load(runs / f"{name}.pt", weights_only=True)
+
+
+def max_rel(a: dict, b: dict) -> float:
+    return max(((a[k] - b[k]).norm() / b[k].norm()).item() for k in b)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_resume_continues_bitwise(runs: Path, stage: int) -> None:
+    full, resumed = load(runs, f"zero{stage}_full"), load(runs, f"zero{stage}_resumed")
+    for name, value in full["params"].items():
+        assert torch.equal(resumed["params"][name], value), name
+    assert resumed["losses"] == full["losses"][20:]
+    # save_top_k=1 removed the step-10 directory; last.ckpt/ was rewritten in place (manifest commit)
+    assert load(runs, f"zero{stage}_first")["files"] == ["epoch=0-step=20.ckpt", "last.ckpt"]
+    last = runs / f"zero{stage}_first" / "last.ckpt"
+    assert sorted(p.name.split("-")[0] for p in last.iterdir()) == ["manifest.json", "shard", "shard"]
+
+
+def test_reshard_zero3_ws2_to_zero1_ws1(runs: Path) -> None:
+    ours, ddp, full = (load(runs, n)["params"] for n in ("zero3_to_zero1_ws1", "ddp_to_ddp_ws1", "zero3_full"))
+    print(f"zero3 ws2 -> zero1 ws1: vs DDP 2->1 {max_rel(ours, ddp):.2e}, vs uninterrupted {max_rel(ours, full):.2e}")
+    assert max_rel(ours, ddp) < 1e-6
+    assert max_rel(ours, full) < 1e-3
+
+
+@pytest.mark.parametrize("source", ["ws1", "ws3"])
+def test_reshard_to_world_size_2_at_stage_2(runs: Path, source: str) -> None:
+    ours, ddp = load(runs, f"zero2_{source}_to_ws2")["params"], load(runs, f"ddp_{source}_to_ws2")["params"]
+    full = load(runs, "zero2_full")["params"]
+    print(f"zero2 {source} -> ws2: vs DDP {max_rel(ours, ddp):.2e}, vs uninterrupted {max_rel(ours, full):.2e}")
+    assert max_rel(ours, ddp) < 1e-6
+    assert max_rel(ours, full) < 1e-3
+
+
+def test_consolidate_loads_into_a_plain_module(runs: Path, tmp_path: Path) -> None:
+    sys.path.insert(0, str(SCRIPTS))
+    from skip_runs import Toy
+
+    source = runs / "zero3_first" / "last.ckpt"
+    saved = load(runs, "zero3_first")["params"]  # the parameters at step 20, when last.ckpt was written
+    consolidate(source, tmp_path / "model.ckpt")
+    plain = torch.load(tmp_path / "model.ckpt", weights_only=True)
+    assert plain["global_step"] == 20 and "pytorch-lightning_version" in plain
+    model = Toy.load_from_checkpoint(tmp_path / "model.ckpt", strict=True)
+    reference = Toy({})
+    reference.load_state_dict(saved)
+    x = torch.randn(5, 8)
+    assert torch.equal(model.net(x), reference.net(x))
+    for name, value in saved.items():
+        assert torch.equal(dict(model.named_parameters())[name], value), name
+    consolidate(source, tmp_path / "model.safetensors")
+    from lzero.ckpt_format import TensorFile
+
+    flat = TensorFile(tmp_path / "model.safetensors")
+    assert sorted(flat.names) == sorted(saved)
+    for name, value in saved.items():
+        assert torch.equal(flat.read(name), value), name
+    info = inspect(source)
+    assert (info["world_size"], info["stage"], info["global_step"], info["parameter_count"]) == (2, 3, 20, 321)
+
+
+@pytest.fixture
+def copy(runs: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "last.ckpt"
+    shutil.copytree(runs / "zero2_first" / "last.ckpt", target)
+    ShardedCheckpoint(target)  # intact
+    return target
+
+
+class _RunsCode:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # unpickling this would create the marker file
+        return (Path.touch, (Path(self.marker),))
+
+
+@pytest.mark.parametrize("victim", ["manifest", "shard"])
+def test_a_pickle_in_place_of_any_file_is_refused_without_running(copy: Path, tmp_path: Path, victim: str) -> None:
+    marker = tmp_path / "ran"
+    target = copy / MANIFEST if victim == "manifest" else sorted(copy.glob("shard-*"))[1]
+    target.write_bytes(pickle.dumps(_RunsCode(str(marker))))
+    with pytest.raises(CheckpointError):
+        ShardedCheckpoint(copy)
+    assert not marker.exists()
+
+
+def test_truncated_shard_is_refused_with_its_name(copy: Path) -> None:
+    shard = sorted(copy.glob("shard-*"))[1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match=shard.name):
+        ShardedCheckpoint(copy)
+
+
+def test_directory_without_manifest_is_an_unfinished_save(copy: Path) -> None:
+    (copy / MANIFEST).unlink()
+    with pytest.raises(CheckpointError, match="its save never finished"):
+        ShardedCheckpoint(copy)
+
+
+def test_shard_of_another_save_is_refused(copy: Path) -> None:
+    shards = sorted(copy.glob("shard-*"))
+    other = shards[1].read_bytes().replace(shards[1].name.split("-")[1].encode(), b"0123456789abcdef")
+    shards[1].write_bytes(other)
+    with pytest.raises(CheckpointError, match="belongs to save"):
+        ShardedCheckpoint(copy)
