@@ -377,6 +377,9 @@ class ZeroStrategy(DDPStrategy):
         try:
             checkpoint = super().load_checkpoint(checkpoint_path, weights_only=safe)
         except pickle.UnpicklingError as err:
+            if "Unsupported global" not in str(err):  # not a torch file, rather than one needing pickle
+                raise ValueError(f"`{path}` is not a readable Lightning checkpoint (UnpicklingError). HINT: pass a"
+                                 " `.ckpt` file written by `trainer.save_checkpoint` or `ModelCheckpoint`.") from err
             raise ValueError(
                 f"`{path}` needs pickle to load ({err}). HINT: if you trust this file, pass"
                 " `trainer.fit(..., weights_only=False)`; lzero never unpickles files of its own checkpoints."

@@ -114,6 +114,18 @@ def test_bad_precision_options_are_named(kwargs: dict, match: str) -> None:
         ZeroPrecision(**kwargs)
 
 
+def test_foreign_checkpoint_needing_pickle_is_refused_with_a_hint(tmp_path) -> None:
+    import argparse
+
+    from lzero import ZeroStrategy
+
+    path = tmp_path / "foreign.ckpt"
+    torch.save({"state_dict": {}, "hyper_parameters": argparse.Namespace(lr=0.1)}, path)
+    with pytest.raises(ValueError, match=r"(?s)needs pickle to load.*weights_only=False"):
+        ZeroStrategy(stage=2).load_checkpoint(path)
+    assert "state_dict" in ZeroStrategy(stage=2).load_checkpoint(path, weights_only=False)  # the user's own call
+
+
 @pytest.mark.parametrize("content", [b"not a checkpoint at all", None])
 def test_resume_from_something_that_is_not_a_checkpoint(tmp_path, content) -> None:
     from lzero import ZeroStrategy
