@@ -44,7 +44,7 @@ class ZeroStrategy(DDPStrategy):
         config: the full configuration; see :class:`lzero.ZeroConfig` for every field.
         stage: shortcut for ``config.stage``.
         allow_untested_optimizer: shortcut for ``config.allow_untested_optimizer``.
-        precision: a precision for this strategy (``"32-true"``, ``"bf16-mixed"``, ``"bf16-true"``);
+        precision: a precision for this strategy (``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``);
             it wins over ``Trainer(precision=...)``.
         init_fn: stage 3, for models built on the meta device (``configure_model`` or
             ``Trainer.init_module(empty_init=True)``): called on every module to initialize it; by
@@ -303,7 +303,7 @@ class ZeroStrategy(DDPStrategy):
             raise RuntimeError("The partition exists only while fitting. HINT: call it from a training hook.")
         return self._engine.metadata()
 
-    # --- checkpoints (full DDP format until sharded checkpoints land) ------------------------
+    # --- checkpoints: sharded directories (sharded_checkpoint.py) or full DDP-format files ---------
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
