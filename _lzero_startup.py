@@ -41,6 +41,44 @@ def _register_from(module):
         register(module.StrategyRegistry)
     except Exception:
         pass
+    try:
+        guard_checkpoint_loads()
+    except Exception:
+        pass
+
+
+_LOADERS = ("lightning.pytorch.core.saving", "lightning.fabric.plugins.io.torch_io")
+"""Lightning modules that bind ``pl_load``: ``load_from_checkpoint`` and every non-lzero strategy
+read checkpoints through them."""
+
+
+def guard_checkpoint_loads():
+    """Make Lightning's checkpoint reader, given an lzero checkpoint directory (``load_from_checkpoint``,
+    or a DDP run's ``ckpt_path``), say what the directory is and point to ``lzero consolidate``
+    instead of a bare "Is a directory"."""
+    import os
+
+    for name in _LOADERS:
+        module = sys.modules.get(name)
+        original = getattr(module, "pl_load", None)
+        if original is None or getattr(original, "_lzero_guard", False):
+            continue
+
+        def pl_load(path_or_url, *args, _original=original, **kwargs):
+            try:
+                return _original(path_or_url, *args, **kwargs)
+            except IsADirectoryError as err:
+                path = os.fspath(path_or_url) if isinstance(path_or_url, (str, os.PathLike)) else None
+                if path is None or not os.path.isfile(os.path.join(path, "manifest.json")):
+                    raise
+                raise IsADirectoryError(
+                    f"`{path}` is an lzero sharded checkpoint (a directory written by every rank), which plain"
+                    f" Lightning cannot read. HINT: `lzero consolidate {path} model.ckpt` writes one plain file"
+                    " for `load_from_checkpoint` and DDP; or resume it with an lzero strategy."
+                ) from err
+
+        pl_load._lzero_guard = True
+        module.pl_load = pl_load
 
 
 class _Finder:

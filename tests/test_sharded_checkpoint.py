@@ -91,6 +91,39 @@ def test_consolidate_loads_into_a_plain_module(runs: Path, tmp_path: Path) -> No
     assert (info["world_size"], info["stage"], info["global_step"], info["parameter_count"]) == (2, 3, 20, 321)
 
 
+def test_rank_killed_while_rewriting_last_leaves_the_previous_checkpoint(runs: Path) -> None:
+    """Rank 1 is SIGKILLed halfway through its shard of last.ckpt/ at step 10 (save_top_k=1,
+    rewriting in place): the step-5 manifest and files stay loadable, the resumed run continues
+    exactly, and its next save into last.ckpt/ removes the torn leftovers."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "ckpt_runs.py"), "kill", str(runs)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0  # rank 0 sees its peer die
+    last = runs / "killed" / "last.ckpt"
+    assert ShardedCheckpoint(last).manifest["global_step"] == 5
+    assert len(list(last.glob("shard-*"))) == 4  # two committed, rank 0's new one and rank 1's torn one
+    assert ShardedCheckpoint(runs / "killed" / "epoch=0-step=10.ckpt").manifest["global_step"] == 10
+    run_script("ckpt_runs.py", "after_kill", str(runs))
+    after, full = load(runs, "after_kill"), load(runs, "zero2_full")
+    assert after["losses"] == full["losses"][5:15]
+    names = sorted(p.name for p in last.iterdir())
+    assert names[0] == MANIFEST and len(names) == 3
+    assert len({n.split("-")[1] for n in names[1:]}) == 1  # one save id: the leftovers are gone
+
+
+def test_lightning_pointed_at_a_sharded_directory_says_consolidate(runs: Path) -> None:
+    sys.path.insert(0, str(SCRIPTS))
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+    from skip_runs import Toy
+
+    source = runs / "zero2_first" / "last.ckpt"
+    with pytest.raises(IsADirectoryError, match="lzero consolidate"):
+        Toy.load_from_checkpoint(source)
+    with pytest.raises(IsADirectoryError, match="lzero consolidate"):
+        TorchCheckpointIO().load_checkpoint(source)  # what DDPStrategy reads a ckpt_path with
+
+
 @pytest.fixture
 def copy(runs: Path, tmp_path: Path) -> Path:
     target = tmp_path / "last.ckpt"

@@ -23,11 +23,12 @@ from skip_runs import Record, Toy, data  # noqa: E402
 from lzero import ZeroStrategy  # noqa: E402
 
 
-def fit(out: Path, name: str, strategy: object, devices: int, steps: int, resume: Optional[str] = None) -> None:
+def fit(out: Path, name: str, strategy: object, devices: int, steps: int, resume: Optional[str] = None,
+        every: int = 10, dirpath: Optional[Path] = None) -> None:
     torch.manual_seed(0)
     model = Toy({})
     record = Record() if strategy != "ddp" else None
-    checkpoints = ModelCheckpoint(dirpath=out / name, every_n_train_steps=10, save_last=True)
+    checkpoints = ModelCheckpoint(dirpath=dirpath or out / name, every_n_train_steps=every, save_last=True)
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
                       enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[checkpoints] + ([record] if record else []))
@@ -35,7 +36,7 @@ def fit(out: Path, name: str, strategy: object, devices: int, steps: int, resume
     if trainer.is_global_zero:
         torch.save({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
                     "losses": [r["loss"] for r in record.rows] if record else [],
-                    "files": sorted(p.name for p in (out / name).iterdir())}, out / f"{name}.pt")
+                    "files": sorted(p.name for p in (dirpath or out / name).iterdir())}, out / f"{name}.pt")
 
 
 def main(suite: str, out: Path) -> None:
@@ -60,6 +61,31 @@ def main(suite: str, out: Path) -> None:
             fit(out, f"zero2_{source}_to_ws2", zero[2](), 2, steps=30,
                 resume=str(out / f"zero2_first_{source}" / "last.ckpt"))
             fit(out, f"ddp_{source}_to_ws2", "ddp", 2, steps=30, resume=str(out / f"ddp_first_{source}" / "last.ckpt"))
+    elif suite == "kill":  # rank 1 dies while rewriting last.ckpt/ in place at step 10
+        die_while_writing(rank=1, call=4)  # writes: step 5 (epoch=0-step=5.ckpt, last.ckpt), step 10 (the same)
+        fit(out, "killed", zero[2](), 2, steps=20, every=5)
+    elif suite == "after_kill":  # resume from what the killed run left, saving into the same directory
+        fit(out, "after_kill", zero[2](), 2, steps=15, every=5, resume=str(out / "killed" / "last.ckpt"),
+            dirpath=out / "killed")
+
+
+def die_while_writing(rank: int, call: int) -> None:
+    """SIGKILL this process, on ``rank``, in the middle of its ``call``-th shard write: half a file left."""
+    import os
+    import signal
+
+    import lzero.sharded_checkpoint as sharded
+
+    original, calls = sharded.write_tensors, []
+
+    def write_tensors(path, tensors, metadata):  # type: ignore[no-untyped-def]
+        calls.append(path)
+        if len(calls) == call and int(os.environ.get("LOCAL_RANK", 0)) == rank:
+            Path(path).write_bytes(b"\x00" * 64)  # a torn shard
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(path, tensors, metadata)
+
+    sharded.write_tensors = write_tensors
 
 
 if __name__ == "__main__":
