@@ -66,6 +66,11 @@ class ZeroConfig:
     ``lzero consolidate`` turns it into one file), or "full", one DDP-format file gathered onto rank 0
     one unit at a time (readable by plain Lightning)."""
 
+    async_save: bool = False
+    """Sharded checkpoints only: copy this rank's pieces to CPU memory and write them on a background
+    thread (its collectives on a process group of their own) while training continues. At most one
+    save is in flight; the checkpoint a save replaces is deleted only after the new one commits."""
+
     broadcast_buffers: bool = True
     """Before every training step, overwrite module buffers (BatchNorm running statistics...) with
     rank 0's, as DDP does by default, so evaluation sees the same buffers on every rank."""
@@ -107,6 +112,11 @@ class ZeroConfig:
             raise ZeroConfigError(
                 f"`state_dict_type={self.state_dict_type!r}` is not one of 'sharded', 'full'. HINT: use 'sharded'."
             )
+        if not isinstance(self.async_save, bool):
+            raise ZeroConfigError(f"`async_save={self.async_save!r}` must be true or false.")
+        if self.async_save and self.checkpoint_format != "sharded":
+            raise ZeroConfigError("`async_save=True` needs `checkpoint_format='sharded'`: a full checkpoint is gathered"
+                                  " onto rank 0. HINT: drop one of the two.")
         if self.checkpoint_format not in ("sharded", "full"):
             raise ZeroConfigError(
                 f"`checkpoint_format={self.checkpoint_format!r}` is not one of 'sharded', 'full'."

@@ -30,6 +30,7 @@ import json
 import os
 import random
 import secrets
+import threading
 from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
@@ -107,21 +108,37 @@ def _local_pieces(engine: "ZeroEngine", optimizers: Sequence["ZeroOptimizer"]) -
     return tensors, ranges
 
 
-def save_sharded(path: Any, engine: "ZeroEngine", optimizers: Sequence["ZeroOptimizer"], checkpoint: dict[str, Any],
-                 module_state: dict[str, Tensor], extra_manifest: dict[str, Any]) -> str:
-    """Write ``checkpoint`` as a sharded directory. A collective: call it on every rank.
-    ``module_state`` holds the module's tensors outside every unit (rank 0 saves them). Returns the save id."""
-    directory = Path(path)
-    rank, world = engine.rank, engine.world_size
-    save_id = _common_save_id(engine)
-    error: Optional[BaseException] = None
-    size = 0
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
+class SaveJob:
+    """One save, prepared on the training thread and written by :meth:`run` (on it, or on a background
+    thread for asynchronous saves). An error while preparing is kept and reported at the status
+    exchange, so that no rank is left waiting for another."""
+
+    def __init__(self, path: Any, engine: "ZeroEngine", optimizers: Sequence["ZeroOptimizer"],
+                 checkpoint: dict[str, Any], module_state: dict[str, Tensor], extra_manifest: dict[str, Any],
+                 group: Optional[dist.ProcessGroup], snapshot: bool) -> None:
+        self.directory = Path(path)
+        self.rank, self.world = engine.rank, engine.world_size
+        self.group = group
+        self.extra_manifest = extra_manifest
+        self.removals: list[Callable[[], None]] = []  # run on rank 0 after the commit
+        self.lock = threading.Lock()
+        self.committed = False
+        self.save_id = _common_save_id(engine)
+        self.error: Optional[BaseException] = None
+        self.tensors: dict[str, Tensor] = {}
+        self.metadata: dict[str, str] = {}
+        try:
+            self._prepare(engine, optimizers, checkpoint, module_state, snapshot)
+        except BaseException as err:  # reported at the status exchange
+            self.error = err
+
+    def _prepare(self, engine: "ZeroEngine", optimizers: Sequence["ZeroOptimizer"], checkpoint: dict[str, Any],
+                 module_state: dict[str, Tensor], snapshot: bool) -> None:
         tensors, ranges = _local_pieces(engine, optimizers)
-        metadata = {"save_id": save_id, "rank": str(rank), "world_size": str(world), "pieces": json.dumps(ranges)}
+        metadata = {"save_id": self.save_id, "rank": str(self.rank), "world_size": str(self.world),
+                    "pieces": json.dumps(ranges)}
         trees = {"rng": _rng_state()}
-        if rank == 0:
+        if self.rank == 0:
             common = {k: v for k, v in checkpoint.items() if k not in SHARDED_ENTRIES}
             common["lzero/module_state"] = module_state
             common["lzero/param_groups"] = [_packed_groups(z) for z in optimizers]
@@ -130,24 +147,88 @@ def save_sharded(path: Any, engine: "ZeroEngine", optimizers: Sequence["ZeroOpti
             encoded, tree_tensors = encode_tree(tree)
             metadata[tree_name] = json.dumps(encoded, allow_nan=False)
             tensors.update({f"{tree_name}/{k}": v for k, v in tree_tensors.items()})
-        file = directory / shard_name(save_id, rank, world)
-        write_tensors(file, tensors, metadata)
-        size = file.stat().st_size
-    except BaseException as err:  # every rank must reach the status exchange, or the others hang
-        error = err
-    sizes = torch.zeros(world, dtype=torch.float64)
-    sizes[rank] = -1.0 if error is not None else float(size)
-    collectives.all_reduce(sizes, group=engine.group)
-    failed = [r for r in range(world) if sizes[r] < 0]
-    if error is not None:
-        raise error
-    if failed:
-        raise CheckpointError(f"Rank(s) {failed} could not write their shard of `{directory}`; it was not committed."
-                              " HINT: see those ranks' errors; the previous checkpoint is untouched.")
-    if rank == 0:
-        _commit(directory, save_id, world, [int(s) for s in sizes.tolist()], extra_manifest)
-    collectives.barrier(engine.group)
-    return save_id
+        if snapshot:  # training goes on and changes the shards: write from a copy in CPU memory
+            tensors = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
+        self.tensors, self.metadata = tensors, metadata
+
+    def run(self) -> str:
+        """Write this rank's file, exchange every rank's status and size (one all-reduce on ``group``),
+        and on rank 0 check the files, commit the manifest, remove other saves' files, then run the
+        removals waiting for this commit. A collective on ``group``. Returns the save id."""
+        size = 0
+        if self.error is None:
+            try:
+                self.directory.mkdir(parents=True, exist_ok=True)
+                file = self.directory / shard_name(self.save_id, self.rank, self.world)
+                write_tensors(file, self.tensors, self.metadata)
+                size = file.stat().st_size
+            except BaseException as err:  # every rank must reach the status exchange, or the others hang
+                self.error = err
+        self.tensors = {}
+        sizes = torch.zeros(self.world, dtype=torch.float64)
+        sizes[self.rank] = -1.0 if self.error is not None else float(size)
+        collectives.all_reduce(sizes, group=self.group)
+        failed = [r for r in range(self.world) if sizes[r] < 0]
+        if self.error is not None:
+            raise self.error
+        if failed:
+            raise CheckpointError(f"Rank(s) {failed} could not write their shard of `{self.directory}`; it was not"
+                                  " committed. HINT: see those ranks' errors; the previous checkpoint is untouched.")
+        if self.rank == 0:
+            _commit(self.directory, self.save_id, self.world, [int(s) for s in sizes.tolist()], self.extra_manifest)
+            with self.lock:
+                self.committed = True
+                removals, self.removals = self.removals, []
+            for remove in removals:
+                remove()
+        collectives.barrier(self.group)
+        return self.save_id
+
+
+class AsyncSaver:
+    """At most one save in flight on a background thread, its collectives on its own process group
+    (they would otherwise interleave with training's). Removals asked for while a save is in flight
+    (``ModelCheckpoint`` removes the previous checkpoint right after ``save_checkpoint`` returns) run
+    only after that save commits, so a crash never leaves neither checkpoint."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup]) -> None:
+        self.group = group
+        self._thread: Optional[threading.Thread] = None
+        self._job: Optional[SaveJob] = None
+        self._error: Optional[BaseException] = None
+
+    def submit(self, job: SaveJob) -> None:
+        self.wait()
+        self._job = job
+
+        def write() -> None:
+            try:
+                job.run()
+            except BaseException as err:
+                self._error = err
+
+        self._thread = threading.Thread(target=write, name="lzero-async-save", daemon=True)
+        self._thread.start()
+
+    def after_commit(self, action: Callable[[], None]) -> bool:
+        """Run ``action`` (rank 0) once the save in flight commits; False if none is in flight."""
+        job = self._job
+        if job is None:
+            return False
+        with job.lock:
+            if not job.committed:
+                job.removals.append(action)
+                return True
+        return False  # committed already: the caller removes at once
+
+    def wait(self) -> None:
+        """Block until the save in flight has committed; re-raise its error here."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread, self._job = None, None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
 
 def _common_save_id(engine: "ZeroEngine") -> str:

@@ -30,8 +30,8 @@ from lzero.config import ZeroConfig, ZeroConfigError, optional_config
 from lzero.engine import ZeroEngine
 from lzero.full_state import gather_optimizer_state
 from lzero.materialize import has_meta
-from lzero.sharded_checkpoint import (ShardedCheckpoint, fetch_full, is_sharded_checkpoint, load_optimizer_shards,
-                                      save_sharded)
+from lzero.sharded_checkpoint import (AsyncSaver, SaveJob, ShardedCheckpoint, fetch_full, is_sharded_checkpoint,
+                                      load_optimizer_shards)
 from lzero.state_dict import ShardedTensor, consolidate, has_sharded, sharded_state_dict
 from lzero.optimizer import ZeroOptimizer, check_optimizer
 from lzero.precision import ZeroPrecision, to_zero_precision
@@ -86,6 +86,7 @@ class ZeroStrategy(DDPStrategy):
             start_method="popen",  # the spawn launcher's state_dict round trip does not fit sharding
         )
         self._engine: Optional[ZeroEngine] = None
+        self._saver: Optional[AsyncSaver] = None
         self._global_batch: Optional[int] = None
         self.init_fn = init_fn
 
@@ -131,6 +132,10 @@ class ZeroStrategy(DDPStrategy):
             self._engine.automatic = self.lightning_module.automatic_optimization
             self.optimizers = [ZeroOptimizer(opt, self._engine, i) for i, opt in enumerate(self.optimizers)]
             self.precision_plugin.bind(self._engine)
+            if self.config.async_save:
+                import torch.distributed as dist
+
+                self._saver = AsyncSaver(dist.new_group(backend="gloo") if self.world_size > 1 else None)
             _guard_lr_schedulers(self.lightning_module, self.precision_plugin)
         else:
             _sync_module_states(self.model)
@@ -243,10 +248,31 @@ class ZeroStrategy(DDPStrategy):
             "parameter_count": sum(p["numel"] for p in params.values()), "params": params,
             "state_dict_keys": list(state), "aliases": aliases, "weights_only": not optimizers,
         }
-        save_sharded(filepath, engine, optimizers, checkpoint, module_state, extra)
+        if self._saver is None:
+            SaveJob(filepath, engine, optimizers, checkpoint, module_state, extra, engine.group, snapshot=False).run()
+            return
+        self._saver.submit(SaveJob(filepath, engine, optimizers, checkpoint, module_state, extra, self._saver.group,
+                                   snapshot=True))
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """With ``async_save``, a removal asked for while a save is in flight waits for its commit."""
+        if self._saver is not None and self.is_global_zero and self._saver.after_commit(
+                lambda: self.checkpoint_io.remove_checkpoint(filepath)):
+            return
+        super().remove_checkpoint(filepath)
 
     @override
     def teardown(self) -> None:
+        if self._saver is not None:
+            try:
+                self._saver.wait()  # the last checkpoint commits before fit returns
+            finally:
+                if self._saver.group is not None:
+                    import torch.distributed as dist
+
+                    dist.destroy_process_group(self._saver.group)
+                self._saver = None
         if self._engine is not None:
             if self._engine.mixed:
                 self._engine.restore_masters()  # the module leaves fit with its fp32 weights, as under DDP

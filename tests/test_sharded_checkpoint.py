@@ -48,6 +48,29 @@ def test_resume_continues_bitwise(runs: Path, stage: int) -> None:
     assert sorted(p.name.split("-")[0] for p in last.iterdir()) == ["manifest.json", "shard", "shard"]
 
 
+def test_async_save_resumes_bitwise(runs: Path) -> None:
+    full, resumed = load(runs, "zero2_full"), load(runs, "zero2_async_resumed")
+    for name, value in full["params"].items():
+        assert torch.equal(resumed["params"][name], value), name
+    assert resumed["losses"] == full["losses"][20:]
+    assert load(runs, "zero2_async_first")["files"] == ["epoch=0-step=20.ckpt", "last.ckpt"]
+
+
+def test_rank_killed_during_async_save_keeps_the_checkpoint_it_would_replace(runs: Path) -> None:
+    """With save_top_k=1, ModelCheckpoint asks to remove step 5 right after the step-10 save returns;
+    under async_save that removal waits for the commit, which never comes: step 5 stays loadable."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "ckpt_runs.py"), "kill_async", str(runs)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    directory = runs / "killed_async"
+    assert ShardedCheckpoint(directory / "epoch=0-step=5.ckpt").manifest["global_step"] == 5
+    assert ShardedCheckpoint(directory / "last.ckpt").manifest["global_step"] == 5
+    with pytest.raises(CheckpointError, match="never finished"):
+        ShardedCheckpoint(directory / "epoch=0-step=10.ckpt")
+
+
 def test_reshard_zero3_ws2_to_zero1_ws1(runs: Path) -> None:
     ours, ddp, full = (load(runs, n)["params"] for n in ("zero3_to_zero1_ws1", "ddp_to_ddp_ws1", "zero3_full"))
     print(f"zero3 ws2 -> zero1 ws1: vs DDP 2->1 {max_rel(ours, ddp):.2e}, vs uninterrupted {max_rel(ours, full):.2e}")

@@ -48,6 +48,9 @@ def main(suite: str, out: Path) -> None:
             fit(out, f"zero{stage}_resumed", zero[stage](), 2, steps=30,
                 resume=str(out / f"zero{stage}_first" / "last.ckpt"))
         fit(out, "ddp_first", "ddp", 2, steps=20)
+        fit(out, "zero2_async_first", ZeroStrategy(stage=2, async_save=True), 2, steps=20)
+        fit(out, "zero2_async_resumed", ZeroStrategy(stage=2, async_save=True), 2, steps=30,
+            resume=str(out / "zero2_async_first" / "last.ckpt"))
     elif suite == "ws1":  # 2 -> 1: zero3 -> zero1 and DDP -> DDP; and the world-size-1 saves for 1 -> 2
         fit(out, "zero3_to_zero1_ws1", zero[1](), 1, steps=30, resume=str(out / "zero3_first" / "last.ckpt"))
         fit(out, "ddp_to_ddp_ws1", "ddp", 1, steps=30, resume=str(out / "ddp_first" / "last.ckpt"))
@@ -64,6 +67,9 @@ def main(suite: str, out: Path) -> None:
     elif suite == "kill":  # rank 1 dies while rewriting last.ckpt/ in place at step 10
         die_while_writing(rank=1, call=4)  # writes: step 5 (epoch=0-step=5.ckpt, last.ckpt), step 10 (the same)
         fit(out, "killed", zero[2](), 2, steps=20, every=5)
+    elif suite == "kill_async":  # rank 1 dies on the writer thread during the step-10 save (save_top_k=1)
+        die_while_writing(rank=1, call=3)
+        fit(out, "killed_async", ZeroStrategy(stage=2, async_save=True), 2, steps=20, every=5)
     elif suite == "after_kill":  # resume from what the killed run left, saving into the same directory
         fit(out, "after_kill", zero[2](), 2, steps=15, every=5, resume=str(out / "killed" / "last.ckpt"),
             dirpath=out / "killed")
