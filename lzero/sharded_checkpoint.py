@@ -108,6 +108,27 @@ def _local_pieces(engine: "ZeroEngine", optimizers: Sequence["ZeroOptimizer"]) -
     return tensors, ranges
 
 
+def describe(engine: "ZeroEngine", checkpoint: dict[str, Any], **fields: Any) -> tuple[dict[str, Tensor],
+                                                                                      dict[str, Any]]:
+    """The module's tensors outside every unit (buffers, frozen parameters), and the manifest's
+    description of the model: parameter shapes, the state dict's keys in order, tied keys (``aliases``:
+    key -> the parameter name it shares), step and epoch, plus ``fields``. ``checkpoint["state_dict"]``
+    is the sharded form (:func:`lzero.state_dict.sharded_state_dict`)."""
+    from lzero.state_dict import ShardedTensor
+
+    state = checkpoint.get("state_dict", {})
+    params = {spec.name: {"shape": list(spec.shape), "numel": spec.numel}
+              for unit in engine.units for spec in unit.spec.params}
+    manifest = {
+        **fields, "global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch"),
+        "pytorch-lightning_version": checkpoint.get("pytorch-lightning_version"),
+        "parameter_count": sum(p["numel"] for p in params.values()), "params": params,
+        "state_dict_keys": list(state),
+        "aliases": {k: v.spec.name for k, v in state.items() if isinstance(v, ShardedTensor) and v.spec.name != k},
+    }
+    return {k: v for k, v in state.items() if not isinstance(v, ShardedTensor)}, manifest
+
+
 class SaveJob:
     """One save, prepared on the training thread and written by :meth:`run` (on it, or on a background
     thread for asynchronous saves). An error while preparing is kept and reported at the status

@@ -30,9 +30,9 @@ from lzero.config import ZeroConfig, ZeroConfigError, optional_config
 from lzero.engine import ZeroEngine
 from lzero.full_state import gather_optimizer_state
 from lzero.materialize import has_meta
-from lzero.sharded_checkpoint import (AsyncSaver, SaveJob, ShardedCheckpoint, fetch_full, is_sharded_checkpoint,
-                                      load_optimizer_shards)
-from lzero.state_dict import ShardedTensor, consolidate, has_sharded, sharded_state_dict
+from lzero.sharded_checkpoint import (AsyncSaver, SaveJob, ShardedCheckpoint, describe, fetch_full,
+                                      is_sharded_checkpoint, load_optimizer_shards)
+from lzero.state_dict import consolidate, has_sharded, sharded_state_dict
 from lzero.optimizer import ZeroOptimizer, check_optimizer
 from lzero.precision import ZeroPrecision, to_zero_precision
 
@@ -235,19 +235,9 @@ class ZeroStrategy(DDPStrategy):
     def _save_sharded(self, checkpoint: dict[str, Any], filepath: Any) -> None:
         engine = self._engine
         assert engine is not None
-        state = checkpoint.get("state_dict", {})
-        module_state = {k: v for k, v in state.items() if not isinstance(v, ShardedTensor)}
-        aliases = {k: v.spec.name for k, v in state.items() if isinstance(v, ShardedTensor) and v.spec.name != k}
-        params = {spec.name: {"shape": list(spec.shape), "numel": spec.numel}
-                  for unit in engine.units for spec in unit.spec.params}
         optimizers = [_unwrap(o) for o in self.optimizers] if "optimizer_states" in checkpoint else []
-        extra = {
-            "stage": self.config.stage, "precision": self.precision_plugin.precision,
-            "global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch"),
-            "pytorch-lightning_version": checkpoint.get("pytorch-lightning_version"),
-            "parameter_count": sum(p["numel"] for p in params.values()), "params": params,
-            "state_dict_keys": list(state), "aliases": aliases, "weights_only": not optimizers,
-        }
+        module_state, extra = describe(engine, checkpoint, weights_only=not optimizers, stage=self.config.stage,
+                                       precision=self.precision_plugin.precision)
         if self._saver is None:
             SaveJob(filepath, engine, optimizers, checkpoint, module_state, extra, engine.group, snapshot=False).run()
             return
