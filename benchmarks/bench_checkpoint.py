@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from ckpt_model import build, save  # noqa: E402
 
-from lzero.sharded_checkpoint import ShardedCheckpoint, load_optimizer_shards  # noqa: E402
+from lzero.checkpoint.sharded import ShardedCheckpoint, load_optimizer_shards  # noqa: E402
 
 
 def best(fn, repeats: int) -> float:
@@ -52,7 +52,7 @@ def read_all(path: Path) -> None:
 
 CONSOLIDATE = r"""
 import sys
-from lzero.consolidate import consolidate
+from lzero.checkpoint.consolidate import consolidate
 def hwm():
     for line in open("/proc/self/status"):
         if line.startswith("VmHWM:"):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lzero import ZeroConfig, ZeroEngine, ZeroOptimizer
-from lzero.sharded_checkpoint import SaveJob, describe
+from lzero.checkpoint.sharded import SaveJob, describe
 from lzero.state_dict import sharded_state_dict
 
 

@@ -18,13 +18,13 @@ from typing_extensions import override
 
 
 def _consolidate(argv: list[str]) -> int:
-    from lzero.consolidate import consolidate_command
+    from lzero.checkpoint.consolidate import consolidate_command
 
     return consolidate_command(argv)
 
 
 def _inspect(argv: list[str]) -> int:
-    from lzero.consolidate import inspect_command
+    from lzero.checkpoint.consolidate import inspect_command
 
     return inspect_command(argv)
 

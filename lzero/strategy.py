@@ -30,7 +30,7 @@ from lzero.config import ZeroConfig, ZeroConfigError, optional_config
 from lzero.engine import ZeroEngine
 from lzero.full_state import gather_optimizer_state
 from lzero.materialize import has_meta
-from lzero.sharded_checkpoint import (AsyncSaver, SaveJob, ShardedCheckpoint, describe, fetch_full,
+from lzero.checkpoint.sharded import (AsyncSaver, SaveJob, ShardedCheckpoint, describe, fetch_full,
                                       is_sharded_checkpoint, load_optimizer_shards)
 from lzero.state_dict import consolidate, has_sharded, sharded_state_dict
 from lzero.optimizer import ZeroOptimizer, check_optimizer
@@ -319,7 +319,7 @@ class ZeroStrategy(DDPStrategy):
             raise RuntimeError("The partition exists only while fitting. HINT: call it from a training hook.")
         return self._engine.metadata()
 
-    # --- checkpoints: sharded directories (sharded_checkpoint.py) or full DDP-format files ---------
+    # --- checkpoints: sharded directories (lzero/checkpoint/sharded.py) or full DDP-format files ---------
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:

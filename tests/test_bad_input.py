@@ -45,6 +45,16 @@ def test_unknown_option_suggests_the_field() -> None:
         ZeroStrategy(reduce_bucket=10)
 
 
+@pytest.mark.parametrize("kwargs, match", [
+    ({"checkpoint_format": "zip"}, "`checkpoint_format='zip'` is not one of 'sharded', 'full'"),
+    ({"async_save": "yes"}, "`async_save='yes'` must be true or false"),
+    ({"async_save": True, "checkpoint_format": "full"}, "`async_save=True` needs `checkpoint_format='sharded'`"),
+])
+def test_bad_checkpoint_options_are_named(kwargs: dict, match: str) -> None:
+    with pytest.raises(ZeroConfigError, match=match):
+        ZeroConfig(**kwargs)
+
+
 def test_unbuilt_offload_refused() -> None:
     with pytest.raises(ZeroConfigError, match="offload_optimizer='cpu'.*not built"):
         ZeroConfig(offload_optimizer="cpu")
@@ -184,22 +194,6 @@ def test_unknown_unit_module_class_is_named() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     with pytest.raises(ValueError, match=r"unit_modules names \['Block'\].*HINT.*Linear"):
         ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], ZeroConfig(stage=3, unit_modules=["Block"]))
-
-
-@pytest.fixture
-def in_process_fit():
-    """A devices=1 fit in the pytest process sets MASTER_PORT/rank variables and a process group;
-    undo both so later launched scripts do not inherit them."""
-    import os
-
-    import torch.distributed as dist
-
-    saved = dict(os.environ)
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    os.environ.clear()
-    os.environ.update(saved)
 
 
 def _tiny_fit(strategy, accumulate: int, batch_size: int = 4):

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from lzero.ckpt_format import (
+from lzero.checkpoint import (
     DTYPES,
     CheckpointError,
     SafetensorsStreamWriter,
@@ -592,7 +592,7 @@ def test_torch_stream_writer_refusals(tmp_path: pathlib.Path) -> None:
 
 STREAM_SCRIPT = r"""
 import json, sys, torch
-from lzero.ckpt_format import SafetensorsStreamWriter, TorchStreamWriter
+from lzero.checkpoint import SafetensorsStreamWriter, TorchStreamWriter
 
 NUMEL = 625_000  # 2.5 MB of float32
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from _launch import SCRIPTS, run_script
-from lzero.ckpt_format import CheckpointError
-from lzero.consolidate import consolidate, inspect
-from lzero.sharded_checkpoint import MANIFEST, ShardedCheckpoint
+from lzero.checkpoint import CheckpointError
+from lzero.checkpoint.consolidate import consolidate, inspect
+from lzero.checkpoint.sharded import MANIFEST, ShardedCheckpoint
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,7 @@ def test_consolidate_loads_into_a_plain_module(runs: Path, tmp_path: Path) -> No
     for name, value in saved.items():
         assert torch.equal(dict(model.named_parameters())[name], value), name
     consolidate(source, tmp_path / "model.safetensors")
-    from lzero.ckpt_format import TensorFile
+    from lzero.checkpoint import TensorFile
 
     flat = TensorFile(tmp_path / "model.safetensors")
     assert sorted(flat.names) == sorted(saved)
@@ -192,3 +192,66 @@ def test_shard_of_another_save_is_refused(copy: Path) -> None:
     shards[1].write_bytes(other)
     with pytest.raises(CheckpointError, match="belongs to save"):
         ShardedCheckpoint(copy)
+
+
+def _small_fit(tmp_path: Path, steps: int, strategy: object, ckpt_path: object = None, precision: str = "32-true",
+               hparam: object = None):
+    from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Small(LightningModule):
+        def __init__(self, extra: object = None) -> None:
+            super().__init__()
+            self.save_hyperparameters()
+            self.layer = nn.Linear(3, 1)
+
+        def training_step(self, batch, batch_idx):
+            return nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(16, 3, generator=g), torch.randn(16, 1, generator=g)), batch_size=4)
+    model = Small(hparam)
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, precision=precision,
+                      logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_last=True)])
+    trainer.fit(model, data, ckpt_path=ckpt_path)
+    return trainer, model
+
+
+def test_unsafe_hyperparameter_is_refused_at_save_naming_its_key(tmp_path: Path, in_process_fit) -> None:
+    from lzero import ZeroStrategy
+
+    with pytest.raises(CheckpointError, match=r"hyper_parameters\.extra"):
+        _small_fit(tmp_path, 2, ZeroStrategy(stage=2), hparam=torch.nn.GELU())
+    assert not list(tmp_path.glob("*/manifest.json"))  # nothing committed
+
+
+def test_ckpt_path_last_and_a_change_of_precision(tmp_path: Path, in_process_fit) -> None:
+    from lzero import ZeroStrategy
+
+    _, reference = _small_fit(tmp_path / "ref", 8, ZeroStrategy(stage=2))
+    _small_fit(tmp_path / "run", 4, ZeroStrategy(stage=3))
+    trainer, resumed = _small_fit(tmp_path / "run", 8, ZeroStrategy(stage=1), ckpt_path="last")
+    assert trainer.global_step == 8
+    for (name, value), ref in zip(resumed.named_parameters(), reference.parameters()):
+        assert torch.equal(value, ref), name
+    # the same fp32 checkpoint resumes under bf16-mixed: the fp32 masters are loaded as saved
+    loaded = {}
+
+    class Peek(ZeroStrategy):
+        def load_optimizer_state_dict(self, checkpoint) -> None:  # right after the parameters were loaded
+            super().load_optimizer_state_dict(checkpoint)
+            for unit in self.engine.units:
+                for spec, a, b, s in unit.spec.owned_pieces(0):
+                    loaded[spec.name] = unit.shard_param.detach()[s : s + (b - a)].clone()
+
+    trainer, _ = _small_fit(tmp_path / "run", 9, Peek(stage=2), precision="bf16-mixed", ckpt_path="last")
+    assert trainer.global_step == 9 and trainer.strategy.precision_plugin.precision == "bf16-mixed"
+    for name, value in reference.named_parameters():  # the fp32 masters, as saved
+        assert torch.equal(loaded[name], value.detach().reshape(-1)), name

@@ -80,7 +80,7 @@ def die_while_writing(rank: int, call: int) -> None:
     import os
     import signal
 
-    import lzero.sharded_checkpoint as sharded
+    import lzero.checkpoint.sharded as sharded
 
     original, calls = sharded.write_tensors, []
 

@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from lzero.ckpt_format import CheckpointError, SafetensorsStreamWriter, TorchStreamWriter
-from lzero.sharded_checkpoint import ShardedCheckpoint
+from lzero.checkpoint import CheckpointError, SafetensorsStreamWriter, TorchStreamWriter
+from lzero.checkpoint.sharded import ShardedCheckpoint
 
 KEPT = ("pytorch-lightning_version", "epoch", "global_step", "hyper_parameters", "hparams_name")
 """What a consolidated file keeps besides the state dict: what ``load_from_checkpoint`` needs."""

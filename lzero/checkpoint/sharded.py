@@ -15,7 +15,7 @@ flattened parameter that the rank owns; ``optim/<k>/<name>/<key>`` the same rang
 file's ``__metadata__["pieces"]`` (JSON). Rank 0's file also carries everything else Lightning put
 in the checkpoint (loops, callbacks, LR schedulers, precision/loss-scaler state, hyperparameters),
 the module's tensors outside every unit (buffers, frozen parameters) and the optimizers' param
-groups, through the pickle-free tree codec of ckpt_format.py. Every file carries the save id.
+groups, through the pickle-free tree codec (tree.py). Every file carries the save id.
 
 A save: each rank writes its file under a new save id; one all-reduce tells every rank whether
 every rank succeeded and how large each file is; rank 0 checks each file is visible with that size,
@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lzero import collectives
-from lzero.ckpt_format import (CheckpointError, TensorFile, decode_tree, encode_tree, read_json, write_json_atomic,
+from lzero.checkpoint import (CheckpointError, TensorFile, decode_tree, encode_tree, read_json, write_json_atomic,
                                write_tensors)
 
 if TYPE_CHECKING:
