@@ -38,7 +38,10 @@ def losses_and_weights(save_dir: Path) -> tuple[list[float], dict]:
 
     plain = save_dir / "consolidated.ckpt"  # last.ckpt is a sharded directory; the command makes one file
     assert main(["consolidate", str(run / "checkpoints" / "last.ckpt"), str(plain)]) == 0
-    return losses, torch.load(plain, weights_only=True)["state_dict"]
+    state = torch.load(plain, weights_only=True)["state_dict"]
+    # the GPT's tied embedding/head stays one tensor in the consolidated file
+    assert state["model.lm_head.weight"].data_ptr() == state["model.wte.weight"].data_ptr()
+    return losses, state
 
 
 def test_two_torchrun_nodes_equal_one_node_bitwise(tmp_path: Path) -> None:

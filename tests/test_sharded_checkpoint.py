@@ -85,6 +85,12 @@ def test_reshard_to_world_size_2_at_stage_2(runs: Path, source: str) -> None:
     print(f"zero2 {source} -> ws2: vs DDP {max_rel(ours, ddp):.2e}, vs uninterrupted {max_rel(ours, full):.2e}")
     assert max_rel(ours, ddp) < 1e-6
     assert max_rel(ours, full) < 1e-3
+    # each rank read only the elements it owns: together every element exactly once
+    reads = [torch.load(runs / f"reads_{source}_rank{r}.pt") for r in (0, 1)]
+    psi = sum(v.numel() for v in full.values())
+    assert sum(r["param"] for r in reads) == psi
+    assert sum(r["optim"] for r in reads) == 2 * psi  # AdamW's exp_avg and exp_avg_sq
+    assert all(r["param"] < 0.6 * psi for r in reads)
 
 
 def test_consolidate_loads_into_a_plain_module(runs: Path, tmp_path: Path) -> None:
@@ -242,16 +248,19 @@ def test_ckpt_path_last_and_a_change_of_precision(tmp_path: Path, in_process_fit
     for (name, value), ref in zip(resumed.named_parameters(), reference.parameters()):
         assert torch.equal(value, ref), name
     # the same fp32 checkpoint resumes under bf16-mixed: the fp32 masters are loaded as saved
-    loaded = {}
+    loaded, rng_after_load = {}, []
 
     class Peek(ZeroStrategy):
         def load_optimizer_state_dict(self, checkpoint) -> None:  # right after the parameters were loaded
             super().load_optimizer_state_dict(checkpoint)
+            rng_after_load.append(torch.get_rng_state())
             for unit in self.engine.units:
                 for spec, a, b, s in unit.spec.owned_pieces(0):
                     loaded[spec.name] = unit.shard_param.detach()[s : s + (b - a)].clone()
 
+    saved_rng = ShardedCheckpoint(tmp_path / "run" / "last.ckpt").tree("rng", 0)
     trainer, _ = _small_fit(tmp_path / "run", 9, Peek(stage=2), precision="bf16-mixed", ckpt_path="last")
+    assert torch.equal(rng_after_load[0], saved_rng["torch"])  # this rank's RNG state, restored at load
     assert trainer.global_step == 9 and trainer.strategy.precision_plugin.precision == "bf16-mixed"
     for name, value in reference.named_parameters():  # the fp32 masters, as saved
         assert torch.equal(loaded[name], value.detach().reshape(-1)), name

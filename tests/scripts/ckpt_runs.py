@@ -9,9 +9,10 @@ writes the checkpoints. Rank 0 writes ``OUT_DIR/<run>.pt`` with the final parame
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from lightning.pytorch import Trainer
@@ -61,8 +62,10 @@ def main(suite: str, out: Path) -> None:
         fit(out, "ddp_first_ws3", "ddp", 3, steps=20)
     elif suite == "ws2b":  # 1 -> 2 and 3 -> 2 at stage 2, against DDP resumed the same way
         for source in ("ws1", "ws3"):
-            fit(out, f"zero2_{source}_to_ws2", zero[2](), 2, steps=30,
-                resume=str(out / f"zero2_first_{source}" / "last.ckpt"))
+            with count_reads() as reads:
+                fit(out, f"zero2_{source}_to_ws2", zero[2](), 2, steps=30,
+                    resume=str(out / f"zero2_first_{source}" / "last.ckpt"))
+            torch.save(reads, out / f"reads_{source}_rank{torch.distributed.get_rank()}.pt")
             fit(out, f"ddp_{source}_to_ws2", "ddp", 2, steps=30, resume=str(out / f"ddp_first_{source}" / "last.ckpt"))
     elif suite == "kill":  # rank 1 dies while rewriting last.ckpt/ in place at step 10
         die_while_writing(rank=1, call=4)  # writes: step 5 (epoch=0-step=5.ckpt, last.ckpt), step 10 (the same)
@@ -73,6 +76,26 @@ def main(suite: str, out: Path) -> None:
     elif suite == "after_kill":  # resume from what the killed run left, saving into the same directory
         fit(out, "after_kill", zero[2](), 2, steps=15, every=5, resume=str(out / "killed" / "last.ckpt"),
             dirpath=out / "killed")
+
+
+@contextlib.contextmanager
+def count_reads() -> Iterator[dict[str, int]]:
+    """Elements of parameters and optimizer state this rank reads from checkpoint files."""
+    from lzero.checkpoint.files import TensorFile
+
+    original, counts = TensorFile.read_flat_range, {"param": 0, "optim": 0}
+
+    def read_flat_range(self, name, start, end):  # type: ignore[no-untyped-def]
+        kind = name.split("/")[0]
+        if kind in counts:
+            counts[kind] += end - start
+        return original(self, name, start, end)
+
+    TensorFile.read_flat_range = read_flat_range
+    try:
+        yield counts
+    finally:
+        TensorFile.read_flat_range = original
 
 
 def die_while_writing(rank: int, call: int) -> None:
