@@ -1,16 +1,6 @@
-"""The ZeRO engine: units of one model, their gradient hooks, reductions and parameter gathers.
+"""The ZeRO engine: units of one model, their gradient hooks, the step and parameter gathers.
 
-No Lightning here; the strategy is thin glue over this class.
-
-[Note: reduction order]
-Collectives on one process group are matched by the order in which ranks issue them, so every
-rank must reduce units in the same order even when a rank's backward skips a parameter. Units
-are reduced strictly in unit order: a unit whose gradients are all in is launched only after
-every earlier unit was launched. At the end of backward, one tiny MAX all-reduce on a separate
-process group tells every rank which units got a gradient on any rank; the rest of those are then
-launched in unit order, with zeros for the gradients a rank lacks. A unit that got no gradient on
-any rank is not reduced and its shard keeps ``grad = None``, so the optimizer skips it (as DDP
-leaves ``grad = None`` for a globally unused parameter).
+No Lightning here; the strategy is thin glue over this class. Reductions are reducer.py's.
 
 [Note: stages]
 Stage 1 reduces once per optimizer step: micro-batches accumulate into the full flat gradient
@@ -24,7 +14,6 @@ and nothing is gathered after the step.
 
 from __future__ import annotations
 
-import collections
 import datetime
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -39,6 +28,7 @@ from lzero.flat_unit import FlatUnit, GradState
 from lzero.gather import Block, Gatherer
 from lzero.materialize import InitFn, Materializer, common_seed, has_meta
 from lzero.partition import Partition, ParamSpec, partition_by_label, partition_by_size
+from lzero.reducer import Reducer
 from lzero.units import ROOT, find_blocks, label_parameters
 
 
@@ -88,16 +78,13 @@ class ZeroEngine:
         self.gatherer: Optional[Gatherer] = None
         if config.stage >= 3:
             self.gatherer = self._shard_parameters(block_modules, labels)
-        self._flag_group = dist.new_group() if self.world_size > 1 else None
+        self.reducer = Reducer(self.units, config, group, self.world_size)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._where]
         self.sync = True  # False inside Lightning's block_backward_sync (accumulating micro-batches)
         self.automatic = True  # Lightning's automatic optimization
-        self.loss_scale = 1.0  # the fp16 loss scale of the current backward; reductions divide it out
         self._round_open = False
         self._reduce_in_backward = False
         self._launch_in_hooks = False
-        self._next = 0  # index of the next unit to launch in this backward
-        self._inflight: collections.deque = collections.deque()
 
     # --- setup -------------------------------------------------------------------------------
 
@@ -161,6 +148,15 @@ class ZeroEngine:
     def release_all(self) -> None:
         if self.gatherer is not None:
             self.gatherer.release_all()
+
+    @property
+    def loss_scale(self) -> float:
+        """The fp16 loss scale of the current backward; reductions divide it out."""
+        return self.reducer.loss_scale
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        self.reducer.loss_scale = value
 
     @property
     def mixed(self) -> bool:
@@ -274,9 +270,7 @@ class ZeroEngine:
                 if pg is not None:
                     dist.destroy_process_group(pg)
             self._gather_group = self._check_group = None
-        if self._flag_group is not None:
-            dist.destroy_process_group(self._flag_group)
-            self._flag_group = None
+        self.reducer.remove()
 
     # --- backward ----------------------------------------------------------------------------
 
@@ -306,13 +300,13 @@ class ZeroEngine:
         if self.gatherer is not None:
             self.gatherer.on_param_grad(unit)
         if self._launch_in_hooks:
-            self._launch_ready_in_order()
+            self.reducer.launch_ready_in_order()
 
     def _open_round(self) -> None:
         self._round_open = True
-        self._next = 0
+        self.reducer.next = 0
         self._reduce_in_backward = self.config.stage >= 2 or (self.sync and self.automatic)
-        # without overlap every reduction waits at the end of backward (see _launch_ready_in_order)
+        # without overlap every reduction waits at the end of backward (see Reducer.launch_ready_in_order)
         self._launch_in_hooks = self._reduce_in_backward and self.config.overlap_comm
         for u in self.units:
             u.expected = sum(1 for p in u.params if p.requires_grad)
@@ -322,91 +316,22 @@ class ZeroEngine:
             self.gatherer.start_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self._close_round)
 
-    def _launch_ready_in_order(self) -> None:
-        """Launch complete units in unit order, without ever blocking: a rank whose backward skips
-        a parameter launches that unit only at the end of backward, and a peer blocked here
-        waiting for it would never reach the flag exchange. See [Note: reduction order]."""
-        while self._next < len(self.units):
-            unit = self.units[self._next]
-            if unit.expected and unit.seen < unit.expected:
-                return
-            if unit.expected:
-                if not self._room_without_waiting():
-                    return
-                self._launch(unit)
-            self._next += 1
-
-    def _room_without_waiting(self) -> bool:
-        while len(self._inflight) >= self.config.max_inflight_reductions:
-            if not self._inflight[0][0].is_completed():
-                return False
-            self._finish_oldest()
-        return True
-
     def _close_round(self) -> None:
         try:
             if self._reduce_in_backward:
-                self._reduce_remaining(self.units)
+                self.reducer.reduce_remaining(self.units)
         finally:
             self._round_open = False
             self.release_all()
 
-    # --- reductions --------------------------------------------------------------------------
-
-    def _reduce_remaining(self, units: Sequence[FlatUnit]) -> None:
-        """Launch, in unit order, every unit that has a gradient on any rank. See [Note: reduction order]."""
-        flags = torch.tensor(
-            [1.0 if (u.launched or u.grad_state is GradState.LOCAL) else 0.0 for u in units],
-            device=units[0].flat_param.device if units else None,
-        )
-        if len(units):
-            collectives.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._flag_group)
-        for unit, flag in zip(units, flags.tolist()):
-            if flag and not unit.launched:
-                self._launch(unit)
-        self.wait()
-        for unit in units:
-            unit.launched = False
-
-    def _launch(self, unit: FlatUnit) -> None:
-        unit.launched = True
-        while len(self._inflight) >= self.config.max_inflight_reductions:
-            self._finish_oldest()
-        # multiply before summing, exactly as DDP's reducer does; the loss scale is divided out here too
-        scale = 1.0 / (self.world_size * self.loss_scale)
-        if unit.flat_grad is not None:
-            bucket = unit.flat_grad.to(unit.reduce_dtype)  # the gradient buffer itself when dtypes agree
-            bucket.mul_(scale)
-        else:
-            bucket = unit.pack_grads(scale)
-        out = torch.empty(unit.spec.shard_numel, dtype=bucket.dtype, device=bucket.device)
-        handle = collectives.reduce_scatter(out, bucket, self.group, async_op=self.config.overlap_comm)
-        unit.grad_state = GradState.REDUCING
-        self._inflight.append((handle, unit, out, bucket))
-        if not self.config.overlap_comm:
-            self._finish_oldest()
-
-    def _finish_oldest(self) -> None:
-        handle, unit, out, _bucket = self._inflight.popleft()
-        handle.wait()
-        with torch.no_grad():
-            if unit.flat_grad is not None:
-                unit.shard_grad.copy_(out)
-            elif unit.shard_grad is None:  # allocated at the first reduction, then kept and accumulated into
-                unit.shard_grad = out.to(unit.shard_param.dtype)
-            else:
-                unit.shard_grad.add_(out)
-        unit.mark_reduced()
-
     def wait(self) -> None:
         """Block until every launched reduction has landed in its shard."""
-        while self._inflight:
-            self._finish_oldest()
+        self.reducer.wait()
 
     def prepare_step(self, units: Sequence[FlatUnit]) -> None:
         """Make the shard gradients of ``units`` final. A collective: every rank calls it."""
         if self.config.stage == 1 and not self.automatic:
-            self._reduce_remaining(units)
+            self.reducer.reduce_remaining(units)
         self.wait()
 
     def zero_grad(self, units: Sequence[FlatUnit]) -> None:
@@ -424,9 +349,7 @@ class ZeroEngine:
         for unit in units:
             if unit.shard_param.grad is not None:  # no host sync per unit: the flag is read once
                 bad = torch.maximum(bad, (~torch.isfinite(unit.shard_grad).all()).float())
-        if self._flag_group is not None:
-            collectives.all_reduce(bad, op=dist.ReduceOp.MAX, group=self._flag_group)
-        return bool(bad.item())
+        return self.reducer.any_rank(bad)
 
     # --- gradient norm and clipping ----------------------------------------------------------
 

@@ -1,0 +1,123 @@
+"""Gradient reductions: every unit's gradients reduce-scattered into its shard, in unit order.
+
+[Note: reduction order]
+Collectives on one process group are matched by the order in which ranks issue them, so every
+rank must reduce units in the same order even when a rank's backward skips a parameter. Units
+are reduced strictly in unit order: a unit whose gradients are all in is launched only after
+every earlier unit was launched. At the end of backward, one tiny MAX all-reduce on a separate
+process group tells every rank which units got a gradient on any rank; the rest of those are then
+launched in unit order, with zeros for the gradients a rank lacks. A unit that got no gradient on
+any rank is not reduced and its shard keeps ``grad = None``, so the optimizer skips it (as DDP
+leaves ``grad = None`` for a globally unused parameter).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lzero import collectives
+from lzero.config import ZeroConfig
+from lzero.flat_unit import FlatUnit, GradState
+
+
+class Reducer:
+    """Launches and completes the reduce-scatters of one engine's units. See [Note: reduction order]."""
+
+    def __init__(self, units: Sequence[FlatUnit], config: ZeroConfig, group: Optional[dist.ProcessGroup],
+                 world_size: int) -> None:
+        self.units = units
+        self.config = config
+        self.group = group
+        self.world_size = world_size
+        self.flag_group = dist.new_group() if world_size > 1 else None  # the tiny flag all-reduces
+        self.loss_scale = 1.0  # the fp16 loss scale of the current backward; divided out before summing
+        self.next = 0  # index of the next unit to launch in this backward
+        self._inflight: collections.deque = collections.deque()  # (handle, unit, output, bucket)
+
+    def launch_ready_in_order(self) -> None:
+        """Launch complete units in unit order, without ever blocking: a rank whose backward skips
+        a parameter launches that unit only at the end of backward, and a peer blocked here
+        waiting for it would never reach the flag exchange. See [Note: reduction order]."""
+        while self.next < len(self.units):
+            unit = self.units[self.next]
+            if unit.expected and unit.seen < unit.expected:
+                return
+            if unit.expected:
+                if not self._room_without_waiting():
+                    return
+                self.launch(unit)
+            self.next += 1
+
+    def _room_without_waiting(self) -> bool:
+        while len(self._inflight) >= self.config.max_inflight_reductions:
+            if not self._inflight[0][0].is_completed():
+                return False
+            self._finish_oldest()
+        return True
+
+    def reduce_remaining(self, units: Sequence[FlatUnit]) -> None:
+        """Launch, in unit order, every unit that has a gradient on any rank. See [Note: reduction order]."""
+        flags = torch.tensor(
+            [1.0 if (u.launched or u.grad_state is GradState.LOCAL) else 0.0 for u in units],
+            device=units[0].flat_param.device if units else None,
+        )
+        if len(units):
+            collectives.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.flag_group)
+        for unit, flag in zip(units, flags.tolist()):
+            if flag and not unit.launched:
+                self.launch(unit)
+        self.wait()
+        for unit in units:
+            unit.launched = False
+
+    def launch(self, unit: FlatUnit) -> None:
+        unit.launched = True
+        while len(self._inflight) >= self.config.max_inflight_reductions:
+            self._finish_oldest()
+        # multiply before summing, exactly as DDP's reducer does; the loss scale is divided out here too
+        scale = 1.0 / (self.world_size * self.loss_scale)
+        if unit.flat_grad is not None:
+            bucket = unit.flat_grad.to(unit.reduce_dtype)  # the gradient buffer itself when dtypes agree
+            bucket.mul_(scale)
+        else:
+            bucket = unit.pack_grads(scale)
+        out = torch.empty(unit.spec.shard_numel, dtype=bucket.dtype, device=bucket.device)
+        handle = collectives.reduce_scatter(out, bucket, self.group, async_op=self.config.overlap_comm)
+        unit.grad_state = GradState.REDUCING
+        self._inflight.append((handle, unit, out, bucket))
+        if not self.config.overlap_comm:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        handle, unit, out, _bucket = self._inflight.popleft()
+        handle.wait()
+        with torch.no_grad():
+            if unit.flat_grad is not None:
+                unit.shard_grad.copy_(out)
+            elif unit.shard_grad is None:  # allocated at the first reduction, then kept and accumulated into
+                unit.shard_grad = out.to(unit.shard_param.dtype)
+            else:
+                unit.shard_grad.add_(out)
+        unit.mark_reduced()
+
+    def wait(self) -> None:
+        """Block until every launched reduction has landed in its shard."""
+        while self._inflight:
+            self._finish_oldest()
+
+    def any_rank(self, flag: Tensor) -> bool:
+        """Whether ``flag`` (a 0-dim float, 0 or 1) is set on any rank: one MAX all-reduce. A collective."""
+        if self.flag_group is not None:
+            collectives.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.flag_group)
+        return bool(flag.item())
+
+    def remove(self) -> None:
+        self.wait()
+        if self.flag_group is not None:
+            dist.destroy_process_group(self.flag_group)
+            self.flag_group = None
