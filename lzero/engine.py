@@ -40,12 +40,13 @@ class ZeroEngine:
     def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], config: ZeroConfig,
                  group: Optional[dist.ProcessGroup] = None, device: torch.device = torch.device("cpu"),
                  init_fn: Optional[InitFn] = None, param_dtype: Optional[torch.dtype] = None,
-                 reduce_dtype: Optional[torch.dtype] = None) -> None:
+                 reduce_dtype: Optional[torch.dtype] = None, keep_fp32_modules: Sequence[str] = ()) -> None:
         self.config = config
         self.group = group
         self.world_size = collectives.world_size(group)
         self.rank = collectives.rank(group)
-        specs, by_name = _collect_params(module, optimizers)
+        kept = _kept_parameters(module, keep_fp32_modules) if param_dtype is not None else set()
+        specs, by_name = _collect_params(module, optimizers, kept)
         if config.stage >= 3:
             block_modules = find_blocks(module, config.unit_modules)
             labels = label_parameters(module, block_modules)
@@ -55,19 +56,19 @@ class ZeroEngine:
         self._dtypes = {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype}
         self._cast_back: list[tuple[nn.Parameter, torch.dtype]] = []  # frozen parameters cast to param_dtype
         if param_dtype is not None:
-            _refuse_batchnorm(module)
+            _refuse_batchnorm(module, keep_fp32_modules)
         if config.stage >= 3 and has_meta(module):
             self.units = self._materialize_by_unit(module, optimizers, block_modules, labels, device, init_fn)
         else:
             self._broadcast_initial_state(module)  # before the units take (fp32 master) copies
             self.units = [
-                FlatUnit(spec, [by_name[p.name] for p in spec.params], self.rank, config.stage, **self._dtypes)
+                FlatUnit(spec, [by_name[p.name] for p in spec.params], self.rank, config.stage, **self._dtypes_of(spec))
                 for spec in self.partition.units
             ]
             if param_dtype is not None:  # parameters outside every unit compute in the same dtype
                 managed = {p for u in self.units for p in u.params}
-                for p in module.parameters():
-                    if p not in managed and p.is_floating_point() and p.dtype != param_dtype:
+                for name, p in module.named_parameters():
+                    if p not in managed and name not in kept and p.is_floating_point() and p.dtype != param_dtype:
                         self._cast_back.append((p, p.dtype))
                         p.data = p.data.to(param_dtype)
         self._where: dict[nn.Parameter, tuple[FlatUnit, int]] = {
@@ -87,6 +88,12 @@ class ZeroEngine:
         self._launch_in_hooks = False
 
     # --- setup -------------------------------------------------------------------------------
+
+    def _dtypes_of(self, spec: Any) -> dict[str, Optional[torch.dtype]]:
+        """A unit of kept-fp32 modules computes in its master dtype, reducing in fp32."""
+        if spec.keep_fp32:
+            return {"param_dtype": None, "reduce_dtype": torch.float32}
+        return self._dtypes
 
     def _materialize_by_unit(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
                              block_modules: dict[str, nn.Module], labels: dict[str, str], device: torch.device,
@@ -108,7 +115,7 @@ class ZeroEngine:
                     materializer.run(inside[label])
                     done.add(label)
                 unit = FlatUnit(spec, [module.get_parameter(p.name) for p in spec.params], self.rank, self.config.stage,
-                                **self._dtypes)
+                                **self._dtypes_of(spec))
                 unit.keep_shard_only()
                 units.append(unit)
             materializer.run(module.named_modules())  # frozen parameters and buffers outside every unit
@@ -461,7 +468,23 @@ def _scatter_coalesced(bucket: list[FlatUnit], out: Tensor, world_size: int) -> 
             offset += unit.spec.shard_numel
 
 
-def _collect_params(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
+def _kept_parameters(module: nn.Module, class_names: Sequence[str]) -> set[str]:
+    """Names of the parameters owned directly by modules whose class is named in ``class_names``."""
+    wanted = set(class_names)
+    if not wanted:
+        return set()
+    found = {type(m).__name__ for m in module.modules()}
+    missing = wanted - found
+    if missing:
+        raise ZeroEngineError(
+            f"keep_fp32_modules names {sorted(missing)}, which no module of the model is. HINT: use class names"
+            f" from the model, e.g. {sorted(found)[:8]}."
+        )
+    return {f"{prefix}.{n}" if prefix else n for prefix, m in module.named_modules() if type(m).__name__ in wanted
+            for n, _ in m.named_parameters(recurse=False)}
+
+
+def _collect_params(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], kept: set[str] = frozenset()
                     ) -> tuple[list[ParamSpec], dict[str, nn.Parameter]]:
     """ParamSpecs, in registration order, of the trainable parameters that some optimizer holds."""
     names = {p: n for n, p in module.named_parameters()}
@@ -490,17 +513,18 @@ def _collect_params(module: nn.Module, optimizers: Sequence[torch.optim.Optimize
                     " parameters. HINT: keep parameters in float32 and choose the compute dtype with"
                     " `Trainer(precision=...)`."
                 )
-            specs.append(ParamSpec(name, tuple(p.shape), group_of[p]))
+            specs.append(ParamSpec(name, tuple(p.shape), group_of[p], keep_fp32=name in kept))
             by_name[name] = p
     return specs, by_name
 
 
-def _refuse_batchnorm(module: nn.Module) -> None:
+def _refuse_batchnorm(module: nn.Module, kept: Sequence[str] = ()) -> None:
     """BatchNorm needs its weights in the dtype of its fp32 running statistics."""
     for name, m in module.named_modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and type(m).__name__ not in kept:
             raise ZeroEngineError(
                 f"`{name}` ({type(m).__name__}) cannot run with bf16 working parameters and fp32 running"
-                " statistics. HINT: use `ZeroPrecision('bf16-mixed', param_dtype=torch.float32)` (fp32"
+                f" statistics. HINT: keep it in fp32 with `ZeroPrecision('bf16-mixed', keep_fp32_modules=['{type(m).__name__}'])`,"
+                " or use `ZeroPrecision('bf16-mixed', param_dtype=torch.float32)` (fp32"
                 " parameters under bf16 autocast), or replace BatchNorm with LayerNorm/GroupNorm."
             )

@@ -7,7 +7,8 @@ checkpoint written at one world size or stage can be re-sliced for another.
 [Note: unit layout]
 A unit is a flat 1-D buffer holding its parameters back to back, padded at the end to a multiple
 of the world size N. Rank r owns the contiguous slice [r * S, (r + 1) * S) with S = padded / N.
-A unit never mixes param groups: its shard is one tensor in exactly one optimizer param group.
+A unit never mixes param groups (its shard is one tensor in exactly one optimizer param group) nor
+compute dtypes (mixed precision may keep some module types in fp32).
 At stages 1 and 2 units are formed in backward order (reverse registration order) up to
 ``max_unit_numel`` elements, so the first units to complete in backward are the first reduced.
 """
@@ -29,10 +30,16 @@ class ParamSpec:
     name: str
     shape: tuple[int, ...]
     group: GroupKey
+    keep_fp32: bool = False  # mixed precision: computes in fp32 (a module type kept out of 16-bit)
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def kind(self) -> tuple[GroupKey, bool]:
+        """What a unit never mixes: param group and compute dtype."""
+        return self.group, self.keep_fp32
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,10 @@ class UnitSpec:
     offsets: tuple[int, ...]  # start of each param in the flat buffer
     numel: int  # sum of the params' numel
     world_size: int
+
+    @property
+    def keep_fp32(self) -> bool:
+        return self.params[0].keep_fp32
 
     @property
     def padded_numel(self) -> int:
@@ -123,7 +134,7 @@ class Partition:
 
 def partition_by_size(params: Sequence[ParamSpec], world_size: int, max_unit_numel: int) -> Partition:
     """Pack ``params`` (given in registration order) into units of at most ``max_unit_numel``
-    elements, in backward order, never mixing param groups. See [Note: unit layout]."""
+    elements, in backward order, never mixing param groups or compute dtypes. See [Note: unit layout]."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if max_unit_numel < 1:
@@ -131,13 +142,13 @@ def partition_by_size(params: Sequence[ParamSpec], world_size: int, max_unit_num
     names = [p.name for p in params]
     if len(set(names)) != len(names):
         raise ValueError("parameter names must be unique (pass each shared parameter once)")
-    open_units: dict[GroupKey, list[ParamSpec]] = {}
+    open_units: dict[tuple[GroupKey, bool], list[ParamSpec]] = {}
     closed: list[list[ParamSpec]] = []
     for spec in reversed(params):
-        current = open_units.setdefault(spec.group, [])
+        current = open_units.setdefault(spec.kind, [])
         if current and sum(p.numel for p in current) + spec.numel > max_unit_numel:
             closed.append(current)
-            current = open_units[spec.group] = []
+            current = open_units[spec.kind] = []
         current.append(spec)
     closed.extend(u for u in open_units.values() if u)
     # order units by when their first parameter appears in backward order, so that every rank
@@ -148,15 +159,15 @@ def partition_by_size(params: Sequence[ParamSpec], world_size: int, max_unit_num
 
 
 def partition_by_label(params: Sequence[ParamSpec], world_size: int, labels: dict[str, str]) -> Partition:
-    """Stage 3: one unit per (label, param group), where a label names the module block a parameter
+    """Stage 3: one unit per (label, param group, compute dtype), where a label names the module block a parameter
     belongs to ("" for the root). Block units are ordered as they complete in backward (reverse
     registration order); root units come last, since the root typically holds the input embedding
     (often tied to the output head), whose gradient completes last. See [Note: unit layout]."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    members: dict[tuple[str, GroupKey], list[ParamSpec]] = {}
+    members: dict[tuple[str, tuple[GroupKey, bool]], list[ParamSpec]] = {}
     for spec in reversed(params):
-        members.setdefault((labels[spec.name], spec.group), []).append(spec)
+        members.setdefault((labels[spec.name], spec.kind), []).append(spec)
     keys = [k for k in members if k[0] != ""] + [k for k in members if k[0] == ""]
     ordered = [list(reversed(members[k])) for k in keys]  # registration order inside a unit
     return Partition(tuple(_make_unit(i, m, world_size) for i, m in enumerate(ordered)), world_size)

@@ -14,6 +14,10 @@ global norm over all shards instead.
 - ``16-mixed``: the same with fp16 working parameters, fp16 autocast and dynamic loss scaling
   (loss_scale.py); the division by the scale is folded into the reduction, so everything after
   the reduction (clipping, the norm, the optimizer) sees unscaled fp32 gradients.
+- ``keep_fp32_modules=["Embedding", "LayerNorm"]`` under the mixed modes: those modules' own
+  parameters stay fp32 (their units are fp32 throughout), so the residual stream that starts at an
+  embedding and the normalizations compute in fp32 while matmuls take bf16 weights, which is what
+  Lightning's autocast over fp32 weights computes.
 - ``bf16-mixed``/``16-mixed`` with ``param_dtype=torch.float32`` (Lightning's own semantics): fp32
   parameters, 16-bit autocast in forward; the fp32 memory formula.
 - ``bf16-true``: everything bf16, no masters.
@@ -31,7 +35,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import contextmanager
-from typing import Any, Callable, Generator, Optional, Union
+from typing import Any, Callable, Generator, Optional, Sequence, Union
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
@@ -70,11 +74,15 @@ class ZeroPrecision(Precision):
         loss_scaling: ``16-mixed`` only: DeepSpeed's loss-scaling knobs (:class:`lzero.LossScaleConfig`).
         nonfinite_grads: what an inf/NaN gradient does outside ``16-mixed``: ``"skip"`` the step
             (counted, reported) or ``"raise"``.
+        keep_fp32_modules: mixed modes with 16-bit parameters: class names of modules whose own
+            parameters stay fp32 (e.g. ``["Embedding", "LayerNorm"]``): the residual stream and the
+            normalizations then run in fp32 as under Lightning's autocast, for 2 more bytes per kept
+            parameter. See [Note: precision modes].
     """
 
     def __init__(self, precision: str = "32-true", param_dtype: Optional[torch.dtype] = None,
                  reduce_dtype: Optional[torch.dtype] = None, loss_scaling: Optional[LossScaleConfig] = None,
-                 nonfinite_grads: str = "skip") -> None:
+                 nonfinite_grads: str = "skip", keep_fp32_modules: Sequence[str] = ()) -> None:
         precision = str(precision)
         if precision in REFUSED:
             raise ZeroPrecisionError(
@@ -110,6 +118,15 @@ class ZeroPrecision(Precision):
         self.param_dtype = param_dtype if param_dtype is not None else half
         if self.param_dtype == torch.float32:
             self.param_dtype = None  # autocast mode: the parameters stay as they are
+        if isinstance(keep_fp32_modules, str) or not all(isinstance(n, str) for n in keep_fp32_modules):
+            raise ZeroPrecisionError(f"`keep_fp32_modules={keep_fp32_modules!r}` must be a list of class names."
+                                     " HINT: e.g. ['Embedding', 'LayerNorm'].")
+        if keep_fp32_modules and self.param_dtype is None:
+            raise ZeroPrecisionError(
+                f"`keep_fp32_modules` applies to 16-bit working parameters, but precision={precision!r}"
+                f"{' with param_dtype=torch.float32' if half else ''} keeps every parameter in its dtype already."
+                " HINT: drop `keep_fp32_modules`.")
+        self.keep_fp32_modules = tuple(keep_fp32_modules)
         self.reduce_dtype = reduce_dtype if reduce_dtype is not None else (torch.float32 if half else None)
         self.autocast_dtype = half
         self.scaler = LossScaler(loss_scaling or LossScaleConfig()) if precision == "16-mixed" else None

@@ -389,7 +389,7 @@ def bf16_against_ddp(rank: int, world_size: int, stages: tuple[int, ...] = (1, 2
     on a bf16 model."""
     results = {}
     for stage in stages:
-        for mode in ("mixed", "autocast", "true"):
+        for mode in ("mixed", "kept", "autocast", "true"):
             torch.manual_seed(1000 + rank)
             model = Deep(width=32, depth=4)
             if mode == "true":
@@ -397,7 +397,9 @@ def bf16_against_ddp(rank: int, world_size: int, stages: tuple[int, ...] = (1, 2
             ref = DDP(copy.deepcopy(model))
             ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-            dtypes = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if mode == "mixed" else {}
+            dtypes = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if mode in ("mixed", "kept") else {}
+            if mode == "kept":
+                dtypes["keep_fp32_modules"] = ("Embedding", "LayerNorm")
             engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage), **dtypes)
             zopt = ZeroOptimizer(opt, engine, 0)
             gen = torch.Generator().manual_seed(21 + rank)

@@ -55,6 +55,31 @@ def test_bad_checkpoint_options_are_named(kwargs: dict, match: str) -> None:
         ZeroConfig(**kwargs)
 
 
+def test_keep_fp32_modules_must_name_model_classes() -> None:
+    from lzero import ZeroEngine, ZeroEngineError
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3))
+    with pytest.raises(ZeroEngineError, match=r"keep_fp32_modules names \['LayerNrom'\].*HINT.*LayerNorm"):
+        ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], ZeroConfig(stage=2),
+                   param_dtype=torch.bfloat16, keep_fp32_modules=["LayerNrom"])
+
+
+def test_batchnorm_under_bf16_params_is_refused_unless_kept_in_fp32() -> None:
+    from lzero import ZeroEngine, ZeroEngineError
+
+    def engine(keep):
+        model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+        return ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], ZeroConfig(stage=2),
+                          param_dtype=torch.bfloat16, keep_fp32_modules=keep)
+
+    with pytest.raises(ZeroEngineError, match=r"(?s)BatchNorm1d.*keep_fp32_modules=\['BatchNorm1d'\]"):
+        engine(())
+    kept = engine(["BatchNorm1d"])
+    assert {str(p.dtype) for p in kept.units[0].params} | {str(p.dtype) for p in kept.units[-1].params} == {
+        "torch.bfloat16", "torch.float32"}
+    kept.remove()
+
+
 def test_unbuilt_offload_refused() -> None:
     with pytest.raises(ZeroConfigError, match="offload_optimizer='cpu'.*not built"):
         ZeroConfig(offload_optimizer="cpu")
@@ -116,6 +141,8 @@ def test_trainer_precision_becomes_zero_precision() -> None:
     ({"precision": "16-mixed", "reduce_dtype": torch.float16}, "`reduce_dtype=torch.float16` is not supported"),
     ({"precision": "bf16-mixed", "loss_scaling": "x"}, "`loss_scaling` applies to precision='16-mixed' only"),
     ({"precision": "bf16-mixed", "nonfinite_grads": "ignore"}, "`nonfinite_grads='ignore'`"),
+    ({"precision": "bf16-mixed", "keep_fp32_modules": "LayerNorm"}, "must be a list of class names"),
+    ({"precision": "32-true", "keep_fp32_modules": ["LayerNorm"]}, "`keep_fp32_modules` applies to 16-bit"),
 ])
 def test_bad_precision_options_are_named(kwargs: dict, match: str) -> None:
     from lzero import ZeroPrecision, ZeroPrecisionError

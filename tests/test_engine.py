@@ -137,12 +137,14 @@ def test_bf16_precision_modes_against_ddp(ranks: tuple[int, list[dict]], stage: 
     if world_size != 2:
         return  # run once
     bf16 = results[0]["bf16"]
-    for mode in ("mixed", "autocast", "true"):
+    for mode in ("mixed", "kept", "autocast", "true"):
         print(f"stage {stage} {mode}: {bf16[(stage, mode)]}")
-    mixed, autocast, true = (bf16[(stage, m)] for m in ("mixed", "autocast", "true"))
+    mixed, kept, autocast, true = (bf16[(stage, m)] for m in ("mixed", "kept", "autocast", "true"))
     assert mixed["masters"] == ["torch.float32"] and mixed["params"] == ["torch.bfloat16"]
     # bf16 working weights vs DDP's fp32 weights under autocast: bf16 forward rounding (loss ~13)
     assert mixed["worst_loss_diff"] < 3e-2 and mixed["max_rel"] < 1e-2
+    # Embedding and LayerNorm kept fp32: the residual stream and the norms compute as under autocast
+    assert kept["params"] == ["torch.bfloat16", "torch.float32"] and kept["worst_loss_diff"] < 1e-2
     assert autocast["worst_loss_diff"] == 0.0 and autocast["max_rel"] == 0.0  # Lightning's semantics
     assert true["masters"] == true["params"] == ["torch.bfloat16"]
     assert true["worst_loss_diff"] == 0.0 and true["max_rel"] == 0.0

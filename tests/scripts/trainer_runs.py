@@ -228,6 +228,10 @@ def suite_ws2(out: Path) -> None:
         unseeded_init()
         fit(out, f"{strategy}_bf16", strategy, TiedNet(batchnorm=False), 2, data(), precision="bf16-mixed",
             save=True)
+    for strategy in ("zero1", "zero2", "zero3"):  # embeddings and norms kept in fp32: Lightning's numerics
+        unseeded_init()
+        fit(out, f"{strategy}_bf16keep", strategy, TiedNet(batchnorm=False), 2, data(),
+            plugins=[lzero.ZeroPrecision("bf16-mixed", keep_fp32_modules=["Embedding", "LayerNorm"])])
     lazy = LazyNet()
     fit(out, "zero3_configure_model", "zero3", lazy, 2, data(), steps=20)
     if lazy.trainer.is_global_zero:
