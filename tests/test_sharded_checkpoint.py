@@ -264,3 +264,24 @@ def test_ckpt_path_last_and_a_change_of_precision(tmp_path: Path, in_process_fit
     assert trainer.global_step == 9 and trainer.strategy.precision_plugin.precision == "bf16-mixed"
     for name, value in reference.named_parameters():  # the fp32 masters, as saved
         assert torch.equal(loaded[name], value.detach().reshape(-1)), name
+
+
+def test_validate_with_a_sharded_checkpoint_outside_fit(runs: Path, in_process_fit) -> None:
+    """Outside fit there are no shards: the module is whole and every parameter is read in full."""
+    sys.path.insert(0, str(SCRIPTS))
+    from lightning.pytorch import Trainer
+    from skip_runs import Toy, data
+
+    from lzero import ZeroStrategy
+
+    class Checked(Toy):
+        def validation_step(self, batch, batch_idx) -> None:
+            self.log("v", self.net(torch.ones(4, 8)).float().pow(2).mean())
+
+    model = Checked({})
+    trainer = Trainer(strategy=ZeroStrategy(stage=3), accelerator="cpu", devices=1, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1)
+    trainer.validate(model, data(), ckpt_path=str(runs / "zero3_first" / "last.ckpt"), verbose=False)
+    saved = load(runs, "zero3_first")["params"]
+    for name, value in model.named_parameters():
+        assert torch.equal(value, saved[name]), name
