@@ -326,17 +326,24 @@ class ShardedCheckpoint:
         self._check_coverage()
 
     def _check_coverage(self) -> None:
-        for name, info in self.manifest["params"].items():
-            for key in [f"param/{name}"] + [k for k in self._pieces if k.startswith("optim/") and
-                                            k.split("/", 2)[2].rsplit("/", 1)[0] == name]:
-                covered = 0
-                for a, b, file in self._pieces.get(key, []):
-                    if a > covered:
-                        break
-                    covered = max(covered, b)
-                if covered < info["numel"]:
-                    raise CheckpointError(f"`{self.path}`: the shards hold elements [0, {covered}) of `{key}`, which"
-                                          f" has {info['numel']}. HINT: a shard file is missing or from another save.")
+        """Every parameter, and every per-element optimizer state, is covered from 0 to its numel."""
+        params = self.manifest["params"]
+        for name in params:
+            if f"param/{name}" not in self._pieces:
+                raise CheckpointError(f"`{self.path}`: no file holds `param/{name}`. HINT: a shard file is missing"
+                                      " or from another save.")
+        for key, pieces in self._pieces.items():
+            parts = key.split("/")  # param/<name> or optim/<k>/<name>/<state>; names use dots, never slashes
+            name = parts[1] if parts[0] == "param" else parts[2]
+            covered = 0
+            for a, b, _ in pieces:  # sorted by start
+                if a > covered:
+                    break
+                covered = max(covered, b)
+            if name not in params or covered < params[name]["numel"]:
+                raise CheckpointError(f"`{self.path}`: the shards hold elements [0, {covered}) of `{key}`, which has"
+                                      f" {params.get(name, {}).get('numel', '?')}. HINT: a shard file is missing or from"
+                                      " another save.")
 
     @property
     def world_size(self) -> int:
