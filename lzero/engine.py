@@ -408,6 +408,9 @@ class ZeroEngine:
                     unit.publish()
             if self.world_size > 1 and self.gatherer is None:  # stage 3 gathers on demand instead
                 pending.append(self._launch_gather(bucket))
+        self._finish_gathers(pending)
+
+    def _finish_gathers(self, pending: list[tuple[collectives.Handle, list[FlatUnit], Optional[Tensor]]]) -> None:
         for handle, bucket, out in pending:
             handle.wait()
             if out is not None:
@@ -442,11 +445,8 @@ class ZeroEngine:
                 lo, hi = unit.spec.shard_range(self.rank)
                 unit.flat_param[lo:hi].copy_(unit.owned_param())
         if self.world_size > 1 and self.gatherer is None:
-            pending = [self._launch_gather(bucket) for bucket in _coalesce(self.units, self.config.allgather_bucket_size)]
-            for handle, bucket, out in pending:
-                handle.wait()
-                if out is not None:
-                    _scatter_coalesced(bucket, out, self.world_size)
+            self._finish_gathers([self._launch_gather(bucket)
+                                  for bucket in _coalesce(self.units, self.config.allgather_bucket_size)])
 
 
 def _coalesce(units: Sequence[FlatUnit], limit: int) -> Iterator[list[FlatUnit]]:

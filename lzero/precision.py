@@ -219,7 +219,7 @@ class ZeroPrecision(Precision):
             self.scaler.update(skip)
             self._sync_scale()
         if skip and model.trainer.global_rank == 0:
-            every = self.scaler.config.report_every_n_skips if self.scaler is not None else 100
+            every = (self.scaler.config if self.scaler is not None else LossScaleConfig).report_every_n_skips
             if self.skipped_steps == 1 or self.skipped_steps % every == 0:
                 cause = "fp16 gradient overflow" if self.scaler is not None else "inf/NaN gradient"
                 scale = ""

@@ -335,21 +335,19 @@ class ZeroStrategy(DDPStrategy):
         reader: Optional[ShardedCheckpoint] = checkpoint.get("lzero/reader")
         module = self.lightning_module
         if self._engine is None:
-            state = dict(reader.iter_state_dict()) if reader is not None else checkpoint["state_dict"]
+            state = reader.full_state_dict() if reader is not None else checkpoint["state_dict"]
             module.load_state_dict(state, strict=strict)
             return
         engine = self._engine
         specs = {spec.name: spec for unit in engine.units for spec in unit.spec.params}
         if reader is not None:
             saved_shapes = {n: tuple(p["shape"]) for n, p in reader.manifest["params"].items()}
-            aliases = reader.manifest["aliases"]
             fetch = lambda name, a, b: reader.read_range(f"param/{name}", a, b)  # noqa: E731
             rest = reader.lightning_state()["lzero/module_state"]
         else:
             state = checkpoint["state_dict"]
-            aliases = {}
             saved_shapes = {k: tuple(v.shape) for k, v in state.items()}
-            fetch = fetch_full(state, aliases)
+            fetch = fetch_full(state)
             rest = {k: v for k, v in state.items() if k not in specs}
         wrong = [f"`{n}` saved {saved_shapes.get(n)} now {s.shape}" for n, s in specs.items()
                  if n in saved_shapes and saved_shapes[n] != tuple(s.shape)]
@@ -430,10 +428,7 @@ class _LazyStateDict(Mapping):
         self._keys = list(reader.manifest["state_dict_keys"])
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        name = self._reader.manifest["aliases"].get(key, key)
-        if name in self._reader.manifest["params"]:
-            return self._reader.full_param(name)
-        return self._reader.lightning_state()["lzero/module_state"][key]
+        return self._reader.state_tensor(key)
 
     def __iter__(self) -> Any:
         return iter(self._keys)

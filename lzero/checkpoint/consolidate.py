@@ -33,31 +33,25 @@ def consolidate(checkpoint_dir: Any, out: Any, progress: bool = False) -> Path:
         raise CheckpointError(f"Cannot tell the format of `{out}`. HINT: end the output name with .ckpt, .pt or"
                               " .safetensors.")
     keys = reader.manifest["state_dict_keys"]
-    aliases = reader.manifest["aliases"]
-    params = reader.manifest["params"]
-    rest = reader.lightning_state()["lzero/module_state"]
+    first_key: dict[str, str] = {}  # what a key holds (its parameter, or itself) -> the first key holding it
+    for key in keys:
+        first_key.setdefault(reader.param_name(key) or key, key)
     bar = _progress(len(keys), progress)
     if out.suffix == ".safetensors":
-        first_key = {}
-        for key in keys:
-            first_key.setdefault(aliases.get(key, key), key)
-        stored = list(first_key.items())  # (canonical name, key it is stored under)
-        entries = [(key, *(_dtype_shape(reader, rest, name))) for name, key in stored]
-        tied = {key: first_key[aliases.get(key, key)] for key in keys if first_key[aliases.get(key, key)] != key}
+        stored = list(first_key.values())
+        entries = [(key, *_dtype_shape(reader, key)) for key in stored]
+        tied = {key: first for key in keys if (first := first_key[reader.param_name(key) or key]) != key}
         with SafetensorsStreamWriter(out, entries, {"aliases": json.dumps(tied), "format": "lzero-consolidated"}) as w:
-            for name, key in stored:
-                w.write(key, reader.full_param(name) if name in params else rest[key])
+            for key in stored:
+                w.write(key, reader.state_tensor(key))
                 bar.update(1)
         bar.close()
         return out
     with TorchStreamWriter(out) as writer:
         state: dict[str, Any] = {}
-        by_name: dict[str, Any] = {}
         for key in keys:
-            name = aliases.get(key, key)
-            if name not in by_name:
-                by_name[name] = writer.add(reader.full_param(name) if name in params else rest[key])
-            state[key] = by_name[name]
+            first = first_key[reader.param_name(key) or key]
+            state[key] = writer.add(reader.state_tensor(key)) if first == key else state[first]
             bar.update(1)
         common = reader.lightning_state()
         writer.close({"state_dict": state, **{k: common[k] for k in KEPT if k in common}})
@@ -65,12 +59,14 @@ def consolidate(checkpoint_dir: Any, out: Any, progress: bool = False) -> Path:
     return out
 
 
-def _dtype_shape(reader: ShardedCheckpoint, rest: dict[str, Any], name: str) -> tuple[Any, tuple[int, ...]]:
+def _dtype_shape(reader: ShardedCheckpoint, key: str) -> tuple[Any, tuple[int, ...]]:
     import torch
 
-    if name in reader.manifest["params"]:
+    name = reader.param_name(key)
+    if name is not None:
         return torch.float32, tuple(reader.manifest["params"][name]["shape"])
-    return rest[name].dtype, tuple(rest[name].shape)
+    rest = reader.lightning_state()["lzero/module_state"][key]
+    return rest.dtype, tuple(rest.shape)
 
 
 def _progress(total: int, enabled: bool) -> Any:

@@ -33,7 +33,7 @@ import secrets
 import threading
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -323,6 +323,11 @@ class ShardedCheckpoint:
                     self._pieces[key].append((span[0], span[1], file))
         for key in self._pieces:
             self._pieces[key].sort(key=lambda t: t[0])
+        self._optimizer_keys: dict[tuple[str, str], set[str]] = defaultdict(set)  # (k, name) -> state keys
+        for key in list(self._pieces) + list(self._scalars):
+            parts = key.split("/")  # optim/<k>/<name>/<state>; names use dots, never slashes
+            if parts[0] == "optim":
+                self._optimizer_keys[(parts[1], parts[2])].add(parts[3])
         self._check_coverage()
 
     def _check_coverage(self) -> None:
@@ -375,8 +380,7 @@ class ShardedCheckpoint:
         return self._scalars[key].read(key)
 
     def optimizer_keys(self, index: int, name: str) -> list[str]:
-        prefix = f"optim/{index}/{name}/"
-        return sorted({k[len(prefix):] for k in list(self._pieces) + list(self._scalars) if k.startswith(prefix)})
+        return sorted(self._optimizer_keys.get((str(index), name), ()))
 
     def tree(self, name: str, rank: int = 0) -> Any:
         file = self.files[rank]
@@ -401,30 +405,38 @@ class ShardedCheckpoint:
         info = self.manifest["params"][name]
         return self.read_range(f"param/{name}", 0, info["numel"]).view(info["shape"])
 
-    def iter_state_dict(self) -> Iterator[tuple[str, Tensor]]:
-        """The module's state dict in its saved key order, one tensor at a time (tied keys repeat the
-        same tensor object)."""
-        common = self.lightning_state()
-        rest = common["lzero/module_state"]
-        loaded: dict[str, Tensor] = {}
+    def param_name(self, key: str) -> Optional[str]:
+        """The sharded parameter a state-dict key holds (tied keys name the same one), or None for a
+        tensor outside every unit (a buffer, a frozen parameter)."""
+        name = self.manifest["aliases"].get(key, key)
+        return name if name in self.manifest["params"] else None
+
+    def state_tensor(self, key: str) -> Tensor:
+        """The whole tensor of one state-dict key."""
+        name = self.param_name(key)
+        return self.full_param(name) if name is not None else self.lightning_state()["lzero/module_state"][key]
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The module's whole state dict in its saved key order; tied keys share one tensor."""
+        by_name: dict[str, Tensor] = {}
+        out = {}
         for key in self.manifest["state_dict_keys"]:
-            name = self.manifest["aliases"].get(key, key)
-            if name in self.manifest["params"]:
-                if name not in loaded:
-                    loaded = {name: self.full_param(name)}  # keep one: ties are adjacent or re-read
-                yield key, loaded[name]
-            else:
-                yield key, rest[key]
+            name = self.param_name(key)
+            if name is None:
+                out[key] = self.state_tensor(key)
+                continue
+            if name not in by_name:
+                by_name[name] = self.full_param(name)
+            out[key] = by_name[name]
+        return out
 
 
-def fetch_full(state_dict: dict[str, Tensor], aliases: dict[str, str]) -> Callable[[str, int, int], Tensor]:
+def fetch_full(state_dict: dict[str, Tensor]) -> Callable[[str, int, int], Tensor]:
     """A piece reader over a plain (DDP/Lightning) state dict, for :meth:`ZeroEngine.load_params`."""
     def fetch(name: str, start: int, end: int) -> Tensor:
-        key = name if name in state_dict else next((k for k, v in aliases.items() if v == name and k in state_dict),
-                                                   None)
-        if key is None:
+        if name not in state_dict:
             raise CheckpointError(f"The checkpoint's state_dict has no `{name}`. HINT: it belongs to another model.")
-        return state_dict[key].detach().reshape(-1)[start:end]
+        return state_dict[name].detach().reshape(-1)[start:end]
     return fetch
 
 
