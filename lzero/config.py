@@ -87,6 +87,15 @@ class ZeroConfig:
     training that it equals micro batch x ``accumulate_grad_batches`` x world size, and refuses the
     run otherwise. None: no check (``strategy.global_batch_size`` still reports the product)."""
 
+    find_unused_parameters: bool = False
+    """DDP's semantics for parameters that get no gradient: a parameter that no rank used in a step is
+    not stepped (its optimizer state untouched), as under ``DDPStrategy(find_unused_parameters=True)``.
+    Every parameter then forms a unit of its own, so each is reduce-scattered (and, at stage 3, sharded)
+    separately: more, smaller collectives. False (the default, DeepSpeed's behaviour): units are
+    bucketed, and an unused parameter in a unit whose other parameters got gradients is stepped with a
+    zero gradient, which stateful optimizers (Adam's momentum) still move. A unit that no rank used at
+    all is skipped either way."""
+
     allow_untested_optimizer: bool = False
     """Run an optimizer that is not on lzero's allow-list of elementwise optimizers. Such an optimizer
     may compute something other than it would on the whole model (e.g. a norm over a shard only)."""
@@ -139,7 +148,7 @@ class ZeroConfig:
                     f"`{name}={value!r}`: offload is not built in this lzero release."
                     f" HINT: use `{name}='none'`."
                 )
-        for name in ("overlap_comm", "broadcast_buffers", "allow_untested_optimizer"):
+        for name in ("overlap_comm", "broadcast_buffers", "find_unused_parameters", "allow_untested_optimizer"):
             if not isinstance(getattr(self, name), bool):
                 raise ZeroConfigError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
 

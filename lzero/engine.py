@@ -26,6 +26,7 @@ from lzero import collectives
 from lzero.config import ZeroConfig
 from lzero.flat_unit import FlatUnit, GradState
 from lzero.gather import Block, Gatherer
+from lzero import grads
 from lzero.materialize import InitFn, Materializer, common_seed, has_meta
 from lzero.partition import Partition, ParamSpec, partition_by_label, partition_by_size
 from lzero.reducer import Reducer
@@ -50,9 +51,11 @@ class ZeroEngine:
         if config.stage >= 3:
             block_modules = find_blocks(module, config.unit_modules)
             labels = label_parameters(module, block_modules)
-            self.partition: Partition = partition_by_label(specs, self.world_size, labels)
-        else:
-            self.partition = partition_by_size(specs, self.world_size, config.reduce_bucket_size)
+            self.partition: Partition = partition_by_label(specs, self.world_size, labels,
+                                                           per_param=config.find_unused_parameters)
+        else:  # one parameter per unit when unused parameters must not be stepped (see ZeroConfig)
+            unit_numel = 1 if config.find_unused_parameters else config.reduce_bucket_size
+            self.partition = partition_by_size(specs, self.world_size, unit_numel)
         self._dtypes = {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype}
         self._cast_back: list[tuple[nn.Parameter, torch.dtype]] = []  # frozen parameters cast to param_dtype
         if param_dtype is not None:
@@ -81,6 +84,7 @@ class ZeroEngine:
             self.gatherer = self._shard_parameters(block_modules, labels)
         self.reducer = Reducer(self.units, config, group, self.world_size)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._where]
+        grads.watch(self._where, self._on_grad_cleared, self._on_module_zero_grad)  # [Note: clearing gradients]
         self.sync = True  # False inside Lightning's block_backward_sync (accumulating micro-batches)
         self.automatic = True  # Lightning's automatic optimization
         self._round_open = False
@@ -271,6 +275,7 @@ class ZeroEngine:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        grads.unwatch(self._where, self._on_module_zero_grad)
         if self.gatherer is not None:
             self.gatherer.remove()
             for pg in (self._gather_group, self._check_group):
@@ -303,6 +308,7 @@ class ZeroEngine:
         if unit.flat_grad is not None:
             unit.link_grad(index)
         unit.grad_state = GradState.LOCAL
+        unit.cleared.discard(index)
         unit.seen += 1
         if self.gatherer is not None:
             self.gatherer.on_param_grad(unit)
@@ -341,10 +347,34 @@ class ZeroEngine:
             self.reducer.reduce_remaining(units)
         self.wait()
 
-    def zero_grad(self, units: Sequence[FlatUnit]) -> None:
+    def zero_grad(self, units: Sequence[FlatUnit], set_to_none: bool = True) -> None:
         self.wait()
         for unit in units:
-            unit.zero_grad()
+            unit.zero_grad(set_to_none)
+
+    def _on_grad_cleared(self, param: nn.Parameter) -> None:
+        """Someone set ``param.grad = None``: drop its part of the gradients. See [Note: clearing gradients]."""
+        unit, index = self._where[param]
+        if not self._round_open:
+            self.wait()
+        unit.clear_grad(index)
+
+    def _on_module_zero_grad(self, module: nn.Module, set_to_none: bool) -> None:
+        """``module.zero_grad(set_to_none)`` ran on some module: clear the shard gradients of its parameters.
+        See [Note: clearing gradients]."""
+        touched: dict[FlatUnit, list[int]] = {}
+        for p in module.parameters():
+            if p in self._where:
+                unit, index = self._where[p]
+                touched.setdefault(unit, []).append(index)
+        if touched and not self._round_open:
+            self.wait()
+        for unit, indices in touched.items():
+            if set(indices) >= set(unit.trainable):
+                unit.zero_grad(set_to_none)
+            else:
+                for index in indices:
+                    unit.clear_grad(index, set_to_none)
 
     @torch.no_grad()
     def found_nonfinite(self, units: Sequence[FlatUnit]) -> bool:

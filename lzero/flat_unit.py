@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from lzero.grads import set_grad_quietly
 from lzero.partition import UnitSpec
 
 
@@ -77,6 +78,7 @@ class FlatUnit:
         self.expected = 0  # params needing a gradient in the current backward
         self.seen = 0  # params whose gradient arrived in the current backward
         self.launched = False  # reduction launched in the current backward
+        self.cleared: set[int] = set()  # params whose gradient the user set to None since they last got one
 
     # --- gradients ---------------------------------------------------------------------------
 
@@ -103,20 +105,50 @@ class FlatUnit:
         for p, (start, end) in zip(self.params, self.ranges):
             if p.grad is not None:
                 torch.mul(p.grad.reshape(-1), scale, out=bucket[start:end])
-                p.grad = None
+                set_grad_quietly(p, None)
         return bucket
 
     @torch.no_grad()
-    def zero_grad(self) -> None:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear every gradient of the unit. ``set_to_none=False`` keeps a gradient that exists, zeroed,
+        so the next step still steps it (with zeros, as torch steps a zeroed ``p.grad``)."""
+        had_grad = self.grad_state is not GradState.EMPTY
         if self.flat_grad is not None:
             self.flat_grad.zero_()
         else:
-            if self.shard_grad is not None:
-                self.shard_grad.zero_()
             for p in self.params:
-                p.grad = None
-        self.shard_param.grad = None
-        self.grad_state = GradState.EMPTY
+                set_grad_quietly(p, None)
+        if self.shard_grad is not None:
+            self.shard_grad.zero_()
+        self.cleared.clear()
+        if set_to_none or not had_grad:
+            self.shard_param.grad = None
+            self.grad_state = GradState.EMPTY
+        elif self.flat_grad is not None:
+            self.shard_param.grad = None
+            self.grad_state = GradState.LOCAL  # stage 1: the zeroed local gradient is reduced and stepped
+        # stages 2-3 with set_to_none=False: the zeroed shard gradient stays, and is stepped
+
+    @torch.no_grad()
+    def clear_grad(self, index: int, set_to_none: bool = True) -> None:
+        """The user cleared ``params[index].grad``: its part of the gradients is zeroed. With ``set_to_none`` it is
+        also dropped: once every trainable parameter of the unit is, the unit has no gradient and is not stepped."""
+        start, end = self.ranges[index]
+        if self.flat_grad is not None:
+            self.flat_grad[start:end].zero_()
+        lo, hi = self.spec.shard_range(self.rank)
+        a, b = max(start, lo), min(end, hi)
+        if a < b and self.shard_grad is not None:
+            self.shard_grad[a - lo : b - lo].zero_()
+        if set_to_none:
+            self.cleared.add(index)
+            if all(i in self.cleared for i in self.trainable):
+                self.zero_grad()
+
+    @property
+    def trainable(self) -> list[int]:
+        """Indices of the parameters that take gradients."""
+        return [i for i, p in enumerate(self.params) if p.requires_grad]
 
     def mark_reduced(self) -> None:
         self.grad_state = GradState.REDUCED

@@ -95,7 +95,7 @@ class ZeroOptimizer(Optimizer):
         inner.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.engine.zero_grad(self.units)
+        self.engine.zero_grad(self.units, set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_building", False):

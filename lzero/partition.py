@@ -158,16 +158,18 @@ def partition_by_size(params: Sequence[ParamSpec], world_size: int, max_unit_num
     return Partition(tuple(_make_unit(i, members, world_size) for i, members in enumerate(closed)), world_size)
 
 
-def partition_by_label(params: Sequence[ParamSpec], world_size: int, labels: dict[str, str]) -> Partition:
+def partition_by_label(params: Sequence[ParamSpec], world_size: int, labels: dict[str, str],
+                       per_param: bool = False) -> Partition:
     """Stage 3: one unit per (label, param group, compute dtype), where a label names the module block a parameter
-    belongs to ("" for the root). Block units are ordered as they complete in backward (reverse
-    registration order); root units come last, since the root typically holds the input embedding
-    (often tied to the output head), whose gradient completes last. See [Note: unit layout]."""
+    belongs to ("" for the root); with ``per_param`` one unit per parameter. Block units are ordered as they
+    complete in backward (reverse registration order); root units come last, since the root typically holds
+    the input embedding (often tied to the output head), whose gradient completes last. See [Note: unit layout]."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    members: dict[tuple[str, tuple[GroupKey, bool]], list[ParamSpec]] = {}
+    members: dict[tuple[str, Any], list[ParamSpec]] = {}
     for spec in reversed(params):
-        members.setdefault((labels[spec.name], spec.kind), []).append(spec)
+        kind = (spec.kind, spec.name) if per_param else spec.kind
+        members.setdefault((labels[spec.name], kind), []).append(spec)
     keys = [k for k in members if k[0] != ""] + [k for k in members if k[0] == ""]
     ordered = [list(reversed(members[k])) for k in keys]  # registration order inside a unit
     return Partition(tuple(_make_unit(i, m, world_size) for i, m in enumerate(ordered)), world_size)

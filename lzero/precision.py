@@ -28,7 +28,11 @@ inf/NaN gradient, so all ranks decide alike. Such a step is skipped: masters and
 stay bitwise unchanged, step-interval LR schedulers of that optimizer are not stepped (as in
 DeepSpeed), and the step still counts toward ``trainer.global_step`` (as in Lightning's AMP and
 DeepSpeed's ``global_steps``). Under ``16-mixed`` this is the loss scaler's overflow; under the other
-precisions it is counted and, with ``nonfinite_grads="raise"``, ends training instead.
+precisions it is counted and, with ``nonfinite_grads="raise"``, ends training instead; a run of
+``max_consecutive_skips`` skipped steps in a row ends training with an error naming the first of them
+(a model whose every gradient is inf/NaN would otherwise "train" to the end and exit 0). Under
+``16-mixed`` a run of overflows is how the loss scale finds its level, and the scaler's own limit
+(``max_overflows_at_min_scale``) applies instead.
 """
 
 from __future__ import annotations
@@ -78,11 +82,14 @@ class ZeroPrecision(Precision):
             parameters stay fp32 (e.g. ``["Embedding", "LayerNorm"]``): the residual stream and the
             normalizations then run in fp32 as under Lightning's autocast, for 2 more bytes per kept
             parameter. See [Note: precision modes].
+        max_consecutive_skips: outside ``16-mixed``: this many optimizer steps skipped in a row for
+            inf/NaN gradients end training with an error naming the first (0: never). See [Note: skipped steps].
     """
 
     def __init__(self, precision: str = "32-true", param_dtype: Optional[torch.dtype] = None,
                  reduce_dtype: Optional[torch.dtype] = None, loss_scaling: Optional[LossScaleConfig] = None,
-                 nonfinite_grads: str = "skip", keep_fp32_modules: Sequence[str] = ()) -> None:
+                 nonfinite_grads: str = "skip", keep_fp32_modules: Sequence[str] = (),
+                 max_consecutive_skips: int = 10) -> None:
         precision = str(precision)
         if precision in REFUSED:
             raise ZeroPrecisionError(
@@ -114,6 +121,10 @@ class ZeroPrecision(Precision):
                                      " HINT: drop `loss_scaling`.")
         if nonfinite_grads not in NONFINITE_POLICIES:
             raise ZeroPrecisionError(f"`nonfinite_grads={nonfinite_grads!r}`; use one of {NONFINITE_POLICIES}.")
+        if isinstance(max_consecutive_skips, bool) or not isinstance(max_consecutive_skips, int) \
+                or max_consecutive_skips < 0:
+            raise ZeroPrecisionError(f"`max_consecutive_skips={max_consecutive_skips!r}` must be a whole number >= 0."
+                                     " HINT: e.g. 10, or 0 to never stop.")
         self.precision = precision
         self.param_dtype = param_dtype if param_dtype is not None else half
         if self.param_dtype == torch.float32:
@@ -132,6 +143,8 @@ class ZeroPrecision(Precision):
         self.scaler = LossScaler(loss_scaling or LossScaleConfig()) if precision == "16-mixed" else None
         self.nonfinite_grads = nonfinite_grads
         self.skipped_steps = 0  # optimizer steps skipped for inf/NaN gradients, all optimizers
+        self.max_consecutive_skips = max_consecutive_skips
+        self._run_of_skips: list[int] = []  # global steps of the current run of consecutive skips
         self._skipped_last: dict[int, bool] = {}  # id(optimizer) -> its last step was skipped
         self._engine: Any = None
 
@@ -215,6 +228,7 @@ class ZeroPrecision(Precision):
             self._skipped_last[id(opt)] = skip
         if skip:
             self.skipped_steps += 1
+        self._check_run_of_skips(skip, model.trainer.global_step)
         if self.scaler is not None:
             self.scaler.update(skip)
             self._sync_scale()
@@ -234,6 +248,17 @@ class ZeroPrecision(Precision):
             if self.scaler is not None:
                 model.log("lzero/loss_scale", before, on_step=True, on_epoch=False, batch_size=1)
             model.log("lzero/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False, batch_size=1)
+
+    def _check_run_of_skips(self, skip: bool, step: int) -> None:
+        self._run_of_skips = self._run_of_skips + [step] if skip else []
+        limit = self.max_consecutive_skips
+        if self.scaler is None and limit and len(self._run_of_skips) >= limit:
+            raise FloatingPointError(
+                f"{len(self._run_of_skips)} optimizer steps in a row were skipped for inf/NaN gradients (precision="
+                f"{self.precision!r}), from global step {self._run_of_skips[0]} to {step}: the model is not training."
+                " HINT: find what makes the first of them non-finite (a NaN in the data or the loss, a too high"
+                " learning rate, missing clipping); `ZeroPrecision(max_consecutive_skips=0)` never stops."
+            )
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:

@@ -104,3 +104,48 @@ def test_nonfinite_raise_policy(runs: Path) -> None:
         res = load(runs, "fp32_raise", rank)
         assert res["error"].startswith("FloatingPointError: A gradient is inf/NaN at global step 3")
         assert res["global_step"] == 3
+
+
+def _nan_fit(precision_plugin, steps: int, nan_from: int):
+    from lightning.pytorch import LightningModule, Trainer
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class NanFrom(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(3, 1)
+
+        def training_step(self, batch, batch_idx):
+            loss = nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+            return loss * float("nan") if self.global_step >= nan_from else loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=0.1)
+
+    data = DataLoader(TensorDataset(torch.randn(128, 3), torch.randn(128, 1)), batch_size=4)
+    trainer = Trainer(strategy="zero2", plugins=[precision_plugin], accelerator="cpu", devices=1, max_steps=steps,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    model = NanFrom()
+    trainer.fit(model, data)
+    return trainer, model
+
+
+def test_a_run_of_skipped_steps_stops_training_naming_the_first(in_process_fit) -> None:
+    """Every gradient NaN from global step 2 on: the 10th skip in a row stops the run, naming steps 2 to 11,
+    with the parameters as they were after step 1 (no NaN reached them)."""
+    from lzero import ZeroPrecision
+
+    with pytest.raises(FloatingPointError, match=r"10 optimizer steps in a row were skipped .* from global step 2"
+                                                 r" to 11: the model is not training\. HINT"):
+        _nan_fit(ZeroPrecision("32-true"), steps=20, nan_from=2)
+
+
+def test_a_disabled_limit_lets_training_finish(in_process_fit) -> None:
+    from lzero import ZeroPrecision
+
+    trainer, model = _nan_fit(ZeroPrecision("32-true", max_consecutive_skips=0), steps=15, nan_from=2)
+    assert trainer.global_step == 15 and trainer.precision_plugin.skipped_steps == 13
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    with pytest.raises(ValueError, match=r"`max_consecutive_skips=-1` must be a whole number >= 0"):
+        ZeroPrecision("32-true", max_consecutive_skips=-1)

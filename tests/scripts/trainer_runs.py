@@ -156,8 +156,8 @@ class Recorder(Callback):
         if isinstance(trainer.strategy, lzero.ZeroStrategy):
             self.grad_norms.append(trainer.strategy.grad_norm().item())
         else:
-            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
-            self.grad_norms.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
+            grads = [p.grad.norm() for p in pl_module.parameters() if p.grad is not None]
+            self.grad_norms.append(torch.linalg.vector_norm(torch.stack(grads)).item() if grads else 0.0)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -189,11 +189,11 @@ def unseeded_init() -> None:
 
 def fit(out: Path, name: str, strategy: Any, model: LightningModule, devices: int, loader: DataLoader,
         val: DataLoader | None = None, ckpt_path: str | None = None, save: bool = False, steps: int = STEPS,
-        **trainer_kwargs: Any) -> Trainer:
+        callbacks_extra: tuple = (), **trainer_kwargs: Any) -> Trainer:
     recorder = Recorder()
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[recorder], num_sanity_val_steps=0, **trainer_kwargs)
+                      callbacks=[recorder, *callbacks_extra], num_sanity_val_steps=0, **trainer_kwargs)
     trainer.fit(model, loader, val, ckpt_path=ckpt_path)
     metrics = {k: v.item() for k, v in trainer.callback_metrics.items()}
     if save:
