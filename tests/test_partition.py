@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lzero.partition import ParamSpec, partition_by_size
+from lzero.partition import ParamSpec, partition_by_label, partition_by_size
 
 
 def specs() -> list[ParamSpec]:
@@ -63,3 +63,16 @@ def test_deterministic() -> None:
 def test_duplicate_names_refused() -> None:
     with pytest.raises(ValueError, match="unique"):
         partition_by_size(specs() + [ParamSpec("a.bias", (4,), (0, 1))], 2, 20)
+
+
+def test_find_unused_parameters_layouts_give_every_parameter_its_own_unit() -> None:
+    """``find_unused_parameters``: units of one parameter, still in backward order (stages 1-2) and
+    block order, root last (stage 3)."""
+    by_size = partition_by_size(specs(), 2, max_unit_numel=1)
+    assert [[p.name for p in u.params] for u in by_size.units] == [[n] for n in
+                                                                   ("b.bias", "b.weight", "a.bias", "a.weight", "embed.weight")]
+    labels = {"embed.weight": "", "a.weight": "a", "a.bias": "a", "b.weight": "b", "b.bias": "b"}
+    by_label = partition_by_label(specs(), 2, labels, per_param=True)
+    assert [[p.name for p in u.params] for u in by_label.units] == [["b.bias"], ["b.weight"], ["a.bias"], ["a.weight"],
+                                                                   ["embed.weight"]]
+    assert len(partition_by_label(specs(), 2, labels).units) == 5  # two groups per block: 2 + 2 + root
