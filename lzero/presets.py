@@ -3,6 +3,7 @@ names of strategies not built yet (``zero3_offload``...) and the error they rais
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from _lzero_startup import PRESETS, UNBUILT, _LazyPreset
@@ -21,6 +22,19 @@ STAND_INS: dict[str, str] = {
 }
 """Each unbuilt name -> the built preset to use meanwhile (the same sharding, everything on the device)."""
 assert STAND_INS.keys() == UNBUILT.keys(), "every unbuilt name needs a stand-in"
+
+
+def strategy_file(name: str) -> Path:
+    """The LightningCLI YAML of a preset (``trainer.strategy: <this path>``), wherever lzero is installed:
+    ``lzero/strategies/`` in a wheel, ``strategies/`` at the top of a source checkout."""
+    if name not in PRESETS:
+        raise KeyError(f"No preset {name!r}. HINT: use one of {', '.join(PRESETS)}.")
+    package = Path(__file__).resolve().parent
+    for folder in (package / "strategies", package.parent / "strategies"):
+        if (folder / f"{name}.yaml").is_file():
+            return folder / f"{name}.yaml"
+    raise FileNotFoundError(f"`{name}.yaml` is in neither `{package / 'strategies'}` nor `{package.parent / 'strategies'}`."
+                            f" HINT: reinstall lzero, or use the name: `trainer.strategy: {name}`.")
 
 
 def build_preset(name: str, **init_params: Any) -> Any:

@@ -93,3 +93,19 @@ def test_registered_factories_and_strategies_pickle() -> None:
                 strategy = pickle.loads(pickle.dumps(factory(**StrategyRegistry[name]["init_params"])))
                 assert strategy.config.stage == int(name[-1])
     _lzero_startup.register(StrategyRegistry)  # leave the start-up hook's entries for later tests
+
+
+def test_strategy_yamls_ship_inside_the_package() -> None:
+    """The wheel carries strategies/ as lzero/strategies/ (checked by hand with `pip wheel` + `unzip -l`), and
+    strategy_file finds each preset's YAML from any working directory."""
+    import tomllib
+
+    from lzero.presets import strategy_file
+
+    wheel = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["hatch"]["build"]["targets"]["wheel"]
+    assert wheel["force-include"]["strategies"] == "lzero/strategies"
+    for name in _lzero_startup.PRESETS:
+        path = strategy_file(name)
+        assert path.is_absolute() and path.read_text() == (ROOT / "strategies" / f"{name}.yaml").read_text()
+    with pytest.raises(KeyError, match="No preset 'zero3_offload'"):
+        strategy_file("zero3_offload")
