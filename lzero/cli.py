@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
-        parser_kwargs={"prog": "lzero", "description": DESCRIPTION, "epilog": _epilog(), "formatter_class": _HelpFormatter},
+        parser_kwargs={"prog": "lzero", "description": DESCRIPTION, "epilog": _epilog(),
+                       "formatter_class": _HelpFormatter},
         args=argv,  # None: LightningCLI reads sys.argv itself
     )
     return 0

@@ -33,8 +33,9 @@ def strategy_file(name: str) -> Path:
     for folder in (package / "strategies", package.parent / "strategies"):
         if (folder / f"{name}.yaml").is_file():
             return folder / f"{name}.yaml"
-    raise FileNotFoundError(f"`{name}.yaml` is in neither `{package / 'strategies'}` nor `{package.parent / 'strategies'}`."
-                            f" HINT: reinstall lzero, or use the name: `trainer.strategy: {name}`.")
+    raise FileNotFoundError(f"`{name}.yaml` is in neither `{package / 'strategies'}` nor"
+                            f" `{package.parent / 'strategies'}`. HINT: reinstall lzero, or use the name:"
+                            f" `trainer.strategy: {name}`.")
 
 
 def build_preset(name: str, **init_params: Any) -> Any:

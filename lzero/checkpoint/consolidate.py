@@ -27,7 +27,6 @@ from lzero.checkpoint.sharded import MANIFEST, ShardedCheckpoint
 KEPT = ("pytorch-lightning_version", "epoch", "global_step", "hyper_parameters", "hparams_name")
 """What a consolidated file keeps besides the state dict: what ``load_from_checkpoint`` needs."""
 
-
 SUFFIXES = (".ckpt", ".pt", ".safetensors")
 
 
@@ -129,7 +128,8 @@ def check_output(source: Path, out: Path) -> None:
         raise CheckpointError(f"The output `{out}` is an lzero checkpoint directory. HINT: name a new file, e.g."
                               f" `{dst.parent / ('consolidated' + out.suffix)}`.")
     if dst.is_dir():
-        raise CheckpointError(f"The output `{out}` is a directory. HINT: name a file, e.g. `{out / ('model' + out.suffix)}`.")
+        raise CheckpointError(f"The output `{out}` is a directory. HINT: name a file, e.g."
+                              f" `{out / ('model' + out.suffix)}`.")
     if not dst.parent.is_dir():
         raise CheckpointError(f"The output's folder `{out.parent}` does not exist. HINT: create it first"
                               f" (`mkdir -p {out.parent}`), or write somewhere else.")
@@ -163,12 +163,14 @@ def convert_to_safetensors(path: Path, out: Path) -> Path:
             raise CheckpointError(f"`{path}`: state dict entry {key!r} is a {type(value).__name__}, not a tensor"
                                   " under a str key; safetensors holds tensors only. HINT: drop that entry and save"
                                   " the rest with torch.save, then convert that file.")
-    first: dict[tuple, str] = {}  # the same tensor (storage, offset, shape, stride, dtype) -> its first key
+    def same(t: torch.Tensor) -> tuple:  # tied keys are one tensor: same storage, offset, shape, stride, dtype
+        return t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype
+
+    first: dict[tuple, str] = {}  # a tensor -> the first key holding it
     for key, t in state.items():
-        first.setdefault((t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype), key)
+        first.setdefault(same(t), key)
     stored = list(first.values())
-    tied = {key: name for key, t in state.items()
-            if (name := first[(t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype)]) != key}
+    tied = {key: name for key, t in state.items() if (name := first[same(t)]) != key}
     entries = [(key, state[key].dtype, tuple(state[key].shape)) for key in stored]
     with SafetensorsStreamWriter(out, entries, {"aliases": json.dumps(tied), "format": "lzero-consolidated"}) as w:
         for key in stored:
@@ -207,7 +209,8 @@ def inspect(checkpoint_dir: Any) -> dict[str, Any]:
     return {
         "path": str(reader.path), "save_id": m["save_id"], "world_size": m["world_size"], "stage": m.get("stage"),
         "precision": m.get("precision"), "global_step": m.get("global_step"), "epoch": m.get("epoch"),
-        "trainable_parameters": trainable, "frozen_parameters_and_buffers": other, "total_parameters": trainable + other,
+        "trainable_parameters": trainable, "frozen_parameters_and_buffers": other,
+        "total_parameters": trainable + other,
         "state_dict_keys": len(m["state_dict_keys"]), "optimizer_state": not m.get("weights_only", False),
         "files": [(f["name"], f["bytes"]) for f in m["files"]],
     }
