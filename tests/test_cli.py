@@ -39,6 +39,12 @@ USER_MODULE = textwrap.dedent('''
 ''')
 
 
+@pytest.fixture(autouse=True)
+def bare_argv(monkeypatch: pytest.MonkeyPatch) -> None:
+    """main(argv) as the console script sees it: no pytest arguments in sys.argv for LightningCLI to warn about."""
+    monkeypatch.setattr("sys.argv", ["lzero"])
+
+
 @pytest.fixture
 def user_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A config naming only the class of a model in a module of the user's (importable from tmp_path)."""
