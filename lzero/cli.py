@@ -1,20 +1,21 @@
-"""The ``lzero`` console script: LightningCLI with the lzero strategies registered.
+"""The ``lzero`` console script: LightningCLI with the lzero strategy names registered, plus the
+checkpoint commands ``consolidate`` and ``inspect``.
 
-``lzero fit --config configs/demo_zero2.yaml`` trains the demo GPT with
-``trainer.strategy: zero2``. Model and data default to :class:`DemoGPT` and
-:class:`TextDataModule`; any other LightningModule/LightningDataModule can be chosen by
-``class_path``. Subcommands that are not Lightning's (``EXTRA_COMMANDS``) are dispatched
-before LightningCLI parses anything.
+``lzero fit --config configs/demo_zero2.yaml`` trains the demo GPT with ``trainer.strategy: zero2``.
+Models and datamodules are chosen by ``class_path`` exactly as with plain ``LightningCLI``: the
+console script sets no defaults of its own, so a model of yours gets its own defaults (the demo's
+model and data are named in ``configs/``). Subcommands that are not Lightning's (``EXTRA_COMMANDS``)
+are dispatched before LightningCLI parses anything.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable
 
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from typing_extensions import override
-
+from jsonargparse import DefaultHelpFormatter
+from lightning.pytorch.cli import LightningCLI
 
 
 def _consolidate(argv: list[str]) -> int:
@@ -29,23 +30,25 @@ def _inspect(argv: list[str]) -> int:
     return inspect_command(argv)
 
 
-# Extra subcommands, name -> handler(argv after the name) returning an exit code.
-EXTRA_COMMANDS: dict[str, Callable[[list[str]], int]] = {"consolidate": _consolidate, "inspect": _inspect}
+# Extra subcommands, name -> (handler(argv after the name) returning an exit code, one line of help).
+EXTRA_COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
+    "consolidate": (_consolidate, "write a sharded checkpoint directory as one .ckpt/.pt/.safetensors file"),
+    "inspect": (_inspect, "print a sharded checkpoint's step, stage, parameter counts and files"),
+}
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 
+DESCRIPTION = "Lightning's command line (LightningCLI) with the lzero strategies: trainer.strategy: zero1|zero2|zero3."
 
-class DemoCLI(LightningCLI):
-    """LightningCLI whose model and data default to the demo GPT on the bundled corpus."""
 
-    @override
-    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.set_defaults(
-            {
-                "model": {"class_path": "lzero.demo.DemoGPT"},
-                "data": {"class_path": "lzero.demo.TextDataModule"},
-            }
-        )
+class _HelpFormatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """jsonargparse's help, with the epilog (the extra commands) kept line by line."""
+
+
+def _epilog() -> str:
+    width = max(map(len, EXTRA_COMMANDS))
+    lines = [f"  {name:<{width}}  {text}" for name, (_, text) in EXTRA_COMMANDS.items()]
+    return "checkpoint commands (lzero COMMAND --help for details):\n" + "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,15 +57,17 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     command = args[0] if args else None
     if command in EXTRA_COMMANDS:
-        return EXTRA_COMMANDS[command](args[1:])
+        return EXTRA_COMMANDS[command][0](args[1:])
     if command is not None and not command.startswith("-") and command not in LIGHTNING_COMMANDS:
-        known = ", ".join([*LIGHTNING_COMMANDS, *sorted(EXTRA_COMMANDS)])
+        known = ", ".join([*LIGHTNING_COMMANDS, *EXTRA_COMMANDS])
         print(f"lzero: unknown command {command!r}. HINT: use one of: {known}.", file=sys.stderr)
         return 2
-    DemoCLI(
+    LightningCLI(
         subclass_mode_model=True,
         subclass_mode_data=True,
         save_config_kwargs={"overwrite": True},
+        parser_kwargs={"prog": "lzero", "description": DESCRIPTION, "epilog": _epilog(),
+                       "formatter_class": _HelpFormatter},
         args=argv,  # None: LightningCLI reads sys.argv itself
     )
     return 0

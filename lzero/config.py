@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import functools
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal, Optional
 
@@ -154,13 +155,32 @@ class ZeroConfig:
 
     def with_overrides(self, **overrides: Any) -> "ZeroConfig":
         """A copy with some fields changed; an unknown field name is refused with a suggestion."""
-        known = [f.name for f in fields(self)]
-        for name in overrides:
-            if name not in known:
-                close = difflib.get_close_matches(name, known, n=1)
-                hint = f"did you mean `{close[0]}`?" if close else f"the options are: {', '.join(known)}."
-                raise ZeroConfigError(f"Unknown lzero strategy option `{name}`. HINT: {hint}")
+        _check_names(overrides, "lzero strategy option")
         return replace(self, **overrides)
+
+
+def _check_names(kwargs: dict[str, Any], what: str) -> None:
+    """Refuse a keyword that is not a ZeroConfig field, naming the closest one."""
+    known = [f.name for f in fields(ZeroConfig)]
+    for name in kwargs:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean `{close[0]}`?" if close else f"the options are: {', '.join(known)}."
+            raise ZeroConfigError(f"Unknown {what} `{name}`. HINT: {hint}")
+
+
+def _checked_init(init: Any) -> Any:
+    """The dataclass's ``__init__``, refusing unknown keywords with a suggestion instead of a bare TypeError."""
+
+    @functools.wraps(init)  # keeps the signature that jsonargparse and help() read
+    def __init__(self: ZeroConfig, *args: Any, **kwargs: Any) -> None:
+        _check_names(kwargs, "ZeroConfig field")
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+ZeroConfig.__init__ = _checked_init(ZeroConfig.__init__)  # type: ignore[method-assign]
 
 
 def _check_stage(stage: Any) -> None:

@@ -1,10 +1,12 @@
-"""The registered strategy names (``zero1``, ``zero2``, ...) and the configuration each stands for."""
+"""The registered strategy names (``zero1``, ``zero2``, ...) and the configuration each stands for;
+names of strategies not built yet (``zero3_offload``...) and the error they raise."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from _lzero_startup import PRESETS
+from _lzero_startup import PRESETS, UNBUILT, _LazyPreset
 
 PRESET_CONFIGS: dict[str, dict[str, Any]] = {
     "zero1": {"stage": 1},
@@ -13,17 +15,55 @@ PRESET_CONFIGS: dict[str, dict[str, Any]] = {
 }
 assert PRESET_CONFIGS.keys() == PRESETS.keys(), "every registered name needs a configuration"
 
+STAND_INS: dict[str, str] = {
+    "zero2_offload": "zero2",
+    "zero3_offload": "zero3",
+    "zero3_offload_nvme": "zero3",
+}
+"""Each unbuilt name -> the built preset to use meanwhile (the same sharding, everything on the device)."""
+assert STAND_INS.keys() == UNBUILT.keys(), "every unbuilt name needs a stand-in"
+
+
+def strategy_file(name: str) -> Path:
+    """The LightningCLI YAML of a preset (``trainer.strategy: <this path>``), wherever lzero is installed:
+    ``lzero/strategies/`` in a wheel, ``strategies/`` at the top of a source checkout."""
+    if name not in PRESETS:
+        raise KeyError(f"No preset {name!r}. HINT: use one of {', '.join(PRESETS)}.")
+    package = Path(__file__).resolve().parent
+    for folder in (package / "strategies", package.parent / "strategies"):
+        if (folder / f"{name}.yaml").is_file():
+            return folder / f"{name}.yaml"
+    raise FileNotFoundError(f"`{name}.yaml` is in neither `{package / 'strategies'}` nor"
+                            f" `{package.parent / 'strategies'}`. HINT: reinstall lzero, or use the name:"
+                            f" `trainer.strategy: {name}`.")
+
 
 def build_preset(name: str, **init_params: Any) -> Any:
     """The strategy a registered name stands for (Lightning builds it with no arguments)."""
     from lzero.strategy import ZeroStrategy
 
+    if name in UNBUILT:
+        raise_unbuilt(name)
     return ZeroStrategy(**{**PRESET_CONFIGS[name], **init_params})
 
 
+def raise_unbuilt(name: str) -> None:
+    from lzero.config import ZeroConfigError
+
+    stand_in = STAND_INS[name]
+    raise ZeroConfigError(
+        f"`strategy={name!r}` is not built in this lzero release: CPU/NVMe offload is planned but not"
+        f" implemented yet. HINT: use `strategy={stand_in!r}` meanwhile ({PRESETS[stand_in].split(': ')[1]},"
+        " everything kept on the device); lower memory further with more devices or `precision='bf16-mixed'`."
+    )
+
+
 def register_presets(registry: Any) -> None:
-    """Register every preset name with ``registry``; repeating it is harmless."""
+    """Register every preset name with ``registry`` (and every unbuilt name, with a factory that
+    raises :func:`raise_unbuilt`'s error); repeating it is harmless."""
     from lzero.strategy import ZeroStrategy
 
     for name, description in PRESETS.items():
         registry.register(name, ZeroStrategy, description=description, override=True, **PRESET_CONFIGS[name])
+    for name, description in UNBUILT.items():
+        registry.register(name, _LazyPreset(name), description=description, override=True)

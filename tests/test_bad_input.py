@@ -45,6 +45,14 @@ def test_unknown_option_suggests_the_field() -> None:
         ZeroStrategy(reduce_bucket=10)
 
 
+def test_unknown_config_field_suggests_the_field() -> None:
+    with pytest.raises(ZeroConfigError, match=r"Unknown ZeroConfig field `prefetch_blocks`\. HINT: did you mean `prefetch`\?"):
+        ZeroConfig(stage=3, prefetch_blocks=2)
+    with pytest.raises(ZeroConfigError, match="Unknown ZeroConfig field `zzz`. HINT: the options are: stage, "):
+        ZeroConfig(zzz=1)
+    assert ZeroConfig(stage=3, prefetch=2).prefetch == 2
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"checkpoint_format": "zip"}, "`checkpoint_format='zip'` is not one of 'sharded', 'full'"),
     ({"async_save": "yes"}, "`async_save='yes'` must be true or false"),

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import _lzero_startup
+import pytest
 from _launch import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +28,7 @@ def test_import_lightning_registers_names_but_does_not_import_lzero() -> None:
         "from lightning.pytorch.strategies import StrategyRegistry\n"
         "print(sorted(k for k in StrategyRegistry if k.startswith('zero')), 'lzero' in sys.modules)"
     )
-    assert out == f"{sorted(_lzero_startup.PRESETS)} False"
+    assert out == f"{sorted({**_lzero_startup.PRESETS, **_lzero_startup.UNBUILT})} False"
 
 
 def test_trainer_by_name_in_fresh_interpreter(tmp_path: Path) -> None:
@@ -62,3 +63,49 @@ def test_strategy_yaml_per_preset() -> None:
         spec = yaml.safe_load((ROOT / "strategies" / f"{name}.yaml").read_text())
         assert spec["class_path"] == "lzero.ZeroStrategy"
         assert spec["init_args"]["config"]["stage"] == int(name[-1])
+
+
+@pytest.mark.parametrize("name, stand_in", [("zero2_offload", "zero2"), ("zero3_offload", "zero3"),
+                                            ("zero3_offload_nvme", "zero3")])
+def test_unbuilt_name_says_not_built_and_what_to_use(name: str, stand_in: str) -> None:
+    from lightning.pytorch import Trainer
+
+    from lzero import ZeroConfigError
+
+    with pytest.raises(ZeroConfigError, match=rf"`strategy='{name}'` is not built in this lzero release.*"
+                                              rf"HINT: use `strategy='{stand_in}'` meanwhile"):
+        Trainer(strategy=name, accelerator="cpu", devices=1, logger=False)
+
+
+def test_registered_factories_and_strategies_pickle() -> None:
+    import pickle
+
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lzero
+
+    for registered in (False, True):  # the start-up hook's entries, then ZeroStrategy.register_strategies'
+        if registered:
+            lzero.ZeroStrategy.register_strategies(StrategyRegistry)
+        for name in {**_lzero_startup.PRESETS, **_lzero_startup.UNBUILT}:
+            factory = pickle.loads(pickle.dumps(StrategyRegistry[name]["strategy"]))
+            if name in _lzero_startup.PRESETS:
+                strategy = pickle.loads(pickle.dumps(factory(**StrategyRegistry[name]["init_params"])))
+                assert strategy.config.stage == int(name[-1])
+    _lzero_startup.register(StrategyRegistry)  # leave the start-up hook's entries for later tests
+
+
+def test_strategy_yamls_ship_inside_the_package() -> None:
+    """The wheel carries strategies/ as lzero/strategies/ (checked by hand with `pip wheel` + `unzip -l`), and
+    strategy_file finds each preset's YAML from any working directory."""
+    import tomllib
+
+    from lzero.presets import strategy_file
+
+    wheel = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["hatch"]["build"]["targets"]["wheel"]
+    assert wheel["force-include"]["strategies"] == "lzero/strategies"
+    for name in _lzero_startup.PRESETS:
+        path = strategy_file(name)
+        assert path.is_absolute() and path.read_text() == (ROOT / "strategies" / f"{name}.yaml").read_text()
+    with pytest.raises(KeyError, match="No preset 'zero3_offload'"):
+        strategy_file("zero3_offload")

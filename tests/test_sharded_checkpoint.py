@@ -117,7 +117,7 @@ def test_consolidate_loads_into_a_plain_module(runs: Path, tmp_path: Path) -> No
     for name, value in saved.items():
         assert torch.equal(flat.read(name), value), name
     info = inspect(source)
-    assert (info["world_size"], info["stage"], info["global_step"], info["parameter_count"]) == (2, 3, 20, 321)
+    assert (info["world_size"], info["stage"], info["global_step"], info["trainable_parameters"]) == (2, 3, 20, 321)
 
 
 def test_rank_killed_while_rewriting_last_leaves_the_previous_checkpoint(runs: Path) -> None:

@@ -1,5 +1,8 @@
 """``lzero consolidate`` and ``lzero inspect``: one plain fp32 file from a sharded checkpoint, streamed
-one tensor at a time; the checkpoint's metadata without loading a tensor.
+one tensor at a time; the checkpoint's metadata without loading a tensor. Given anything but a
+sharded checkpoint directory (a plain ``.ckpt``, a file inside a checkpoint, a folder of checkpoints,
+a missing path) they say what it is and what to do; a plain torch/Lightning file can be converted to
+``.safetensors``. A bad output path is refused before anything is written.
 
 ``.ckpt``/``.pt`` outputs are torch's format (``torch.load(weights_only=True)`` and
 ``LightningModule.load_from_checkpoint`` read them): the module's state dict under ``state_dict``
@@ -13,25 +16,36 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
-from lzero.checkpoint import CheckpointError, SafetensorsStreamWriter, TorchStreamWriter
-from lzero.checkpoint.sharded import ShardedCheckpoint
+from lzero.checkpoint import CheckpointError, SafetensorsStreamWriter, TensorFile, TorchStreamWriter
+from lzero.checkpoint.sharded import MANIFEST, ShardedCheckpoint
 
 KEPT = ("pytorch-lightning_version", "epoch", "global_step", "hyper_parameters", "hparams_name")
 """What a consolidated file keeps besides the state dict: what ``load_from_checkpoint`` needs."""
 
+SUFFIXES = (".ckpt", ".pt", ".safetensors")
+
 
 def consolidate(checkpoint_dir: Any, out: Any, progress: bool = False) -> Path:
     """Write ``checkpoint_dir`` as one plain fp32 file at ``out`` (``.ckpt``, ``.pt`` or ``.safetensors``);
-    peak memory stays near the largest tensor."""
-    out = Path(out)
-    reader = ShardedCheckpoint(checkpoint_dir)
-    if out.suffix not in (".ckpt", ".pt", ".safetensors"):
-        raise CheckpointError(f"Cannot tell the format of `{out}`. HINT: end the output name with .ckpt, .pt or"
-                              " .safetensors.")
+    peak memory stays near the largest tensor. A plain torch/Lightning file instead of a directory is
+    converted to ``.safetensors`` (its state dict, read with ``weights_only=True``)."""
+    source, out = Path(checkpoint_dir), Path(out)
+    kind = source_kind(source, "consolidate")
+    check_output(source, out)
+    if kind == "torch":
+        if out.suffix != ".safetensors":
+            raise CheckpointError(_plain_file(source) + " It is already one full file and needs no consolidation."
+                                  f" HINT: use `{source}` as it is"
+                                  " (`torch.load(path, weights_only=True)`, `load_from_checkpoint`), or convert it"
+                                  f" with an output ending in .safetensors: `lzero consolidate {source}"
+                                  f" {out.with_suffix('.safetensors')}`.")
+        return convert_to_safetensors(source, out)
+    reader = ShardedCheckpoint(source)
     keys = reader.manifest["state_dict_keys"]
     first_key: dict[str, str] = {}  # what a key holds (its parameter, or itself) -> the first key holding it
     for key in keys:
@@ -59,6 +73,111 @@ def consolidate(checkpoint_dir: Any, out: Any, progress: bool = False) -> Path:
     return out
 
 
+# -------------------------------------------------------------------------------------- what the input is
+
+
+def source_kind(path: Path, command: str) -> str:
+    """"sharded" for a directory holding a manifest, "torch" for a torch.save file (a plain Lightning or
+    DDP checkpoint); anything else is refused, saying what it is and what to pass instead. A directory
+    whose save never finished is left to :class:`ShardedCheckpoint` to explain."""
+    out_arg = " OUT.ckpt" if command == "consolidate" else ""
+    if not path.exists():
+        raise CheckpointError(f"`{path}` does not exist. HINT: check the path; lzero checkpoints are directories"
+                              " such as `<log dir>/checkpoints/last.ckpt`.")
+    if path.is_dir():
+        inner = sorted(p.name for p in path.iterdir() if (p / MANIFEST).is_file())
+        if not (path / MANIFEST).exists() and inner:
+            listed = ", ".join(f"`{n}`" for n in inner[:5]) + (", ..." if len(inner) > 5 else "")
+            raise CheckpointError(f"`{path}` is a folder of lzero checkpoints ({listed}), not one checkpoint."
+                                  f" HINT: pass one of them: `lzero {command} {path / inner[-1]}{out_arg}`.")
+        return "sharded"
+    if (path.parent / MANIFEST).is_file():
+        raise CheckpointError(f"`{path}` is a file inside the lzero checkpoint `{path.parent}`. HINT: pass the"
+                              f" checkpoint directory itself: `lzero {command} {path.parent}{out_arg}`.")
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head.startswith((b"PK\x03\x04", b"\x80")):  # torch.save: a zip archive, or a legacy pickle
+        return "torch"
+    try:
+        TensorFile(path)
+    except CheckpointError:
+        raise CheckpointError(f"`{path}` is neither an lzero checkpoint (a directory holding {MANIFEST}) nor a"
+                              " torch.save or safetensors file. HINT: pass a checkpoint directory an lzero"
+                              " strategy wrote, e.g. `<log dir>/checkpoints/last.ckpt`.") from None
+    raise CheckpointError(f"`{path}` is a safetensors file: already one full file, nothing to {command}. HINT: read"
+                          " it with `safetensors.torch.load_file` or `lzero.checkpoint.TensorFile`.")
+
+
+def _plain_file(path: Path) -> str:
+    return f"`{path}` is a single torch.save file (a plain Lightning/DDP checkpoint), not an lzero sharded checkpoint."
+
+
+def check_output(source: Path, out: Path) -> None:
+    """Refuse an output path that could not be written, or would overwrite or sit inside the checkpoint."""
+    if out.suffix not in SUFFIXES:
+        raise CheckpointError(f"Cannot tell the format of `{out}`. HINT: end the output name with .ckpt, .pt or"
+                              " .safetensors.")
+    src, dst = source.resolve(), out.resolve()
+    if dst == src:
+        raise CheckpointError(f"The output `{out}` is the checkpoint itself. HINT: name another file, e.g."
+                              f" `{dst.parent / ('consolidated' + out.suffix)}`.")
+    if src.is_dir() and src in dst.parents:
+        raise CheckpointError(f"The output `{out}` is inside the checkpoint `{source}` (a later save there deletes"
+                              f" files it did not write). HINT: write it outside, e.g. `{src.parent / out.name}`.")
+    if (dst / MANIFEST).is_file():
+        raise CheckpointError(f"The output `{out}` is an lzero checkpoint directory. HINT: name a new file, e.g."
+                              f" `{dst.parent / ('consolidated' + out.suffix)}`.")
+    if dst.is_dir():
+        raise CheckpointError(f"The output `{out}` is a directory. HINT: name a file, e.g."
+                              f" `{out / ('model' + out.suffix)}`.")
+    if not dst.parent.is_dir():
+        raise CheckpointError(f"The output's folder `{out.parent}` does not exist. HINT: create it first"
+                              f" (`mkdir -p {out.parent}`), or write somewhere else.")
+    if not os.access(dst.parent, os.W_OK):
+        raise CheckpointError(f"The output's folder `{out.parent}` is not writable. HINT: write somewhere else.")
+
+
+def convert_to_safetensors(path: Path, out: Path) -> Path:
+    """The state dict of a torch.save file (``["state_dict"]`` of a Lightning checkpoint, or a plain dict
+    of tensors), read with ``weights_only=True``, written as safetensors; tied keys as in
+    :func:`consolidate` (stored once, the others in the ``aliases`` metadata)."""
+    import torch
+
+    with open(path, "rb") as f:
+        zipped = f.read(4) == b"PK\x03\x04"
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
+    except Exception as err:
+        raise CheckpointError(
+            f"`{path}` cannot be read with `torch.load(weights_only=True)`: {str(err).splitlines()[0]}. HINT: lzero"
+            " never unpickles arbitrary objects; if you trust the file, save its state dict yourself"
+            f" (`torch.save(torch.load(path, weights_only=False)['state_dict'], 'weights.pt')`) and convert that."
+        ) from None
+    state = obj["state_dict"] if isinstance(obj, dict) and "state_dict" in obj else obj
+    if not isinstance(state, dict) or not state:
+        raise CheckpointError(f"`{path}` holds no state dict (a dict of tensors, or one under 'state_dict'), it holds"
+                              f" a {type(obj).__name__}. HINT: convert a file saved from `model.state_dict()` or"
+                              " a Lightning checkpoint.")
+    for key, value in state.items():
+        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"`{path}`: state dict entry {key!r} is a {type(value).__name__}, not a tensor"
+                                  " under a str key; safetensors holds tensors only. HINT: drop that entry and save"
+                                  " the rest with torch.save, then convert that file.")
+    def same(t: torch.Tensor) -> tuple:  # tied keys are one tensor: same storage, offset, shape, stride, dtype
+        return t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype
+
+    first: dict[tuple, str] = {}  # a tensor -> the first key holding it
+    for key, t in state.items():
+        first.setdefault(same(t), key)
+    stored = list(first.values())
+    tied = {key: name for key, t in state.items() if (name := first[same(t)]) != key}
+    entries = [(key, state[key].dtype, tuple(state[key].shape)) for key in stored]
+    with SafetensorsStreamWriter(out, entries, {"aliases": json.dumps(tied), "format": "lzero-consolidated"}) as w:
+        for key in stored:
+            w.write(key, state[key])
+    return out
+
+
 def _dtype_shape(reader: ShardedCheckpoint, key: str) -> tuple[Any, tuple[int, ...]]:
     import torch
 
@@ -76,22 +195,31 @@ def _progress(total: int, enabled: bool) -> Any:
 
 
 def inspect(checkpoint_dir: Any) -> dict[str, Any]:
-    """The checkpoint's metadata (validated, as for loading), without reading a tensor."""
-    reader = ShardedCheckpoint(checkpoint_dir)
+    """The checkpoint's metadata (validated, as for loading), without reading a tensor. Parameters are
+    counted twice: the trainable ones (sharded, what the optimizer steps) and all of the module's
+    (plus frozen parameters and buffers, which a checkpoint does not tell apart)."""
+    source = Path(checkpoint_dir)
+    if source_kind(source, "inspect") == "torch":
+        raise CheckpointError(_plain_file(source) + " `lzero inspect` reads sharded checkpoint directories. HINT:"
+                              " look inside with"
+                              f" `torch.load('{source}', weights_only=True, mmap=True)`.")
+    reader = ShardedCheckpoint(source)
     m = reader.manifest
+    trainable, other = sum(p["numel"] for p in m["params"].values()), reader.module_state_numel()
     return {
         "path": str(reader.path), "save_id": m["save_id"], "world_size": m["world_size"], "stage": m.get("stage"),
         "precision": m.get("precision"), "global_step": m.get("global_step"), "epoch": m.get("epoch"),
-        "parameter_count": m.get("parameter_count"), "parameters": len(m["params"]),
-        "optimizer_state": not m.get("weights_only", False),
+        "trainable_parameters": trainable, "frozen_parameters_and_buffers": other,
+        "total_parameters": trainable + other,
+        "state_dict_keys": len(m["state_dict_keys"]), "optimizer_state": not m.get("weights_only", False),
         "files": [(f["name"], f["bytes"]) for f in m["files"]],
     }
 
 
 def consolidate_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lzero consolidate", description=consolidate.__doc__)
-    parser.add_argument("checkpoint_dir")
-    parser.add_argument("out", help="output file: .ckpt, .pt or .safetensors")
+    parser.add_argument("checkpoint_dir", help="a sharded checkpoint directory (or a plain .ckpt, for .safetensors)")
+    parser.add_argument("out", help="output file: .ckpt, .pt or .safetensors (replaced if it exists)")
     args = parser.parse_args(argv)
     try:
         out = consolidate(args.checkpoint_dir, args.out, progress=sys.stderr.isatty())

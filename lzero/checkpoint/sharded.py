@@ -27,6 +27,7 @@ leaves either the old manifest with its files or the new one with its files.
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import secrets
@@ -393,6 +394,17 @@ class ShardedCheckpoint:
         if self._common is None:
             self._common = self.tree("common", 0)
         return self._common
+
+    def module_state_numel(self) -> int:
+        """Elements of the module's tensors outside every unit (frozen parameters, buffers), a tensor
+        shared by several keys counted once; from rank 0's header, without reading a tensor."""
+        file = self.files[0]
+        refs = json.loads(file.metadata["common"])["lzero/module_state"]
+        if isinstance(refs, dict) and all(isinstance(r, dict) and list(r) == ["@tensor"] for r in refs.values()):
+            stored = {r["@tensor"] for r in refs.values()}  # the codec stores a shared tensor once
+            return sum(math.prod(file.entry(f"common/{name}").shape) for name in stored)
+        tensors = self.lightning_state()["lzero/module_state"]  # a key the codec had to tag: decode it
+        return sum(t.numel() for t in {id(t): t for t in tensors.values()}.values())
 
     def restore_rng(self, rank: int, world_size: int) -> bool:
         """This rank's RNG states, when the checkpoint was saved at the same world size."""
