@@ -2,11 +2,14 @@
 
 Every input handed to a backend is checked to be contiguous: gloo silently reduces the wrong
 memory for a non-contiguous tensor. At world size 1 the functions do the local equivalent
-without touching the backend. An asynchronous call returns a handle with ``wait()``.
+without touching the backend, unless ``LZERO_COLLECTIVES_AT_WORLD_SIZE_1=1`` is set: a testing aid
+that sends them through the process group anyway, so one GPU runs NCCL's reduce-scatter and
+all-gather with the data lzero gives them. An asynchronous call returns a handle with ``wait()``.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional, Protocol, Sequence
 
 import torch
@@ -36,6 +39,15 @@ def world_size(group: Optional[dist.ProcessGroup] = None) -> int:
 
 def rank(group: Optional[dist.ProcessGroup] = None) -> int:
     return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+
+
+BACKEND_AT_WORLD_SIZE_1 = os.environ.get("LZERO_COLLECTIVES_AT_WORLD_SIZE_1", "0") == "1"
+"""Testing aid, read at import: collectives at world size 1 go through the process group too."""
+
+
+def local(group: Optional[dist.ProcessGroup] = None) -> bool:
+    """Whether a collective over ``group`` is a local copy (world size 1) rather than a backend call."""
+    return world_size(group) == 1 and not (BACKEND_AT_WORLD_SIZE_1 and dist.is_available() and dist.is_initialized())
 
 
 def _require_contiguous(*tensors: Tensor) -> None:
@@ -76,7 +88,7 @@ def reduce_scatter(output: Tensor, flat: Tensor, group: Optional[dist.ProcessGro
     """Sum ``flat`` (1-D, N * len(output)) over ranks; this rank receives its slice in ``output``.
     ``flat`` is scratch: on gloo it ends up holding the whole sum."""
     _require_contiguous(output, flat)
-    if world_size(group) == 1:
+    if local(group):
         output.copy_(flat)
         return _Done()
     if reduces_by_all_reduce(group):
@@ -94,7 +106,7 @@ def all_gather(flat: Tensor, shard: Tensor, group: Optional[dist.ProcessGroup] =
                async_op: bool = False) -> Handle:
     """Concatenate every rank's ``shard`` into ``flat`` (1-D, N * len(shard)), rank order."""
     _require_contiguous(flat, shard)
-    if world_size(group) == 1:
+    if local(group):
         flat.copy_(shard)
         return _Done()
     work = dist.all_gather_single(flat, shard, group=group, async_op=async_op)
@@ -105,7 +117,7 @@ def all_gather(flat: Tensor, shard: Tensor, group: Optional[dist.ProcessGroup] =
 def all_reduce(tensor: Tensor, op: Any = None, group: Optional[dist.ProcessGroup] = None) -> Tensor:
     """In-place synchronous all-reduce (SUM unless ``op`` is given); returns ``tensor``."""
     _require_contiguous(tensor)
-    if world_size(group) > 1:
+    if not local(group):
         dist.all_reduce(tensor, op=op if op is not None else dist.ReduceOp.SUM, group=group)
     return tensor
 
@@ -113,7 +125,7 @@ def all_reduce(tensor: Tensor, op: Any = None, group: Optional[dist.ProcessGroup
 @torch.no_grad()
 def broadcast_(tensors: Sequence[Tensor], src: int = 0, group: Optional[dist.ProcessGroup] = None) -> None:
     """Overwrite every tensor in place with rank ``src``'s values (as DDP does at construction)."""
-    if world_size(group) == 1:
+    if local(group):
         return
     for t in tensors:
         if t.is_contiguous():
@@ -129,7 +141,7 @@ def broadcast_coalesced_(tensors: Sequence[Tensor], src: int = 0, group: Optiona
                          max_numel: int = 2**62) -> None:
     """Like :func:`broadcast_` but packing tensors of one dtype into collectives of up to
     ``max_numel`` elements (a larger tensor goes alone): for many small tensors."""
-    if world_size(group) == 1 or not tensors:
+    if local(group) or not tensors:
         return
     by_dtype: dict[torch.dtype, list[Tensor]] = {}
     for t in tensors:
@@ -154,5 +166,5 @@ def _broadcast_packed(batch: list[Tensor], src: int, group: Optional[dist.Proces
 
 
 def barrier(group: Optional[dist.ProcessGroup] = None) -> None:
-    if world_size(group) > 1:
+    if not local(group):
         dist.barrier(group=group)

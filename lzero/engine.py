@@ -436,7 +436,7 @@ class ZeroEngine:
                 if unit.shard_param.grad is not None:
                     step_unit(unit)
                     unit.publish()
-            if self.world_size > 1 and self.gatherer is None:  # stage 3 gathers on demand instead
+            if not collectives.local(self.group) and self.gatherer is None:  # stage 3 gathers on demand instead
                 pending.append(self._launch_gather(bucket))
         self._finish_gathers(pending)
 
@@ -474,7 +474,7 @@ class ZeroEngine:
             if self.config.stage >= 3 and unit.gathered:
                 lo, hi = unit.spec.shard_range(self.rank)
                 unit.flat_param[lo:hi].copy_(unit.owned_param())
-        if self.world_size > 1 and self.gatherer is None:
+        if not collectives.local(self.group) and self.gatherer is None:
             self._finish_gathers([self._launch_gather(bucket)
                                   for bucket in _coalesce(self.units, self.config.allgather_bucket_size)])
 

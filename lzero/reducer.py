@@ -112,8 +112,7 @@ class Reducer:
 
     def any_rank(self, flag: Tensor) -> bool:
         """Whether ``flag`` (a 0-dim float, 0 or 1) is set on any rank: one MAX all-reduce. A collective."""
-        if self.flag_group is not None:
-            collectives.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.flag_group)
+        collectives.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.flag_group)
         return bool(flag.item())
 
     def remove(self) -> None:
