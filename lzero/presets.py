@@ -1,12 +1,15 @@
 """The registered strategy names (``zero1``, ``zero2``, ...) and the configuration each stands for;
-names of strategies not built yet (``zero3_offload``...) and the error they raise."""
+names of strategies not built yet (``zero3_offload``...) and the error they raise.
+
+Names are registered in one place, ``_lzero_startup.register`` (the start-up hook, and ``import lzero``):
+each entry is a lazy factory that calls :func:`build_preset` on first use."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from _lzero_startup import PRESETS, UNBUILT, _LazyPreset
+from _lzero_startup import PRESETS, UNBUILT
 
 PRESET_CONFIGS: dict[str, dict[str, Any]] = {
     "zero1": {"stage": 1},
@@ -56,14 +59,3 @@ def raise_unbuilt(name: str) -> None:
         f" implemented yet. HINT: use `strategy={stand_in!r}` meanwhile ({PRESETS[stand_in].split(': ')[1]},"
         " everything kept on the device); lower memory further with more devices or `precision='bf16-mixed'`."
     )
-
-
-def register_presets(registry: Any) -> None:
-    """Register every preset name with ``registry`` (and every unbuilt name, with a factory that
-    raises :func:`raise_unbuilt`'s error); repeating it is harmless."""
-    from lzero.strategy import ZeroStrategy
-
-    for name, description in PRESETS.items():
-        registry.register(name, ZeroStrategy, description=description, override=True, **PRESET_CONFIGS[name])
-    for name, description in UNBUILT.items():
-        registry.register(name, _LazyPreset(name), description=description, override=True)

@@ -411,13 +411,6 @@ class ZeroStrategy(DDPStrategy):
             )
         return checkpoint
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        from lzero.presets import register_presets
-
-        register_presets(strategy_registry)
-
 
 class _LazyStateDict(Mapping):
     """The module's state dict of a sharded checkpoint, for ``on_load_checkpoint`` hooks that look at

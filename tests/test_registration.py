@@ -49,7 +49,7 @@ def test_reregistration_is_harmless() -> None:
         "from lightning.pytorch.strategies import StrategyRegistry\n"
         "_lzero_startup.register(StrategyRegistry); _lzero_startup.register(StrategyRegistry)\n"
         "import lzero\n"
-        "lzero.ZeroStrategy.register_strategies(StrategyRegistry)\n"
+        "_lzero_startup.register(StrategyRegistry)\n"
         "s = StrategyRegistry.get('zero1')\n"
         "print(type(s).__name__, s.config.stage)"
     )
@@ -84,15 +84,12 @@ def test_registered_factories_and_strategies_pickle() -> None:
 
     import lzero
 
-    for registered in (False, True):  # the start-up hook's entries, then ZeroStrategy.register_strategies'
-        if registered:
-            lzero.ZeroStrategy.register_strategies(StrategyRegistry)
-        for name in {**_lzero_startup.PRESETS, **_lzero_startup.UNBUILT}:
-            factory = pickle.loads(pickle.dumps(StrategyRegistry[name]["strategy"]))
-            if name in _lzero_startup.PRESETS:
-                strategy = pickle.loads(pickle.dumps(factory(**StrategyRegistry[name]["init_params"])))
-                assert strategy.config.stage == int(name[-1])
-    _lzero_startup.register(StrategyRegistry)  # leave the start-up hook's entries for later tests
+    assert "register_strategies" not in vars(lzero.ZeroStrategy)  # one registration path: the start-up hook's
+    for name in {**_lzero_startup.PRESETS, **_lzero_startup.UNBUILT}:
+        factory = pickle.loads(pickle.dumps(StrategyRegistry[name]["strategy"]))
+        if name in _lzero_startup.PRESETS:
+            strategy = pickle.loads(pickle.dumps(factory(**StrategyRegistry[name]["init_params"])))
+            assert strategy.config.stage == int(name[-1])
 
 
 def test_strategy_yamls_ship_inside_the_package() -> None:
