@@ -77,8 +77,8 @@ class _SliceAfter:
 
 
 def reduces_by_all_reduce(group: Optional[dist.ProcessGroup] = None) -> bool:
-    """gloo's all-reduce is 1.6-2.4x faster than its reduce-scatter (20-200 MB, 2 ranks, measured in
-    benchmarks/results_collectives.md), so on gloo a reduce-scatter is an all-reduce plus a slice."""
+    """gloo's all-reduce is faster than its reduce-scatter (benchmarks/results_collectives.md), so on gloo
+    a reduce-scatter is an all-reduce plus a slice."""
     return dist.get_backend(group) == "gloo"
 
 

@@ -35,7 +35,7 @@ class ZeroConfig:
     allgather_bucket_size: int = 5_000_000
     """Elements per parameter all-gather after the optimizer step. Consecutive units are coalesced into
     one collective up to this many elements, so small units do not each pay a collective's latency
-    (gloo's all-gather costs 1.7x more per element at 50M elements than at 5M)."""
+    (and very large gathers cost more per element: benchmarks/results_collectives.md)."""
 
     overlap_comm: bool = True
     """Launch each unit's gradient reduce-scatter asynchronously as soon as its gradients are ready, so

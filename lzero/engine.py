@@ -382,8 +382,8 @@ class ZeroEngine:
         flag, so every rank takes the same decision. A collective.
 
         Checked on the sum of the gradients, as DeepSpeed does: an inf or NaN anywhere makes the sum
-        inf or NaN, and one summing pass costs a small fraction of an elementwise ``isfinite`` (0.02 s
-        against 0.5 s for 50M elements on one CPU thread). Finite gradients large enough for their sum
+        inf or NaN, and one summing pass costs a small fraction of an elementwise ``isfinite`` (see
+        benchmarks/results_step_time.md). Finite gradients large enough for their sum
         to overflow fp32 are reported too, which only skips a step that was about to explode."""
         self.prepare_step(units)
         device = units[0].flat_param.device if units else None
