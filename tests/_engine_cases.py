@@ -1,4 +1,5 @@
-"""Bodies run on every rank by tests/test_engine.py (importable by spawned processes)."""
+"""Bodies run on every rank by the engine tests (test_stage_equivalence, test_memory, test_stage3_gather,
+test_reducer, test_engine_state_dicts, test_engine_precision, test_sharded_init); importable by spawned processes."""
 
 from __future__ import annotations
 
@@ -131,24 +132,6 @@ def memory_after_backward(rank: int, world_size: int, stage: int, bucket: int,
     result = {"bytes": measured, "psi": psi, "padding": engine.partition.padding_numel, "units": len(engine.units)}
     engine.remove()
     return result
-
-
-def everything(rank: int, world_size: int, ddp_configs: list[dict], memory_bucket: int) -> dict:
-    """One process group per world size: DDP comparisons, then memory at stages 1, 2 and 3."""
-    return {
-        "ddp": against_ddp(rank, world_size, ddp_configs),
-        "memory": {stage: memory_after_backward(rank, world_size, stage, memory_bucket) for stage in (1, 2)},
-        "memory_bf16": {stage: memory_after_backward(rank, world_size, stage, memory_bucket, torch.bfloat16)
-                        for stage in (1, 2)},
-        "stage3": {prefetch: stage3_memory(rank, world_size, prefetch) for prefetch in (0, 1, 2)},
-        "gathered": stage3_gathered_parameters(rank, world_size),
-        "reuse": stage3_reuse_and_checkpointing(rank, world_size),
-        "state_dicts": stage3_state_dicts(rank, world_size),
-        "sharded_init": stage3_sharded_init(rank, world_size) if world_size == 2 else None,
-        "bf16": bf16_against_ddp(rank, world_size) if world_size == 2 else None,
-        # last: it leaves the engine mid-step
-        "partial": stage3_unit_on_some_ranks(rank, world_size) if world_size == 2 else None,
-    }
 
 
 class Block(nn.Module):
@@ -284,8 +267,10 @@ def stage3_sharded_init(rank: int, world_size: int) -> dict:
     gc.collect()
     libc.malloc_trim(0)
     growth = rss_bytes() - before
+    with engine.gathered(model):  # the materialized initial weights, to train a plain copy from
+        initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     zopt = ZeroOptimizer(opt, engine, 0)
-    gen = torch.Generator().manual_seed(5)
+    gen = torch.Generator().manual_seed(5)  # the same batch on every rank: the average is that batch's gradient
     x, y = torch.randint(0, 256, (16, 3), generator=gen), torch.randint(0, 256, (16,), generator=gen)
     losses = []
     for _ in range(4):
@@ -300,8 +285,20 @@ def stage3_sharded_init(rank: int, world_size: int) -> dict:
     rank0 = flat.clone()
     torch.distributed.broadcast(rank0, src=0)
     engine.remove()
-    return {"full_bytes": full_bytes, "growth": growth, "losses": losses, "same_as_rank0": torch.equal(flat, rank0),
-            "tied": model.head.weight is model.embed.weight}
+    ref = Deep(vocab=256, width=1024, depth=8)
+    ref.load_state_dict(initial, strict=False)  # head.weight is tied to embed.weight
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-4)
+    ref_losses = []
+    for _ in range(4):
+        loss = nn.functional.cross_entropy(ref(x), y)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+    max_rel = max(((a - b).norm() / b.norm()).item() for a, b in zip(model.parameters(), ref.parameters()))
+    return {"full_bytes": full_bytes, "growth": growth, "losses": losses, "ref_losses": ref_losses,
+            "max_rel": max_rel, "same_as_rank0": torch.equal(flat, rank0), "tied": model.head.weight is model.embed.weight,
+            "initial_std": {n: v.std().item() for n, v in initial.items() if v.dim() == 2}}
 
 
 class Reused(nn.Module):
@@ -428,3 +425,121 @@ def bf16_against_ddp(rank: int, world_size: int, stages: tuple[int, ...] = (1, 2
             }
             engine.remove()
     return results
+
+
+def equivalence(rank: int, world_size: int, configs: list[dict]) -> dict:
+    """tests/test_stage_equivalence.py: every config against DDP, and stage 3 with module reuse."""
+    return {"ddp": against_ddp(rank, world_size, configs), "reuse": stage3_reuse_and_checkpointing(rank, world_size)}
+
+
+def memory(rank: int, world_size: int, bucket: int, stages_1_2: bool) -> dict:
+    """tests/test_memory.py: live bytes at stages 1-2 (fp32 and bf16-mixed), stage-3 peaks and totals."""
+    result = {"stage3": {prefetch: stage3_memory(rank, world_size, prefetch) for prefetch in (0, 1, 2)}}
+    if stages_1_2:
+        result["fp32"] = {stage: memory_after_backward(rank, world_size, stage, bucket) for stage in (1, 2)}
+        result["bf16"] = {stage: memory_after_backward(rank, world_size, stage, bucket, torch.bfloat16)
+                          for stage in (1, 2)}
+    return result
+
+
+def stage3_gather(rank: int, world_size: int) -> dict:
+    """tests/test_stage3_gather.py: the block state machine, gathered_parameters and (last: it leaves the
+    engine mid-step) a unit run on only some ranks."""
+    result = {"gathered": stage3_gathered_parameters(rank, world_size)}
+    if world_size == 2:
+        result["states"] = stage3_block_states(rank, world_size)
+        result["partial"] = stage3_unit_on_some_ranks(rank, world_size)
+    return result
+
+
+def stage3_block_states(rank: int, world_size: int) -> dict:
+    """Every block's state seen from inside forward and backward of the second step (the first one
+    records the order): the computing block gathered, the next ``prefetch`` launched, the rest released."""
+    from lzero.gather import BlockState
+
+    torch.manual_seed(0)
+    model = Deep(depth=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, prefetch=1))
+    zopt = ZeroOptimizer(opt, engine, 0)
+    blocks = engine.gatherer.blocks
+    names = [f"blocks.{i}" for i in range(4)]
+    seen: dict[str, list] = {"forward": [], "backward": [], "after_root_gather": None, "after_backward": None}
+
+    def states() -> dict[str, str]:
+        return {n: blocks[n].state.name for n in ["", *names]}
+
+    hooks = [model.blocks[i].register_forward_pre_hook(lambda m, a, i=i: seen["forward"].append((i, states())))
+             for i in range(4)]
+    hooks += [model.blocks[i].fc.weight.register_post_accumulate_grad_hook(
+        lambda p, i=i: seen["backward"].append((i, states()))) for i in range(4)]
+    x, y = torch.randint(0, 64, (4, 3)), torch.randint(0, 64, (4,))
+    for step in range(2):
+        seen["forward"].clear()
+        seen["backward"].clear()
+        engine.gather_root()
+        seen["after_root_gather"] = states()
+        nn.functional.cross_entropy(model(x), y).backward()
+        seen["after_backward"] = states()
+        zopt.step()
+        zopt.zero_grad()
+    for h in hooks:
+        h.remove()
+    engine.remove()
+    assert BlockState.GATHERED.name == "GATHERED"
+    return seen
+
+
+def reducer_order(rank: int, world_size: int) -> dict:
+    """Rank 1 skips the ``spare`` layer: every rank launches the same units in unit order, each shard gets
+    the average of the ranks' gradients (zeros for what a rank lacks), and a layer no rank used keeps no
+    gradient. Stage 2, one parameter per unit."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = Net()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=2, reduce_bucket_size=1, max_inflight_reductions=1))
+    launched = []
+    original = engine.reducer.launch
+
+    def logging_launch(unit):
+        launched.append(unit.spec.index)
+        return original(unit)
+
+    engine.reducer.launch = logging_launch
+    try:
+        gen = torch.Generator().manual_seed(3 + rank)
+        x, y = torch.randn(4, 7, generator=gen), torch.randn(4, 5, generator=gen)
+        use_spare = rank == 0
+        nn.functional.mse_loss(model(x, use_spare), y).backward()
+        engine.wait()
+        # reference: each rank's full gradients, averaged over ranks (what DDP holds)
+        nn.functional.mse_loss(ref(x, use_spare), y).backward()
+        expected_ok, no_grad_units = True, []
+        for unit in engine.units:
+            full = torch.zeros(unit.spec.padded_numel)
+            for spec, start, end in unit.spec.param_ranges():
+                p = ref.get_parameter(spec.name)
+                if p.grad is not None:
+                    full[start:end] = p.grad.reshape(-1)
+            dist.all_reduce(full)
+            lo, hi = unit.spec.shard_range(rank)
+            if unit.shard_param.grad is None:
+                no_grad_units.append(unit.spec.index)
+            else:
+                expected_ok &= torch.allclose(unit.shard_param.grad, full[lo:hi] / world_size, rtol=0, atol=1e-7)
+        # a second backward where no rank uses ``spare``: its unit is not reduced, keeps no gradient
+        engine.zero_grad(engine.units)
+        launched_before = len(launched)
+        nn.functional.mse_loss(model(x, False), y).backward()
+        engine.wait()
+        spare_units = [u.spec.index for u in engine.units if any(s.name.startswith("spare.") for s in u.spec.params)]
+        spare_no_grad = all(engine.units[i].shard_param.grad is None for i in spare_units)
+        second = launched[launched_before:]
+    finally:
+        engine.remove()
+    return {"launched": launched[:launched_before], "second": second, "units": len(engine.units),
+            "expected_ok": expected_ok, "no_grad_units": no_grad_units, "spare_units": spare_units,
+            "spare_no_grad": spare_no_grad}
