@@ -17,12 +17,22 @@ Every rank must gather the same blocks in the same order: gloo pairs any two buf
 size, so a block run on only some ranks would silently mix parameters. Before each gather the
 ranks therefore exchange the block's index on a small process group with a short timeout: a
 disagreement, or a rank that never arrives, raises an error naming the block on every rank.
+
+[Note: hooks and torch.compile]
+A block compiled with ``torch.compile(block)`` or ``block.compile()`` runs its module hooks inside
+the compiled frame, so dynamo would trace them: it breaks the graph at the unit-order check,
+specialises a graph on the released parameters' placeholders and replays the hooks' bookkeeping
+out of step with the real gathers (a block marked gathered whose storage is freed). The forward
+hooks are therefore ``torch._dynamo.disable``d: dynamo breaks the graph at each hook, runs it
+eagerly, and resumes tracing the block's forward after the pre-forward hook has gathered it, so
+every compiled graph is traced and guarded on gathered parameters with their real strides. The
+backward hooks are tensor hooks that autograd's engine runs, outside any compiled frame.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -154,6 +164,7 @@ class Gatherer:
                 self.launch(self.order[k + step * j])
 
     def _pre_forward_hook(self, name: str):
+        @_eager
         def hook(module: nn.Module, args: Any) -> None:
             if self._recording and name not in self.order:
                 self.order.append(name)
@@ -162,6 +173,7 @@ class Gatherer:
         return hook
 
     def _post_forward_hook(self, name: str):
+        @_eager
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             self.release(name)
             if torch.is_grad_enabled():
@@ -194,6 +206,11 @@ class Gatherer:
 
     def block_of(self, unit: FlatUnit) -> Optional[Block]:
         return self._block_of_unit.get(id(unit))
+
+
+def _eager(hook: Callable) -> Callable:
+    """A module hook that dynamo runs eagerly. See [Note: hooks and torch.compile]."""
+    return torch._dynamo.disable(hook, recursive=True, reason="lzero gathers and releases parameters eagerly")
 
 
 def _show(name: str) -> str:
