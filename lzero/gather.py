@@ -27,12 +27,15 @@ hooks are therefore ``torch._dynamo.disable``d: dynamo breaks the graph at each 
 eagerly, and resumes tracing the block's forward after the pre-forward hook has gathered it, so
 every compiled graph is traced and guarded on gathered parameters with their real strides. The
 backward hooks are tensor hooks that autograd's engine runs, outside any compiled frame.
+A block compiled itself (``torch.compile(block, fullgraph=True)`` too) never meets its own hooks
+in the traced frame; a module compiled around several blocks breaks its graph at each of their
+hooks, so ``torch.compile(container, fullgraph=True)`` cannot work and is refused at setup.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -206,6 +209,21 @@ class Gatherer:
 
     def block_of(self, unit: FlatUnit) -> Optional[Block]:
         return self._block_of_unit.get(id(unit))
+
+
+def full_graphs_around(module: nn.Module, block_paths: Iterable[str]) -> dict[str, list[str]]:
+    """Path of each module compiled with ``torch.compile(..., fullgraph=True)`` around blocks -> those
+    blocks. See [Note: hooks and torch.compile]."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    found = {}
+    for path, m in module.named_modules():
+        if isinstance(m, OptimizedModule) and getattr(m.dynamo_ctx, "fullgraph", False):
+            inside = f"{path}._orig_mod." if path else "_orig_mod."
+            blocks = [b for b in block_paths if b.startswith(inside)]
+            if blocks:
+                found[path] = blocks
+    return found
 
 
 def _eager(hook: Callable) -> Callable:

@@ -45,3 +45,38 @@ def test_compiled_blocks_trace_the_same_graphs_as_ddp(runs: Path, stage: str) ->
     assert ours["stats"]["unique_graphs"] == ref["stats"]["unique_graphs"] > 0
     assert ours["graph_break"] == ref["graph_break"] == {}
     assert ours["recompiles"] == ref["recompiles"] == {}
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.fc(h)
+
+
+def test_zero3_refuses_one_full_graph_around_several_units(in_process_fit) -> None:
+    from lightning.pytorch import LightningModule, Trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lzero import ZeroStrategy
+    from lzero.engine import ZeroEngineError
+
+    class Net(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.Sequential(_Block(), _Block())
+            self.blocks = torch.compile(self.blocks, backend="eager", fullgraph=True)
+
+        def training_step(self, batch, batch_idx):
+            raise AssertionError("refused before the first step")
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    trainer = Trainer(strategy=ZeroStrategy(stage=3), accelerator="cpu", devices=1, max_steps=1, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(ZeroEngineError, match=r"`blocks` is compiled with fullgraph=True around the zero3 units"
+                                              r" \['blocks._orig_mod.0', 'blocks._orig_mod.1'\].*HINT: compile each"):
+        trainer.fit(Net(), DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4))
