@@ -19,17 +19,18 @@ ranks therefore exchange the block's index on a small process group with a short
 disagreement, or a rank that never arrives, raises an error naming the block on every rank.
 
 [Note: hooks and torch.compile]
-A block compiled with ``torch.compile(block)`` or ``block.compile()`` runs its module hooks inside
-the compiled frame, so dynamo would trace them: it breaks the graph at the unit-order check,
-specialises a graph on the released parameters' placeholders and replays the hooks' bookkeeping
-out of step with the real gathers (a block marked gathered whose storage is freed). The forward
-hooks are therefore ``torch._dynamo.disable``d: dynamo breaks the graph at each hook, runs it
-eagerly, and resumes tracing the block's forward after the pre-forward hook has gathered it, so
-every compiled graph is traced and guarded on gathered parameters with their real strides. The
-backward hooks are tensor hooks that autograd's engine runs, outside any compiled frame.
-A block compiled itself (``torch.compile(block, fullgraph=True)`` too) never meets its own hooks
-in the traced frame; a module compiled around several blocks breaks its graph at each of their
-hooks, so ``torch.compile(container, fullgraph=True)`` cannot work and is refused at setup.
+While a compiled block runs, dynamo's frame hook is active, so the block's forward hooks would be
+compiled too (as frames of their own, called from the block's ``_call_impl``, or inlined where a
+module compiled around several blocks calls them): dynamo breaks them at the unit-order check,
+specialises graphs on the released parameters' placeholders and replays their bookkeeping out of
+step with the real gathers (a block marked gathered whose storage is freed). The forward hooks
+are therefore ``torch.compiler.disable``d: they always run eagerly, and dynamo traces a block's
+forward only after its pre-forward hook has gathered it, so every compiled graph is traced and
+guarded on gathered parameters with their real strides. A block compiled itself
+(``torch.compile(block)``, ``block.compile()``, ``fullgraph=True`` too) compiles to the same graph
+as without lzero. A module compiled around several blocks breaks its graph at each block's hooks,
+so ``torch.compile(container, fullgraph=True)`` cannot work and is refused at setup. The backward
+hooks are tensor hooks that autograd's engine runs, outside any compiled frame.
 """
 
 from __future__ import annotations
@@ -228,7 +229,7 @@ def full_graphs_around(module: nn.Module, block_paths: Iterable[str]) -> dict[st
 
 def _eager(hook: Callable) -> Callable:
     """A module hook that dynamo runs eagerly. See [Note: hooks and torch.compile]."""
-    return torch._dynamo.disable(hook, recursive=True, reason="lzero gathers and releases parameters eagerly")
+    return torch.compiler.disable(hook, recursive=True)
 
 
 def _show(name: str) -> str:

@@ -464,10 +464,11 @@ def _refuse_weight_averaging(callbacks: list[Any]) -> None:
     """Callbacks that read and write every parameter between steps meet released parameters at
     stage 3 (see [Note: released parameters] in flat_unit.py); Lightning refuses them under FSDP and
     DeepSpeed for the same reason."""
-    from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+    from lightning.pytorch import callbacks as known
 
+    averaging = tuple(getattr(known, n) for n in ("StochasticWeightAveraging", "WeightAveraging") if hasattr(known, n))
     for callback in callbacks:
-        if isinstance(callback, (StochasticWeightAveraging, WeightAveraging)):
+        if isinstance(callback, averaging):
             raise ZeroConfigError(
                 f"`{type(callback).__name__}` reads and writes every parameter between training steps, but under"
                 " zero3 a parameter is whole only while its block runs; weight averaging does not currently"
