@@ -25,8 +25,8 @@ from torch import Tensor, nn
 from lzero import collectives
 from lzero.config import ZeroConfig
 from lzero.flat_unit import FlatUnit, GradState
-from lzero.gather import Block, Gatherer
 from lzero import grads
+from lzero.gather import Block, Gatherer, full_graphs_around
 from lzero.materialize import InitFn, Materializer, common_seed, has_meta
 from lzero.partition import Partition, ParamSpec, partition_by_label, partition_by_size
 from lzero.reducer import Reducer
@@ -50,6 +50,7 @@ class ZeroEngine:
         specs, by_name = _collect_params(module, optimizers, kept)
         if config.stage >= 3:
             block_modules = find_blocks(module, config.unit_modules)
+            _refuse_full_graphs(module, block_modules)
             labels = label_parameters(module, block_modules)
             self.partition: Partition = partition_by_label(specs, self.world_size, labels,
                                                            per_param=config.find_unused_parameters)
@@ -551,6 +552,20 @@ def _collect_params(module: nn.Module, optimizers: Sequence[torch.optim.Optimize
             specs.append(ParamSpec(name, tuple(p.shape), group_of[p], keep_fp32=name in kept))
             by_name[name] = p
     return specs, by_name
+
+
+def _refuse_full_graphs(module: nn.Module, block_modules: dict[str, nn.Module]) -> None:
+    """Stage 3 gathers each block in eager hooks, which one full graph around several blocks cannot hold."""
+    found = full_graphs_around(module, block_modules)
+    if found:
+        path, blocks = next(iter(found.items()))
+        raise ZeroEngineError(
+            f"`{path}` is compiled with fullgraph=True around the zero3 units {blocks}; each unit is gathered and"
+            " released by eager hooks (collectives) between the units' compute, which one graph cannot hold."
+            " HINT: compile each unit instead (`torch.compile(block, fullgraph=True)` or"
+            f" `block.compile(fullgraph=True)`), or compile `{path}` without fullgraph=True (dynamo then breaks"
+            " the graph at each unit), or use strategy='zero2'."
+        )
 
 
 def _refuse_batchnorm(module: nn.Module, kept: Sequence[str] = ()) -> None:

@@ -2,10 +2,24 @@
 
 See [Note: unit layout] in partition.py for the layout. Every module parameter's ``.data`` is a
 view into the unit's full flat buffer. Stages 1 and 2 keep that buffer resident. Stage 3 keeps
-only the owned shard: between uses the full buffer's storage is resized to zero and each
-parameter's ``.data`` is a NaN placeholder of the real shape (one element, expanded), so
-``ModelSummary`` still sees real sizes and a stray read gives NaN instead of touching freed memory.
-The parameters stay the same objects, so autograd's saved references see the re-gathered data.
+only the owned shard: see [Note: released parameters].
+
+[Note: released parameters]
+Between uses a stage-3 unit's full buffer has its storage resized to zero and each parameter's
+``.data`` is a NaN placeholder of the real shape (one element, expanded, stride 0), so
+``ModelSummary`` still sees real sizes. The parameters stay the same objects, so autograd's saved
+references see the re-gathered data.
+
+FSDP2 instead keeps parameters as views of the freed buffer, with their real strides, so that
+compiled graphs never see other strides. lzero keeps the placeholder: a view of a storage resized
+to zero has no memory behind it, and a stray read of one (``p.sum()`` in a callback) is a
+segfault on CPU, where the placeholder reads NaN and a write into it raises. Compiled blocks do
+not need real strides here, because no compiled graph ever sees a released parameter: lzero's
+gather hooks run outside dynamo (see [Note: hooks and torch.compile] in gather.py), so every graph
+is traced and guarded on gathered parameters. ``attach`` and ``hand_back`` refuse a freed buffer
+rather than create views of it. Callbacks known to read and write every parameter between steps
+(weight averaging) are refused at stage 3 by the strategy before training starts; other code
+should enter ``strategy.gathered_parameters()`` first.
 """
 
 from __future__ import annotations
@@ -187,6 +201,7 @@ class FlatUnit:
 
     def attach(self) -> None:
         """Point every parameter at its slice of the (gathered) full flat buffer."""
+        self._require_gathered("attach")
         for p, (start, end) in zip(self.params, self.ranges):
             p.data = self.flat_param[start:end].view(p.shape)
 
@@ -200,9 +215,20 @@ class FlatUnit:
 
     def hand_back(self) -> None:
         """Stage 3, end of fit (while gathered): every parameter becomes a standalone full tensor."""
+        self._require_gathered("hand back")
         for p in self.params:
             p.data = p.detach().clone()
         self.owns_params = False
+
+    def _require_gathered(self, what: str) -> None:
+        """Views of a freed buffer would read freed memory (a segfault on CPU): refuse instead."""
+        if not self.gathered and self.spec.padded_numel > 0:
+            names = ", ".join(p.name for p in self.spec.params[:3])
+            raise RuntimeError(
+                f"Cannot {what} the parameters of the unit holding {names}: its full buffer is released."
+                " The unit's gather bookkeeping is out of step with its storage. HINT: do not call lzero's"
+                " gather hooks from traced code (see [Note: hooks and torch.compile] in gather.py)."
+            )
 
 
 _PLACEHOLDERS: dict[tuple[torch.dtype, torch.device], Tensor] = {}

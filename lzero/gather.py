@@ -17,12 +17,26 @@ Every rank must gather the same blocks in the same order: gloo pairs any two buf
 size, so a block run on only some ranks would silently mix parameters. Before each gather the
 ranks therefore exchange the block's index on a small process group with a short timeout: a
 disagreement, or a rank that never arrives, raises an error naming the block on every rank.
+
+[Note: hooks and torch.compile]
+While a compiled block runs, dynamo's frame hook is active, so the block's forward hooks would be
+compiled too (as frames of their own, called from the block's ``_call_impl``, or inlined where a
+module compiled around several blocks calls them): dynamo breaks them at the unit-order check,
+specialises graphs on the released parameters' placeholders and replays their bookkeeping out of
+step with the real gathers (a block marked gathered whose storage is freed). The forward hooks
+are therefore ``torch.compiler.disable``d: they always run eagerly, and dynamo traces a block's
+forward only after its pre-forward hook has gathered it, so every compiled graph is traced and
+guarded on gathered parameters with their real strides. A block compiled itself
+(``torch.compile(block)``, ``block.compile()``, ``fullgraph=True`` too) compiles to the same graph
+as without lzero. A module compiled around several blocks breaks its graph at each block's hooks,
+so ``torch.compile(container, fullgraph=True)`` cannot work and is refused at setup. The backward
+hooks are tensor hooks that autograd's engine runs, outside any compiled frame.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -154,6 +168,7 @@ class Gatherer:
                 self.launch(self.order[k + step * j])
 
     def _pre_forward_hook(self, name: str):
+        @_eager
         def hook(module: nn.Module, args: Any) -> None:
             if self._recording and name not in self.order:
                 self.order.append(name)
@@ -162,6 +177,7 @@ class Gatherer:
         return hook
 
     def _post_forward_hook(self, name: str):
+        @_eager
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             self.release(name)
             if torch.is_grad_enabled():
@@ -194,6 +210,26 @@ class Gatherer:
 
     def block_of(self, unit: FlatUnit) -> Optional[Block]:
         return self._block_of_unit.get(id(unit))
+
+
+def full_graphs_around(module: nn.Module, block_paths: Iterable[str]) -> dict[str, list[str]]:
+    """Path of each module compiled with ``torch.compile(..., fullgraph=True)`` around blocks -> those
+    blocks. See [Note: hooks and torch.compile]."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    found = {}
+    for path, m in module.named_modules():
+        if isinstance(m, OptimizedModule) and getattr(m.dynamo_ctx, "fullgraph", False):
+            inside = f"{path}._orig_mod." if path else "_orig_mod."
+            blocks = [b for b in block_paths if b.startswith(inside)]
+            if blocks:
+                found[path] = blocks
+    return found
+
+
+def _eager(hook: Callable) -> Callable:
+    """A module hook that dynamo runs eagerly. See [Note: hooks and torch.compile]."""
+    return torch.compiler.disable(hook, recursive=True)
 
 
 def _show(name: str) -> str:

@@ -123,6 +123,8 @@ class ZeroStrategy(DDPStrategy):
         if not has_meta(self.model):  # a meta model is materialized unit by unit by the engine
             self.model_to_device()
         if fitting:
+            if self.config.stage >= 3:
+                _refuse_weight_averaging(trainer.callbacks)
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:
                 check_optimizer(optimizer, self.config.allow_untested_optimizer)
@@ -449,6 +451,23 @@ def _guard_lr_schedulers(module: LightningModule, precision: ZeroPrecision) -> N
         original(scheduler, metric)
 
     module.__dict__["lr_scheduler_step"] = lr_scheduler_step
+
+
+def _refuse_weight_averaging(callbacks: list[Any]) -> None:
+    """Callbacks that read and write every parameter between steps meet released parameters at
+    stage 3 (see [Note: released parameters] in flat_unit.py); Lightning refuses them under FSDP and
+    DeepSpeed for the same reason."""
+    from lightning.pytorch import callbacks as known
+
+    averaging = tuple(getattr(known, n) for n in ("StochasticWeightAveraging", "WeightAveraging") if hasattr(known, n))
+    for callback in callbacks:
+        if isinstance(callback, averaging):
+            raise ZeroConfigError(
+                f"`{type(callback).__name__}` reads and writes every parameter between training steps, but under"
+                " zero3 a parameter is whole only while its block runs; weight averaging does not currently"
+                " support sharded models. HINT: use strategy='zero2' (every rank keeps whole parameters), or"
+                " average the weights in your own callback inside `trainer.strategy.gathered_parameters()`."
+            )
 
 
 def _micro_batch_size(loader: Any) -> Optional[int]:
