@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from lzero import collectives
 from lzero.config import ZeroConfig
 from lzero.flat_unit import FlatUnit, GradState
-from lzero import grads
+from lzero import parameters
 from lzero.gather import Block, Gatherer, full_graphs_around
 from lzero.materialize import InitFn, Materializer, common_seed, has_meta
 from lzero.partition import Partition, ParamSpec, partition_by_label, partition_by_size
@@ -85,7 +85,7 @@ class ZeroEngine:
             self.gatherer = self._shard_parameters(block_modules, labels)
         self.reducer = Reducer(self.units, config, group, self.world_size)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._where]
-        grads.watch(self._where, self._on_grad_cleared, self._on_module_zero_grad)  # [Note: clearing gradients]
+        parameters.watch(self._where, self._on_grad_cleared, self._on_module_zero_grad)  # [Note: clearing gradients]
         self.sync = True  # False inside Lightning's block_backward_sync (accumulating micro-batches)
         self.automatic = True  # Lightning's automatic optimization
         self._round_open = False
@@ -187,7 +187,7 @@ class ZeroEngine:
                     full[id(p)] = flat[start:end].view(p.shape).clone()
         if not keep:
             return {}
-        return {k: full.get(id(v), v.detach()) for k, v in module.state_dict(keep_vars=True).items()}
+        return {k: full[id(v)] if id(v) in full else v.detach() for k, v in module.state_dict(keep_vars=True).items()}
 
     def _gathered_masters(self) -> Iterator[tuple[FlatUnit, Tensor]]:
         """(unit, its full fp32 master buffer), one unit at a time, on every rank."""
@@ -276,7 +276,7 @@ class ZeroEngine:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        grads.unwatch(self._where, self._on_module_zero_grad)
+        parameters.unwatch(self._where, self._on_module_zero_grad)
         if self.gatherer is not None:
             self.gatherer.remove()
             for pg in (self._gather_group, self._check_group):

@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lzero.grads import set_grad_quietly
+from lzero.parameters import mark_gathered, mark_released, set_grad_quietly
 from lzero.partition import UnitSpec
 
 
@@ -204,13 +204,16 @@ class FlatUnit:
         self._require_gathered("attach")
         for p, (start, end) in zip(self.params, self.ranges):
             p.data = self.flat_param[start:end].view(p.shape)
+            mark_gathered(p)
 
     def release(self) -> None:
-        """Free the full flat buffer; parameters keep their shapes on a NaN placeholder."""
+        """Free the full flat buffer; parameters keep their shapes on a NaN placeholder, guarded (see
+        [Note: released parameters are guarded] in parameters.py)."""
         if self.owns_params:
             placeholder = _placeholder(self.flat_param.dtype, self.flat_param.device)
-            for p in self.params:
+            for p, spec in zip(self.params, self.spec.params):
                 p.data = placeholder.expand(p.shape)
+                mark_released(p, spec.name)
         self.flat_param.untyped_storage().resize_(0)
 
     def hand_back(self) -> None:

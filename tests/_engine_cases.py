@@ -232,7 +232,15 @@ def stage3_gathered_parameters(rank: int, world_size: int) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     engine = ZeroEngine(model, [opt], ZeroConfig(stage=3))
     released_numel = model.blocks[3].fc.weight.untyped_storage().nbytes()  # the shared NaN placeholder
-    stray_read = bool(torch.isnan(model.blocks[3].fc.weight.sum()))  # no freed memory is touched
+    from lzero.parameters import ReleasedParameterError
+
+    stray = []
+    for touch in (lambda w: w.sum(), lambda w: w.add_(1.0), lambda w: copy.deepcopy(w), lambda w: w.data.clone()):
+        try:
+            touch(model.blocks[3].fc.weight)
+            stray.append("no error")
+        except ReleasedParameterError as err:
+            stray.append(str(err))
     with engine.gathered(model.blocks[3]):
         seen = torch.equal(model.blocks[3].fc.weight, expected)
         others_released = model.blocks[2].fc.weight.untyped_storage().nbytes() <= 4
@@ -243,7 +251,8 @@ def stage3_gathered_parameters(rank: int, world_size: int) -> dict:
     carried = torch.equal(model.blocks[3].fc.weight, expected + 1.0)
     engine.remove()
     return {"released_before": released_numel <= 4, "seen_full": seen, "others_released": others_released,
-            "released_after": after_exit <= 4, "write_carried": carried, "stray_read_is_nan": stray_read}
+            "released_after": after_exit <= 4, "write_carried": carried,
+            "stray_access_refused": all("`blocks.3.fc.weight`" in e and "gathered_parameters" in e for e in stray)}
 
 
 def rss_bytes() -> int:

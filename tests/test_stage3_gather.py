@@ -51,4 +51,4 @@ def test_stage3_gathered_parameters_context(ranks: tuple[int, list[dict]]) -> No
     world_size, results = ranks
     for res in results:
         assert res["gathered"] == {"released_before": True, "seen_full": True, "others_released": True,
-                                   "released_after": True, "write_carried": True, "stray_read_is_nan": True}
+                                   "released_after": True, "write_carried": True, "stray_access_refused": True}

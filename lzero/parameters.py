@@ -1,4 +1,5 @@
-"""Seeing a user clear gradients that live in the shards.
+"""The classes a parameter takes while an engine manages it: seeing a user clear gradients that live
+in the shards, and refusing access to a stage-3 parameter whose full value is released.
 
 [Note: clearing gradients]
 Under DDP a gradient lives in ``p.grad``, so every way of clearing it (``optimizer.zero_grad()``,
@@ -21,6 +22,18 @@ the flat gradient while the reduced shard may be a separate tensor. So lzero has
 
 A parameter cleared alone, in a unit whose other parameters keep their gradients, gets a zero
 gradient in the step (stateful optimizers still move it, see ``ZeroConfig.find_unused_parameters``).
+
+[Note: released parameters are guarded]
+A released stage-3 parameter's ``.data`` is a NaN placeholder (see [Note: released parameters] in
+flat_unit.py). So that code reading or writing it outside forward/backward (a callback, a logging
+hook, ``copy.deepcopy`` of the model) gets an error naming the parameter instead of NaN or torch's
+"more than one element of the written-to tensor" error, a released parameter's class is
+``ReleasedParameter``, whose ``__torch_function__`` refuses every operation except metadata
+(shape, dtype, ``numel``, ``requires_grad``, hooks, hashing: what Lightning's summary, optimizers'
+bookkeeping and autograd registration use). Gathering a unit swaps its parameters back to
+``ZeroParameter``, which has no ``__torch_function__``: forward and backward pay nothing, and the
+guard costs one class assignment per parameter per gather and release. Autograd and compiled graphs
+work below Python and never see the guard.
 """
 
 from __future__ import annotations
@@ -32,6 +45,7 @@ from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 _RAW_GRAD = torch._C.TensorBase.grad  # the C-level descriptor autograd itself uses
+_T = torch.Tensor
 _ORIGINAL_ZERO_GRAD = nn.Module.zero_grad
 _PARAM_LISTENERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> callback(parameter)
 _MODULE_LISTENERS: list[Callable[[nn.Module, bool], None]] = []  # callback(module, set_to_none)
@@ -51,6 +65,65 @@ class ZeroParameter(nn.Parameter):
             listener = _PARAM_LISTENERS.get(self)
             if listener is not None:
                 listener(self)
+
+
+class ReleasedParameterError(RuntimeError):
+    """Code touched a stage-3 parameter whose full value is released. See [Note: released parameters are guarded]."""
+
+
+_METADATA = {
+    _T.numel, _T.nelement, _T.size, _T.dim, _T.element_size, _T.is_floating_point, _T.is_complex, _T.__hash__,
+    _T.requires_grad_, _T.register_hook, _T.register_post_accumulate_grad_hook, _T.untyped_storage, _T.data_ptr,
+    _T.data.__set__, _T.grad.__get__, _T.grad.__set__, _T.requires_grad.__get__, _T.requires_grad.__set__,
+    *(getattr(_T, name).__get__ for name in ("shape", "dtype", "device", "ndim", "is_leaf", "layout", "grad_fn",
+                                               "is_sparse", "is_cuda", "is_meta", "is_quantized", "is_nested")),
+}
+"""What a released parameter still answers: nothing that reads or writes its values."""
+
+
+class ReleasedParameter(ZeroParameter):
+    """A stage-3 parameter between uses. See [Note: released parameters are guarded]."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        raise _released_error(func, args, kwargs)
+
+    def __deepcopy__(self, memo: dict) -> None:
+        raise _released_error("copy.deepcopy", (self,), None)
+
+    def __reduce_ex__(self, protocol: int) -> None:
+        raise _released_error("pickle", (self,), None)
+
+
+def _released_error(func: object, args: tuple, kwargs: Optional[dict]) -> ReleasedParameterError:
+    from torch.utils._pytree import tree_flatten
+
+    names = [_NAMES.get(t, "?") for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, ReleasedParameter)]
+    what = getattr(func, "__name__", str(func))
+    return ReleasedParameterError(
+        f"`{what}` on the ZeRO-3 parameter {', '.join(f'`{n}`' for n in dict.fromkeys(names))}, whose full value is"
+        " released between uses (only this rank's shard is resident): it would read or write a placeholder."
+        " HINT: wrap the access in `with trainer.strategy.gathered_parameters(module):` (a collective: enter it on"
+        " every rank), or use `zero2`, which keeps full parameters."
+    )
+
+
+_NAMES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # released parameter -> its name, for errors
+
+
+def mark_released(p: nn.Parameter, name: str) -> None:
+    """``p`` points at a placeholder now: refuse access to it. See [Note: released parameters are guarded]."""
+    _NAMES[p] = name
+    p.__class__ = ReleasedParameter
+
+
+def mark_gathered(p: nn.Parameter) -> None:
+    """``p`` holds its full value again."""
+    if type(p) is ReleasedParameter:
+        p.__class__ = ZeroParameter
 
 
 def _zero_grad(self: nn.Module, set_to_none: bool = True) -> None:
@@ -74,7 +147,7 @@ def unwatch(params: Iterable[nn.Parameter], on_module_zero_grad: Callable[[nn.Mo
     """Give ``params`` back their plain class; unwrap ``nn.Module.zero_grad`` once no engine watches."""
     for p in params:
         _PARAM_LISTENERS.pop(p, None)
-        if type(p) is ZeroParameter:
+        if type(p) in (ZeroParameter, ReleasedParameter):
             p.__class__ = nn.Parameter
     if on_module_zero_grad in _MODULE_LISTENERS:
         _MODULE_LISTENERS.remove(on_module_zero_grad)
