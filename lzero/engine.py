@@ -265,19 +265,22 @@ class ZeroEngine:
     def units_of(self, optimizer_index: int) -> list[FlatUnit]:
         return [u for u in self.units if u.spec.group[0] == optimizer_index]
 
-    def remove(self) -> None:
-        """Detach from the module: hooks removed, side process group destroyed."""
-        self.wait()
+    def remove(self, after_failure: bool = False) -> None:
+        """Detach from the module: hooks removed, side process groups destroyed. ``after_failure``: wait for
+        nothing and leave the process groups alone, since other ranks may never join a collective again
+        (see [Note: teardown after a failure] in strategy.py)."""
+        if not after_failure:
+            self.wait()
         for h in self._hooks:
             h.remove()
         self._hooks = []
         if self.gatherer is not None:
             self.gatherer.remove()
             for pg in (self._gather_group, self._check_group):
-                if pg is not None:
+                if pg is not None and not after_failure:
                     dist.destroy_process_group(pg)
             self._gather_group = self._check_group = None
-        self.reducer.remove()
+        self.reducer.remove(after_failure)
 
     # --- backward ----------------------------------------------------------------------------
 

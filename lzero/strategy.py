@@ -88,6 +88,7 @@ class ZeroStrategy(DDPStrategy):
         self._engine: Optional[ZeroEngine] = None
         self._saver: Optional[AsyncSaver] = None
         self._global_batch: Optional[int] = None
+        self._failure: Optional[BaseException] = None  # set by on_exception; see [Note: teardown after a failure]
         self.init_fn = init_fn
 
     # --- plugins -----------------------------------------------------------------------------
@@ -254,27 +255,53 @@ class ZeroStrategy(DDPStrategy):
         super().remove_checkpoint(filepath)
 
     @override
-    def teardown(self) -> None:
-        if self._saver is not None:
-            try:
-                self._saver.wait()  # the last checkpoint commits before fit returns
-            finally:
-                if self._saver.group is not None:
-                    import torch.distributed as dist
+    def on_exception(self, exception: BaseException) -> None:
+        """Lightning calls this before ``teardown`` when ``fit``/``validate``/... raised: teardown must then run
+        no collective. See [Note: teardown after a failure]."""
+        super().on_exception(exception)
+        self._failure = exception
 
-                    dist.destroy_process_group(self._saver.group)
-                self._saver = None
+    @override
+    def teardown(self) -> None:
+        """[Note: teardown after a failure]
+        After a clean fit, teardown is a collective: the last async save commits, and the parameters
+        are gathered back into whole tensors (stage 3) or fp32 masters (16-bit). After an exception on
+        one rank the other ranks are somewhere else (in a step's collectives, or failing themselves), so
+        a collective here would either wait for them (up to ``unit_order_timeout_s`` or the process
+        group timeout) or pair with an unrelated collective of theirs and raise an error of its own
+        that hides the user's. So after ``on_exception`` nothing here waits for another rank: the
+        engine is detached without gathering, an in-flight async save is abandoned, and the parameters
+        stay as they were (shards under stage 3, 16-bit copies under mixed precision). The failing
+        process then exits with the user's exception, and its peers, blocked in a collective with
+        it, see the closed connection and fail within seconds, as under DDP."""
+        failed, self._failure = self._failure is not None, None
+        if self._saver is not None:
+            saver, self._saver = self._saver, None
+            if not failed:
+                saver.close()
         if self._engine is not None:
-            if self._engine.mixed:
-                self._engine.restore_masters()  # the module leaves fit with its fp32 weights, as under DDP
+            engine, self._engine = self._engine, None
+            if failed:
+                engine.remove(after_failure=True)
             else:
-                self._engine.unshard()  # stage 3: test/predict after fit see full parameters
-            self._engine.remove()
-            self._engine = None
+                if engine.mixed:
+                    engine.restore_masters()  # the module leaves fit with its fp32 weights, as under DDP
+                else:
+                    engine.unshard()  # stage 3: test/predict after fit see full parameters
+                engine.remove()
             self.precision_plugin.bind(None)
             if self.lightning_module is not None:
                 self.lightning_module.__dict__.pop("lr_scheduler_step", None)
-        super().teardown()
+        module = self.lightning_module
+        if module is None or not has_meta(module):
+            super().teardown()
+            return
+        # a model whose meta-device materialization failed cannot be moved to the CPU: skip that move
+        self._lightning_module = None
+        try:
+            super().teardown()
+        finally:
+            self._lightning_module = module
 
     # --- user-facing extras ------------------------------------------------------------------
 
