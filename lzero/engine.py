@@ -26,7 +26,7 @@ from lzero import collectives
 from lzero.config import ZeroConfig
 from lzero.flat_unit import FlatUnit, GradState
 from lzero.gather import Block, Gatherer
-from lzero.materialize import InitFn, Materializer, common_seed, has_meta
+from lzero.materialize import InitFn, Materializer, apply_order, common_seed, has_meta
 from lzero.partition import Partition, ParamSpec, partition_by_label, partition_by_size
 from lzero.reducer import Reducer
 from lzero.units import ROOT, find_blocks, label_parameters
@@ -99,17 +99,17 @@ class ZeroEngine:
                              block_modules: dict[str, nn.Module], labels: dict[str, str], device: torch.device,
                              init_fn: Optional[InitFn]) -> list[FlatUnit]:
         """Stage 3 from the meta device: one block of full parameters at a time, the same RNG on every
-        rank, each rank keeping its shard. See materialize.py."""
+        rank, each rank keeping its shard. See [Note: meta-device initialization] in materialize.py."""
         materializer = Materializer(module, device, init_fn)
         seed = common_seed(lambda t: collectives.broadcast_([t], src=0, group=self.group))
-        inside = {label: [(f"{label}.{n}" if n else label, m) for n, m in block.named_modules()]
-                  for label, block in block_modules.items()}
-        in_blocks = {id(m) for mods in inside.values() for _, m in mods}
-        inside[ROOT] = [(n, m) for n, m in module.named_modules() if id(m) not in in_blocks]
+        order = apply_order(module)
+        in_block = {id(m): label for label, block in block_modules.items() for m in block.modules()}
+        inside = {label: [(n, m) for n, m in order if in_block.get(id(m), ROOT) == label]
+                  for label in [*block_modules, ROOT]}
         units, done = [], set()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            for spec in self.partition.units:
+            for spec in self.partition.units:  # block units, then the root's (see partition_by_label)
                 label = labels[spec.params[0].name]
                 if label not in done:
                     materializer.run(inside[label])
@@ -118,7 +118,9 @@ class ZeroEngine:
                                 **self._dtypes_of(spec))
                 unit.keep_shard_only()
                 units.append(unit)
-            materializer.run(module.named_modules())  # frozen parameters and buffers outside every unit
+            for label, modules in inside.items():  # frozen parameters and buffers outside every unit
+                if label not in done:
+                    materializer.run(modules)
         materializer.retarget(optimizers)
         return units
 
