@@ -107,20 +107,24 @@ class ZeroEngine:
         inside = {label: [(n, m) for n, m in order if in_block.get(id(m), ROOT) == label]
                   for label in [*block_modules, ROOT]}
         units, done = [], set()
+
+        def run_up_to(label: str) -> None:
+            # the root last of all: it holds the blocks' ancestors and the parameters tied across blocks,
+            # which blocks without a unit of their own (frozen, or only tied parameters) initialize too
+            for other in ([label] if label != ROOT else inside):
+                if other not in done:
+                    materializer.run(inside[other])
+                    done.add(other)
+
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             for spec in self.partition.units:  # block units, then the root's (see partition_by_label)
-                label = labels[spec.params[0].name]
-                if label not in done:
-                    materializer.run(inside[label])
-                    done.add(label)
+                run_up_to(labels[spec.params[0].name])
                 unit = FlatUnit(spec, [module.get_parameter(p.name) for p in spec.params], self.rank, self.config.stage,
                                 **self._dtypes_of(spec))
                 unit.keep_shard_only()
                 units.append(unit)
-            for label, modules in inside.items():  # frozen parameters and buffers outside every unit
-                if label not in done:
-                    materializer.run(modules)
+            run_up_to(ROOT)  # frozen parameters and buffers outside every unit
         materializer.retarget(optimizers)
         return units
 
