@@ -8,6 +8,7 @@ wrapper, gradient hooks on the parameters, and optimizers re-targeted at the sha
 from __future__ import annotations
 
 import pickle
+import warnings
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -22,7 +23,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -89,6 +90,8 @@ class ZeroStrategy(DDPStrategy):
         self._saver: Optional[AsyncSaver] = None
         self._global_batch: Optional[int] = None
         self._failure: Optional[BaseException] = None  # set by on_exception; see [Note: teardown after a failure]
+        self._exit_group: Optional[Any] = None  # gloo, exception_checkpoint_timeout_s; see [Note: checkpoints after an exception]
+        self._ranks_together: Optional[bool] = None  # every rank reached the exception's checkpoint in time
         self.init_fn = init_fn
 
     # --- plugins -----------------------------------------------------------------------------
@@ -139,6 +142,11 @@ class ZeroStrategy(DDPStrategy):
 
                 self._saver = AsyncSaver(dist.new_group(backend="gloo") if self.world_size > 1 else None)
             _guard_lr_schedulers(self.lightning_module, self.precision_plugin)
+            if self.world_size > 1:
+                import torch.distributed as dist
+
+                timeout = timedelta(seconds=self.config.exception_checkpoint_timeout_s)
+                self._exit_group = dist.new_group(backend="gloo", timeout=timeout)
         else:
             _sync_module_states(self.model)
         self.setup_precision_plugin()
@@ -205,7 +213,10 @@ class ZeroStrategy(DDPStrategy):
         a time. A collective: call it on every rank.
 
         While a sharded checkpoint is being written (``checkpoint_format="sharded"``), every stage returns
-        the sharded form: no rank gathers anything."""
+        the sharded form: no rank gathers anything. After an exception that not every rank reached in time,
+        an empty dict (see [Note: checkpoints after an exception])."""
+        if not self._all_ranks_here():
+            return {}
         if self._engine is not None and self.config.checkpoint_format == "sharded":
             return sharded_state_dict(self._engine, self.lightning_module)
         if self._engine is not None and self._engine.mixed:
@@ -227,6 +238,8 @@ class ZeroStrategy(DDPStrategy):
         """While fitting with ``checkpoint_format="sharded"``: a checkpoint directory, every rank writing
         its own pieces (see [Note: sharded checkpoint layout]). Otherwise one DDP-format file on rank 0,
         sharded values gathered one unit at a time."""
+        if not self._all_ranks_here():
+            return
         if self._engine is not None and self.config.checkpoint_format == "sharded":
             self._save_sharded(checkpoint, filepath)
             return
@@ -255,6 +268,40 @@ class ZeroStrategy(DDPStrategy):
         super().remove_checkpoint(filepath)
 
     @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if self._all_ranks_here():
+            super().barrier(*args, **kwargs)
+
+    def _all_ranks_here(self) -> bool:
+        """[Note: checkpoints after an exception]
+        Lightning runs the ``on_exception`` callbacks (``OnExceptionCheckpoint`` saves a checkpoint) on the
+        rank that raised, before ``strategy.on_exception``. A checkpoint needs every rank, but after an
+        exception on one rank the others are blocked in a training collective, so the save, its
+        collectives and Lightning's barrier after it would wait for the process group timeout (under DDP
+        too). So the first checkpoint collective after an exception (the trainer is ``INTERRUPTED``) is
+        preceded by a barrier on a gloo group with ``exception_checkpoint_timeout_s``: if every rank
+        arrives (they all raised, or all got SIGTERM), the checkpoint is written as usual; otherwise this
+        rank skips it (empty state, nothing written, no barrier) with a warning, and exits."""
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if trainer is None or trainer.state.status != TrainerStatus.INTERRUPTED or self._exit_group is None:
+            return True
+        if self._ranks_together is None:
+            import torch.distributed as dist
+
+            try:
+                dist.barrier(group=self._exit_group)
+                self._ranks_together = True
+            except RuntimeError as err:
+                self._ranks_together = False
+                warnings.warn(
+                    f"lzero: rank {self.global_rank} skips the checkpoint asked for after an exception: not every rank"
+                    f" reached it within exception_checkpoint_timeout_s={self.config.exception_checkpoint_timeout_s:g}"
+                    f" s ({err}). A checkpoint needs every rank; with an exception on one rank only, resume from the"
+                    " last regular checkpoint.", stacklevel=2)
+        return self._ranks_together
+
+    @override
     def on_exception(self, exception: BaseException) -> None:
         """Lightning calls this before ``teardown`` when ``fit``/``validate``/... raised: teardown must then run
         no collective. See [Note: teardown after a failure]."""
@@ -274,7 +321,13 @@ class ZeroStrategy(DDPStrategy):
         stay as they were (shards under stage 3, 16-bit copies under mixed precision). The failing
         process then exits with the user's exception, and its peers, blocked in a collective with
         it, see the closed connection and fail within seconds, as under DDP."""
-        failed, self._failure = self._failure is not None, None
+        failed, self._failure, self._ranks_together = self._failure is not None, None, None
+        if self._exit_group is not None:
+            if not failed:
+                import torch.distributed as dist
+
+                dist.destroy_process_group(self._exit_group)
+            self._exit_group = None
         if self._saver is not None:
             saver, self._saver = self._saver, None
             if not failed:
@@ -351,6 +404,8 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if not self._all_ranks_here():
+            return {}
         if self._engine is not None and self.config.checkpoint_format == "sharded":
             return {"lzero": "written by the sharded checkpoint"}  # the pieces come from the shards
         return gather_optimizer_state(_unwrap(optimizer))

@@ -38,7 +38,7 @@ def _run(strategy: str, mode: str, failing_rank: int, out: Path) -> tuple[subpro
     while not _gone(pid1) and time.time() - ended[0] < 120:
         time.sleep(0.1)
     ended[1] = time.time()
-    failed_at = float((out / "failed_at").read_text())
+    failed_at = float((out / "failed_at").read_text())  # the last rank to write it: the later failure
     return proc, [ended[r] - failed_at for r in (0, 1)]
 
 
@@ -71,4 +71,33 @@ def test_uninitializable_module_error_is_last(tmp_path: Path) -> None:
     for rank in (0, 1):
         assert "UninitializedModuleError: Module `blocks." in _last_error(output, rank), output[-6000:]
     assert "meta tensor" not in output, output[-6000:]
+    assert max(exit_s) < DEADLINE_S, exit_s
+
+
+def test_exception_checkpoint_on_one_rank_is_skipped_within_the_bound(tmp_path: Path) -> None:
+    """``OnExceptionCheckpoint`` with an exception on one rank: a checkpoint needs every rank, so after
+    ``exception_checkpoint_timeout_s`` (5 s here) it is skipped with a warning and both ranks exit. (DDP waits
+    in Lightning's barrier for the process group timeout.) See [Note: checkpoints after an exception]."""
+    proc, exit_s = _run("zero3", "ckpt", 1, tmp_path)
+    output = proc.stdout + proc.stderr
+    print(f"zero3 + OnExceptionCheckpoint, failing rank 1: ranks exit {exit_s[0]:.1f} s, {exit_s[1]:.1f} s after the error")
+    assert proc.returncode != 0
+    assert "RuntimeError: user error on rank 1 at step 3" in _last_error(output, 1), output[-6000:]
+    assert "rank 1 skips the checkpoint asked for after an exception" in output, output[-6000:]
+    assert "UnitOrderError" not in output
+    assert not (tmp_path / "on_exception.ckpt").exists()
+    assert max(exit_s) < 5 + DEADLINE_S, exit_s
+
+
+def test_exception_checkpoint_on_every_rank_is_written(tmp_path: Path) -> None:
+    """Every rank raises at the same step: every rank reaches the checkpoint, which is written as usual."""
+    from lzero.checkpoint.sharded import is_sharded_checkpoint
+
+    proc, exit_s = _run("zero2", "ckpt_all", -1, tmp_path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        assert f"RuntimeError: user error on rank {rank} at step 3" in _last_error(output, rank), output[-6000:]
+    assert "skips the checkpoint" not in output
+    assert is_sharded_checkpoint(tmp_path / "on_exception.ckpt")
     assert max(exit_s) < DEADLINE_S, exit_s

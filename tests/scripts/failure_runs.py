@@ -5,6 +5,8 @@
 MODE ``raise``: ``training_step`` raises ``RuntimeError`` on FAILING_RANK at step 3.
 MODE ``noinit``: stage 3 builds, in ``configure_model``, blocks holding a module lzero cannot initialize.
 MODE ``sigint``: FAILING_RANK sends itself SIGINT at step 3 (Ctrl+C on one rank).
+MODE ``ckpt``: as ``raise``, with ``OnExceptionCheckpoint`` (and ``exception_checkpoint_timeout_s=5``).
+MODE ``ckpt_all``: as ``ckpt``, but every rank raises at step 3 (FAILING_RANK -1).
 Every rank writes ``OUT_DIR/rank<r>.pid`` (its process id); the failing rank writes ``OUT_DIR/failed_at``
 (``time.time()`` when it fails). tests/test_failure.py checks that every rank exits promptly with the
 user's error last.
@@ -21,10 +23,11 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import OnExceptionCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lzero  # noqa: F401
+import lzero
 
 
 class NoReset(nn.Module):
@@ -64,7 +67,7 @@ class Net(LightningModule):
         self.head = nn.Linear(16, 1)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        if batch_idx == 3 and self.global_rank == self.failing_rank:
+        if batch_idx == 3 and self.failing_rank in (self.global_rank, -1):
             (self.out / "failed_at").write_text(repr(time.time()))
             if self.mode == "sigint":
                 os.kill(os.getpid(), signal.SIGINT)
@@ -83,6 +86,11 @@ if __name__ == "__main__":
     (out / f"rank{os.environ.get('LOCAL_RANK', '0')}.pid").write_text(str(os.getpid()))
     torch.manual_seed(0)
     data = DataLoader(TensorDataset(torch.randn(64, 16), torch.randn(64, 1)), batch_size=4)
-    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=8, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    callbacks = []
+    if mode.startswith("ckpt"):
+        callbacks.append(OnExceptionCheckpoint(str(out)))
+        if strategy.startswith("zero"):
+            strategy = lzero.ZeroStrategy(stage=int(strategy[-1]), exception_checkpoint_timeout_s=5)
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=2, max_steps=8, logger=False, callbacks=callbacks,
+                      enable_checkpointing=bool(callbacks), enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(Net(mode, failing_rank, out), data)
