@@ -48,8 +48,10 @@ class ZeroStrategy(DDPStrategy):
         precision: a precision for this strategy (``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``);
             it wins over ``Trainer(precision=...)``.
         init_fn: stage 3, for models built on the meta device (``configure_model`` or
-            ``Trainer.init_module(empty_init=True)``): called on every module to initialize it; by
-            default the module's ``reset_parameters()``.
+            ``Trainer.init_module(empty_init=True)``): called on every module, children before parents,
+            after the modules' own ``reset_parameters()``, as ``model.apply(init_fn)`` after building the
+            model eagerly would be; by default a Hugging Face model's ``_init_weights`` for the modules
+            inside one. See [Note: meta-device initialization] in materialize.py.
         **options: any other :class:`lzero.ZeroConfig` field, applied over ``config``.
         The remaining arguments are Lightning's, as for ``DDPStrategy``.
     """
