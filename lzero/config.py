@@ -57,6 +57,12 @@ class ZeroConfig:
     that does not arrive within this many seconds raises an error naming the unit (0 disables the
     check). This turns a unit run on only some ranks into a clear error instead of a silent mix."""
 
+    exception_checkpoint_timeout_s: float = 30.0
+    """After an exception, a checkpoint asked for by an ``on_exception`` hook (``OnExceptionCheckpoint``)
+    is written only if every rank reaches it within this many seconds; otherwise it is skipped with a
+    warning and the ranks go on to exit (under DDP such a save waits in Lightning's barrier for the
+    process group timeout). A checkpoint needs every rank, so an exception on one rank only skips it."""
+
     state_dict_type: Literal["sharded", "full"] = "sharded"
     """Stage 3, ``strategy.lightning_module_state_dict()``: "sharded" values expose this rank's piece
     and ``full_tensor()``; "full" gathers plain tensors onto rank 0, one unit at a time."""
@@ -117,6 +123,11 @@ class ZeroConfig:
             raise ZeroConfigError(
                 f"`unit_order_timeout_s={self.unit_order_timeout_s!r}` must be a number of seconds >= 0."
                 " HINT: e.g. 120, or 0 to disable the check."
+            )
+        timeout = self.exception_checkpoint_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ZeroConfigError(
+                f"`exception_checkpoint_timeout_s={timeout!r}` must be a number of seconds > 0. HINT: e.g. 30."
             )
         if self.state_dict_type not in ("sharded", "full"):
             raise ZeroConfigError(

@@ -27,7 +27,7 @@ from lzero.config import ZeroConfig
 from lzero.flat_unit import FlatUnit, GradState
 from lzero import parameters
 from lzero.gather import Block, Gatherer, full_graphs_around
-from lzero.materialize import InitFn, Materializer, common_seed, has_meta
+from lzero.materialize import InitFn, Materializer, apply_order, common_seed, has_meta
 from lzero.partition import Partition, ParamSpec, partition_by_label, partition_by_size
 from lzero.reducer import Reducer
 from lzero.units import ROOT, find_blocks, label_parameters
@@ -104,26 +104,32 @@ class ZeroEngine:
                              block_modules: dict[str, nn.Module], labels: dict[str, str], device: torch.device,
                              init_fn: Optional[InitFn]) -> list[FlatUnit]:
         """Stage 3 from the meta device: one block of full parameters at a time, the same RNG on every
-        rank, each rank keeping its shard. See materialize.py."""
+        rank, each rank keeping its shard. See [Note: meta-device initialization] in materialize.py."""
         materializer = Materializer(module, device, init_fn)
         seed = common_seed(lambda t: collectives.broadcast_([t], src=0, group=self.group))
-        inside = {label: [(f"{label}.{n}" if n else label, m) for n, m in block.named_modules()]
-                  for label, block in block_modules.items()}
-        in_blocks = {id(m) for mods in inside.values() for _, m in mods}
-        inside[ROOT] = [(n, m) for n, m in module.named_modules() if id(m) not in in_blocks]
+        order = apply_order(module)
+        in_block = {id(m): label for label, block in block_modules.items() for m in block.modules()}
+        inside = {label: [(n, m) for n, m in order if in_block.get(id(m), ROOT) == label]
+                  for label in [*block_modules, ROOT]}
         units, done = [], set()
+
+        def run_up_to(label: str) -> None:
+            # the root last of all: it holds the blocks' ancestors and the parameters tied across blocks,
+            # which blocks without a unit of their own (frozen, or only tied parameters) initialize too
+            for other in ([label] if label != ROOT else inside):
+                if other not in done:
+                    materializer.run(inside[other])
+                    done.add(other)
+
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            for spec in self.partition.units:
-                label = labels[spec.params[0].name]
-                if label not in done:
-                    materializer.run(inside[label])
-                    done.add(label)
+            for spec in self.partition.units:  # block units, then the root's (see partition_by_label)
+                run_up_to(labels[spec.params[0].name])
                 unit = FlatUnit(spec, [module.get_parameter(p.name) for p in spec.params], self.rank, self.config.stage,
                                 **self._dtypes_of(spec))
                 unit.keep_shard_only()
                 units.append(unit)
-            materializer.run(module.named_modules())  # frozen parameters and buffers outside every unit
+            run_up_to(ROOT)  # frozen parameters and buffers outside every unit
         materializer.retarget(optimizers)
         return units
 
@@ -270,9 +276,12 @@ class ZeroEngine:
     def units_of(self, optimizer_index: int) -> list[FlatUnit]:
         return [u for u in self.units if u.spec.group[0] == optimizer_index]
 
-    def remove(self) -> None:
-        """Detach from the module: hooks removed, side process group destroyed."""
-        self.wait()
+    def remove(self, after_failure: bool = False) -> None:
+        """Detach from the module: hooks removed, side process groups destroyed. ``after_failure``: wait for
+        nothing and leave the process groups alone, since other ranks may never join a collective again
+        (see [Note: teardown after a failure] in strategy.py)."""
+        if not after_failure:
+            self.wait()
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -280,10 +289,10 @@ class ZeroEngine:
         if self.gatherer is not None:
             self.gatherer.remove()
             for pg in (self._gather_group, self._check_group):
-                if pg is not None:
+                if pg is not None and not after_failure:
                     dist.destroy_process_group(pg)
             self._gather_group = self._check_group = None
-        self.reducer.remove()
+        self.reducer.remove(after_failure)
 
     # --- backward ----------------------------------------------------------------------------
 

@@ -1,13 +1,34 @@
 """Stage 3 sharded initialization: a model built on the meta device is materialized one unit at a time.
 
-Every rank materializes the same block with the same RNG state, initializes it with the module's
-``reset_parameters()`` (or the user's ``init_fn``), keeps its shard and frees the rest before the
-next block, so no rank ever holds more than one block of full parameters beyond its shards.
+[Note: meta-device initialization]
+Built eagerly, a model is initialized in two passes: every module runs its own ``reset_parameters()``
+as it is constructed (children before parents), then a model-wide initializer visits every module in
+``Module.apply`` order (children before parents) and may write any parameter below the module it is
+given: Hugging Face's ``post_init`` calls ``_init_weights`` on each module, and GPT-2's, given an
+attention or MLP module, rescales its ``c_proj.weight`` by depth. Modules the initializer does not
+know (a LoRA adapter added by the user) keep what their own ``reset_parameters()`` wrote.
+
+lzero replays both passes for the modules of one unit at a time: storage for the unit's meta
+tensors, every ``reset_parameters()`` of a module holding meta tensors of its own, then the
+initializer on every module holding meta tensors anywhere below it (modules without parameters of
+their own included), in ``Module.apply`` order. The initializer is ``ZeroStrategy(init_fn=...)`` or,
+without one, for modules inside a Hugging Face ``PreTrainedModel``, that model's ``_init_weights``
+(the innermost one, as Hugging Face dispatches for composite models). Block units come first and the
+root unit last, so ancestors of blocks (the model itself) are visited after their blocks, as in
+``apply``; an initializer that writes a block's parameters while visiting a module above the block is
+not supported (the block is sharded by then).
+
+New floating-point storage starts as NaN: once the unit is initialized, a tensor still holding NaN was
+not (entirely) written by any initializer, and is named in an :class:`UninitializedModuleError`
+rather than trained from uninitialized memory. Integer and boolean buffers start at zero (no such
+check is possible for them). Every rank runs this with the same RNG state (``common_seed``), so the
+ranks build one model; each keeps its shard and frees the rest before the next unit.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+import sys
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -29,61 +50,122 @@ def _direct_meta(module: nn.Module) -> bool:
     )
 
 
+def apply_order(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, module) in the order ``root.apply`` visits them: children before parents, each module once."""
+    order: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+
+    def visit(name: str, module: nn.Module) -> None:
+        seen.add(id(module))
+        for child_name, child in module.named_children():
+            if id(child) not in seen:
+                visit(f"{name}.{child_name}" if name else child_name, child)
+        order.append((name, module))
+
+    visit("", root)
+    return order
+
+
+def _hf_initializers(root: nn.Module) -> dict[int, InitFn]:
+    """id(module) -> ``_init_weights`` of the innermost Hugging Face ``PreTrainedModel`` holding it."""
+    transformers = sys.modules.get("transformers")
+    pretrained = getattr(transformers, "PreTrainedModel", None)
+    if pretrained is None:  # a model built from transformers has imported it
+        return {}
+    found: dict[int, InitFn] = {}
+
+    def visit(module: nn.Module, owner: Optional[InitFn]) -> None:
+        if isinstance(module, pretrained):
+            owner = module._init_weights
+        if owner is not None:
+            found.setdefault(id(module), owner)
+        for child in module.children():
+            if id(child) not in found:
+                visit(child, owner)
+
+    visit(root, None)
+    return found
+
+
 class Materializer:
-    """Replaces meta tensors module by module, keeping shared (tied) parameters shared.
+    """Replaces meta tensors unit by unit and initializes them; see [Note: meta-device initialization].
 
     A meta Parameter cannot be given real storage in place, so each one is replaced by a new
-    Parameter in every module that holds it; ``replaced`` maps old to new so that optimizers built
-    on the meta model can be pointed at the real parameters.
+    Parameter in every module that holds it (tied parameters stay tied); ``replaced`` maps old to new
+    so that optimizers built on the meta model can be pointed at the real parameters.
     """
 
     def __init__(self, root: nn.Module, device: torch.device, init_fn: Optional[InitFn]) -> None:
         self.device = device
-        self.init_fn = init_fn
         self.replaced: dict[nn.Parameter, nn.Parameter] = {}
         self._holders: dict[int, list[tuple[nn.Module, str]]] = {}
         for module in root.modules():
             for name, p in module._parameters.items():
                 if p is not None:
                     self._holders.setdefault(id(p), []).append((module, name))
+        self._holding_meta = {id(m) for m in root.modules() if has_meta(m)}
+        self._init_fn = init_fn
+        self._hf = {} if init_fn is not None else _hf_initializers(root)
+        self._done: set[int] = set()
 
     @torch.no_grad()
     def run(self, modules: Iterable[tuple[str, nn.Module]]) -> None:
-        """Real storage for every module that still has meta tensors of its own, then its init."""
-        for name, module in modules:
-            if not _direct_meta(module):
-                continue
-            for pname, p in list(module._parameters.items()):
-                if p is not None and p.is_meta:
-                    new = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=self.device),
-                                       requires_grad=p.requires_grad)
-                    for holder, hname in self._holders[id(p)]:
-                        holder._parameters[hname] = new
-                    self.replaced[p] = new
-            for bname, b in list(module._buffers.items()):
-                if b is not None and b.is_meta:
-                    module._buffers[bname] = torch.empty(b.shape, dtype=b.dtype, device=self.device)
-            self._initialize(name, module)
+        """Materialize and initialize ``modules`` (one unit's, in ``apply`` order); modules already run are
+        skipped. Raises :class:`UninitializedModuleError` if a new tensor is left (partly) unwritten."""
+        todo = [(n, m) for n, m in modules if id(m) in self._holding_meta and id(m) not in self._done]
+        self._done.update(id(m) for _, m in todo)
+        created = [(n, m, list(self._allocate(m))) for n, m in todo]
+        for name, module, tensors in created:
+            if tensors and callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
+        for name, module, _ in created:
+            initializer = self._init_fn or self._hf.get(id(module))
+            if initializer is not None:
+                initializer(module)
+        for name, module, tensors in created:
+            unwritten = [t for t, value in tensors if value.is_floating_point() and bool(value.isnan().any())]
+            if unwritten:
+                raise self._error(name, module, unwritten)
 
-    def _initialize(self, name: str, module: nn.Module) -> None:
-        if self.init_fn is not None:
-            self.init_fn(module)
-        elif callable(getattr(module, "reset_parameters", None)):
-            module.reset_parameters()
-        else:
-            raise UninitializedModuleError(
-                f"Module `{name or '<root>'}` ({type(module).__name__}) was built on the meta device and has no"
-                " `reset_parameters()`, so lzero cannot initialize its parameters/buffers. HINT: give it a"
-                " `reset_parameters()` method, or pass `ZeroStrategy(init_fn=...)` (a function called on every"
-                " module; note that Hugging Face models initialize in `_init_weights`, e.g."
-                " `init_fn=model._init_weights`)."
-            )
+    def _allocate(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """Real storage (NaN, or zero for integer/boolean tensors) for ``module``'s own meta tensors."""
+        for pname, p in list(module._parameters.items()):
+            if p is not None and p.is_meta:
+                new = nn.Parameter(_placeholder(p, self.device), requires_grad=p.requires_grad)
+                for holder, hname in self._holders[id(p)]:
+                    holder._parameters[hname] = new
+                self.replaced[p] = new
+                yield pname, new
+        for bname, b in list(module._buffers.items()):
+            if b is not None and b.is_meta:
+                module._buffers[bname] = _placeholder(b, self.device)
+                yield bname, module._buffers[bname]
+
+    def _error(self, name: str, module: nn.Module, unwritten: list[str]) -> UninitializedModuleError:
+        full = [f"`{name}.{t}`" if name else f"`{t}`" for t in unwritten]
+        own = "its `reset_parameters()`" if callable(getattr(module, "reset_parameters", None)) else \
+            "it has no `reset_parameters()`"
+        by = "the `init_fn`" if self._init_fn is not None else (
+            "Hugging Face's `_init_weights`" if id(module) in self._hf else "no `init_fn` was given")
+        return UninitializedModuleError(
+            f"Module `{name or '<root>'}` ({type(module).__name__}) was built on the meta device and nothing wrote"
+            f" {', '.join(full)} ({own}; {by}), so lzero cannot initialize it. HINT: give the module a"
+            " `reset_parameters()` that writes every parameter and buffer of its own, or pass"
+            " `ZeroStrategy(init_fn=...)`, a function called on every module (children before parents) that"
+            " writes them."
+        )
 
     def retarget(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         """Point optimizers built on the meta model at the materialized parameters."""
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 group["params"] = [self.replaced.get(p, p) for p in group["params"]]
+
+
+def _placeholder(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if meta.is_floating_point() or meta.is_complex():
+        return torch.full(meta.shape, float("nan"), dtype=meta.dtype, device=device)
+    return torch.zeros(meta.shape, dtype=meta.dtype, device=device)
 
 
 def common_seed(broadcast: Callable[[torch.Tensor], None]) -> int:

@@ -115,8 +115,12 @@ class Reducer:
         collectives.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.flag_group)
         return bool(flag.item())
 
-    def remove(self) -> None:
-        self.wait()
-        if self.flag_group is not None:
-            dist.destroy_process_group(self.flag_group)
-            self.flag_group = None
+    def remove(self, after_failure: bool = False) -> None:
+        """Destroy the flag group; ``after_failure``: without waiting for reductions in flight or touching the group."""
+        if after_failure:
+            self._inflight.clear()
+        else:
+            self.wait()
+            if self.flag_group is not None:
+                dist.destroy_process_group(self.flag_group)
+        self.flag_group = None

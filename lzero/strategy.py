@@ -8,6 +8,7 @@ wrapper, gradient hooks on the parameters, and optimizers re-targeted at the sha
 from __future__ import annotations
 
 import pickle
+import warnings
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -22,7 +23,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -47,8 +48,10 @@ class ZeroStrategy(DDPStrategy):
         precision: a precision for this strategy (``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``);
             it wins over ``Trainer(precision=...)``.
         init_fn: stage 3, for models built on the meta device (``configure_model`` or
-            ``Trainer.init_module(empty_init=True)``): called on every module to initialize it; by
-            default the module's ``reset_parameters()``.
+            ``Trainer.init_module(empty_init=True)``): called on every module, children before parents,
+            after the modules' own ``reset_parameters()``, as ``model.apply(init_fn)`` after building the
+            model eagerly would be; by default a Hugging Face model's ``_init_weights`` for the modules
+            inside one. See [Note: meta-device initialization] in materialize.py.
         **options: any other :class:`lzero.ZeroConfig` field, applied over ``config``.
         The remaining arguments are Lightning's, as for ``DDPStrategy``.
     """
@@ -88,6 +91,9 @@ class ZeroStrategy(DDPStrategy):
         self._engine: Optional[ZeroEngine] = None
         self._saver: Optional[AsyncSaver] = None
         self._global_batch: Optional[int] = None
+        self._failure: Optional[BaseException] = None  # set by on_exception; see [Note: teardown after a failure]
+        self._exit_group: Optional[Any] = None  # gloo, exception_checkpoint_timeout_s; see [Note: checkpoints after an exception]
+        self._ranks_together: Optional[bool] = None  # every rank reached the exception's checkpoint in time
         self.init_fn = init_fn
 
     # --- plugins -----------------------------------------------------------------------------
@@ -140,6 +146,11 @@ class ZeroStrategy(DDPStrategy):
 
                 self._saver = AsyncSaver(dist.new_group(backend="gloo") if self.world_size > 1 else None)
             _guard_lr_schedulers(self.lightning_module, self.precision_plugin)
+            if self.world_size > 1:
+                import torch.distributed as dist
+
+                timeout = timedelta(seconds=self.config.exception_checkpoint_timeout_s)
+                self._exit_group = dist.new_group(backend="gloo", timeout=timeout)
         else:
             _sync_module_states(self.model)
         self.setup_precision_plugin()
@@ -206,7 +217,10 @@ class ZeroStrategy(DDPStrategy):
         a time. A collective: call it on every rank.
 
         While a sharded checkpoint is being written (``checkpoint_format="sharded"``), every stage returns
-        the sharded form: no rank gathers anything."""
+        the sharded form: no rank gathers anything. After an exception that not every rank reached in time,
+        an empty dict (see [Note: checkpoints after an exception])."""
+        if not self._all_ranks_here():
+            return {}
         if self._engine is not None and self.config.checkpoint_format == "sharded":
             return sharded_state_dict(self._engine, self.lightning_module)
         if self._engine is not None and self._engine.mixed:
@@ -228,6 +242,8 @@ class ZeroStrategy(DDPStrategy):
         """While fitting with ``checkpoint_format="sharded"``: a checkpoint directory, every rank writing
         its own pieces (see [Note: sharded checkpoint layout]). Otherwise one DDP-format file on rank 0,
         sharded values gathered one unit at a time."""
+        if not self._all_ranks_here():
+            return
         if self._engine is not None and self.config.checkpoint_format == "sharded":
             self._save_sharded(checkpoint, filepath)
             return
@@ -256,27 +272,93 @@ class ZeroStrategy(DDPStrategy):
         super().remove_checkpoint(filepath)
 
     @override
-    def teardown(self) -> None:
-        if self._saver is not None:
-            try:
-                self._saver.wait()  # the last checkpoint commits before fit returns
-            finally:
-                if self._saver.group is not None:
-                    import torch.distributed as dist
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if self._all_ranks_here():
+            super().barrier(*args, **kwargs)
 
-                    dist.destroy_process_group(self._saver.group)
-                self._saver = None
+    def _all_ranks_here(self) -> bool:
+        """[Note: checkpoints after an exception]
+        Lightning runs the ``on_exception`` callbacks (``OnExceptionCheckpoint`` saves a checkpoint) on the
+        rank that raised, before ``strategy.on_exception``. A checkpoint needs every rank, but after an
+        exception on one rank the others are blocked in a training collective, so the save, its
+        collectives and Lightning's barrier after it would wait for the process group timeout (under DDP
+        too). So the first checkpoint collective after an exception (the trainer is ``INTERRUPTED``) is
+        preceded by a barrier on a gloo group with ``exception_checkpoint_timeout_s``: if every rank
+        arrives (they all raised, or all got SIGTERM), the checkpoint is written as usual; otherwise this
+        rank skips it (empty state, nothing written, no barrier) with a warning, and exits."""
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if trainer is None or trainer.state.status != TrainerStatus.INTERRUPTED or self._exit_group is None:
+            return True
+        if self._ranks_together is None:
+            import torch.distributed as dist
+
+            try:
+                dist.barrier(group=self._exit_group)
+                self._ranks_together = True
+            except RuntimeError as err:
+                self._ranks_together = False
+                warnings.warn(
+                    f"lzero: rank {self.global_rank} skips the checkpoint asked for after an exception: not every rank"
+                    f" reached it within exception_checkpoint_timeout_s={self.config.exception_checkpoint_timeout_s:g}"
+                    f" s ({err}). A checkpoint needs every rank; with an exception on one rank only, resume from the"
+                    " last regular checkpoint.", stacklevel=2)
+        return self._ranks_together
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Lightning calls this before ``teardown`` when ``fit``/``validate``/... raised: teardown must then run
+        no collective. See [Note: teardown after a failure]."""
+        super().on_exception(exception)
+        self._failure = exception
+
+    @override
+    def teardown(self) -> None:
+        """[Note: teardown after a failure]
+        After a clean fit, teardown is a collective: the last async save commits, and the parameters
+        are gathered back into whole tensors (stage 3) or fp32 masters (16-bit). After an exception on
+        one rank the other ranks are somewhere else (in a step's collectives, or failing themselves), so
+        a collective here would either wait for them (up to ``unit_order_timeout_s`` or the process
+        group timeout) or pair with an unrelated collective of theirs and raise an error of its own
+        that hides the user's. So after ``on_exception`` nothing here waits for another rank: the
+        engine is detached without gathering, an in-flight async save is abandoned, and the parameters
+        stay as they were (shards under stage 3, 16-bit copies under mixed precision). The failing
+        process then exits with the user's exception, and its peers, blocked in a collective with
+        it, see the closed connection and fail within seconds, as under DDP."""
+        failed, self._failure, self._ranks_together = self._failure is not None, None, None
+        if self._exit_group is not None:
+            if not failed:
+                import torch.distributed as dist
+
+                dist.destroy_process_group(self._exit_group)
+            self._exit_group = None
+        if self._saver is not None:
+            saver, self._saver = self._saver, None
+            if not failed:
+                saver.close()
         if self._engine is not None:
-            if self._engine.mixed:
-                self._engine.restore_masters()  # the module leaves fit with its fp32 weights, as under DDP
+            engine, self._engine = self._engine, None
+            if failed:
+                engine.remove(after_failure=True)
             else:
-                self._engine.unshard()  # stage 3: test/predict after fit see full parameters
-            self._engine.remove()
-            self._engine = None
+                if engine.mixed:
+                    engine.restore_masters()  # the module leaves fit with its fp32 weights, as under DDP
+                else:
+                    engine.unshard()  # stage 3: test/predict after fit see full parameters
+                engine.remove()
             self.precision_plugin.bind(None)
             if self.lightning_module is not None:
                 self.lightning_module.__dict__.pop("lr_scheduler_step", None)
-        super().teardown()
+        module = self.lightning_module
+        if module is None or not has_meta(module):
+            super().teardown()
+            return
+        # a model whose meta-device materialization failed cannot be moved to the CPU: skip that move
+        self._lightning_module = None
+        try:
+            super().teardown()
+        finally:
+            self._lightning_module = module
 
     # --- user-facing extras ------------------------------------------------------------------
 
@@ -326,6 +408,8 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if not self._all_ranks_here():
+            return {}
         if self._engine is not None and self.config.checkpoint_format == "sharded":
             return {"lzero": "written by the sharded checkpoint"}  # the pieces come from the shards
         return gather_optimizer_state(_unwrap(optimizer))

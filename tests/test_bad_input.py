@@ -223,6 +223,29 @@ def test_meta_module_without_reset_parameters_is_named() -> None:
         ZeroEngine(model, [opt], ZeroConfig(stage=3, unit_modules=("Linear",)))
 
 
+def test_meta_parameter_no_initializer_wrote_is_named() -> None:
+    """An ``init_fn`` that skips a module without ``reset_parameters()``: the unwritten tensor is named
+    instead of training from uninitialized memory (see [Note: meta-device initialization])."""
+    from lzero import ZeroEngine
+    from lzero.materialize import UninitializedModuleError
+
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gain = nn.Parameter(torch.ones(4))
+
+    def init_linear_only(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+            nn.init.zeros_(module.bias)
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), Scale(), nn.Linear(4, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(UninitializedModuleError, match=r"Module `1` \(Scale\).*nothing wrote `1.gain`.*the `init_fn`.*HINT"):
+        ZeroEngine(model, [opt], ZeroConfig(stage=3, unit_modules=("Linear",)), init_fn=init_linear_only)
+
+
 def test_unknown_unit_module_class_is_named() -> None:
     from lzero import ZeroEngine
 

@@ -252,6 +252,15 @@ class AsyncSaver:
             error, self._error = self._error, None
             raise error
 
+    def close(self) -> None:
+        """The end of a clean fit: the last save commits, then the saver's process group goes. A collective."""
+        try:
+            self.wait()
+        finally:
+            if self.group is not None:
+                dist.destroy_process_group(self.group)
+                self.group = None
+
 
 def _common_save_id(engine: "ZeroEngine") -> str:
     token = torch.tensor([secrets.randbits(62)], dtype=torch.int64)
