@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import datetime
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,29 +24,37 @@ from torch import Tensor, nn
 
 from lzero import collectives
 from lzero.config import ZeroConfig
+from lzero.errors import ZeroEngineError
+from lzero.mixed_precision import PrecisionPolicy
 from lzero.flat_unit import FlatUnit, GradState
 from lzero import parameters
 from lzero.gather import Block, Gatherer, full_graphs_around
 from lzero.materialize import InitFn, Materializer, apply_order, common_seed, has_meta
-from lzero.partition import Partition, ParamSpec, partition_by_label, partition_by_size
+from lzero.partition import Partition, ParamSpec, UnitSpec, partition_by_label, partition_by_size
 from lzero.reducer import Reducer
+from lzero.store import store_for
 from lzero.units import ROOT, find_blocks, label_parameters
 
 
-class ZeroEngineError(RuntimeError):
-    """A model or optimizer setup that the engine cannot shard; the message says how to fix it."""
+class PendingGather(NamedTuple):
+    """A launched all-gather of stepped shards (stages 1-2), to finish before the next forward."""
+
+    handle: collectives.Handle
+    bucket: list[FlatUnit]
+    out: Optional[Tensor]  # 1D, every rank's shards of ``bucket`` concatenated; None: gathered in place (one unit)
 
 
 class ZeroEngine:
     def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], config: ZeroConfig,
-                 group: Optional[dist.ProcessGroup] = None, device: torch.device = torch.device("cpu"),
-                 init_fn: Optional[InitFn] = None, param_dtype: Optional[torch.dtype] = None,
-                 reduce_dtype: Optional[torch.dtype] = None, keep_fp32_modules: Sequence[str] = ()) -> None:
+                 policy: Optional[PrecisionPolicy] = None, group: Optional[dist.ProcessGroup] = None,
+                 device: torch.device = torch.device("cpu"), init_fn: Optional[InitFn] = None) -> None:
         self.config = config
+        self.policy = policy if policy is not None else PrecisionPolicy()
+        self.store = store_for(config.offload_optimizer)
         self.group = group
         self.world_size = collectives.world_size(group)
         self.rank = collectives.rank(group)
-        kept = _kept_parameters(module, keep_fp32_modules) if param_dtype is not None else set()
+        kept = self.policy.kept_parameters(module)
         specs, by_name = _collect_params(module, optimizers, kept)
         if config.stage >= 3:
             block_modules = find_blocks(module, config.unit_modules)
@@ -57,24 +65,14 @@ class ZeroEngine:
         else:  # one parameter per unit when unused parameters must not be stepped (see ZeroConfig)
             unit_numel = 1 if config.find_unused_parameters else config.reduce_bucket_size
             self.partition = partition_by_size(specs, self.world_size, unit_numel)
-        self._dtypes = {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype}
         self._cast_back: list[tuple[nn.Parameter, torch.dtype]] = []  # frozen parameters cast to param_dtype
-        if param_dtype is not None:
-            _refuse_batchnorm(module, keep_fp32_modules)
+        self.policy.check_module(module)
         if config.stage >= 3 and has_meta(module):
             self.units = self._materialize_by_unit(module, optimizers, block_modules, labels, device, init_fn)
         else:
             self._broadcast_initial_state(module)  # before the units take (fp32 master) copies
-            self.units = [
-                FlatUnit(spec, [by_name[p.name] for p in spec.params], self.rank, config.stage, **self._dtypes_of(spec))
-                for spec in self.partition.units
-            ]
-            if param_dtype is not None:  # parameters outside every unit compute in the same dtype
-                managed = {p for u in self.units for p in u.params}
-                for name, p in module.named_parameters():
-                    if p not in managed and name not in kept and p.is_floating_point() and p.dtype != param_dtype:
-                        self._cast_back.append((p, p.dtype))
-                        p.data = p.data.to(param_dtype)
+            self.units = [self._unit(spec, [by_name[p.name] for p in spec.params]) for spec in self.partition.units]
+            self._cast_back = self.policy.cast_outside_units(module, {p for u in self.units for p in u.params}, kept)
         self._where: dict[nn.Parameter, tuple[FlatUnit, int]] = {
             p: (unit, i) for unit in self.units for i, p in enumerate(unit.params)
         }
@@ -94,11 +92,9 @@ class ZeroEngine:
 
     # --- setup -------------------------------------------------------------------------------
 
-    def _dtypes_of(self, spec: Any) -> dict[str, Optional[torch.dtype]]:
-        """A unit of kept-fp32 modules computes in its master dtype, reducing in fp32."""
-        if spec.keep_fp32:
-            return {"param_dtype": None, "reduce_dtype": torch.float32}
-        return self._dtypes
+    def _unit(self, spec: UnitSpec, params: list[nn.Parameter]) -> FlatUnit:
+        return FlatUnit(spec, params, self.rank, self.config.stage, store=self.store,
+                        **self.policy.unit_dtypes(spec.keep_fp32))
 
     def _materialize_by_unit(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
                              block_modules: dict[str, nn.Module], labels: dict[str, str], device: torch.device,
@@ -125,9 +121,8 @@ class ZeroEngine:
             torch.manual_seed(seed)
             for spec in self.partition.units:  # block units, then the root's (see partition_by_label)
                 run_up_to(labels[spec.params[0].name])
-                unit = FlatUnit(spec, [module.get_parameter(p.name) for p in spec.params], self.rank, self.config.stage,
-                                **self._dtypes_of(spec))
-                unit.keep_shard_only()
+                unit = self._unit(spec, [module.get_parameter(p.name) for p in spec.params])
+                unit.release()
                 units.append(unit)
             run_up_to(ROOT)  # frozen parameters and buffers outside every unit
         materializer.retarget(optimizers)
@@ -142,7 +137,7 @@ class ZeroEngine:
         """Stage 3: keep only the owned shards and hook the blocks. See [Note: stage-3 parameter lifecycle]."""
         for unit in self.units:
             if unit.gathered:  # units materialized from the meta device keep only their shard already
-                unit.keep_shard_only()
+                unit.release()
         members: dict[str, list[FlatUnit]] = {ROOT: []}
         for unit in self.units:
             members.setdefault(labels[unit.spec.params[0].name], []).append(unit)
@@ -198,8 +193,8 @@ class ZeroEngine:
     def _gathered_masters(self) -> Iterator[tuple[FlatUnit, Tensor]]:
         """(unit, its full fp32 master buffer), one unit at a time, on every rank."""
         for unit in self.units:
-            flat = torch.empty(unit.spec.padded_numel, dtype=unit.shard_param.dtype, device=unit.shard_param.device)
-            collectives.all_gather(flat, unit.shard_param.detach(), self.group)
+            flat = torch.empty(unit.spec.padded_numel, dtype=unit.master_shard.dtype, device=unit.master_shard.device)
+            collectives.all_gather(flat, unit.master_shard.detach(), self.group)
             yield unit, flat
 
     @contextmanager
@@ -235,10 +230,7 @@ class ZeroEngine:
                 for name in names:
                     if write_back:
                         for unit in self.gatherer.blocks[name].units:
-                            lo, hi = unit.spec.shard_range(self.rank)
-                            unit.owned_param().copy_(unit.flat_param[lo:hi])
-                            if unit.mixed:
-                                unit.shard_param.data.copy_(unit.flat_param[lo:hi])
+                            unit.keep_written_values()
                     if name not in already:
                         self.gatherer.release(name)
 
@@ -247,9 +239,7 @@ class ZeroEngine:
         """16-bit working parameters, at the end of fit: every parameter becomes a standalone full
         tensor holding its fp32 master again (frozen ones return to their dtype). A collective."""
         for unit, flat in self._gathered_masters():
-            for p, (start, end) in zip(unit.params, unit.ranges):
-                p.data = flat[start:end].view(p.shape).clone()
-            unit.owns_params = False
+            unit.hand_back(flat)
             if self.gatherer is not None:
                 self.gatherer.release(self.gatherer.block_of(unit).name)
         for p, dtype in self._cast_back:
@@ -315,11 +305,7 @@ class ZeroEngine:
                 " step. HINT: call `optimizer.zero_grad()` after `optimizer.step()`, and under manual"
                 " optimization call `optimizer.step()` only after the last backward of the step."
             )
-        if unit.flat_grad is not None:
-            unit.link_grad(index)
-        unit.grad_state = GradState.LOCAL
-        unit.cleared.discard(index)
-        unit.seen += 1
+        unit.grad_arrived(index)
         if self.gatherer is not None:
             self.gatherer.on_param_grad(unit)
         if self._launch_in_hooks:
@@ -327,14 +313,12 @@ class ZeroEngine:
 
     def _open_round(self) -> None:
         self._round_open = True
-        self.reducer.next = 0
+        self.reducer.begin_backward()
         self._reduce_in_backward = self.config.stage >= 2 or (self.sync and self.automatic)
         # without overlap every reduction waits at the end of backward (see Reducer.launch_ready_in_order)
         self._launch_in_hooks = self._reduce_in_backward and self.config.overlap_comm
         for u in self.units:
-            u.expected = sum(1 for p in u.params if p.requires_grad)
-            u.seen = 0
-            u.launched = False
+            u.begin_backward()
         if self.gatherer is not None:
             self.gatherer.start_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self._close_round)
@@ -399,7 +383,7 @@ class ZeroEngine:
         device = units[0].flat_param.device if units else None
         total = torch.zeros((), dtype=torch.float32, device=device)
         for unit in units:
-            if unit.shard_param.grad is not None:  # no host sync per unit: the flag is read once
+            if unit.master_shard.grad is not None:  # no host sync per unit: the flag is read once
                 total += unit.shard_grad.sum(dtype=torch.float32)
         return self.reducer.any_rank((~torch.isfinite(total)).float())
 
@@ -412,7 +396,7 @@ class ZeroEngine:
         device = units[0].flat_param.device if units else None
         total = torch.zeros((), dtype=torch.float32, device=device)
         for unit in units:
-            if unit.shard_param.grad is not None:
+            if unit.master_shard.grad is not None:
                 total += unit.shard_grad.float().pow(2).sum()
         return collectives.all_reduce(total, group=self.group).sqrt()
 
@@ -422,7 +406,7 @@ class ZeroEngine:
         norm = self.grad_norm(units)
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for unit in units:
-            if unit.shard_param.grad is not None:
+            if unit.master_shard.grad is not None:
                 unit.shard_grad.mul_(coef.to(unit.shard_grad.dtype))
         return norm
 
@@ -430,7 +414,7 @@ class ZeroEngine:
     def clip_grad_value_(self, units: Sequence[FlatUnit], clip_value: float) -> None:
         self.prepare_step(units)
         for unit in units:
-            if unit.shard_param.grad is not None:
+            if unit.master_shard.grad is not None:
                 unit.shard_grad.clamp_(min=-clip_value, max=clip_value)
 
     # --- parameters --------------------------------------------------------------------------
@@ -443,27 +427,27 @@ class ZeroEngine:
         pending = []
         for bucket in _coalesce(units, self.config.allgather_bucket_size):
             for unit in bucket:
-                if unit.shard_param.grad is not None:
+                if unit.master_shard.grad is not None:
                     step_unit(unit)
                     unit.publish()
             if not collectives.local(self.group) and self.gatherer is None:  # stage 3 gathers on demand instead
                 pending.append(self._launch_gather(bucket))
         self._finish_gathers(pending)
 
-    def _finish_gathers(self, pending: list[tuple[collectives.Handle, list[FlatUnit], Optional[Tensor]]]) -> None:
-        for handle, bucket, out in pending:
-            handle.wait()
-            if out is not None:
-                _scatter_coalesced(bucket, out, self.world_size)
+    def _finish_gathers(self, pending: list[PendingGather]) -> None:
+        for gather in pending:
+            gather.handle.wait()
+            if gather.out is not None:
+                _scatter_coalesced(gather.bucket, gather.out, self.world_size)
 
-    def _launch_gather(self, bucket: list[FlatUnit]) -> tuple[collectives.Handle, list[FlatUnit], Optional[Tensor]]:
+    def _launch_gather(self, bucket: list[FlatUnit]) -> PendingGather:
         if len(bucket) == 1:
             unit = bucket[0]
-            shard = unit.owned_param().clone()  # the owned slice aliases the output
-            return collectives.all_gather(unit.flat_param, shard, self.group, async_op=True), bucket, None
-        shard = torch.cat([u.owned_param() for u in bucket])
+            shard = unit.compute_shard().clone()  # the owned slice aliases the output
+            return PendingGather(collectives.all_gather(unit.flat_param, shard, self.group, async_op=True), bucket, None)
+        shard = torch.cat([u.compute_shard() for u in bucket])
         out = torch.empty(shard.numel() * self.world_size, dtype=shard.dtype, device=shard.device)
-        return collectives.all_gather(out, shard, self.group, async_op=True), bucket, out
+        return PendingGather(collectives.all_gather(out, shard, self.group, async_op=True), bucket, out)
 
     def metadata(self) -> dict[str, Any]:
         return self.partition.metadata()
@@ -479,11 +463,11 @@ class ZeroEngine:
         compute dtype, and stages 1-2 all-gather the full parameters. A collective."""
         for unit in self.units:
             for spec, a, b, s in unit.spec.owned_pieces(self.rank):
-                unit.shard_param.data[s : s + (b - a)].copy_(fetch(spec.name, a, b))
+                unit.master_shard.data[s : s + (b - a)].copy_(fetch(spec.name, a, b))
             unit.publish()
             if self.config.stage >= 3 and unit.gathered:
                 lo, hi = unit.spec.shard_range(self.rank)
-                unit.flat_param[lo:hi].copy_(unit.owned_param())
+                unit.flat_param[lo:hi].copy_(unit.compute_shard())
         if not collectives.local(self.group) and self.gatherer is None:
             self._finish_gathers([self._launch_gather(bucket)
                                   for bucket in _coalesce(self.units, self.config.allgather_bucket_size)])
@@ -511,22 +495,6 @@ def _scatter_coalesced(bucket: list[FlatUnit], out: Tensor, world_size: int) -> 
             lo, hi = unit.spec.shard_range(r)
             unit.flat_param[lo:hi].copy_(out[offset : offset + unit.spec.shard_numel])
             offset += unit.spec.shard_numel
-
-
-def _kept_parameters(module: nn.Module, class_names: Sequence[str]) -> set[str]:
-    """Names of the parameters owned directly by modules whose class is named in ``class_names``."""
-    wanted = set(class_names)
-    if not wanted:
-        return set()
-    found = {type(m).__name__ for m in module.modules()}
-    missing = wanted - found
-    if missing:
-        raise ZeroEngineError(
-            f"keep_fp32_modules names {sorted(missing)}, which no module of the model is. HINT: use class names"
-            f" from the model, e.g. {sorted(found)[:8]}."
-        )
-    return {f"{prefix}.{n}" if prefix else n for prefix, m in module.named_modules() if type(m).__name__ in wanted
-            for n, _ in m.named_parameters(recurse=False)}
 
 
 def _collect_params(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], kept: set[str] = frozenset()
@@ -575,15 +543,3 @@ def _refuse_full_graphs(module: nn.Module, block_modules: dict[str, nn.Module]) 
             f" `block.compile(fullgraph=True)`), or compile `{path}` without fullgraph=True (dynamo then breaks"
             " the graph at each unit), or use strategy='zero2'."
         )
-
-
-def _refuse_batchnorm(module: nn.Module, kept: Sequence[str] = ()) -> None:
-    """BatchNorm needs its weights in the dtype of its fp32 running statistics."""
-    for name, m in module.named_modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and type(m).__name__ not in kept:
-            raise ZeroEngineError(
-                f"`{name}` ({type(m).__name__}) cannot run with bf16 working parameters and fp32 running"
-                f" statistics. HINT: keep it in fp32 with `ZeroPrecision('bf16-mixed', keep_fp32_modules=['{type(m).__name__}'])`,"
-                " or use `ZeroPrecision('bf16-mixed', param_dtype=torch.float32)` (fp32"
-                " parameters under bf16 autocast), or replace BatchNorm with LayerNorm/GroupNorm."
-            )

@@ -32,14 +32,14 @@ from torch import Tensor, nn
 
 from lzero.parameters import mark_gathered, mark_released, set_grad_quietly
 from lzero.partition import UnitSpec
+from lzero.store import DeviceStore, ShardStore
 
 
 class GradState(enum.Enum):
     """Where this unit's gradients are in the step cycle."""
 
     EMPTY = "no gradient since the last zero_grad"
-    LOCAL = "this rank holds unreduced gradients (accumulating)"
-    REDUCING = "a reduce-scatter is in flight"
+    LOCAL = "this rank holds unreduced gradients (accumulating, or a reduce-scatter in flight)"
     REDUCED = "the shard gradient holds the global average; the optimizer may step"
 
 
@@ -50,14 +50,19 @@ class FlatUnit:
     micro-batches accumulate locally exactly as they would under DDP; the shard gradient is a
     view of the owned slice. Stage 2 keeps only the shard gradient: each micro-batch's full
     gradients are packed into a temporary bucket, reduce-scattered, and freed.
+
+    The unit owns its backward bookkeeping: the engine, the reducer and the gatherer call
+    :meth:`begin_backward`, :meth:`grad_arrived`, :meth:`mark_launched`, :meth:`land_reduced` and
+    :meth:`end_round` rather than writing its fields.
     """
 
     def __init__(self, spec: UnitSpec, params: Sequence[nn.Parameter], rank: int, stage: int,
-                 param_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None) -> None:
+                 param_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None,
+                 store: Optional[ShardStore] = None) -> None:
         self.spec = spec
         self.params = list(params)
-        self.stage = stage
         self.rank = rank
+        self.store: ShardStore = store if store is not None else DeviceStore()
         self.ranges = [(start, end) for _, start, end in spec.param_ranges()]  # each param in the flat buffer
         lo, hi = spec.shard_range(rank)
         device, master_dtype = params[0].device, params[0].dtype
@@ -68,19 +73,15 @@ class FlatUnit:
             full = torch.zeros(spec.padded_numel, device=device, dtype=master_dtype)  # 1D, the unit's values
             for p, (start, end) in zip(self.params, self.ranges):
                 full[start:end].copy_(p.detach().reshape(-1))
-            if self.mixed:
-                master = full[lo:hi].clone()
-                self.flat_param = full.to(compute_dtype)  # 1D, padded_numel
-            else:
-                # full precision: the master is the owned slice itself (stages 1-2), or the kept shard (stage 3)
-                master = full[lo:hi] if stage < 3 else full[lo:hi].clone()
-                self.flat_param = full
+            # full precision at stages 1-2: the master is the owned slice of the parameters itself
+            master = self.store.hold_master(full[lo:hi], alias_ok=not self.mixed and stage < 3)
+            self.flat_param = full.to(compute_dtype) if self.mixed else full  # 1D, padded_numel
             del full
             for p, (start, end) in zip(self.params, self.ranges):
                 p.data = self.flat_param[start:end].view(p.shape)
-        self.shard_param = nn.Parameter(master, requires_grad=True)  # 1D, shard_numel: what the optimizer steps
+        self.master_shard = nn.Parameter(master, requires_grad=True)  # 1D, shard_numel: what the optimizer steps
         # stage 3: the compute-dtype shard that all-gathers read (the master itself in full precision)
-        self.param_shard = (master if not self.mixed else master.to(compute_dtype)) if stage >= 3 else None
+        self._compute_shard = (master if not self.mixed else master.to(compute_dtype)) if stage >= 3 else None
         if stage == 1:
             self.flat_grad = torch.zeros_like(self.flat_param)  # 1D, padded_numel
             self.shard_grad = self.flat_grad[lo:hi] if not self.mixed else torch.zeros_like(master)
@@ -93,6 +94,48 @@ class FlatUnit:
         self.seen = 0  # params whose gradient arrived in the current backward
         self.launched = False  # reduction launched in the current backward
         self.cleared: set[int] = set()  # params whose gradient the user set to None since they last got one
+
+    # --- backward bookkeeping ----------------------------------------------------------------
+
+    def begin_backward(self) -> None:
+        """A backward starts: every trainable parameter is expected to report its gradient."""
+        self.expected = len(self.trainable)
+        self.seen = 0
+        self.launched = False
+
+    def grad_arrived(self, index: int) -> None:
+        """``params[index]`` got its gradient for this backward (stage 1: linked into the flat gradient)."""
+        if self.flat_grad is not None:
+            self.link_grad(index)
+        self.grad_state = GradState.LOCAL
+        self.seen += 1
+        self.cleared.discard(index)
+
+    @property
+    def waiting_for_grads(self) -> bool:
+        """Some parameter expected in this backward has not reported its gradient yet."""
+        return self.seen < self.expected
+
+    @property
+    def has_local_grads(self) -> bool:
+        """This rank contributes a gradient to the unit's next reduction."""
+        return self.launched or self.grad_state is GradState.LOCAL
+
+    def mark_launched(self) -> None:
+        self.launched = True
+
+    def end_round(self) -> None:
+        """The backward's reductions are all done."""
+        self.launched = False
+
+    @torch.no_grad()
+    def land_reduced(self, out: Tensor) -> None:
+        """A reduce-scatter into ``out`` (this rank's shard of the averaged gradients) completed."""
+        if self.flat_grad is not None:
+            self.shard_grad.copy_(out)
+        else:  # allocated at the first reduction, then kept and accumulated into
+            self.shard_grad = self.store.land_grad(self.shard_grad, out, self.master_shard.dtype)
+        self.mark_reduced()
 
     # --- gradients ---------------------------------------------------------------------------
 
@@ -136,10 +179,10 @@ class FlatUnit:
             self.shard_grad.zero_()
         self.cleared.clear()
         if set_to_none or not had_grad:
-            self.shard_param.grad = None
+            self.master_shard.grad = None
             self.grad_state = GradState.EMPTY
         elif self.flat_grad is not None:
-            self.shard_param.grad = None
+            self.master_shard.grad = None
             self.grad_state = GradState.LOCAL  # stage 1: the zeroed local gradient is reduced and stepped
         # stages 2-3 with set_to_none=False: the zeroed shard gradient stays, and is stepped
 
@@ -166,14 +209,14 @@ class FlatUnit:
 
     def mark_reduced(self) -> None:
         self.grad_state = GradState.REDUCED
-        self.shard_param.grad = self.shard_grad
+        self.master_shard.grad = self.shard_grad
 
     # --- parameters --------------------------------------------------------------------------
 
-    def owned_param(self) -> Tensor:
-        """This rank's slice of the parameters, in the dtype the model computes in."""
-        if self.param_shard is not None:
-            return self.param_shard
+    def compute_shard(self) -> Tensor:
+        """This rank's slice of the parameters, in the dtype the model computes in (what all-gathers read)."""
+        if self._compute_shard is not None:
+            return self._compute_shard
         lo, hi = self.spec.shard_range(self.rank)
         return self.flat_param[lo:hi]
 
@@ -182,12 +225,7 @@ class FlatUnit:
         """After the optimizer stepped the master: write it, in the compute dtype, where the next
         all-gather reads. A no-op in full precision, where the master is that very tensor."""
         if self.mixed:
-            self.owned_param().copy_(self.shard_param.detach())
-
-    @torch.no_grad()
-    def keep_shard_only(self) -> None:
-        """Stage 3: keep the owned shard, release the full buffer."""
-        self.release()
+            self.store.publish(self.master_shard.detach(), self.compute_shard())
 
     @property
     def gathered(self) -> bool:
@@ -216,12 +254,24 @@ class FlatUnit:
                 mark_released(p, spec.name)
         self.flat_param.untyped_storage().resize_(0)
 
-    def hand_back(self) -> None:
-        """Stage 3, end of fit (while gathered): every parameter becomes a standalone full tensor."""
-        self._require_gathered("hand back")
-        for p in self.params:
-            p.data = p.detach().clone()
+    def hand_back(self, values: Optional[Tensor] = None) -> None:
+        """End of fit: every parameter becomes a standalone full tensor, holding ``values`` (1-D, the unit's
+        full fp32 masters) or, by default, the gathered parameters (stage 3, while gathered)."""
+        if values is None:
+            self._require_gathered("hand back")
+        for p, (start, end) in zip(self.params, self.ranges):
+            p.data = (values[start:end].view(p.shape) if values is not None else p.detach()).clone()
+            mark_gathered(p)
         self.owns_params = False
+
+    @torch.no_grad()
+    def keep_written_values(self) -> None:
+        """Stage 3, while gathered: carry values written into the full parameters back into this rank's
+        shard (and master)."""
+        lo, hi = self.spec.shard_range(self.rank)
+        self.compute_shard().copy_(self.flat_param[lo:hi])
+        if self.mixed:
+            self.master_shard.data.copy_(self.flat_param[lo:hi])
 
     def _require_gathered(self, what: str) -> None:
         """Views of a freed buffer would read freed memory (a segfault on CPU): refuse instead."""

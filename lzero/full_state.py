@@ -47,12 +47,12 @@ def gather_optimizer_state(zopt: "ZeroOptimizer", to_all: bool = False) -> dict[
     index = _param_indices(zopt)
     state: dict[int, dict[str, Any]] = {}
     for unit in zopt.units:
-        shard_state = zopt.shard_optimizer(unit).state.get(unit.shard_param)
+        shard_state = zopt.shard_optimizer(unit).state.get(unit.master_shard)
         if not shard_state:
             continue
         for key in sorted(shard_state):
             value = shard_state[key]
-            if isinstance(value, Tensor) and value.shape == unit.shard_param.shape:
+            if isinstance(value, Tensor) and value.shape == unit.master_shard.shape:
                 full = torch.empty(unit.spec.padded_numel, dtype=value.dtype, device=value.device)
                 collectives.all_gather(full, value.contiguous(), engine.group)
                 pieces = {s.name: full[a:b] for s, a, b in unit.spec.param_ranges()}
@@ -92,7 +92,7 @@ def load_optimizer_state(zopt: "ZeroOptimizer", state_dict: dict[str, Any]) -> N
         per_param = [saved_state.get(index[id(p)]) for p in unit.params]
         template = next((s for s in per_param if s), None)
         if template is None:
-            inner.state.pop(unit.shard_param, None)
+            inner.state.pop(unit.master_shard, None)
             continue
         shard_state: dict[str, Any] = {}
         for key, value in template.items():
@@ -100,7 +100,7 @@ def load_optimizer_state(zopt: "ZeroOptimizer", state_dict: dict[str, Any]) -> N
                 shard_state[key] = _slice_into_shard(unit, per_param, key, value.dtype)
             else:
                 shard_state[key] = value.clone() if isinstance(value, Tensor) else value
-        inner.state[unit.shard_param] = shard_state
+        inner.state[unit.master_shard] = shard_state
 
 
 def _slice_into_shard(unit, per_param, key: str, dtype: torch.dtype) -> Tensor:

@@ -102,7 +102,7 @@ class Gatherer:
         self._agree_on(name)
         for unit in block.units:
             unit.allocate()
-            block.handles.append(collectives.all_gather(unit.flat_param, unit.owned_param(), self.group, async_op=True))
+            block.handles.append(collectives.all_gather(unit.flat_param, unit.compute_shard(), self.group, async_op=True))
         block.state = BlockState.GATHERING
 
     def _agree_on(self, name: str) -> None:

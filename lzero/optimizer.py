@@ -126,7 +126,7 @@ class ZeroOptimizer(Optimizer):
 def _build_inner(optimizer: Optimizer, unit: FlatUnit) -> Optimizer:
     """Same class, same constructor flags, the unit's group hyperparameters, the unit's shard."""
     group = {k: v for k, v in optimizer.param_groups[unit.spec.group[1]].items() if k != "params"}
-    group["params"] = [unit.shard_param]
+    group["params"] = [unit.master_shard]
     cls = type(optimizer)
     accepted = inspect.signature(cls.__init__).parameters
     return cls([group], **{k: v for k, v in optimizer.defaults.items() if k in accepted})

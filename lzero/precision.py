@@ -48,6 +48,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lzero.loss_scale import LossScaleConfig, LossScaler
+from lzero.mixed_precision import PrecisionPolicy
 
 log = logging.getLogger("lzero")
 
@@ -147,6 +148,11 @@ class ZeroPrecision(Precision):
         self._run_of_skips: list[int] = []  # global steps of the current run of consecutive skips
         self._skipped_last: dict[int, bool] = {}  # id(optimizer) -> its last step was skipped
         self._engine: Any = None
+
+    @property
+    def policy(self) -> PrecisionPolicy:
+        """What the engine computes and reduces in (see lzero/mixed_precision.py)."""
+        return PrecisionPolicy(self.param_dtype, self.reduce_dtype, self.keep_fp32_modules)
 
     def bind(self, engine: Any) -> None:
         """Called by the strategy at setup: the engine divides the loss scale out in its reductions."""

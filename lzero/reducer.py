@@ -14,7 +14,7 @@ leaves ``grad = None`` for a globally unused parameter).
 from __future__ import annotations
 
 import collections
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,16 @@ from torch import Tensor
 
 from lzero import collectives
 from lzero.config import ZeroConfig
-from lzero.flat_unit import FlatUnit, GradState
+from lzero.flat_unit import FlatUnit
+
+
+class InflightReduction(NamedTuple):
+    """A launched reduce-scatter: what to wait on and where its result lands."""
+
+    handle: collectives.Handle
+    unit: FlatUnit
+    out: Tensor  # 1D, shard_numel: this rank's shard of the averaged gradients once ``handle`` is done
+    bucket: Tensor  # 1D, padded_numel: the scaled gradients being reduced; kept alive until then
 
 
 class Reducer:
@@ -37,7 +46,10 @@ class Reducer:
         self.flag_group = dist.new_group() if world_size > 1 else None  # the tiny flag all-reduces
         self.loss_scale = 1.0  # the fp16 loss scale of the current backward; divided out before summing
         self.next = 0  # index of the next unit to launch in this backward
-        self._inflight: collections.deque = collections.deque()  # (handle, unit, output, bucket)
+        self._inflight: collections.deque[InflightReduction] = collections.deque()
+
+    def begin_backward(self) -> None:
+        self.next = 0
 
     def launch_ready_in_order(self) -> None:
         """Launch complete units in unit order, without ever blocking: a rank whose backward skips
@@ -45,7 +57,7 @@ class Reducer:
         waiting for it would never reach the flag exchange. See [Note: reduction order]."""
         while self.next < len(self.units):
             unit = self.units[self.next]
-            if unit.expected and unit.seen < unit.expected:
+            if unit.waiting_for_grads:
                 return
             if unit.expected:
                 if not self._room_without_waiting():
@@ -55,7 +67,7 @@ class Reducer:
 
     def _room_without_waiting(self) -> bool:
         while len(self._inflight) >= self.config.max_inflight_reductions:
-            if not self._inflight[0][0].is_completed():
+            if not self._inflight[0].handle.is_completed():
                 return False
             self._finish_oldest()
         return True
@@ -63,7 +75,7 @@ class Reducer:
     def reduce_remaining(self, units: Sequence[FlatUnit]) -> None:
         """Launch, in unit order, every unit that has a gradient on any rank. See [Note: reduction order]."""
         flags = torch.tensor(
-            [1.0 if (u.launched or u.grad_state is GradState.LOCAL) else 0.0 for u in units],
+            [1.0 if u.has_local_grads else 0.0 for u in units],
             device=units[0].flat_param.device if units else None,
         )
         if len(units):
@@ -73,10 +85,10 @@ class Reducer:
                 self.launch(unit)
         self.wait()
         for unit in units:
-            unit.launched = False
+            unit.end_round()
 
     def launch(self, unit: FlatUnit) -> None:
-        unit.launched = True
+        unit.mark_launched()
         while len(self._inflight) >= self.config.max_inflight_reductions:
             self._finish_oldest()
         # multiply before summing, exactly as DDP's reducer does; the loss scale is divided out here too
@@ -88,22 +100,14 @@ class Reducer:
             bucket = unit.pack_grads(scale)
         out = torch.empty(unit.spec.shard_numel, dtype=bucket.dtype, device=bucket.device)
         handle = collectives.reduce_scatter(out, bucket, self.group, async_op=self.config.overlap_comm)
-        unit.grad_state = GradState.REDUCING
-        self._inflight.append((handle, unit, out, bucket))
+        self._inflight.append(InflightReduction(handle, unit, out, bucket))
         if not self.config.overlap_comm:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
-        handle, unit, out, _bucket = self._inflight.popleft()
-        handle.wait()
-        with torch.no_grad():
-            if unit.flat_grad is not None:
-                unit.shard_grad.copy_(out)
-            elif unit.shard_grad is None:  # allocated at the first reduction, then kept and accumulated into
-                unit.shard_grad = out.to(unit.shard_param.dtype)
-            else:
-                unit.shard_grad.add_(out)
-        unit.mark_reduced()
+        done = self._inflight.popleft()
+        done.handle.wait()
+        done.unit.land_reduced(done.out)
 
     def wait(self) -> None:
         """Block until every launched reduction has landed in its shard."""

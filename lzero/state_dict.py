@@ -31,14 +31,14 @@ class ShardedTensor:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.unit.shard_param.dtype
+        return self.unit.master_shard.dtype
 
     def local_shard(self) -> tuple[int, Tensor]:
         """(start within the flattened parameter, this rank's elements of it); empty if it owns none."""
         for spec, a, b, s in self.unit.spec.owned_pieces(self.unit.rank):
             if spec.name == self.spec.name:
-                return a, self.unit.shard_param.detach()[s : s + (b - a)]
-        return 0, self.unit.shard_param.detach()[:0]
+                return a, self.unit.master_shard.detach()[s : s + (b - a)]
+        return 0, self.unit.master_shard.detach()[:0]
 
     def full_tensor(self) -> Tensor:
         """The whole parameter on every rank (a collective: call it on every rank)."""

@@ -134,10 +134,8 @@ class ZeroStrategy(DDPStrategy):
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:
                 check_optimizer(optimizer, self.config.allow_untested_optimizer)
-            self._engine = ZeroEngine(self.model, self.optimizers, self.config, device=self.root_device,
-                                      init_fn=self.init_fn, param_dtype=self.precision_plugin.param_dtype,
-                                      reduce_dtype=self.precision_plugin.reduce_dtype,
-                                      keep_fp32_modules=self.precision_plugin.keep_fp32_modules)
+            self._engine = ZeroEngine(self.model, self.optimizers, self.config, self.precision_plugin.policy,
+                                      device=self.root_device, init_fn=self.init_fn)
             self._engine.automatic = self.lightning_module.automatic_optimization
             self.optimizers = [ZeroOptimizer(opt, self._engine, i) for i, opt in enumerate(self.optimizers)]
             self.precision_plugin.bind(self._engine)

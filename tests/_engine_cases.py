@@ -12,6 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lzero import ZeroConfig, ZeroEngine, ZeroOptimizer
+from lzero.mixed_precision import PrecisionPolicy
 
 
 class Net(nn.Module):
@@ -114,8 +115,8 @@ def memory_after_backward(rank: int, world_size: int, stage: int, bucket: int,
     torch.manual_seed(0)
     model = Net(width=96, depth=6)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    dtypes = {"param_dtype": param_dtype, "reduce_dtype": torch.float32} if param_dtype is not None else {}
-    engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage, reduce_bucket_size=bucket), **dtypes)
+    policy = PrecisionPolicy(param_dtype, torch.float32) if param_dtype is not None else None
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage, reduce_bucket_size=bucket), policy)
     zopt = ZeroOptimizer(opt, engine, 0)
     x, y = torch.randn(2, 7), torch.randn(2, 5)
     measured = 0
@@ -403,10 +404,9 @@ def bf16_against_ddp(rank: int, world_size: int, stages: tuple[int, ...] = (1, 2
             ref = DDP(copy.deepcopy(model))
             ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
-            dtypes = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if mode in ("mixed", "kept") else {}
-            if mode == "kept":
-                dtypes["keep_fp32_modules"] = ("Embedding", "LayerNorm")
-            engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage), **dtypes)
+            kept = ("Embedding", "LayerNorm") if mode == "kept" else ()
+            policy = PrecisionPolicy(torch.bfloat16, torch.float32, kept) if mode in ("mixed", "kept") else None
+            engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage), policy)
             zopt = ZeroOptimizer(opt, engine, 0)
             gen = torch.Generator().manual_seed(21 + rank)
             diffs = []
@@ -428,7 +428,7 @@ def bf16_against_ddp(rank: int, world_size: int, stages: tuple[int, ...] = (1, 2
             pairs = list(zip(model.parameters(), ref.module.parameters()))
             results[(stage, mode)] = {
                 "worst_loss_diff": max(diffs), "first_loss": diffs and ref_loss.item(),
-                "masters": sorted({str(u.shard_param.dtype) for u in engine.units}),
+                "masters": sorted({str(u.master_shard.dtype) for u in engine.units}),
                 "params": sorted({str(p.dtype) for p in model.parameters()}),
                 "max_rel": max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in pairs),
             }
@@ -535,17 +535,17 @@ def reducer_order(rank: int, world_size: int) -> dict:
                     full[start:end] = p.grad.reshape(-1)
             dist.all_reduce(full)
             lo, hi = unit.spec.shard_range(rank)
-            if unit.shard_param.grad is None:
+            if unit.master_shard.grad is None:
                 no_grad_units.append(unit.spec.index)
             else:
-                expected_ok &= torch.allclose(unit.shard_param.grad, full[lo:hi] / world_size, rtol=0, atol=1e-7)
+                expected_ok &= torch.allclose(unit.master_shard.grad, full[lo:hi] / world_size, rtol=0, atol=1e-7)
         # a second backward where no rank uses ``spare``: its unit is not reduced, keeps no gradient
         engine.zero_grad(engine.units)
         launched_before = len(launched)
         nn.functional.mse_loss(model(x, False), y).backward()
         engine.wait()
         spare_units = [u.spec.index for u in engine.units if any(s.name.startswith("spare.") for s in u.spec.params)]
-        spare_no_grad = all(engine.units[i].shard_param.grad is None for i in spare_units)
+        spare_no_grad = all(engine.units[i].master_shard.grad is None for i in spare_units)
         second = launched[launched_before:]
     finally:
         engine.remove()

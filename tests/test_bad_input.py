@@ -65,20 +65,22 @@ def test_bad_checkpoint_options_are_named(kwargs: dict, match: str) -> None:
 
 def test_keep_fp32_modules_must_name_model_classes() -> None:
     from lzero import ZeroEngine, ZeroEngineError
+    from lzero.mixed_precision import PrecisionPolicy
 
     model = nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3))
     with pytest.raises(ZeroEngineError, match=r"keep_fp32_modules names \['LayerNrom'\].*HINT.*LayerNorm"):
         ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], ZeroConfig(stage=2),
-                   param_dtype=torch.bfloat16, keep_fp32_modules=["LayerNrom"])
+                   PrecisionPolicy(torch.bfloat16, keep_fp32_modules=["LayerNrom"]))
 
 
 def test_batchnorm_under_bf16_params_is_refused_unless_kept_in_fp32() -> None:
     from lzero import ZeroEngine, ZeroEngineError
+    from lzero.mixed_precision import PrecisionPolicy
 
     def engine(keep):
         model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
         return ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], ZeroConfig(stage=2),
-                          param_dtype=torch.bfloat16, keep_fp32_modules=keep)
+                          PrecisionPolicy(torch.bfloat16, keep_fp32_modules=keep))
 
     with pytest.raises(ZeroEngineError, match=r"(?s)BatchNorm1d.*keep_fp32_modules=\['BatchNorm1d'\]"):
         engine(())

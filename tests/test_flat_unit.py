@@ -19,7 +19,7 @@ def stage3_unit() -> tuple[FlatUnit, nn.Linear]:
 
 def test_released_parameters_keep_real_sizes() -> None:
     unit, layer = stage3_unit()
-    unit.keep_shard_only()
+    unit.release()
     assert not unit.gathered
     assert [p.shape for p in layer.parameters()] == [torch.Size([2, 3]), torch.Size([2])]
     assert sum(p.numel() for p in layer.parameters()) == 8
@@ -30,11 +30,11 @@ def test_a_released_unit_refuses_views_of_its_freed_buffer(action: str) -> None:
     # views of a storage resized to zero read freed memory: the end-of-fit hand-back segfaulted
     unit, layer = stage3_unit()
     expected = [p.detach().clone() for p in layer.parameters()]
-    unit.keep_shard_only()
+    unit.release()
     with pytest.raises(RuntimeError, match=r"Cannot .* unit holding layer.weight, layer.bias: its full buffer is released"):
         getattr(unit, action)()
     unit.allocate()
-    unit.flat_param.copy_(unit.owned_param())  # world size 1: the shard is the whole unit
+    unit.flat_param.copy_(unit.compute_shard())  # world size 1: the shard is the whole unit
     unit.attach()
     unit.hand_back()
     assert all(torch.equal(p, e) for p, e in zip(layer.parameters(), expected))

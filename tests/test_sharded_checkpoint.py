@@ -256,7 +256,7 @@ def test_ckpt_path_last_and_a_change_of_precision(tmp_path: Path, in_process_fit
             rng_after_load.append(torch.get_rng_state())
             for unit in self.engine.units:
                 for spec, a, b, s in unit.spec.owned_pieces(0):
-                    loaded[spec.name] = unit.shard_param.detach()[s : s + (b - a)].clone()
+                    loaded[spec.name] = unit.master_shard.detach()[s : s + (b - a)].clone()
 
     saved_rng = ShardedCheckpoint(tmp_path / "run" / "last.ckpt").tree("rng", 0)
     trainer, _ = _small_fit(tmp_path / "run", 9, Peek(stage=2), precision="bf16-mixed", ckpt_path="last")

@@ -91,12 +91,12 @@ def _local_pieces(engine: "ZeroEngine", optimizers: Sequence["ZeroOptimizer"]) -
     owner = {u.spec.index: (k, z) for k, z in enumerate(optimizers) for u in z.units}
     for unit in engine.units:
         pieces = list(unit.spec.owned_pieces(engine.rank))
-        master = unit.shard_param.detach()
+        master = unit.master_shard.detach()
         for spec, a, b, s in pieces:
             tensors[f"param/{spec.name}"] = master[s : s + (b - a)]
             ranges[f"param/{spec.name}"] = [a, b]
         k, zopt = owner[unit.spec.index]
-        state = zopt.shard_optimizer(unit).state.get(unit.shard_param, {})
+        state = zopt.shard_optimizer(unit).state.get(unit.master_shard, {})
         for key, value in state.items():
             elementwise = isinstance(value, Tensor) and value.shape == master.shape
             for spec, a, b, s in pieces if elementwise else ((sp, 0, 0, 0) for sp, _, _ in unit.spec.param_ranges()):
@@ -477,15 +477,15 @@ def load_optimizer_shards(zopt: "ZeroOptimizer", index: int, reader: ShardedChec
         first = unit.spec.params[0].name
         keys = reader.optimizer_keys(index, first)
         if not keys:
-            inner.state.pop(unit.shard_param, None)
+            inner.state.pop(unit.master_shard, None)
             continue
         state: dict[str, Any] = {}
         for key in keys:
             if reader.is_scalar(f"optim/{index}/{first}/{key}"):
-                state[key] = reader.scalar(f"optim/{index}/{first}/{key}").to(unit.shard_param.device)
+                state[key] = reader.scalar(f"optim/{index}/{first}/{key}").to(unit.master_shard.device)
                 continue
-            shard = torch.zeros(unit.spec.shard_numel, dtype=unit.shard_param.dtype, device=unit.shard_param.device)
+            shard = torch.zeros(unit.spec.shard_numel, dtype=unit.master_shard.dtype, device=unit.master_shard.device)
             for spec, a, b, s in unit.spec.owned_pieces(unit.rank):
                 shard[s : s + (b - a)].copy_(reader.read_range(f"optim/{index}/{spec.name}/{key}", a, b))
             state[key] = shard
-        inner.state[unit.shard_param] = state
+        inner.state[unit.master_shard] = state

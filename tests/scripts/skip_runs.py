@@ -58,7 +58,7 @@ def snapshot(trainer: Trainer) -> list[torch.Tensor]:
     zopt = trainer.strategy.optimizers[0]
     out = []
     for unit in zopt.units:
-        out.append(unit.shard_param.detach().clone())
+        out.append(unit.master_shard.detach().clone())
         for state in zopt.shard_optimizer(unit).state.values():
             out.extend(v.clone() for v in state.values() if isinstance(v, torch.Tensor))
     return out
@@ -84,7 +84,7 @@ class Record(Callback):
             "logged_scale": trainer.callback_metrics.get("lzero/loss_scale", torch.tensor(-1.0)).item(),
             "logged_skips": trainer.callback_metrics.get("lzero/skipped_steps", torch.tensor(-1.0)).item(),
             "unchanged": all(torch.equal(a, b) for a, b in zip(self._before, after, strict=True)),
-            "master_dtype": str(trainer.strategy.optimizers[0].units[0].shard_param.dtype),
+            "master_dtype": str(trainer.strategy.optimizers[0].units[0].master_shard.dtype),
             "param_dtype": str(pl_module.net[0].weight.dtype),
         })
 
