@@ -16,26 +16,13 @@ import torch
 from torch import nn
 
 from _dist import run_ranks
+from _lora import LoRA
 
 LAYERS, WIDTH, VOCAB, RANK = 4, 64, 256, 16
 
 
-class LoRA(nn.Module):
-    """A low-rank adapter around a Linear layer; its own ``reset_parameters``: kaiming A, zero B."""
-
-    def __init__(self, base: nn.Linear, rank: int = RANK) -> None:
-        super().__init__()
-        self.base = base
-        self.lora_a = nn.Parameter(torch.empty(rank, base.in_features))  # (r, in)
-        self.lora_b = nn.Parameter(torch.empty(base.out_features, rank))  # (out, r)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
-        nn.init.zeros_(self.lora_b)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + x @ self.lora_a.t() @ self.lora_b.t()
+def lora(base: nn.Linear) -> LoRA:
+    return LoRA(base, base.in_features, base.out_features, RANK)
 
 
 class Attention(nn.Module):
@@ -103,8 +90,8 @@ def hf_like_init(module: nn.Module, n_layer: int = LAYERS) -> None:
 
 def with_lora(model: TinyLM) -> TinyLM:
     for layer in model.layers:
-        layer.attn.c_attn = LoRA(layer.attn.c_attn)
-        layer.mlp.c_fc = LoRA(layer.mlp.c_fc)
+        layer.attn.c_attn = lora(layer.attn.c_attn)
+        layer.mlp.c_fc = lora(layer.mlp.c_fc)
     return model
 
 

@@ -22,26 +22,10 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import lzero  # noqa: F401
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared LoRA adapter
+from _lora import LoRA  # noqa: E402
+
 CONFIG = dict(n_layer=4, n_embd=64, n_head=4, vocab_size=256, n_positions=32, bos_token_id=0, eos_token_id=0)
-
-
-class LoRA(nn.Module):
-    """A low-rank adapter around GPT-2's Conv1D (``x @ W + b``); its own init: kaiming A, zero B."""
-
-    def __init__(self, base: nn.Module, rank: int = 16) -> None:
-        super().__init__()
-        n_in, n_out = base.weight.shape
-        self.base = base
-        self.lora_a = nn.Parameter(torch.empty(rank, n_in))  # (r, in)
-        self.lora_b = nn.Parameter(torch.empty(n_out, rank))  # (out, r)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))
-        nn.init.zeros_(self.lora_b)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + x @ self.lora_a.t() @ self.lora_b.t()
 
 
 class GPT(LightningModule):
@@ -55,8 +39,8 @@ class GPT(LightningModule):
             return
         self.gpt = GPT2LMHeadModel(GPT2Config(**CONFIG))
         for block in self.gpt.transformer.h:
-            block.attn.c_attn = LoRA(block.attn.c_attn)
-            block.mlp.c_fc = LoRA(block.mlp.c_fc)
+            block.attn.c_attn = LoRA(block.attn.c_attn, *block.attn.c_attn.weight.shape)  # Conv1D: (in, out)
+            block.mlp.c_fc = LoRA(block.mlp.c_fc, *block.mlp.c_fc.weight.shape)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         (tokens,) = batch
