@@ -120,12 +120,13 @@ def test_checkpoint_has_ddp_format(runs: Path, stage: str) -> None:
 
 
 
-def test_zero3_configure_model_builds_on_meta_and_trains(runs: Path) -> None:
+def test_zero3_configure_model_builds_on_meta_and_trains_as_ddp(runs: Path) -> None:
+    """Built on the meta device and materialized by zero3; DDP trains an eager copy of the same initial
+    weights (saved by rank 0 at the start of the zero3 run): 20 steps bitwise equal."""
     res = load(runs, "zero3_configure_model")
     assert torch.load(runs / "zero3_configure_model_device.pt")["built_on"] == "meta"
     assert res["global_step"] == 20
-    assert all(torch.isfinite(p).all() for p in res["params"].values())
-    assert sum(res["losses"][-5:]) < sum(res["losses"][:5])
+    assert_bitwise(res, load(runs, f"{DDP}_configure_model"))
 
 
 @pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3"])

@@ -118,7 +118,12 @@ class GAN(LightningModule):
 
 
 class LazyNet(LightningModule):
-    """Layers created in ``configure_model``: under zero3 they are built on the meta device."""
+    """Layers created in ``configure_model``: under zero3 they are built on the meta device. With ``init_from``
+    (a file of full parameters) the built layers take those values: the DDP reference for a zero3 run."""
+
+    def __init__(self, init_from: str | None = None) -> None:
+        super().__init__()
+        self.init_from = init_from
 
     def configure_model(self) -> None:
         if hasattr(self, "blocks"):
@@ -127,6 +132,8 @@ class LazyNet(LightningModule):
         self.blocks = nn.Sequential(*[nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 32)) for _ in range(4)])
         self.head = nn.Linear(32, 16)
         self.built_on = self.blocks[0][1].weight.device.type
+        if self.init_from is not None:
+            self.load_state_dict(torch.load(self.init_from, weights_only=True))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -134,6 +141,19 @@ class LazyNet(LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class SaveInitial(Callback):
+    """Rank 0 saves the full parameters the model starts training with (gathered under zero3)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        with trainer.strategy.gathered_parameters():
+            state = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+        if trainer.is_global_zero:
+            torch.save(state, self.path)
 
 
 class Recorder(Callback):
@@ -233,9 +253,12 @@ def suite_ws2(out: Path) -> None:
         fit(out, f"{strategy}_bf16keep", strategy, TiedNet(batchnorm=False), 2, data(),
             plugins=[lzero.ZeroPrecision("bf16-mixed", keep_fp32_modules=["Embedding", "LayerNorm"])])
     lazy = LazyNet()
-    fit(out, "zero3_configure_model", "zero3", lazy, 2, data(), steps=20)
+    fit(out, "zero3_configure_model", "zero3", lazy, 2, data(), steps=20,
+        callbacks_extra=[SaveInitial(out / "zero3_configure_model_init.pt")])
     if lazy.trainer.is_global_zero:
         torch.save({"built_on": lazy.built_on}, out / "zero3_configure_model_device.pt")
+    fit(out, f"{ddp}_configure_model", ddp, LazyNet(init_from=str(out / "zero3_configure_model_init.pt")), 2, data(),
+        steps=20)
     for strategy in (ddp, "zero1", "zero2", "zero3"):
         unseeded_init()
         fit(out, f"{strategy}_clip", strategy, TiedNet(), 2, data(), gradient_clip_val=0.05)
