@@ -9,29 +9,27 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from _lzero_startup import PRESETS, UNBUILT
-
 PRESET_CONFIGS: dict[str, dict[str, Any]] = {
     "zero1": {"stage": 1},
     "zero2": {"stage": 2},
     "zero3": {"stage": 3},
 }
-assert PRESET_CONFIGS.keys() == PRESETS.keys(), "every registered name needs a configuration"
+"""Each registered name (``_lzero_startup.PRESETS``; tests/test_registration.py checks they agree) -> its config."""
 
-STAND_INS: dict[str, str] = {
-    "zero2_offload": "zero2",
-    "zero3_offload": "zero3",
-    "zero3_offload_nvme": "zero3",
+STAND_INS: dict[str, tuple[str, str]] = {
+    "zero2_offload": ("zero2", "optimizer state and gradients sharded"),
+    "zero3_offload": ("zero3", "optimizer state, gradients and parameters sharded"),
+    "zero3_offload_nvme": ("zero3", "optimizer state, gradients and parameters sharded"),
 }
-"""Each unbuilt name -> the built preset to use meanwhile (the same sharding, everything on the device)."""
-assert STAND_INS.keys() == UNBUILT.keys(), "every unbuilt name needs a stand-in"
+"""Each unbuilt name (``_lzero_startup.UNBUILT``) -> the built preset to use meanwhile (the same sharding,
+everything on the device) and what it shards."""
 
 
 def strategy_file(name: str) -> Path:
     """The LightningCLI YAML of a preset (``trainer.strategy: <this path>``), wherever lzero is installed:
     ``lzero/strategies/`` in a wheel, ``strategies/`` at the top of a source checkout."""
-    if name not in PRESETS:
-        raise KeyError(f"No preset {name!r}. HINT: use one of {', '.join(PRESETS)}.")
+    if name not in PRESET_CONFIGS:
+        raise KeyError(f"No preset {name!r}. HINT: use one of {', '.join(PRESET_CONFIGS)}.")
     package = Path(__file__).resolve().parent
     for folder in (package / "strategies", package.parent / "strategies"):
         if (folder / f"{name}.yaml").is_file():
@@ -45,7 +43,7 @@ def build_preset(name: str, **init_params: Any) -> Any:
     """The strategy a registered name stands for (Lightning builds it with no arguments)."""
     from lzero.strategy import ZeroStrategy
 
-    if name in UNBUILT:
+    if name in STAND_INS:
         raise_unbuilt(name)
     return ZeroStrategy(**{**PRESET_CONFIGS[name], **init_params})
 
@@ -53,9 +51,9 @@ def build_preset(name: str, **init_params: Any) -> Any:
 def raise_unbuilt(name: str) -> None:
     from lzero.config import ZeroConfigError
 
-    stand_in = STAND_INS[name]
+    stand_in, what = STAND_INS[name]
     raise ZeroConfigError(
         f"`strategy={name!r}` is not built in this lzero release: CPU/NVMe offload is planned but not"
-        f" implemented yet. HINT: use `strategy={stand_in!r}` meanwhile ({PRESETS[stand_in].split(': ')[1]},"
+        f" implemented yet. HINT: use `strategy={stand_in!r}` meanwhile ({what},"
         " everything kept on the device); lower memory further with more devices or `precision='bf16-mixed'`."
     )

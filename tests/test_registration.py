@@ -92,6 +92,15 @@ def test_registered_factories_and_strategies_pickle() -> None:
             assert strategy.config.stage == int(name[-1])
 
 
+def test_every_registered_name_has_a_configuration_or_a_stand_in() -> None:
+    from lzero.presets import PRESET_CONFIGS, STAND_INS
+
+    assert PRESET_CONFIGS.keys() == _lzero_startup.PRESETS.keys()
+    assert STAND_INS.keys() == _lzero_startup.UNBUILT.keys()
+    for name, (stand_in, what) in STAND_INS.items():
+        assert _lzero_startup.PRESETS[stand_in].endswith(what), name
+
+
 def test_strategy_yamls_ship_inside_the_package() -> None:
     """The wheel carries strategies/ as lzero/strategies/ (checked by hand with `pip wheel` + `unzip -l`), and
     strategy_file finds each preset's YAML from any working directory."""
