@@ -299,7 +299,7 @@ class ZeroEngine:
         unit, index = self._where[param]
         if not self._round_open:
             self._open_round()
-        if unit.grad_state is GradState.REDUCED and unit.flat_grad is not None:
+        if unit.grad_state is GradState.REDUCED and unit.accumulates_locally:
             raise ZeroEngineError(
                 f"A gradient for `{unit.spec.params[index].name}` arrived after its unit was reduced for this"
                 " step. HINT: call `optimizer.zero_grad()` after `optimizer.step()`, and under manual"
@@ -340,6 +340,12 @@ class ZeroEngine:
         if self.config.stage == 1 and not self.automatic:
             self.reducer.reduce_remaining(units)
         self.wait()
+
+    def release_grads(self, units: Sequence[FlatUnit]) -> None:
+        """After a skipped step: free the gradients, as a step would have. See [Note: gradient buffers]."""
+        self.wait()
+        for unit in units:
+            unit.release_grads()
 
     def zero_grad(self, units: Sequence[FlatUnit], set_to_none: bool = True) -> None:
         self.wait()
@@ -430,6 +436,7 @@ class ZeroEngine:
                 if unit.master_shard.grad is not None:
                     step_unit(unit)
                     unit.publish()
+                unit.release_grads()  # consumed: see [Note: gradient buffers] in flat_unit.py
             if not collectives.local(self.group) and self.gatherer is None:  # stage 3 gathers on demand instead
                 pending.append(self._launch_gather(bucket))
         self._finish_gathers(pending)

@@ -20,6 +20,16 @@ is traced and guarded on gathered parameters. ``attach`` and ``hand_back`` refus
 rather than create views of it. Callbacks known to read and write every parameter between steps
 (weight averaging) are refused at stage 3 by the strategy before training starts; other code
 should enter ``strategy.gathered_parameters()`` first.
+
+[Note: gradient buffers]
+A unit holds gradient memory only between a backward and the step that consumes it, as DeepSpeed
+does: stage 2-3 shard gradients are allocated by the first reduction of a step, and stage 1's full
+flat gradient (``p.grad`` views into it, so micro-batches accumulate locally as under DDP) by the
+first gradient that arrives; after the optimizer step (or a skipped step) every gradient buffer of
+the unit is freed. Between steps a rank therefore holds the ZeRO formula without its gradient term.
+The one difference from torch: a second ``step()`` with no backward and no ``zero_grad`` in between
+does not apply the previous gradients again (they were consumed); ``zero_grad(set_to_none=False)``
+after a step makes a zero gradient as torch would, so a following step still steps with zeros.
 """
 
 from __future__ import annotations
@@ -82,12 +92,10 @@ class FlatUnit:
         self.master_shard = nn.Parameter(master, requires_grad=True)  # 1D, shard_numel: what the optimizer steps
         # stage 3: the compute-dtype shard that all-gathers read (the master itself in full precision)
         self._compute_shard = (master if not self.mixed else master.to(compute_dtype)) if stage >= 3 else None
-        if stage == 1:
-            self.flat_grad = torch.zeros_like(self.flat_param)  # 1D, padded_numel
-            self.shard_grad = self.flat_grad[lo:hi] if not self.mixed else torch.zeros_like(master)
-        else:
-            self.flat_grad = None
-            self.shard_grad: Optional[Tensor] = None  # 1D, shard_numel; the first reduction's output
+        self.accumulates_locally = stage == 1  # see [Note: gradient buffers]
+        self.flat_grad: Optional[Tensor] = None  # stage 1: 1D, padded_numel, while the unit has local gradients
+        self.shard_grad: Optional[Tensor] = None  # 1D, shard_numel, from the first reduction until the step
+        self.zero_after_step = False  # set_to_none=False after a step: torch would hold a zero gradient
         self.owns_params = True  # parameters are views of (or placeholders for) this unit's buffer
         self.grad_state = GradState.EMPTY
         self.expected = 0  # params needing a gradient in the current backward
@@ -105,7 +113,7 @@ class FlatUnit:
 
     def grad_arrived(self, index: int) -> None:
         """``params[index]`` got its gradient for this backward (stage 1: linked into the flat gradient)."""
-        if self.flat_grad is not None:
+        if self.accumulates_locally:
             self.link_grad(index)
         self.grad_state = GradState.LOCAL
         self.seen += 1
@@ -131,24 +139,28 @@ class FlatUnit:
     @torch.no_grad()
     def land_reduced(self, out: Tensor) -> None:
         """A reduce-scatter into ``out`` (this rank's shard of the averaged gradients) completed."""
-        if self.flat_grad is not None:
+        if self.accumulates_locally:  # the whole accumulated gradient is reduced at once, into its own slice
+            if self.shard_grad is None:
+                lo, hi = self.spec.shard_range(self.rank)
+                self.shard_grad = self.local_grads()[lo:hi] if not self.mixed else torch.empty_like(self.master_shard)
             self.shard_grad.copy_(out)
-        else:  # allocated at the first reduction, then kept and accumulated into
+        else:
             self.shard_grad = self.store.land_grad(self.shard_grad, out, self.master_shard.dtype)
         self.mark_reduced()
 
     # --- gradients ---------------------------------------------------------------------------
 
-    def grad_view(self, index: int) -> Tensor:
-        """Stage 1: the slice of the flat gradient that ``params[index].grad`` should be."""
-        assert self.flat_grad is not None
-        start, end = self.ranges[index]
-        return self.flat_grad[start:end].view(self.params[index].shape)
+    def local_grads(self) -> Tensor:
+        """Stage 1: the full flat gradient that micro-batches accumulate into (zeros when first needed)."""
+        if self.flat_grad is None:
+            self.flat_grad = torch.zeros_like(self.flat_param, memory_format=torch.contiguous_format)
+        return self.flat_grad
 
     def link_grad(self, index: int) -> None:
         """Stage 1: make ``p.grad`` a view of the flat gradient (after autograd allocated its own)."""
         p = self.params[index]
-        view = self.grad_view(index)
+        start, end = self.ranges[index]
+        view = self.local_grads()[start:end].view(p.shape)
         if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
             with torch.no_grad():
                 view.copy_(p.grad)
@@ -167,24 +179,34 @@ class FlatUnit:
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear every gradient of the unit. ``set_to_none=False`` keeps a gradient that exists, zeroed,
-        so the next step still steps it (with zeros, as torch steps a zeroed ``p.grad``)."""
-        had_grad = self.grad_state is not GradState.EMPTY
-        if self.flat_grad is not None:
-            self.flat_grad.zero_()
-        else:
-            for p in self.params:
-                set_grad_quietly(p, None)
-        if self.shard_grad is not None:
-            self.shard_grad.zero_()
-        self.cleared.clear()
+        """Clear every gradient of the unit, freeing its buffers. ``set_to_none=False`` keeps a gradient that
+        exists (or that the last step consumed), zeroed, so the next step still steps it with zeros, as torch
+        steps a zeroed ``p.grad``."""
+        had_grad = self.grad_state is not GradState.EMPTY or self.zero_after_step
+        self.release_grads()
+        self.zero_after_step = False
         if set_to_none or not had_grad:
-            self.master_shard.grad = None
-            self.grad_state = GradState.EMPTY
-        elif self.flat_grad is not None:
-            self.master_shard.grad = None
-            self.grad_state = GradState.LOCAL  # stage 1: the zeroed local gradient is reduced and stepped
-        # stages 2-3 with set_to_none=False: the zeroed shard gradient stays, and is stepped
+            return
+        if self.accumulates_locally:  # a zero local gradient, reduced and stepped at the boundary
+            for i in self.trainable:
+                start, end = self.ranges[i]
+                set_grad_quietly(self.params[i], self.local_grads()[start:end].view(self.params[i].shape))
+            self.grad_state = GradState.LOCAL
+        else:
+            self.shard_grad = torch.zeros_like(self.master_shard, memory_format=torch.contiguous_format)
+            self.mark_reduced()
+
+    @torch.no_grad()
+    def release_grads(self) -> None:
+        """Free every gradient buffer once the step consumed them (see [Note: gradient buffers]), remembering
+        whether a gradient existed, for a later ``zero_grad(set_to_none=False)``."""
+        self.zero_after_step = self.grad_state is not GradState.EMPTY
+        for p in self.params:
+            set_grad_quietly(p, None)
+        self.flat_grad = self.shard_grad = None
+        self.master_shard.grad = None
+        self.grad_state = GradState.EMPTY
+        self.cleared.clear()
 
     @torch.no_grad()
     def clear_grad(self, index: int, set_to_none: bool = True) -> None:

@@ -219,6 +219,8 @@ class ZeroPrecision(Precision):
             self._clip_gradients(model, optimizer, trainer.gradient_clip_val,
                                  gradient_clip_algorithm=trainer.gradient_clip_algorithm)
             zopt.step(**kwargs)
+        else:
+            zopt.engine.release_grads(zopt.units)  # as a step would (see [Note: gradient buffers])
         self._account(skip, zopt, model)
         return closure_result
 

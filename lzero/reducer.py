@@ -93,8 +93,8 @@ class Reducer:
             self._finish_oldest()
         # multiply before summing, exactly as DDP's reducer does; the loss scale is divided out here too
         scale = 1.0 / (self.world_size * self.loss_scale)
-        if unit.flat_grad is not None:
-            bucket = unit.flat_grad.to(unit.reduce_dtype)  # the gradient buffer itself when dtypes agree
+        if unit.accumulates_locally:
+            bucket = unit.local_grads().to(unit.reduce_dtype)  # the gradient buffer itself when dtypes agree
             bucket.mul_(scale)
         else:
             bucket = unit.pack_grads(scale)

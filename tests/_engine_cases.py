@@ -110,7 +110,8 @@ def _live_tensor_bytes_once() -> int:
 
 def memory_after_backward(rank: int, world_size: int, stage: int, bucket: int,
                           param_dtype: torch.dtype | None = None) -> dict:
-    """Live tensor bytes after the backward of step 3 (optimizer state exists), before its step.
+    """Live tensor bytes after the backward of step 3 (optimizer state exists), before its step, and after that
+    step (between steps).
     With ``param_dtype=torch.bfloat16``: bf16 working parameters, fp32 masters (bf16-mixed)."""
     torch.manual_seed(0)
     model = Net(width=96, depth=6)
@@ -120,6 +121,7 @@ def memory_after_backward(rank: int, world_size: int, stage: int, bucket: int,
     zopt = ZeroOptimizer(opt, engine, 0)
     x, y = torch.randn(2, 7), torch.randn(2, 5)
     measured = 0
+    between = 0
     for step in range(3):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=param_dtype is not None):
             loss = nn.functional.mse_loss(model(x).float(), y)
@@ -129,8 +131,12 @@ def memory_after_backward(rank: int, world_size: int, stage: int, bucket: int,
             measured = live_tensor_bytes()
         zopt.step()
         zopt.zero_grad()
+        del loss
+        if step == 2:
+            between = live_tensor_bytes()
     psi = sum(p.numel() for p in model.parameters())
-    result = {"bytes": measured, "psi": psi, "padding": engine.partition.padding_numel, "units": len(engine.units)}
+    result = {"bytes": measured, "between": between, "psi": psi, "padding": engine.partition.padding_numel,
+              "units": len(engine.units)}
     engine.remove()
     return result
 

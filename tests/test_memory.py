@@ -46,15 +46,31 @@ def test_bf16_mixed_memory_follows_mixed_precision_formula(ranks: tuple[int, lis
         assert formula - padding <= r["bytes"] <= formula + padding + 4 * BUCKET
 
 
+@pytest.mark.parametrize("ranks", [2, 4], indirect=True)
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_between_steps_no_gradient_is_held(ranks: tuple[int, list[dict]], precision: str, stage: int) -> None:
+    """After the step (and zero_grad) no gradient buffer is left: the formula without its gradient term. fp32 Adam:
+    4 bytes/param of parameters (the fp32 master is their owned slice) + 8/N of Adam moments; bf16-mixed: 2 of
+    bf16 parameters + 12/N of fp32 master and moments. See [Note: gradient buffers] in flat_unit.py."""
+    world_size, results = ranks
+    for r in (res[precision][stage] for res in results):
+        psi, n = r["psi"], world_size
+        formula = 4 * psi + 8 * psi / n if precision == "fp32" else 2 * psi + 12 * psi / n
+        padding = 16 * r["padding"]
+        print(f"{precision} stage {stage} N={n}: between steps {r['between']} bytes, formula {formula:.0f}")
+        assert formula - padding <= r["between"] <= formula + padding + 1024  # + the batch, Adam step counters
+
+
 @pytest.mark.parametrize("ranks", [2, 3, 4], indirect=True)
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 def test_stage3_memory(ranks: tuple[int, list[dict]], prefetch: int) -> None:
     world_size, results = ranks
     for r in (res["stage3"][prefetch] for res in results):
-        formula = 16 * r["psi"] / world_size  # fp32 Adam, everything sharded between steps
+        formula = 12 * r["psi"] / world_size  # fp32 Adam: parameter shard, m and v; no gradient between steps
         padding = 16 * r["padding"]
         bound = r["root_bytes"] + (prefetch + 1) * r["max_block_bytes"]
-        print(f"stage 3 N={world_size} prefetch={prefetch}: between steps {r['between']} bytes (16Psi/N"
+        print(f"stage 3 N={world_size} prefetch={prefetch}: between steps {r['between']} bytes (12Psi/N"
               f" {formula:.0f}, padding {padding}); peak gathered params {r['peak_params']} bytes (bound {bound},"
               f" full model {r['full_bytes']})")
         assert r["units"] >= 9
