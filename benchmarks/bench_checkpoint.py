@@ -26,7 +26,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from ckpt_model import build, save  # noqa: E402
 
-from lzero.checkpoint.sharded import ShardedCheckpoint, load_optimizer_shards  # noqa: E402
+from lzero.checkpoint.reader import ShardedCheckpoint  # noqa: E402
+from lzero.checkpoint.sharded import load_optimizer_shards  # noqa: E402
+from lzero.checkpoint.state_dict import load_params  # noqa: E402
 
 
 def best(fn, repeats: int) -> float:
@@ -88,7 +90,7 @@ def main() -> None:
 
         def do_load() -> None:
             reader = ShardedCheckpoint(directory)
-            engine.load_params(lambda name, a, b: reader.read_range(f"param/{name}", a, b))
+            load_params(engine, lambda name, a, b: reader.read_range(f"param/{name}", a, b))
             load_optimizer_shards(zopt, 0, reader)
 
         t_load = best(do_load, args.repeats)

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from lzero import ZeroConfig, ZeroEngine, ZeroOptimizer
-from lzero.checkpoint.sharded import SaveJob, describe
-from lzero.state_dict import sharded_state_dict
+from lzero.checkpoint.sharded import save_sharded
+from lzero.checkpoint.state_dict import sharded_state_dict
 
 
 def build(n_layers: int, width: int, adam_state: bool) -> tuple[nn.Module, ZeroEngine, ZeroOptimizer]:
@@ -32,5 +32,4 @@ def build(n_layers: int, width: int, adam_state: bool) -> tuple[nn.Module, ZeroE
 def save(path: Path, model: nn.Module, engine: ZeroEngine, zopt: ZeroOptimizer) -> None:
     checkpoint = {"state_dict": sharded_state_dict(engine, model), "global_step": 1, "epoch": 0,
                   "pytorch-lightning_version": "benchmark", "optimizer_states": [{}]}
-    module_state, extra = describe(engine, checkpoint, weights_only=False, stage=2, precision="32-true")
-    SaveJob(path, engine, [zopt], checkpoint, module_state, extra, None, snapshot=False).run()
+    save_sharded(path, engine, [zopt], checkpoint, None, stage=2, precision="32-true")

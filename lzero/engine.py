@@ -176,27 +176,6 @@ class ZeroEngine:
         """16-bit working parameters with fp32 masters."""
         return any(u.mixed for u in self.units)
 
-    @torch.no_grad()
-    def master_state_dict(self, module: nn.Module) -> dict[str, Tensor]:
-        """The module's state dict with the fp32 masters in place of the 16-bit working parameters,
-        on rank 0 (an empty dict elsewhere), gathered one unit at a time. A collective."""
-        keep = self.rank == 0
-        full: dict[int, Tensor] = {}
-        for unit, flat in self._gathered_masters():
-            if keep:
-                for p, (start, end) in zip(unit.params, unit.ranges):
-                    full[id(p)] = flat[start:end].view(p.shape).clone()
-        if not keep:
-            return {}
-        return {k: full[id(v)] if id(v) in full else v.detach() for k, v in module.state_dict(keep_vars=True).items()}
-
-    def _gathered_masters(self) -> Iterator[tuple[FlatUnit, Tensor]]:
-        """(unit, its full fp32 master buffer), one unit at a time, on every rank."""
-        for unit in self.units:
-            flat = torch.empty(unit.spec.padded_numel, dtype=unit.master_shard.dtype, device=unit.master_shard.device)
-            collectives.all_gather(flat, unit.master_shard.detach(), self.group)
-            yield unit, flat
-
     @contextmanager
     def gathered(self, module: nn.Module) -> Iterator[None]:
         """Full parameters of ``module`` inside the block; writes are carried back to the shards.
@@ -234,14 +213,8 @@ class ZeroEngine:
                     if name not in already:
                         self.gatherer.release(name)
 
-    @torch.no_grad()
-    def restore_masters(self) -> None:
-        """16-bit working parameters, at the end of fit: every parameter becomes a standalone full
-        tensor holding its fp32 master again (frozen ones return to their dtype). A collective."""
-        for unit, flat in self._gathered_masters():
-            unit.hand_back(flat)
-            if self.gatherer is not None:
-                self.gatherer.release(self.gatherer.block_of(unit).name)
+    def restore_frozen_dtypes(self) -> None:
+        """Frozen parameters cast to the compute dtype at setup return to their own dtype (end of fit)."""
         for p, dtype in self._cast_back:
             p.data = p.data.to(dtype)
 
@@ -464,17 +437,9 @@ class ZeroEngine:
         return {id(p): unit.spec.params[i].name for p, (unit, i) in self._where.items()}
 
     @torch.no_grad()
-    def load_params(self, fetch: Callable[[str, int, int], Tensor]) -> None:
-        """Set every parameter from ``fetch(name, start, end)`` (elements [start, end) of the flattened
-        parameter): each rank fetches only the pieces it owns into its fp32 masters, publishes them in the
-        compute dtype, and stages 1-2 all-gather the full parameters. A collective."""
-        for unit in self.units:
-            for spec, a, b, s in unit.spec.owned_pieces(self.rank):
-                unit.master_shard.data[s : s + (b - a)].copy_(fetch(spec.name, a, b))
-            unit.publish()
-            if self.config.stage >= 3 and unit.gathered:
-                lo, hi = unit.spec.shard_range(self.rank)
-                unit.flat_param[lo:hi].copy_(unit.compute_shard())
+    def all_gather_params(self) -> None:
+        """Stages 1-2: every unit's full flat parameter from every rank's compute shard, in the buckets a
+        step gathers in; for shards written outside a step (a checkpoint load). A collective."""
         if not collectives.local(self.group) and self.gatherer is None:
             self._finish_gathers([self._launch_gather(bucket)
                                   for bucket in _coalesce(self.units, self.config.allgather_bucket_size)])

@@ -19,6 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.optim import Optimizer
 
+from lzero.checkpoint.full_state import gather_optimizer_state, load_optimizer_state
 from lzero.engine import ZeroEngine
 from lzero.flat_unit import FlatUnit
 
@@ -112,14 +113,10 @@ class ZeroOptimizer(Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The full per-parameter state in torch's format (a collective: call it on every rank)."""
-        from lzero.full_state import gather_optimizer_state
-
         return gather_optimizer_state(self, to_all=True)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full per-parameter state (from DDP or from :meth:`state_dict`) into this rank's shards."""
-        from lzero.full_state import load_optimizer_state
-
         load_optimizer_state(self, state_dict)
 
 

@@ -7,11 +7,9 @@ wrapper, gradient hooks on the parameters, and optimizers re-targeted at the sha
 
 from __future__ import annotations
 
-import pickle
 import warnings
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Callable, Generator, Mapping, Optional
 
 import torch
@@ -27,13 +25,13 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lzero.checkpoint.full_state import gather_optimizer_state
+from lzero.checkpoint.resume import load_module_state, load_optimizer_states, open_checkpoint
+from lzero.checkpoint.sharded import AsyncSaver, save_sharded
+from lzero.checkpoint.state_dict import consolidate, has_sharded, module_state_dict, restore_masters
 from lzero.config import ZeroConfig, ZeroConfigError, optional_config
 from lzero.engine import ZeroEngine
-from lzero.full_state import gather_optimizer_state
 from lzero.materialize import has_meta
-from lzero.checkpoint.sharded import (AsyncSaver, SaveJob, ShardedCheckpoint, describe, fetch_full,
-                                      is_sharded_checkpoint, load_optimizer_shards)
-from lzero.state_dict import consolidate, has_sharded, sharded_state_dict
 from lzero.optimizer import ZeroOptimizer, check_optimizer
 from lzero.precision import ZeroPrecision, to_zero_precision
 
@@ -210,7 +208,7 @@ class ZeroStrategy(DDPStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """Stage 3: the module's own keys with global shapes. With ``state_dict_type="sharded"`` (the
-        default) sharded parameters are :class:`lzero.state_dict.ShardedTensor` values (this rank's
+        default) sharded parameters are :class:`lzero.checkpoint.state_dict.ShardedTensor` values (this rank's
         piece and ``full_tensor()``); with ``"full"`` rank 0 receives plain tensors gathered one unit at
         a time. A collective: call it on every rank.
 
@@ -219,14 +217,10 @@ class ZeroStrategy(DDPStrategy):
         an empty dict (see [Note: checkpoints after an exception])."""
         if not self._all_ranks_here():
             return {}
-        if self._engine is not None and self.config.checkpoint_format == "sharded":
-            return sharded_state_dict(self._engine, self.lightning_module)
-        if self._engine is not None and self._engine.mixed:
-            return self._engine.master_state_dict(self.lightning_module)  # fp32 masters, not bf16 copies
-        if self._engine is None or self._engine.gatherer is None:
+        if self._engine is None:
             return super().lightning_module_state_dict()
-        state = sharded_state_dict(self._engine, self.lightning_module)
-        return consolidate(self._engine, state) if self.config.state_dict_type == "full" else state
+        return module_state_dict(self._engine, self.lightning_module, self._sharded_checkpoint,
+                                 full=self.config.state_dict_type == "full")
 
     @property
     @override
@@ -242,24 +236,19 @@ class ZeroStrategy(DDPStrategy):
         sharded values gathered one unit at a time."""
         if not self._all_ranks_here():
             return
-        if self._engine is not None and self.config.checkpoint_format == "sharded":
-            self._save_sharded(checkpoint, filepath)
+        if self._sharded_checkpoint:
+            optimizers = [_unwrap(o) for o in self.optimizers] if "optimizer_states" in checkpoint else []
+            save_sharded(filepath, self._engine, optimizers, checkpoint, self._saver, stage=self.config.stage,
+                         precision=self.precision_plugin.precision)
             return
         if has_sharded(checkpoint.get("state_dict", {})):
             checkpoint = {**checkpoint, "state_dict": consolidate(self._engine, checkpoint["state_dict"])}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
-    def _save_sharded(self, checkpoint: dict[str, Any], filepath: Any) -> None:
-        engine = self._engine
-        assert engine is not None
-        optimizers = [_unwrap(o) for o in self.optimizers] if "optimizer_states" in checkpoint else []
-        module_state, extra = describe(engine, checkpoint, weights_only=not optimizers, stage=self.config.stage,
-                                       precision=self.precision_plugin.precision)
-        if self._saver is None:
-            SaveJob(filepath, engine, optimizers, checkpoint, module_state, extra, engine.group, snapshot=False).run()
-            return
-        self._saver.submit(SaveJob(filepath, engine, optimizers, checkpoint, module_state, extra, self._saver.group,
-                                   snapshot=True))
+    @property
+    def _sharded_checkpoint(self) -> bool:
+        """Checkpoints are sharded directories: while fitting with ``checkpoint_format="sharded"``."""
+        return self._engine is not None and self.config.checkpoint_format == "sharded"
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -340,7 +329,7 @@ class ZeroStrategy(DDPStrategy):
                 engine.remove(after_failure=True)
             else:
                 if engine.mixed:
-                    engine.restore_masters()  # the module leaves fit with its fp32 weights, as under DDP
+                    restore_masters(engine)  # the module leaves fit with its fp32 weights, as under DDP
                 else:
                     engine.unshard()  # stage 3: test/predict after fit see full parameters
                 engine.remove()
@@ -402,13 +391,13 @@ class ZeroStrategy(DDPStrategy):
             raise RuntimeError("The partition exists only while fitting. HINT: call it from a training hook.")
         return self._engine.metadata()
 
-    # --- checkpoints: sharded directories (lzero/checkpoint/sharded.py) or full DDP-format files ---------
+    # --- checkpoints: sharded directories or full DDP-format files (lzero/checkpoint/) ----------------
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if not self._all_ranks_here():
             return {}
-        if self._engine is not None and self.config.checkpoint_format == "sharded":
+        if self._sharded_checkpoint:
             return {"lzero": "written by the sharded checkpoint"}  # the pieces come from the shards
         return gather_optimizer_state(_unwrap(optimizer))
 
@@ -416,102 +405,18 @@ class ZeroStrategy(DDPStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Into the shards while fitting: each rank reads only the pieces it owns, from a sharded
         checkpoint or a full (DDP/Lightning) one."""
-        reader: Optional[ShardedCheckpoint] = checkpoint.get("lzero/reader")
-        module = self.lightning_module
-        if self._engine is None:
-            state = reader.full_state_dict() if reader is not None else checkpoint["state_dict"]
-            module.load_state_dict(state, strict=strict)
-            return
-        engine = self._engine
-        specs = {spec.name: spec for unit in engine.units for spec in unit.spec.params}
-        if reader is not None:
-            saved_shapes = {n: tuple(p["shape"]) for n, p in reader.manifest["params"].items()}
-            fetch = lambda name, a, b: reader.read_range(f"param/{name}", a, b)  # noqa: E731
-            rest = reader.lightning_state()["lzero/module_state"]
-        else:
-            state = checkpoint["state_dict"]
-            saved_shapes = {k: tuple(v.shape) for k, v in state.items()}
-            fetch = fetch_full(state)
-            rest = {k: v for k, v in state.items() if k not in specs}
-        wrong = [f"`{n}` saved {saved_shapes.get(n)} now {s.shape}" for n, s in specs.items()
-                 if n in saved_shapes and saved_shapes[n] != tuple(s.shape)]
-        missing = [n for n in specs if n not in saved_shapes]
-        if wrong or (strict and missing):
-            raise ValueError(f"The checkpoint does not fit this model: {'; '.join(wrong + [f'`{n}` missing' for n in missing])}."
-                             " HINT: resume with the model the checkpoint was saved from.")
-        engine.load_params(fetch)
-        own = module.state_dict(keep_vars=True)
-        managed = {id(p) for unit in engine.units for p in unit.params}
-        rest = {k: v for k, v in rest.items() if k in own and id(own[k]) not in managed}
-        result = module.load_state_dict(rest, strict=False)
-        unexpected_missing = [k for k in result.missing_keys if id(own[k]) not in managed]
-        if strict and unexpected_missing:
-            raise ValueError(f"The checkpoint lacks {unexpected_missing}. HINT: resume with the model it was saved from.")
+        load_module_state(self._engine, self.lightning_module, checkpoint, strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        reader: Optional[ShardedCheckpoint] = checkpoint.get("lzero/reader")
-        for k, optimizer in enumerate(self.optimizers):
-            if reader is not None:
-                load_optimizer_shards(_unwrap(optimizer), k, reader)
-            else:
-                _unwrap(optimizer).load_state_dict(checkpoint["optimizer_states"][k])
+        load_optimizer_states([_unwrap(o) for o in self.optimizers], checkpoint)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        path = Path(checkpoint_path)
-        if not path.exists():
-            raise FileNotFoundError(f"Checkpoint `{path}` does not exist. HINT: check `ckpt_path`.")
-        if is_sharded_checkpoint(path):
-            reader = ShardedCheckpoint(path)
-            checkpoint = {k: v for k, v in reader.lightning_state().items() if not k.startswith("lzero/")}
-            checkpoint["lzero/reader"] = reader
-            checkpoint["state_dict"] = _LazyStateDict(reader)
-            if not reader.manifest.get("weights_only"):
-                checkpoint["optimizer_states"] = [{"lzero": "read from the shards"}] * len(
-                    reader.lightning_state()["lzero/param_groups"])
-            reader.restore_rng(self.global_rank, self.world_size)
-            return checkpoint
-        safe = weights_only is None or weights_only  # a foreign file is unpickled only when the user says so
-        try:
-            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=safe)
-        except pickle.UnpicklingError as err:
-            if "Unsupported global" not in str(err):  # not a torch file, rather than one needing pickle
-                raise ValueError(f"`{path}` is not a readable Lightning checkpoint (UnpicklingError). HINT: pass a"
-                                 " `.ckpt` file written by `trainer.save_checkpoint` or `ModelCheckpoint`.") from err
-            raise ValueError(
-                f"`{path}` needs pickle to load ({err}). HINT: if you trust this file, pass"
-                " `trainer.fit(..., weights_only=False)`; lzero never unpickles files of its own checkpoints."
-            ) from err
-        except Exception as err:
-            raise ValueError(
-                f"`{path}` is not a readable Lightning checkpoint ({type(err).__name__}: {err})."
-                " HINT: pass a `.ckpt` file written by `trainer.save_checkpoint` or `ModelCheckpoint`."
-            ) from err
-        if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
-            raise ValueError(
-                f"`{path}` holds no 'state_dict', so it is not a Lightning checkpoint."
-                " HINT: pass a `.ckpt` file written by `trainer.save_checkpoint` or `ModelCheckpoint`."
-            )
-        return checkpoint
-
-
-class _LazyStateDict(Mapping):
-    """The module's state dict of a sharded checkpoint, for ``on_load_checkpoint`` hooks that look at
-    it: keys at once, each tensor read (whole) only when asked for."""
-
-    def __init__(self, reader: ShardedCheckpoint) -> None:
-        self._reader = reader
-        self._keys = list(reader.manifest["state_dict_keys"])
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        return self._reader.state_tensor(key)
-
-    def __iter__(self) -> Any:
-        return iter(self._keys)
-
-    def __len__(self) -> int:
-        return len(self._keys)
+        """A sharded directory, or a full file that is unpickled only with ``weights_only=False``."""
+        return open_checkpoint(checkpoint_path, self.global_rank, self.world_size, weights_only,
+                               lambda safe: super(ZeroStrategy, self).load_checkpoint(checkpoint_path,
+                                                                                     weights_only=safe))
 
 
 def _unwrap(optimizer: Any) -> ZeroOptimizer:

@@ -363,7 +363,7 @@ def stage3_reuse_and_checkpointing(rank: int, world_size: int) -> dict:
 
 def stage3_state_dicts(rank: int, world_size: int) -> dict:
     """Sharded and consolidated state dicts against the plain state_dict of the same model."""
-    from lzero.state_dict import ShardedTensor, consolidate, sharded_state_dict
+    from lzero.checkpoint.state_dict import ShardedTensor, consolidate, sharded_state_dict
 
     torch.manual_seed(0)
     model = Deep()

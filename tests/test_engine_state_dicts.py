@@ -1,4 +1,4 @@
-"""Stage-3 state dicts (lzero/state_dict.py) against the plain ``state_dict`` of the same model, at world
+"""Stage-3 state dicts (lzero/checkpoint/state_dict.py) against the plain ``state_dict`` of the same model, at world
 sizes 2, 3 and 4: sharded pieces, ``full_tensor()``, tied keys and the consolidated dict on rank 0."""
 
 from __future__ import annotations

@@ -91,7 +91,7 @@ def test_exception_checkpoint_on_one_rank_is_skipped_within_the_bound(tmp_path: 
 
 def test_exception_checkpoint_on_every_rank_is_written(tmp_path: Path) -> None:
     """Every rank raises at the same step: every rank reaches the checkpoint, which is written as usual."""
-    from lzero.checkpoint.sharded import is_sharded_checkpoint
+    from lzero.checkpoint.reader import is_sharded_checkpoint
 
     proc, exit_s = _run("zero2", "ckpt_all", -1, tmp_path)
     output = proc.stdout + proc.stderr

@@ -17,7 +17,7 @@ import torch
 from _launch import SCRIPTS, run_script
 from lzero.checkpoint import CheckpointError
 from lzero.checkpoint.consolidate import consolidate, inspect
-from lzero.checkpoint.sharded import MANIFEST, ShardedCheckpoint
+from lzero.checkpoint.reader import MANIFEST, ShardedCheckpoint
 
 
 @pytest.fixture(scope="module")

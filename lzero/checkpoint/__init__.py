@@ -1,9 +1,18 @@
-"""lzero checkpoints: ``files`` (safetensors-format tensor files, the atomic JSON manifest), ``tree``
-(the pickle-free codec), ``stream`` (streaming writers for consolidated outputs), ``sharded``
-(sharded save and load) and ``consolidate`` (``lzero consolidate`` / ``lzero inspect``).
+"""lzero checkpoints: what a rank's state is, and how it is saved and restored.
 
-Storage only: no Lightning, no torch.distributed. Every refusal is a :class:`CheckpointError` that
-names the file (or the key inside a tree), says what is wrong, and ends with a HINT.
+Storage, readable without a run (no Lightning, no torch.distributed, nothing of the engine): ``files``
+(safetensors-format tensor files, the atomic JSON manifest), ``tree`` (the pickle-free codec),
+``stream`` (streaming writers for consolidated outputs), ``reader`` (a sharded checkpoint directory,
+validated and read by flat range) and ``consolidate`` (``lzero consolidate`` / ``lzero inspect``).
+
+A rank's state, for the ranks of a run: ``rank_state`` (the owned pieces of each parameter, the
+optimizers' param groups), ``state_dict`` (the module's parameters out as state dicts and in from
+pieces), ``full_state`` (optimizer state in torch's per-parameter format, as DDP saves it),
+``sharded`` (sharded save, asynchronous saves, loading optimizer shards) and ``resume`` (opening a
+checkpoint, and loading it into the shards: what the strategy's checkpoint methods call).
+
+Every refusal is a :class:`CheckpointError` that names the file (or the key inside a tree), says
+what is wrong, and ends with a HINT.
 
 [Note: checkpoint files]
 A checkpoint is a directory (``epoch=0-step=100.ckpt/``). Every rank writes its own shard files with

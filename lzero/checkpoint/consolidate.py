@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lzero.checkpoint import CheckpointError, SafetensorsStreamWriter, TensorFile, TorchStreamWriter
-from lzero.checkpoint.sharded import MANIFEST, ShardedCheckpoint
+from lzero.checkpoint.reader import MANIFEST, ShardedCheckpoint
 
 KEPT = ("pytorch-lightning_version", "epoch", "global_step", "hyper_parameters", "hparams_name")
 """What a consolidated file keeps besides the state dict: what ``load_from_checkpoint`` needs."""

@@ -10,37 +10,31 @@ entry (``step``) is per unit and is copied to every parameter of the unit.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import Tensor
 
 from lzero import collectives
+from lzero.checkpoint.rank_state import ShardedOptimizer, fill_shard, pack_param_groups, restore_param_groups
 
 if TYPE_CHECKING:
-    from lzero.optimizer import ZeroOptimizer
+    from lzero.flat_unit import FlatUnit
+    from lzero.partition import ParamSpec
 
 
 class OptimizerStateError(ValueError):
     """A state dict that does not fit this optimizer; the message names the mismatch."""
 
 
-def _param_indices(zopt: "ZeroOptimizer") -> dict[int, int]:
+def _param_indices(zopt: ShardedOptimizer) -> dict[int, int]:
     """id(param) -> index, in the order torch's ``Optimizer.state_dict`` numbers parameters."""
     order = [p for group in zopt.param_groups for p in group["params"]]
     return {id(p): i for i, p in enumerate(order)}
 
 
-def _packed_groups(zopt: "ZeroOptimizer") -> list[dict[str, Any]]:
-    index = _param_indices(zopt)
-    return [
-        {**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]}
-        for g in zopt.param_groups
-    ]
-
-
 @torch.no_grad()
-def gather_optimizer_state(zopt: "ZeroOptimizer", to_all: bool = False) -> dict[str, Any]:
+def gather_optimizer_state(zopt: ShardedOptimizer, to_all: bool = False) -> dict[str, Any]:
     """Full state dict on rank 0 (or on every rank with ``to_all``). A collective."""
     engine = zopt.engine
     keep = to_all or engine.rank == 0
@@ -67,11 +61,11 @@ def gather_optimizer_state(zopt: "ZeroOptimizer", to_all: bool = False) -> dict[
                 state.setdefault(index[id(p)], {})[key] = v
     if not keep:
         return {}
-    return {"state": state, "param_groups": _packed_groups(zopt)}
+    return {"state": state, "param_groups": pack_param_groups(zopt, lambda p: index[id(p)])}
 
 
 @torch.no_grad()
-def load_optimizer_state(zopt: "ZeroOptimizer", state_dict: dict[str, Any]) -> None:
+def load_optimizer_state(zopt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
     """Load a full per-parameter state dict into this rank's shards (no communication)."""
     saved_groups = state_dict.get("param_groups")
     saved_state = state_dict.get("state")
@@ -81,11 +75,7 @@ def load_optimizer_state(zopt: "ZeroOptimizer", state_dict: dict[str, Any]) -> N
             " (as saved by Lightning under 'optimizer_states')."
         )
     _check_groups(zopt, saved_groups)
-    for outer, saved in zip(zopt.param_groups, saved_groups):
-        params = outer["params"]
-        outer.clear()
-        outer.update({k: v for k, v in saved.items() if k != "params"})
-        outer["params"] = params
+    restore_param_groups(zopt, saved_groups)
     index = _param_indices(zopt)
     for unit in zopt.units:
         inner = zopt.shard_optimizer(unit)
@@ -103,10 +93,11 @@ def load_optimizer_state(zopt: "ZeroOptimizer", state_dict: dict[str, Any]) -> N
         inner.state[unit.master_shard] = shard_state
 
 
-def _slice_into_shard(unit, per_param, key: str, dtype: torch.dtype) -> Tensor:
-    shard = torch.zeros(unit.spec.shard_numel, dtype=dtype, device=unit.flat_param.device)
+def _slice_into_shard(unit: "FlatUnit", per_param: list[Optional[dict[str, Any]]], key: str,
+                      dtype: torch.dtype) -> Tensor:
     by_name = dict(zip((s.name for s in unit.spec.params), per_param))
-    for spec, a, b, s in unit.spec.owned_pieces(unit.rank):
+
+    def fetch(spec: "ParamSpec", a: int, b: int) -> Tensor:
         entry = by_name[spec.name]
         if not entry or key not in entry:
             raise OptimizerStateError(
@@ -119,11 +110,12 @@ def _slice_into_shard(unit, per_param, key: str, dtype: torch.dtype) -> Tensor:
                 f"Optimizer state '{key}' of `{spec.name}` has {value.numel()} elements, the parameter has"
                 f" {spec.numel}. HINT: the checkpoint belongs to a different model."
             )
-        shard[s : s + (b - a)].copy_(value.reshape(-1)[a:b])
-    return shard
+        return value.reshape(-1)[a:b]
+
+    return fill_shard(torch.zeros(unit.spec.shard_numel, dtype=dtype, device=unit.flat_param.device), unit, fetch)
 
 
-def _check_groups(zopt: "ZeroOptimizer", saved_groups: list) -> None:
+def _check_groups(zopt: ShardedOptimizer, saved_groups: list) -> None:
     if len(saved_groups) != len(zopt.param_groups):
         raise OptimizerStateError(
             f"The saved optimizer state has {len(saved_groups)} param groups, the optimizer has"

@@ -1,0 +1,180 @@
+"""Reading a committed sharded checkpoint directory: the manifest, every shard file's header, and any
+flat range of any saved tensor. Storage only (no Lightning, no torch.distributed, nothing of the
+engine), so ``lzero consolidate`` / ``lzero inspect`` and any tool can open a checkpoint without a
+process group. The layout is described in [Note: sharded checkpoint layout] in sharded.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+
+from lzero.checkpoint.files import CheckpointError, TensorFile, read_json
+from lzero.checkpoint.tree import decode_tree
+
+FORMAT = "lzero-sharded"
+VERSION = 1
+MANIFEST = "manifest.json"
+
+
+def is_sharded_checkpoint(path: Any) -> bool:
+    return Path(path).is_dir()
+
+
+def shard_name(save_id: str, rank: int, world_size: int) -> str:
+    return f"shard-{save_id}-r{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+class ShardedCheckpoint:
+    """A committed sharded checkpoint, validated in full on open (manifest, every file's header, size
+    and save id, and that the pieces of every parameter cover it), before any tensor is read."""
+
+    def __init__(self, path: Any) -> None:
+        self.path = Path(path)
+        manifest_path = self.path / MANIFEST
+        if not manifest_path.exists():
+            raise CheckpointError(
+                f"`{self.path}` has no {MANIFEST}: it is not an lzero checkpoint, or its save never finished."
+                " HINT: resume from an earlier checkpoint; an interrupted save is cleaned up by the next one."
+            )
+        self.manifest = read_json(manifest_path, "checkpoint manifest")
+        if self.manifest.get("format") != FORMAT or self.manifest.get("version") != VERSION:
+            raise CheckpointError(f"`{manifest_path}` is not an {FORMAT} v{VERSION} manifest."
+                                  " HINT: it was written by another tool or a newer lzero.")
+        self.save_id = self.manifest["save_id"]
+        self._common: Optional[dict[str, Any]] = None
+        self.files: list[TensorFile] = []
+        for entry in self.manifest["files"]:
+            file = TensorFile(self.path / entry["name"], save_id=self.save_id)
+            size = os.stat(file.path).st_size
+            if size != entry["bytes"]:
+                raise CheckpointError(f"`{file.path}` has {size} bytes, the manifest says {entry['bytes']}."
+                                      " HINT: this checkpoint is damaged; resume from an earlier one.")
+            self.files.append(file)
+        self._pieces: dict[str, list[tuple[int, int, TensorFile]]] = defaultdict(list)
+        self._scalars: dict[str, TensorFile] = {}
+        for file in self.files:
+            for key, span in json.loads(file.metadata["pieces"]).items():
+                if span is None:
+                    self._scalars.setdefault(key, file)
+                else:
+                    self._pieces[key].append((span[0], span[1], file))
+        for key in self._pieces:
+            self._pieces[key].sort(key=lambda t: t[0])
+        self._optimizer_keys: dict[tuple[str, str], set[str]] = defaultdict(set)  # (k, name) -> state keys
+        for key in list(self._pieces) + list(self._scalars):
+            parts = key.split("/")  # optim/<k>/<name>/<state>; names use dots, never slashes
+            if parts[0] == "optim":
+                self._optimizer_keys[(parts[1], parts[2])].add(parts[3])
+        self._check_coverage()
+
+    def _check_coverage(self) -> None:
+        """Every parameter, and every per-element optimizer state, is covered from 0 to its numel."""
+        params = self.manifest["params"]
+        for name in params:
+            if f"param/{name}" not in self._pieces:
+                raise CheckpointError(f"`{self.path}`: no file holds `param/{name}`. HINT: a shard file is missing"
+                                      " or from another save.")
+        for key, pieces in self._pieces.items():
+            parts = key.split("/")  # param/<name> or optim/<k>/<name>/<state>; names use dots, never slashes
+            name = parts[1] if parts[0] == "param" else parts[2]
+            covered = 0
+            for a, b, _ in pieces:  # sorted by start
+                if a > covered:
+                    break
+                covered = max(covered, b)
+            if name not in params or covered < params[name]["numel"]:
+                raise CheckpointError(f"`{self.path}`: the shards hold elements [0, {covered}) of `{key}`, which has"
+                                      f" {params.get(name, {}).get('numel', '?')}. HINT: a shard file is missing or from"
+                                      " another save.")
+
+    @property
+    def world_size(self) -> int:
+        return int(self.manifest["world_size"])
+
+    def read_range(self, key: str, start: int, end: int, dtype: Optional[torch.dtype] = None) -> Tensor:
+        """Elements [start, end) of the flattened ``key``, assembled from the files that hold them."""
+        pieces = self._pieces.get(key)
+        if not pieces:
+            raise CheckpointError(f"`{self.path}` holds no `{key}`. HINT: the checkpoint belongs to another model"
+                                  " or optimizer setup.")
+        out: Optional[Tensor] = None
+        for a, b, file in pieces:
+            lo, hi = max(a, start), min(b, end)
+            if lo >= hi:
+                continue
+            chunk = file.read_flat_range(key, lo - a, hi - a)
+            if out is None:
+                out = torch.empty(end - start, dtype=dtype or chunk.dtype)
+            out[lo - start : hi - start].copy_(chunk)
+        if out is None:
+            out = torch.empty(0, dtype=dtype or torch.float32)
+        return out
+
+    def is_scalar(self, key: str) -> bool:
+        return key in self._scalars
+
+    def scalar(self, key: str) -> Tensor:
+        return self._scalars[key].read(key)
+
+    def optimizer_keys(self, index: int, name: str) -> list[str]:
+        return sorted(self._optimizer_keys.get((str(index), name), ()))
+
+    def tree(self, name: str, rank: int = 0) -> Any:
+        file = self.files[rank]
+        prefix = f"{name}/"
+        tensors = {k[len(prefix):]: file.read(k) for k in file.names if k.startswith(prefix)}
+        return decode_tree(json.loads(file.metadata[name]), tensors, source=file.path)
+
+    def lightning_state(self) -> dict[str, Any]:
+        """Everything Lightning saved besides the model and optimizer tensors (read once)."""
+        if self._common is None:
+            self._common = self.tree("common", 0)
+        return self._common
+
+    def module_state_numel(self) -> int:
+        """Elements of the module's tensors outside every unit (frozen parameters, buffers), a tensor
+        shared by several keys counted once; from rank 0's header, without reading a tensor."""
+        file = self.files[0]
+        refs = json.loads(file.metadata["common"])["lzero/module_state"]
+        if isinstance(refs, dict) and all(isinstance(r, dict) and list(r) == ["@tensor"] for r in refs.values()):
+            stored = {r["@tensor"] for r in refs.values()}  # the codec stores a shared tensor once
+            return sum(math.prod(file.entry(f"common/{name}").shape) for name in stored)
+        tensors = self.lightning_state()["lzero/module_state"]  # a key the codec had to tag: decode it
+        return sum(t.numel() for t in {id(t): t for t in tensors.values()}.values())
+
+    def full_param(self, name: str) -> Tensor:
+        info = self.manifest["params"][name]
+        return self.read_range(f"param/{name}", 0, info["numel"]).view(info["shape"])
+
+    def param_name(self, key: str) -> Optional[str]:
+        """The sharded parameter a state-dict key holds (tied keys name the same one), or None for a
+        tensor outside every unit (a buffer, a frozen parameter)."""
+        name = self.manifest["aliases"].get(key, key)
+        return name if name in self.manifest["params"] else None
+
+    def state_tensor(self, key: str) -> Tensor:
+        """The whole tensor of one state-dict key."""
+        name = self.param_name(key)
+        return self.full_param(name) if name is not None else self.lightning_state()["lzero/module_state"][key]
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The module's whole state dict in its saved key order; tied keys share one tensor."""
+        by_name: dict[str, Tensor] = {}
+        out = {}
+        for key in self.manifest["state_dict_keys"]:
+            name = self.param_name(key)
+            if name is None:
+                out[key] = self.state_tensor(key)
+                continue
+            if name not in by_name:
+                by_name[name] = self.full_param(name)
+            out[key] = by_name[name]
+        return out

@@ -1,0 +1,133 @@
+"""Resuming: opening a checkpoint (a sharded directory, or a full DDP-format file under a policy that
+never unpickles unless asked to), checking that it fits the model, and loading it into a rank's
+shards. What ``ZeroStrategy.load_checkpoint`` / ``load_model_state_dict`` /
+``load_optimizer_state_dict`` run; no Lightning here (the strategy hands in Lightning's file reader).
+"""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence
+
+from torch import Tensor, nn
+
+from lzero.checkpoint.rank_state import ShardedOptimizer
+from lzero.checkpoint.reader import ShardedCheckpoint, is_sharded_checkpoint
+from lzero.checkpoint.sharded import load_optimizer_shards, restore_rng
+from lzero.checkpoint.state_dict import fetch_full, load_params
+
+if TYPE_CHECKING:
+    from lzero.engine import ZeroEngine
+
+READER = "lzero/reader"
+"""The checkpoint dict's key for the :class:`ShardedCheckpoint` it was opened from (sharded checkpoints only)."""
+
+_NOT_A_CHECKPOINT = "HINT: pass a `.ckpt` file written by `trainer.save_checkpoint` or `ModelCheckpoint`."
+
+
+def open_checkpoint(path: Any, rank: int, world_size: int, weights_only: Optional[bool],
+                    load_file: Callable[[bool], Any]) -> dict[str, Any]:
+    """The checkpoint at ``path`` as Lightning's dict. A sharded directory is validated in full and read
+    lazily (tensors are read when loaded into the shards); this rank's RNG states are restored when the
+    world size is unchanged. A full file is read by ``load_file(weights_only)``, with ``weights_only``
+    unless the caller passed ``weights_only=False``: a foreign file is unpickled only when the user says so."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"Checkpoint `{path}` does not exist. HINT: check `ckpt_path`.")
+    if is_sharded_checkpoint(path):
+        return _open_sharded(ShardedCheckpoint(path), rank, world_size)
+    safe = weights_only is None or weights_only
+    try:
+        checkpoint = load_file(safe)
+    except pickle.UnpicklingError as err:
+        if "Unsupported global" not in str(err):  # not a torch file, rather than one needing pickle
+            raise ValueError(f"`{path}` is not a readable Lightning checkpoint (UnpicklingError). {_NOT_A_CHECKPOINT}"
+                             ) from err
+        raise ValueError(
+            f"`{path}` needs pickle to load ({err}). HINT: if you trust this file, pass"
+            " `trainer.fit(..., weights_only=False)`; lzero never unpickles files of its own checkpoints."
+        ) from err
+    except Exception as err:
+        raise ValueError(
+            f"`{path}` is not a readable Lightning checkpoint ({type(err).__name__}: {err}). {_NOT_A_CHECKPOINT}"
+        ) from err
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise ValueError(f"`{path}` holds no 'state_dict', so it is not a Lightning checkpoint. {_NOT_A_CHECKPOINT}")
+    return checkpoint
+
+
+def _open_sharded(reader: ShardedCheckpoint, rank: int, world_size: int) -> dict[str, Any]:
+    checkpoint = {k: v for k, v in reader.lightning_state().items() if not k.startswith("lzero/")}
+    checkpoint[READER] = reader
+    checkpoint["state_dict"] = LazyStateDict(reader)
+    if not reader.manifest.get("weights_only"):
+        checkpoint["optimizer_states"] = [{"lzero": "read from the shards"}] * len(
+            reader.lightning_state()["lzero/param_groups"])
+    restore_rng(reader, rank, world_size)
+    return checkpoint
+
+
+class LazyStateDict(Mapping):
+    """The module's state dict of a sharded checkpoint, for ``on_load_checkpoint`` hooks that look at
+    it: keys at once, each tensor read (whole) only when asked for."""
+
+    def __init__(self, reader: ShardedCheckpoint) -> None:
+        self._reader = reader
+        self._keys = list(reader.manifest["state_dict_keys"])
+
+    def __getitem__(self, key: str) -> Tensor:
+        return self._reader.state_tensor(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+def load_module_state(engine: Optional["ZeroEngine"], module: nn.Module, checkpoint: Mapping[str, Any],
+                      strict: bool) -> None:
+    """The checkpoint's module state into ``module``: while fitting (an ``engine``) into the shards, each
+    rank reading only the pieces it owns, from a sharded checkpoint or a full (DDP/Lightning) one;
+    otherwise into the module as it is."""
+    reader: Optional[ShardedCheckpoint] = checkpoint.get(READER)
+    if engine is None:
+        module.load_state_dict(reader.full_state_dict() if reader is not None else checkpoint["state_dict"],
+                               strict=strict)
+        return
+    specs = {spec.name: spec for unit in engine.units for spec in unit.spec.params}
+    if reader is not None:
+        saved_shapes = {n: tuple(p["shape"]) for n, p in reader.manifest["params"].items()}
+        fetch = lambda name, a, b: reader.read_range(f"param/{name}", a, b)  # noqa: E731
+        rest = reader.lightning_state()["lzero/module_state"]
+    else:
+        state = checkpoint["state_dict"]
+        saved_shapes = {k: tuple(v.shape) for k, v in state.items()}
+        fetch = fetch_full(state)
+        rest = {k: v for k, v in state.items() if k not in specs}
+    wrong = [f"`{n}` saved {saved_shapes.get(n)} now {s.shape}" for n, s in specs.items()
+             if n in saved_shapes and saved_shapes[n] != tuple(s.shape)]
+    missing = [n for n in specs if n not in saved_shapes]
+    if wrong or (strict and missing):
+        raise ValueError(f"The checkpoint does not fit this model: {'; '.join(wrong + [f'`{n}` missing' for n in missing])}."
+                         " HINT: resume with the model the checkpoint was saved from.")
+    load_params(engine, fetch)
+    own = module.state_dict(keep_vars=True)
+    managed = {id(p) for unit in engine.units for p in unit.params}
+    rest = {k: v for k, v in rest.items() if k in own and id(own[k]) not in managed}
+    result = module.load_state_dict(rest, strict=False)
+    unexpected_missing = [k for k in result.missing_keys if id(own[k]) not in managed]
+    if strict and unexpected_missing:
+        raise ValueError(f"The checkpoint lacks {unexpected_missing}. HINT: resume with the model it was saved from.")
+
+
+def load_optimizer_states(optimizers: Sequence[ShardedOptimizer], checkpoint: Mapping[str, Any]) -> None:
+    """Every optimizer's state into this rank's shards: read from the shards of a sharded checkpoint, or
+    sliced from the full per-parameter states of a DDP-format one."""
+    reader: Optional[ShardedCheckpoint] = checkpoint.get(READER)
+    for k, optimizer in enumerate(optimizers):
+        if reader is not None:
+            load_optimizer_shards(optimizer, k, reader)
+        else:
+            optimizer.load_state_dict(checkpoint["optimizer_states"][k])

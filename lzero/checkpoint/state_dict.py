@@ -1,0 +1,167 @@
+"""The module's parameters going out of the engine (state dicts) and coming back in (loads).
+
+Out: ``sharded_state_dict`` returns the module's own keys with global shapes and, for every sharded
+parameter, a :class:`ShardedTensor` (this rank's piece plus ``full_tensor()``), so a caller never
+needs the whole model on one rank; ``consolidate`` turns such a dict into plain tensors on rank 0,
+gathering one unit at a time. Tied parameters appear under each of their keys, as the same object.
+Under 16-bit training ``master_state_dict`` holds the fp32 masters instead of the 16-bit working
+parameters, and ``restore_masters`` hands them back to the module at the end of fit.
+
+In: ``load_params`` sets every parameter from a reader of pieces, each rank reading only what it
+owns (see [Note: owned pieces] in rank_state.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from lzero import collectives
+from lzero.checkpoint.files import CheckpointError
+from lzero.checkpoint.rank_state import fill_shard, shard_pieces
+
+if TYPE_CHECKING:
+    from lzero.engine import ZeroEngine
+    from lzero.flat_unit import FlatUnit
+
+
+class ShardedTensor:
+    """One parameter of a stage-3 model as one rank holds it."""
+
+    def __init__(self, engine: "ZeroEngine", unit: "FlatUnit", index: int) -> None:
+        self.engine, self.unit, self.index = engine, unit, index
+        self.spec = unit.spec.params[index]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self.spec.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.unit.master_shard.dtype
+
+    def local_shard(self) -> tuple[int, Tensor]:
+        """(start within the flattened parameter, this rank's elements of it); empty if it owns none."""
+        for spec, a, _, piece in shard_pieces(self.unit, self.unit.master_shard.detach()):
+            if spec.name == self.spec.name:
+                return a, piece
+        return 0, self.unit.master_shard.detach()[:0]
+
+    def full_tensor(self) -> Tensor:
+        """The whole parameter on every rank (a collective: call it on every rank)."""
+        with self.engine.gathered_units([self.unit]):
+            return self.unit.params[self.index].detach().clone()
+
+    def __repr__(self) -> str:
+        return f"ShardedTensor(name={self.spec.name!r}, shape={tuple(self.shape)}, rank={self.unit.rank})"
+
+
+def sharded_state_dict(engine: "ZeroEngine", module: nn.Module) -> dict[str, Any]:
+    where = {id(p): (u, i) for u in engine.units for i, p in enumerate(u.params)}
+    made: dict[int, ShardedTensor] = {}
+    out: dict[str, Any] = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        if id(value) in where:
+            out[key] = made.setdefault(id(value), ShardedTensor(engine, *where[id(value)]))
+        else:
+            out[key] = value.detach()
+    return out
+
+
+@torch.no_grad()
+def consolidate(engine: "ZeroEngine", state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Plain tensors on rank 0 (an empty dict elsewhere), one unit gathered at a time. A collective."""
+    keep = engine.rank == 0
+    units = []
+    for value in state_dict.values():
+        if isinstance(value, ShardedTensor) and all(value.unit is not u for u in units):
+            units.append(value.unit)
+    full: dict[int, Tensor] = {}
+    for unit in units:
+        with engine.gathered_units([unit]):
+            if keep:
+                full.update({id(p): p.detach().clone() for p in unit.params})
+    if not keep:
+        return {}
+    return {k: full[id(v.unit.params[v.index])] if isinstance(v, ShardedTensor) else v for k, v in state_dict.items()}
+
+
+def has_sharded(state_dict: dict[str, Any]) -> bool:
+    return any(isinstance(v, ShardedTensor) for v in state_dict.values())
+
+
+def module_state_dict(engine: "ZeroEngine", module: nn.Module, sharded_checkpoint: bool, full: bool
+                      ) -> dict[str, Any]:
+    """The state dict a checkpoint of ``module`` takes while fitting. A collective: call it on every rank.
+
+    For a sharded checkpoint (``sharded_checkpoint``) the sharded form at every stage: no rank gathers
+    anything. Otherwise the fp32 masters under 16-bit training (not the 16-bit copies); the module's own
+    state dict at stages 1-2; at stage 3 the sharded form, or with ``full`` plain tensors on rank 0,
+    gathered one unit at a time."""
+    if sharded_checkpoint:
+        return sharded_state_dict(engine, module)
+    if engine.mixed:
+        return master_state_dict(engine, module)
+    if engine.gatherer is None:
+        return module.state_dict()
+    state = sharded_state_dict(engine, module)
+    return consolidate(engine, state) if full else state
+
+
+def gathered_masters(engine: "ZeroEngine") -> Iterator[tuple["FlatUnit", Tensor]]:
+    """(unit, its full fp32 master buffer), one unit at a time, on every rank. A collective."""
+    for unit in engine.units:
+        flat = torch.empty(unit.spec.padded_numel, dtype=unit.master_shard.dtype, device=unit.master_shard.device)
+        collectives.all_gather(flat, unit.master_shard.detach(), engine.group)
+        yield unit, flat
+
+
+@torch.no_grad()
+def master_state_dict(engine: "ZeroEngine", module: nn.Module) -> dict[str, Tensor]:
+    """The module's state dict with the fp32 masters in place of the 16-bit working parameters,
+    on rank 0 (an empty dict elsewhere), gathered one unit at a time. A collective."""
+    keep = engine.rank == 0
+    full: dict[int, Tensor] = {}
+    for unit, flat in gathered_masters(engine):
+        if keep:
+            for p, (start, end) in zip(unit.params, unit.ranges):
+                full[id(p)] = flat[start:end].view(p.shape).clone()
+    if not keep:
+        return {}
+    return {k: full[id(v)] if id(v) in full else v.detach() for k, v in module.state_dict(keep_vars=True).items()}
+
+
+@torch.no_grad()
+def restore_masters(engine: "ZeroEngine") -> None:
+    """16-bit working parameters, at the end of fit: every parameter becomes a standalone full
+    tensor holding its fp32 master again (frozen ones return to their dtype). A collective."""
+    for unit, flat in gathered_masters(engine):
+        unit.hand_back(flat)
+        if engine.gatherer is not None:
+            engine.gatherer.release(engine.gatherer.block_of(unit).name)
+    engine.restore_frozen_dtypes()
+
+
+@torch.no_grad()
+def load_params(engine: "ZeroEngine", fetch: Callable[[str, int, int], Tensor]) -> None:
+    """Set every parameter from ``fetch(name, start, end)`` (elements [start, end) of the flattened
+    parameter): each rank fetches only the pieces it owns into its fp32 masters, publishes them in the
+    compute dtype, and stages 1-2 all-gather the full parameters. A collective."""
+    for unit in engine.units:
+        fill_shard(unit.master_shard.data, unit, lambda spec, a, b: fetch(spec.name, a, b))
+        unit.publish()
+        if engine.config.stage >= 3 and unit.gathered:
+            lo, hi = unit.spec.shard_range(unit.rank)
+            unit.flat_param[lo:hi].copy_(unit.compute_shard())
+    engine.all_gather_params()
+
+
+def fetch_full(state_dict: dict[str, Tensor]) -> Callable[[str, int, int], Tensor]:
+    """A piece reader over a plain (DDP/Lightning) state dict, for :func:`load_params`."""
+    def fetch(name: str, start: int, end: int) -> Tensor:
+        if name not in state_dict:
+            raise CheckpointError(f"The checkpoint's state_dict has no `{name}`. HINT: it belongs to another model.")
+        return state_dict[name].detach().reshape(-1)[start:end]
+    return fetch
