@@ -3,7 +3,6 @@ collectives through the process group, so a single GPU exercises NCCL, and chang
 
 from __future__ import annotations
 
-import pytest
 
 from _dist import run_ranks
 import _engine_cases as cases
