@@ -30,7 +30,7 @@ from lzero.flat_unit import FlatUnit, GradState
 from lzero import parameters
 from lzero.gather import Block, Gatherer, full_graphs_around
 from lzero.materialize import InitFn, Materializer, apply_order, common_seed, has_meta
-from lzero.partition import Partition, ParamSpec, UnitSpec, partition_by_label, partition_by_size
+from lzero.partition import FROZEN, Partition, ParamSpec, UnitSpec, partition_by_label, partition_by_size
 from lzero.reducer import Reducer
 from lzero.store import store_for
 from lzero.units import ROOT, find_blocks, label_parameters
@@ -55,7 +55,7 @@ class ZeroEngine:
         self.world_size = collectives.world_size(group)
         self.rank = collectives.rank(group)
         kept = self.policy.kept_parameters(module)
-        specs, by_name = _collect_params(module, optimizers, kept)
+        specs, by_name = _collect_params(module, optimizers, kept, frozen_too=config.stage >= 3)
         if config.stage >= 3:
             block_modules = find_blocks(module, config.unit_modules)
             _refuse_full_graphs(module, block_modules)
@@ -82,7 +82,8 @@ class ZeroEngine:
         if config.stage >= 3:
             self.gatherer = self._shard_parameters(block_modules, labels)
         self.reducer = Reducer(self.units, config, group, self.world_size)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._where]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._where
+                       if not self._where[p][0].spec.frozen]
         parameters.watch(self._where, self._on_grad_cleared, self._on_module_zero_grad)  # [Note: clearing gradients]
         self.sync = True  # False inside Lightning's block_backward_sync (accumulating micro-batches)
         self.automatic = True  # Lightning's automatic optimization
@@ -292,6 +293,13 @@ class ZeroEngine:
         self._launch_in_hooks = self._reduce_in_backward and self.config.overlap_comm
         for u in self.units:
             u.begin_backward()
+            if u.spec.frozen and u.trainable:
+                name = u.spec.params[u.trainable[0]].name
+                raise ZeroEngineError(
+                    f"`{name}` did not require gradients when training started, so ZeRO-3 sharded it as a frozen"
+                    " parameter (no gradient, no optimizer state); it requires them now. HINT: set `requires_grad`"
+                    " before `fit` (and give the parameter to the optimizer), or use zero2 to unfreeze during training."
+                )
         if self.gatherer is not None:
             self.gatherer.start_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self._close_round)
@@ -469,9 +477,10 @@ def _scatter_coalesced(bucket: list[FlatUnit], out: Tensor, world_size: int) -> 
             offset += unit.spec.shard_numel
 
 
-def _collect_params(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], kept: set[str] = frozenset()
-                    ) -> tuple[list[ParamSpec], dict[str, nn.Parameter]]:
-    """ParamSpecs, in registration order, of the trainable parameters that some optimizer holds."""
+def _collect_params(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], kept: set[str] = frozenset(),
+                    frozen_too: bool = False) -> tuple[list[ParamSpec], dict[str, nn.Parameter]]:
+    """ParamSpecs, in registration order, of the trainable parameters that some optimizer holds and, with
+    ``frozen_too`` (stage 3), of the float32/bfloat16 parameters that do not require gradients (group FROZEN)."""
     names = {p: n for n, p in module.named_parameters()}
     group_of: dict[nn.Parameter, tuple[int, int]] = {}
     for oi, optimizer in enumerate(optimizers):
@@ -499,6 +508,9 @@ def _collect_params(module: nn.Module, optimizers: Sequence[torch.optim.Optimize
                     " `Trainer(precision=...)`."
                 )
             specs.append(ParamSpec(name, tuple(p.shape), group_of[p], keep_fp32=name in kept))
+            by_name[name] = p
+        elif frozen_too and not p.requires_grad and p.dtype in (torch.float32, torch.bfloat16):
+            specs.append(ParamSpec(name, tuple(p.shape), FROZEN, keep_fp32=name in kept))
             by_name[name] = p
     return specs, by_name
 

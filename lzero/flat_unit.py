@@ -83,15 +83,21 @@ class FlatUnit:
             full = torch.zeros(spec.padded_numel, device=device, dtype=master_dtype)  # 1D, the unit's values
             for p, (start, end) in zip(self.params, self.ranges):
                 full[start:end].copy_(p.detach().reshape(-1))
-            # full precision at stages 1-2: the master is the owned slice of the parameters itself
-            master = self.store.hold_master(full[lo:hi], alias_ok=not self.mixed and stage < 3)
             self.flat_param = full.to(compute_dtype) if self.mixed else full  # 1D, padded_numel
+            if spec.frozen:  # nothing steps it: the compute-dtype shard is all a rank keeps
+                master = self.flat_param[lo:hi].clone()
+            else:  # full precision at stages 1-2: the master is the owned slice of the parameters itself
+                master = self.store.hold_master(full[lo:hi], alias_ok=not self.mixed and stage < 3)
             del full
             for p, (start, end) in zip(self.params, self.ranges):
                 p.data = self.flat_param[start:end].view(p.shape)
-        self.master_shard = nn.Parameter(master, requires_grad=True)  # 1D, shard_numel: what the optimizer steps
+        self.master_dtype = master_dtype  # the parameters' dtype, which they get back at the end of fit
+        # 1D, shard_numel: what the optimizer steps (a frozen unit: its compute shard, stepped by nothing)
+        self.master_shard = nn.Parameter(master, requires_grad=not spec.frozen)
         # stage 3: the compute-dtype shard that all-gathers read (the master itself in full precision)
-        self._compute_shard = (master if not self.mixed else master.to(compute_dtype)) if stage >= 3 else None
+        self._compute_shard = None
+        if stage >= 3:
+            self._compute_shard = master if not self.mixed or spec.frozen else master.to(compute_dtype)
         self.accumulates_locally = stage == 1  # see [Note: gradient buffers]
         self.flat_grad: Optional[Tensor] = None  # stage 1: 1D, padded_numel, while the unit has local gradients
         self.shard_grad: Optional[Tensor] = None  # 1D, shard_numel, from the first reduction until the step
@@ -246,7 +252,7 @@ class FlatUnit:
     def publish(self) -> None:
         """After the optimizer stepped the master: write it, in the compute dtype, where the next
         all-gather reads. A no-op in full precision, where the master is that very tensor."""
-        if self.mixed:
+        if self.mixed and not self.spec.frozen:
             self.store.publish(self.master_shard.detach(), self.compute_shard())
 
     @property
@@ -282,7 +288,9 @@ class FlatUnit:
         if values is None:
             self._require_gathered("hand back")
         for p, (start, end) in zip(self.params, self.ranges):
-            p.data = (values[start:end].view(p.shape) if values is not None else p.detach()).clone()
+            # the masters in their dtype (a frozen unit's are in the compute dtype), or the gathered parameters
+            p.data = values[start:end].view(p.shape).to(self.master_dtype, copy=True) if values is not None \
+                else p.detach().clone()
             mark_gathered(p)
         self.owns_params = False
 
@@ -292,7 +300,7 @@ class FlatUnit:
         shard (and master)."""
         lo, hi = self.spec.shard_range(self.rank)
         self.compute_shard().copy_(self.flat_param[lo:hi])
-        if self.mixed:
+        if self.mixed and not self.spec.frozen:
             self.master_shard.data.copy_(self.flat_param[lo:hi])
 
     def _require_gathered(self, what: str) -> None:

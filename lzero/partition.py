@@ -22,6 +22,9 @@ from typing import Any, Iterator, Sequence
 GroupKey = tuple[int, int]
 """(optimizer index, param group index) of a parameter."""
 
+FROZEN: GroupKey = (-1, -1)
+"""The group of a parameter that does not train (stage 3 shards it too): no optimizer steps it."""
+
 
 @dataclass(frozen=True)
 class ParamSpec:
@@ -35,6 +38,10 @@ class ParamSpec:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def frozen(self) -> bool:
+        return self.group == FROZEN
 
     @property
     def kind(self) -> tuple[GroupKey, bool]:
@@ -64,6 +71,11 @@ class UnitSpec:
     @property
     def shard_numel(self) -> int:
         return self.padded_numel // self.world_size
+
+    @property
+    def frozen(self) -> bool:
+        """A unit of parameters that do not train: no master, gradient or optimizer state."""
+        return self.group == FROZEN
 
     def shard_range(self, rank: int) -> tuple[int, int]:
         """[start, end) of rank's shard in the flat buffer."""
@@ -112,6 +124,7 @@ class Partition:
                         ranks[rank] = [a - start, b - start]
                 params[spec.name] = {
                     "unit": unit.index,
+                    "frozen": spec.frozen,
                     "group": list(spec.group),
                     "offset": start,
                     "numel": spec.numel,

@@ -205,7 +205,8 @@ def inspect(checkpoint_dir: Any) -> dict[str, Any]:
                               f" `torch.load('{source}', weights_only=True, mmap=True)`.")
     reader = ShardedCheckpoint(source)
     m = reader.manifest
-    trainable, other = sum(p["numel"] for p in m["params"].values()), reader.module_state_numel()
+    trainable = sum(p["numel"] for p in m["params"].values() if not p.get("frozen"))
+    other = reader.module_state_numel() + sum(p["numel"] for p in m["params"].values() if p.get("frozen"))
     return {
         "path": str(reader.path), "save_id": m["save_id"], "world_size": m["world_size"], "stage": m.get("stage"),
         "precision": m.get("precision"), "global_step": m.get("global_step"), "epoch": m.get("epoch"),

@@ -98,9 +98,17 @@ def load_module_state(engine: Optional["ZeroEngine"], module: nn.Module, checkpo
         return
     specs = {spec.name: spec for unit in engine.units for spec in unit.spec.params}
     if reader is not None:
-        saved_shapes = {n: tuple(p["shape"]) for n, p in reader.manifest["params"].items()}
-        fetch = lambda name, a, b: reader.read_range(f"param/{name}", a, b)  # noqa: E731
+        # A frozen parameter is sharded at stage 3 and a whole tensor of the module state elsewhere: read it
+        # from wherever the saving run kept it.
         rest = reader.lightning_state()["lzero/module_state"]
+        sharded = reader.manifest["params"]
+        saved_shapes = {**{k: tuple(v.shape) for k, v in rest.items()}, **{n: tuple(p["shape"]) for n, p in sharded.items()}}
+        whole = fetch_full(rest)
+        fetch = lambda name, a, b: (reader.read_range(f"param/{name}", a, b) if name in sharded  # noqa: E731
+                                    else whole(name, a, b))
+        managed_now = {id(p) for unit in engine.units for p in unit.params}
+        rest = {**rest, **{k: reader.state_tensor(k) for k, v in module.state_dict(keep_vars=True).items()
+                           if k not in rest and id(v) not in managed_now and reader.param_name(k)}}
     else:
         state = checkpoint["state_dict"]
         saved_shapes = {k: tuple(v.shape) for k, v in state.items()}

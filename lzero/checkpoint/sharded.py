@@ -75,6 +75,8 @@ def _local_pieces(engine: "ZeroEngine", optimizers: Sequence[ShardedOptimizer]) 
         master = unit.master_shard.detach()
         for spec, a, b, piece in shard_pieces(unit, master):
             tensors[f"param/{spec.name}"], ranges[f"param/{spec.name}"] = piece, [a, b]
+        if unit.spec.index not in owner:  # a frozen unit: no optimizer state
+            continue
         k, zopt = owner[unit.spec.index]
         state = zopt.shard_optimizer(unit).state.get(unit.master_shard, {})
         for key, value in state.items():
@@ -97,12 +99,12 @@ def describe(engine: "ZeroEngine", checkpoint: dict[str, Any], **fields: Any) ->
     key -> the parameter name it shares), step and epoch, plus ``fields``. ``checkpoint["state_dict"]``
     is the sharded form (:func:`lzero.checkpoint.state_dict.sharded_state_dict`)."""
     state = checkpoint.get("state_dict", {})
-    params = {spec.name: {"shape": list(spec.shape), "numel": spec.numel}
+    params = {spec.name: {"shape": list(spec.shape), "numel": spec.numel, **({"frozen": True} if spec.frozen else {})}
               for unit in engine.units for spec in unit.spec.params}
     manifest = {
         **fields, "global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch"),
         "pytorch-lightning_version": checkpoint.get("pytorch-lightning_version"),
-        "parameter_count": sum(p["numel"] for p in params.values()), "params": params,
+        "parameter_count": sum(p["numel"] for p in params.values() if not p.get("frozen")), "params": params,
         "state_dict_keys": list(state),
         "aliases": {k: v.spec.name for k, v in state.items() if isinstance(v, ShardedTensor) and v.spec.name != k},
     }
