@@ -157,6 +157,7 @@ class ZeroEngine:
     def gather_root(self) -> None:
         """Stage 3: the root unit stays gathered from the start of a step to the end of its backward."""
         if self.gatherer is not None:
+            self.gatherer.begin_step()
             self.gatherer.gather(ROOT)
 
     def release_all(self) -> None:

@@ -9,6 +9,13 @@ its gradient, the block is released again (its gradients are then reduce-scatter
 engine, as at stage 2). The root unit (parameters outside every block, e.g. tied embeddings) is
 gathered for the whole step by the strategy and released at the end of backward.
 
+A block holding frozen parameters (no gradient of their own) may still need them in backward: to
+compute the gradient of its inputs, or of a trainable adapter behind them. Such a block also waits
+for the gradient of every input that requires one (hooks registered in its forward pre-hook): once
+both its parameters' and its inputs' gradients are in, no backward node of the block is left. A
+block none of whose inputs or parameters require gradients has no backward and is released after
+its forward (a frozen reference model under ``torch.no_grad()``).
+
 The order in which blocks ran in the first forward is recorded; from then on, entering block k
 also launches the all-gathers of the next ``prefetch`` blocks (reversed in backward), so their
 communication overlaps the current block's compute.
@@ -67,6 +74,8 @@ class Block:
         self.state = BlockState.RELEASED
         self.handles: list[Any] = []
         self.pending_grads = 0  # params of the block still waiting for a gradient in this backward
+        self.pending_inputs = 0  # blocks with frozen units: inputs still waiting for their gradient
+        self.has_frozen = any(u.spec.frozen for u in self.units)
 
 
 class Gatherer:
@@ -176,6 +185,20 @@ class Gatherer:
                 self.order.append(name)
             self.gather(name)
             self._prefetch_after(name, +1)
+            block = self.blocks[name]
+            if block.has_frozen and torch.is_grad_enabled():
+                for t in tree_flatten(args)[0]:
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        block.pending_inputs += 1
+                        t.register_hook(self._input_grad_hook(name))
+        return hook
+
+    def _input_grad_hook(self, name: str):
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            block = self.blocks[name]
+            block.pending_inputs -= 1
+            self._release_if_done(block)
+            return grad
         return hook
 
     def _post_forward_hook(self, name: str):
@@ -199,6 +222,11 @@ class Gatherer:
 
     # --- backward bookkeeping (called by the engine) -----------------------------------------
 
+    def begin_step(self) -> None:
+        """A training step starts: forget input gradients a forward without backward left pending."""
+        for block in self.blocks.values():
+            block.pending_inputs = 0
+
     def start_backward(self) -> None:
         for block in self.blocks.values():
             block.pending_grads = sum(u.expected for u in block.units)
@@ -207,7 +235,10 @@ class Gatherer:
         """One parameter of ``unit`` got its gradient; a block whose gradients are all in is released."""
         block = self._block_of_unit[id(unit)]
         block.pending_grads -= 1
-        if block.pending_grads == 0 and block.name:
+        self._release_if_done(block)
+
+    def _release_if_done(self, block: Block) -> None:
+        if block.pending_grads <= 0 and block.pending_inputs <= 0 and block.name:
             self.release(block.name)
 
     def block_of(self, unit: FlatUnit) -> Optional[Block]:
