@@ -1,0 +1,60 @@
+"""Sharded checkpoints of a model with a frozen layer, resumed through changes of stage and world size,
+against DDP resumed the same way (Lightning re-runs this script for the other ranks).
+
+    python tests/scripts/frozen_ckpt_runs.py WORLD_SIZE LEG OUT_DIR
+
+Leg k resumes leg k-1's ``last.ckpt`` and trains 10 more steps. The chain: zero1 at world size 2 (the
+frozen layer kept whole in the checkpoint, as every checkpoint before frozen sharding kept it), zero3
+at 1, zero3 at 2 (the frozen layer saved as sharded pieces), zero1 at 1; DDP the same. The samples are a
+function of the global step (skip_runs.step_batch), so every world size sees the same global batches.
+Rank 0 writes ``OUT_DIR/<strategy>_leg<k>.pt``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+from skip_runs import Toy, data, step_batch  # noqa: E402
+
+from lzero import ZeroStrategy  # noqa: E402
+
+CHAIN = [(2, 1), (1, 3), (2, 3), (1, 1)]  # (world size, ZeRO stage) of each leg
+
+
+class FrozenToy(Toy):
+    def __init__(self) -> None:
+        super().__init__({})
+        self.frozen = nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = step_batch(self.trainer.global_step, self.global_rank, self.trainer.world_size)
+        return nn.functional.mse_loss(self.net(x + torch.tanh(self.frozen(x))), y)
+
+
+def main(leg: int, kind: str, out: Path) -> None:
+    world_size, stage = CHAIN[leg]
+    torch.manual_seed(0)
+    model = FrozenToy()
+    strategy = "ddp" if kind == "ddp" else ZeroStrategy(stage=stage)
+    trainer = Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=10 * (leg + 1),
+                      logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[ModelCheckpoint(dirpath=out / f"{kind}_leg{leg}", save_last=True,
+                                                 every_n_train_steps=10)])
+    resume = str(out / f"{kind}_leg{leg - 1}" / "last.ckpt") if leg else None
+    trainer.fit(model, data(), ckpt_path=resume)
+    if trainer.is_global_zero:
+        torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, out / f"{kind}_leg{leg}.pt")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main(int(sys.argv[1]), sys.argv[2], Path(sys.argv[3]))
