@@ -53,6 +53,20 @@ class LoRANet(nn.Module):
         return self.head(h)
 
 
+def train(model: nn.Module, opt: torch.optim.Optimizer, batches: list, bf16: bool, before=lambda: None) -> list[float]:
+    """Cross-entropy steps over ``batches``; the losses. ``before`` runs ahead of each forward."""
+    losses = []
+    for x, y in batches:
+        before()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = nn.functional.cross_entropy(model(x).float(), y)
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
 def lora_run(rank: int, world_size: int, bf16: bool) -> dict:
     """4 AdamW steps of the adapters; live bytes after the last step; parameters against DDP."""
     torch.manual_seed(0)
@@ -69,33 +83,17 @@ def lora_run(rank: int, world_size: int, bf16: bool) -> dict:
                for _ in range(4)]
     frozen_numel = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     trainable_numel = sum(p.numel() for p in trainable)
-    losses, ref_losses = [], []
-    for x, y in batches:
-        engine.gather_root()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = nn.functional.cross_entropy(model(x).float(), y)
-        loss.backward()
-        losses.append(loss.item())
-        zopt.step()
-        zopt.zero_grad()
-        del loss
+    losses = train(model, zopt, batches, bf16, before=engine.gather_root)
     reference_bytes = sum(p.numel() * p.element_size() for p in reference.parameters())
     between = live_tensor_bytes() - reference_bytes  # the reference copy (whole, fp32) is alive too
     engine.unshard()
     ours = {n: p.detach().clone() for n, p in model.named_parameters()}
     engine.remove()
     ddp = DDP(reference)
-    ddp_opt = torch.optim.AdamW([p for p in ddp.parameters() if p.requires_grad], lr=1e-2)
-    for x, y in batches:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            ref_loss = nn.functional.cross_entropy(ddp(x).float(), y)
-        ref_loss.backward()
-        ref_losses.append(ref_loss.item())
-        ddp_opt.step()
-        ddp_opt.zero_grad()
+    ref_losses = train(ddp, torch.optim.AdamW([p for p in ddp.parameters() if p.requires_grad], lr=1e-2), batches, bf16)
     theirs = {n: p.detach() for n, p in ddp.module.named_parameters()}
-    return {"between": between, "worst_loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)), "frozen": frozen_numel, "trainable": trainable_numel,
-            "padding": engine.partition.padding_numel,
+    return {"between": between, "worst_loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "frozen": frozen_numel, "trainable": trainable_numel, "padding": engine.partition.padding_numel,
             "bitwise": all(torch.equal(ours[n], theirs[n]) for n in theirs),
             "max_diff": max((ours[n].float() - theirs[n].float()).abs().max().item() for n in trainable_names),
             # frozen: unchanged (under bf16-mixed, kept as their bf16 rounding: 2 bytes each, as in DeepSpeed)
