@@ -447,9 +447,32 @@ def equivalence(rank: int, world_size: int, configs: list[dict]) -> dict:
     return {"ddp": against_ddp(rank, world_size, configs), "reuse": stage3_reuse_and_checkpointing(rank, world_size)}
 
 
+def stage3_bf16_between_steps(rank: int, world_size: int) -> dict:
+    """bf16-mixed stage 3: live bytes after the third step (bf16 shard, fp32 master, Adam; no gradient)."""
+    torch.manual_seed(0)
+    model = Deep()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=3), PrecisionPolicy(torch.bfloat16, torch.float32))
+    zopt = ZeroOptimizer(opt, engine, 0)
+    x, y = torch.randint(0, 64, (4, 3)), torch.randint(0, 64, (4,))
+    for _ in range(3):
+        engine.gather_root()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = nn.functional.cross_entropy(model(x).float(), y)
+        loss.backward()
+        zopt.step()
+        zopt.zero_grad()
+        del loss
+    result = {"between": live_tensor_bytes(), "psi": sum(p.numel() for p in model.parameters()),
+              "padding": engine.partition.padding_numel}
+    engine.remove()
+    return result
+
+
 def memory(rank: int, world_size: int, bucket: int, stages_1_2: bool) -> dict:
     """tests/test_memory.py: live bytes at stages 1-2 (fp32 and bf16-mixed), stage-3 peaks and totals."""
-    result = {"stage3": {prefetch: stage3_memory(rank, world_size, prefetch) for prefetch in (0, 1, 2)}}
+    result = {"stage3": {prefetch: stage3_memory(rank, world_size, prefetch) for prefetch in (0, 1, 2)},
+              "stage3_bf16": stage3_bf16_between_steps(rank, world_size)}
     if stages_1_2:
         result["fp32"] = {stage: memory_after_backward(rank, world_size, stage, bucket) for stage in (1, 2)}
         result["bf16"] = {stage: memory_after_backward(rank, world_size, stage, bucket, torch.bfloat16)

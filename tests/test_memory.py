@@ -76,3 +76,13 @@ def test_stage3_memory(ranks: tuple[int, list[dict]], prefetch: int) -> None:
         assert r["units"] >= 9
         assert formula - padding <= r["between"] <= formula + padding + 1024  # + the batch, Adam step counters
         assert r["peak_params"] <= bound + 4 < r["full_bytes"]  # + the shared one-element NaN placeholder
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4], indirect=True)
+def test_stage3_bf16_mixed_between_steps(ranks: tuple[int, list[dict]]) -> None:
+    """bf16-mixed at stage 3 between steps: 2 bytes/param of bf16 shard + 12 of fp32 master and Adam moments, / N."""
+    world_size, results = ranks
+    for r in (res["stage3_bf16"] for res in results):
+        formula = 14 * r["psi"] / world_size
+        print(f"bf16-mixed stage 3 N={world_size}: between steps {r['between']} bytes, 14Psi/N {formula:.0f}")
+        assert formula - 14 * r["padding"] <= r["between"] <= formula + 14 * r["padding"] + 1024
