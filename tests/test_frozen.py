@@ -93,12 +93,17 @@ def lora_run(rank: int, world_size: int, bf16: bool) -> dict:
     between = live_tensor_bytes() - reference_bytes  # the reference copy (whole, fp32) is alive too
     engine.unshard()
     ours = {n: p.detach().clone() for n, p in model.named_parameters()}
+    padding = engine.partition.padding_numel
     engine.remove()
+    del engine, zopt, opt, trainable  # lzero's shards and optimizer state, before measuring DDP
     ddp = DDP(reference)
-    ref_losses = train(ddp, torch.optim.AdamW([p for p in ddp.parameters() if p.requires_grad], lr=1e-2), batches, bf16)
+    ddp_opt = torch.optim.AdamW([p for p in ddp.parameters() if p.requires_grad], lr=1e-2)
+    ref_losses = train(ddp, ddp_opt, batches, bf16)
+    others = [*model.parameters(), *ours.values()]  # lzero's model (whole again) and its copy are alive too
+    ddp_between = live_tensor_bytes() - sum(t.numel() * t.element_size() for t in others)
     theirs = {n: p.detach() for n, p in ddp.module.named_parameters()}
-    return {"between": between, "worst_loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
-            "frozen": frozen_numel, "trainable": trainable_numel, "padding": engine.partition.padding_numel,
+    return {"between": between, "ddp_between": ddp_between, "worst_loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            "frozen": frozen_numel, "trainable": trainable_numel, "padding": padding,
             "bitwise": all(torch.equal(ours[n], theirs[n]) for n in theirs),
             "max_diff": max((ours[n].float() - theirs[n].float()).abs().max().item() for n in trainable_names),
             # frozen: unchanged (under bf16-mixed, kept as their bf16 rounding: 2 bytes each, as in DeepSpeed)
@@ -115,6 +120,9 @@ def test_lora_frozen_weights_sharded(bf16: bool) -> None:
               f" between steps {r['between']} bytes, formula {formula:.0f}; vs DDP bitwise={r['bitwise']}"
               f" max |diff| {r['max_diff']:.2e}, worst loss difference {r['worst_loss_diff']:.2e}")
         assert formula <= r["between"] <= 1.05 * formula + 4096  # + the batch, step counters, the placeholder
+        ddp_formula = 4 * (r["frozen"] + r["trainable"]) + 8 * r["trainable"]  # whole fp32 model + Adam
+        print(f"  the same model under DDP: {r['ddp_between']} bytes between steps (formula {ddp_formula})")
+        assert ddp_formula <= r["ddp_between"] <= 1.05 * ddp_formula + 4096
         assert r["frozen_unchanged"]
         if not bf16:
             assert r["bitwise"]
