@@ -258,3 +258,22 @@ def test_frozen_layers_built_on_the_meta_device() -> None:
         assert r["finite"] and r["lora_b_zero"] and r["same_on_every_rank"]
         assert r["frozen_full"] / 2 <= r["frozen_bytes"] <= r["frozen_full"] / 2 + 64  # sharded: a half each
         assert r["bitwise"]  # trains exactly as a plain copy of the materialized weights
+
+
+def test_a_checkpoint_of_the_previous_release_resumes(tmp_path) -> None:
+    """tests/data/stop7_zero3_frozen.ckpt was written by lzero 80ea050 (zero3, world size 2, step 10), which kept
+    the frozen layer whole in the module state; resumed by today's zero3 (which shards it) to step 20, it
+    matches 20 uninterrupted steps."""
+    from pathlib import Path
+
+    from _launch import run_script
+
+    old = Path(__file__).parent / "data" / "stop7_zero3_frozen.ckpt"
+    run_script("frozen_ckpt_runs.py", "old", str(old), str(tmp_path))
+    ours = torch.load(tmp_path / "old_resumed.pt", weights_only=True)
+    ref = torch.load(tmp_path / "uninterrupted.pt", weights_only=True)
+    rel = max(((ours[k] - ref[k]).norm() / ref[k].norm()).item() for k in ref)
+    print(f"resumed from the previous release's checkpoint vs uninterrupted: max relative difference {rel:.2e}")
+    assert rel < 1e-6
+    for k in ("frozen.weight", "frozen.bias"):
+        assert torch.equal(ours[k], ref[k])

@@ -1,13 +1,15 @@
 """Sharded checkpoints of a model with a frozen layer, resumed through changes of stage and world size,
 against DDP resumed the same way (Lightning re-runs this script for the other ranks).
 
-    python tests/scripts/frozen_ckpt_runs.py WORLD_SIZE LEG OUT_DIR
+    python tests/scripts/frozen_ckpt_runs.py LEG KIND OUT_DIR
+    python tests/scripts/frozen_ckpt_runs.py old CHECKPOINT OUT_DIR
 
 Leg k resumes leg k-1's ``last.ckpt`` and trains 10 more steps. The chain: zero1 at world size 2 (the
 frozen layer kept whole in the checkpoint, as every checkpoint before frozen sharding kept it), zero3
 at 1, zero3 at 2 (the frozen layer saved as sharded pieces), zero1 at 1; DDP the same. The samples are a
 function of the global step (skip_runs.step_batch), so every world size sees the same global batches.
-Rank 0 writes ``OUT_DIR/<strategy>_leg<k>.pt``.
+Rank 0 writes ``OUT_DIR/<strategy>_leg<k>.pt``. ``old``: zero3 at world size 2 resumes CHECKPOINT (written at
+step 10 by an earlier lzero release) to step 20, and trains 20 steps uninterrupted for comparison.
 """
 
 from __future__ import annotations
@@ -40,21 +42,29 @@ class FrozenToy(Toy):
         return nn.functional.mse_loss(self.net(x + torch.tanh(self.frozen(x))), y)
 
 
-def main(leg: int, kind: str, out: Path) -> None:
-    world_size, stage = CHAIN[leg]
+def fit(name: str, strategy: Any, world_size: int, steps: int, out: Path, resume: str | None = None) -> None:
     torch.manual_seed(0)
     model = FrozenToy()
-    strategy = "ddp" if kind == "ddp" else ZeroStrategy(stage=stage)
-    trainer = Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=10 * (leg + 1),
-                      logger=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[ModelCheckpoint(dirpath=out / f"{kind}_leg{leg}", save_last=True,
-                                                 every_n_train_steps=10)])
-    resume = str(out / f"{kind}_leg{leg - 1}" / "last.ckpt") if leg else None
+    trainer = Trainer(accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[ModelCheckpoint(dirpath=out / name, save_last=True, every_n_train_steps=10)])
     trainer.fit(model, data(), ckpt_path=resume)
     if trainer.is_global_zero:
-        torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, out / f"{kind}_leg{leg}.pt")
+        torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, out / f"{name}.pt")
+
+
+def main(leg: int, kind: str, out: Path) -> None:
+    world_size, stage = CHAIN[leg]
+    resume = str(out / f"{kind}_leg{leg - 1}" / "last.ckpt") if leg else None
+    fit(f"{kind}_leg{leg}", "ddp" if kind == "ddp" else ZeroStrategy(stage=stage), world_size, 10 * (leg + 1), out,
+        resume)
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    main(int(sys.argv[1]), sys.argv[2], Path(sys.argv[3]))
+    if sys.argv[1] == "old":
+        out_dir = Path(sys.argv[3])
+        fit("old_resumed", ZeroStrategy(stage=3), 2, 20, out_dir, resume=sys.argv[2])
+        fit("uninterrupted", ZeroStrategy(stage=3), 2, 20, out_dir)
+    else:
+        main(int(sys.argv[1]), sys.argv[2], Path(sys.argv[3]))
