@@ -49,13 +49,14 @@ from pathlib import Path
 import lightning
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch import Callback, seed_everything
 from typing_extensions import override
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_step_time import (  # noqa: E402
     WORLD_SIZE,
     FSDP2DemoGPT,
+    bench_trainer,
     lzero_revision,
     make_strategy,
     peak_rss_mb,
@@ -305,20 +306,8 @@ def run_one(strategy: str, args: argparse.Namespace) -> dict:
     steps = args.profile_step + 3
     data = TextDataModule(block_size=shape["block_size"], batch_size=args.batch_size, steps_per_epoch=steps)
     probe = MemoryProbe(args.profile_step, timeline=not args.no_timeline)
-    trainer = Trainer(
-        accelerator="cuda" if torch.cuda.is_available() else "cpu",
-        devices=WORLD_SIZE,
-        strategy=make_any_strategy(strategy, args.batch_size),
-        precision="32-true",
-        max_steps=steps,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        callbacks=[probe],
-        enable_checkpointing=False,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = bench_trainer(make_any_strategy(strategy, args.batch_size), steps, probe,
+                            accelerator="cuda" if torch.cuda.is_available() else "cpu")
     trainer.fit(model, datamodule=data)
     per_rank = [probe.result] * 1
     if dist.is_initialized():

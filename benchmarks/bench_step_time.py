@@ -152,6 +152,13 @@ def gather_floats(value: float) -> list[float]:
     return values
 
 
+def bench_trainer(strategy: Strategy | str, steps: int, callback: Callback, accelerator: str = "cpu") -> Trainer:
+    """A fp32 Trainer on WORLD_SIZE processes that only trains (no validation, checkpoints, logs or bars)."""
+    return Trainer(accelerator=accelerator, devices=WORLD_SIZE, strategy=strategy, precision="32-true",
+                   max_steps=steps, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[callback],
+                   enable_checkpointing=False, logger=False, enable_progress_bar=False, enable_model_summary=False)
+
+
 def run_one(strategy: str, args: argparse.Namespace) -> Result:
     shape = MODEL_SHAPES["small" if args.small else "full"]
     seed_everything(0, verbose=False)
@@ -161,20 +168,7 @@ def run_one(strategy: str, args: argparse.Namespace) -> Result:
         block_size=shape["block_size"], batch_size=args.batch_size, steps_per_epoch=args.warmup + args.steps
     )
     timer = StepTimer(args.warmup)
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=WORLD_SIZE,
-        strategy=make_strategy(strategy),
-        precision="32-true",
-        max_steps=args.warmup + args.steps,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        callbacks=[timer],
-        enable_checkpointing=False,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = bench_trainer(make_strategy(strategy), args.warmup + args.steps, timer)
     reset_peak_rss()
     trainer.fit(model, datamodule=data)
     result = Result(strategy, timer.times, gather_floats(peak_rss_mb()))
