@@ -252,10 +252,13 @@ class ZeroEngine:
         self._hooks = []
         parameters.unwatch(self._where, self._on_module_zero_grad)
         if self.gatherer is not None:
-            self.gatherer.remove()
-            for pg in (self._gather_group, self._check_group):
-                if pg is not None and not after_failure:
+            # after a failure, a prefetch still in flight on the gather group may wait for a rank that is gone:
+            # that group is left alive then; the check group runs synchronous collectives only
+            pending = after_failure and self.gatherer.gathers_in_flight()
+            for pg in (None if pending else self._gather_group, self._check_group):
+                if pg is not None:
                     dist.destroy_process_group(pg)
+            self.gatherer.remove()
             self._gather_group = self._check_group = None
         self.reducer.remove(after_failure)
 

@@ -165,6 +165,10 @@ class Gatherer:
         for name in self.blocks:
             self.release(name)
 
+    def gathers_in_flight(self) -> bool:
+        """Some all-gather was launched and not waited for."""
+        return any(block.handles for block in self.blocks.values())
+
     def gathered_names(self) -> list[str]:
         return [n for n, b in self.blocks.items() if b.state is not BlockState.RELEASED]
 

@@ -120,11 +120,13 @@ class Reducer:
         return bool(flag.item())
 
     def remove(self, after_failure: bool = False) -> None:
-        """Destroy the flag group; ``after_failure``: without waiting for reductions in flight or touching the group."""
+        """Destroy the flag group; ``after_failure``: without waiting for reductions in flight (they run on the
+        main group). The flag group only ever runs synchronous collectives, so nothing can be pending on it and
+        destroying it waits for no other rank; left alive, a failed fit's groups could abort the process at exit."""
         if after_failure:
             self._inflight.clear()
         else:
             self.wait()
-            if self.flag_group is not None:
-                dist.destroy_process_group(self.flag_group)
+        if self.flag_group is not None:
+            dist.destroy_process_group(self.flag_group)
         self.flag_group = None

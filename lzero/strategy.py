@@ -313,11 +313,10 @@ class ZeroStrategy(DDPStrategy):
         process then exits with the user's exception, and its peers, blocked in a collective with
         it, see the closed connection and fail within seconds, as under DDP."""
         failed, self._failure, self._ranks_together = self._failure is not None, None, None
-        if self._exit_group is not None:
-            if not failed:
-                import torch.distributed as dist
+        if self._exit_group is not None:  # synchronous barriers only: nothing pending, destroying waits for no rank
+            import torch.distributed as dist
 
-                dist.destroy_process_group(self._exit_group)
+            dist.destroy_process_group(self._exit_group)
             self._exit_group = None
         if self._saver is not None:
             saver, self._saver = self._saver, None
