@@ -18,7 +18,9 @@ the flat gradient while the reduced shard may be a separate tensor. So lzero has
   is already None, which is every parameter at stages 2-3, so it would never reach the setter.
   While an engine lives, ``nn.Module.zero_grad`` is wrapped to report the module afterwards, and
   the engine clears (or, with ``set_to_none=False``, zeroes but keeps stepping) the shard gradients
-  of that module's parameters. Modules whose parameters no engine manages are unaffected.
+  of that module's parameters, unit by unit. The ``p.grad = None`` writes torch's version makes on
+  the way (stage 1's ``p.grad`` views) are not reported one by one: the module report covers them.
+  Modules whose parameters no engine manages are unaffected.
 
 A parameter cleared alone, in a unit whose other parameters keep their gradients, gets a zero
 gradient in the step (stateful optimizers still move it, see ``ZeroConfig.find_unused_parameters``).
@@ -61,7 +63,7 @@ class ZeroParameter(nn.Parameter):
     @grad.setter
     def grad(self, value: Optional[Tensor]) -> None:
         _RAW_GRAD.__set__(self, value)
-        if value is None:
+        if value is None and not _INSIDE_MODULE_ZERO_GRAD[0]:  # a module's zero_grad is reported once, whole
             listener = _PARAM_LISTENERS.get(self)
             if listener is not None:
                 listener(self)
@@ -126,8 +128,15 @@ def mark_gathered(p: nn.Parameter) -> None:
         p.__class__ = ZeroParameter
 
 
+_INSIDE_MODULE_ZERO_GRAD = [0]  # depth of wrapped ``nn.Module.zero_grad`` calls running now
+
+
 def _zero_grad(self: nn.Module, set_to_none: bool = True) -> None:
-    _ORIGINAL_ZERO_GRAD(self, set_to_none)
+    _INSIDE_MODULE_ZERO_GRAD[0] += 1
+    try:
+        _ORIGINAL_ZERO_GRAD(self, set_to_none)
+    finally:
+        _INSIDE_MODULE_ZERO_GRAD[0] -= 1
     for listener in list(_MODULE_LISTENERS):
         listener(self, set_to_none)
 
