@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import functools
 from dataclasses import dataclass, fields, replace
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 BUILT_STAGES = (1, 2, 3)
 """Stages this release implements; the others are refused with a clear error."""
@@ -15,6 +15,37 @@ OffloadDevice = Literal["none", "cpu", "nvme"]
 
 class ZeroConfigError(ValueError):
     """A configuration value that lzero cannot run with; the message names the value and the fix."""
+
+
+NVME_KEYS = ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pipeline_read", "pipeline_write")
+"""DeepSpeed offload keys that belong to NVMe offload (ZeRO-Infinity), not built in this release."""
+
+
+@dataclass(frozen=True)
+class OffloadOptimizer:
+    """DeepSpeed's ``offload_optimizer`` block (its names and defaults)."""
+
+    device: OffloadDevice = "none"
+    """"none": on the device the model computes on; "cpu": host memory; "nvme": not built yet."""
+
+    pin_memory: bool = True
+    """On CUDA, keep the host tensors the copies read and write in page-locked memory, so copies run
+    asynchronously at full bus speed. Ignored (nothing to pin) when the model computes on the CPU."""
+
+    ratio: float = 1.0
+    """The fraction of the optimizer state (by elements) that is offloaded; the first units, up to
+    ``1 - ratio`` of the elements, keep their state on the device and step there (DeepSpeed's Twin-Flow)."""
+
+
+@dataclass(frozen=True)
+class OffloadParam:
+    """DeepSpeed's ``offload_param`` block (its names and defaults); stage 3 only."""
+
+    device: OffloadDevice = "none"
+    """"none": parameter shards on the device; "cpu": in host memory; "nvme": not built yet."""
+
+    pin_memory: bool = True
+    """As :attr:`OffloadOptimizer.pin_memory`."""
 
 
 @dataclass(frozen=True)
@@ -82,12 +113,22 @@ class ZeroConfig:
     """Before every training step, overwrite module buffers (BatchNorm running statistics...) with
     rank 0's, as DDP does by default, so evaluation sees the same buffers on every rank."""
 
-    offload_optimizer: OffloadDevice = "none"
-    """Where the fp32 master shards and optimizer state live: "none" (the device), "cpu" or "nvme".
-    Only "none" is built in this release."""
+    offload_optimizer: Union[OffloadDevice, dict[str, Any], OffloadOptimizer] = "none"
+    """Where the fp32 master shards, the shard gradients and the optimizer state live (stages 1-3), as
+    DeepSpeed's ``offload_optimizer`` block: a device name ("none", "cpu") or
+    ``{device: cpu, pin_memory: true, ratio: 1.0}``. See :class:`OffloadOptimizer` for each key.
+    NVMe ("nvme" and its keys) is not built in this release and is refused by name."""
 
-    offload_param: OffloadDevice = "none"
-    """Where stage-3 parameter shards live between uses. Only "none" is built in this release."""
+    offload_param: Union[OffloadDevice, dict[str, Any], OffloadParam] = "none"
+    """Stage 3 only: where the 16-bit parameter shards live between uses, as DeepSpeed's ``offload_param``
+    block: "none", "cpu" or ``{device: cpu, pin_memory: true}`` (see :class:`OffloadParam`). Each unit's
+    shard is copied to the device inside the stage-3 prefetch, before its all-gather."""
+
+    sub_group_size: int = 1_000_000_000
+    """With ``offload_optimizer``: elements the host optimizer steps before it sends the stepped values back
+    to the device (and, at stages 1-2, launches their all-gather). Consecutive units are stepped in groups of
+    at most this many elements (a larger unit is a group of its own), so smaller groups start the copies back
+    earlier. DeepSpeed's key and default (1e9)."""
 
     train_batch_size: Optional[int] = None
     """The global batch you mean to train with. When set, the strategy checks at the start of
@@ -149,17 +190,18 @@ class ZeroConfig:
                     f"`unit_modules={self.unit_modules!r}` must be a list of class names. HINT: `unit_modules=['Block']`."
                 )
             object.__setattr__(self, "unit_modules", tuple(self.unit_modules))
-        for name in ("offload_optimizer", "offload_param"):
-            value = getattr(self, name)
-            if value not in ("none", "cpu", "nvme"):
-                raise ZeroConfigError(
-                    f"`{name}={value!r}` is not a store. HINT: use one of 'none', 'cpu', 'nvme'."
-                )
-            if value != "none":
-                raise ZeroConfigError(
-                    f"`{name}={value!r}`: offload is not built in this lzero release."
-                    f" HINT: use `{name}='none'`."
-                )
+        object.__setattr__(self, "offload_optimizer", _offload_block("offload_optimizer", self.offload_optimizer,
+                                                                     OffloadOptimizer))
+        object.__setattr__(self, "offload_param", _offload_block("offload_param", self.offload_param, OffloadParam))
+        if self.offload_param.device != "none" and self.stage < 3:
+            raise ZeroConfigError(
+                f"`offload_param={{'device': {self.offload_param.device!r}}}` at stage {self.stage}: only stage 3 shards"
+                " the parameters, so only stage 3 can keep them off the device. HINT: use `stage=3` (the"
+                " 'zero3_offload' strategy), or offload the optimizer state alone with `offload_optimizer='cpu'`."
+            )
+        if isinstance(self.sub_group_size, float) and self.sub_group_size.is_integer():
+            object.__setattr__(self, "sub_group_size", int(self.sub_group_size))
+        _check_positive_int("sub_group_size", self.sub_group_size)
         for name in ("overlap_comm", "broadcast_buffers", "find_unused_parameters", "allow_untested_optimizer"):
             if not isinstance(getattr(self, name), bool):
                 raise ZeroConfigError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
@@ -168,6 +210,56 @@ class ZeroConfig:
         """A copy with some fields changed; an unknown field name is refused with a suggestion."""
         _check_names(overrides, "lzero strategy option")
         return replace(self, **overrides)
+
+
+def _offload_block(name: str, value: Any, cls: type) -> Any:
+    """``value`` (a device name, a DeepSpeed-style dict, or ``cls``) as a checked ``cls``."""
+    if isinstance(value, str):
+        value = {"device": value}
+    elif isinstance(value, cls):
+        value = {f.name: getattr(value, f.name) for f in fields(cls)}
+    elif not isinstance(value, dict):
+        raise ZeroConfigError(
+            f"`{name}={value!r}` must be a device name or a block. HINT: `{name}='cpu'` or"
+            f" `{name}={{'device': 'cpu', 'pin_memory': True}}`."
+        )
+    known = [f.name for f in fields(cls)]
+    for key in value:
+        if key in NVME_KEYS:
+            raise ZeroConfigError(
+                f"`{name}.{key}` configures NVMe offload (ZeRO-Infinity), which is not built in this lzero release."
+                f" HINT: remove `{key}` and use `{name}={{'device': 'cpu'}}` (host memory)."
+            )
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"did you mean `{close[0]}`?" if close else f"the keys are: {', '.join(known)}."
+            raise ZeroConfigError(f"Unknown key `{name}.{key}`. HINT: {hint}")
+    block = {**{f.name: f.default for f in fields(cls)}, **value}
+    device = block["device"]
+    if device is None:
+        device = "none"
+    if device not in ("none", "cpu", "nvme"):
+        raise ZeroConfigError(
+            f"`{name}.device={device!r}` is not an offload device: without offload the state already lives on the"
+            " device the model computes on (the GPU). HINT: use 'none' (keep it there) or 'cpu' (host memory)."
+        )
+    if device == "nvme":
+        raise ZeroConfigError(
+            f"`{name}.device='nvme'`: NVMe offload (ZeRO-Infinity) is not built in this lzero release."
+            f" HINT: use `{name}={{'device': 'cpu'}}` (host memory)."
+        )
+    if not isinstance(block["pin_memory"], bool):
+        raise ZeroConfigError(f"`{name}.pin_memory={block['pin_memory']!r}` must be true or false.")
+    if "ratio" in block:
+        ratio = block["ratio"]
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+            raise ZeroConfigError(
+                f"`{name}.ratio={ratio!r}` must be a fraction in (0, 1]: the share of the optimizer state kept in"
+                " host memory. HINT: 1.0 offloads all of it; to offload none, use `device: none`."
+            )
+        block["ratio"] = float(ratio)
+    block["device"] = device
+    return cls(**block)
 
 
 def _check_names(kwargs: dict[str, Any], what: str) -> None:

@@ -32,7 +32,7 @@ from lzero.gather import Block, Gatherer, full_graphs_around
 from lzero.materialize import InitFn, Materializer, apply_order, common_seed, has_meta
 from lzero.partition import FROZEN, Partition, ParamSpec, UnitSpec, partition_by_label, partition_by_size
 from lzero.reducer import Reducer
-from lzero.store import store_for
+from lzero.store import ShardStore, stores_for
 from lzero.units import ROOT, find_blocks, label_parameters
 
 
@@ -50,7 +50,6 @@ class ZeroEngine:
                  device: torch.device = torch.device("cpu"), init_fn: Optional[InitFn] = None) -> None:
         self.config = config
         self.policy = policy if policy is not None else PrecisionPolicy()
-        self.store = store_for(config.offload_optimizer)
         self.group = group
         self.world_size = collectives.world_size(group)
         self.rank = collectives.rank(group)
@@ -65,6 +64,9 @@ class ZeroEngine:
         else:  # one parameter per unit when unused parameters must not be stepped (see ZeroConfig)
             unit_numel = 1 if config.find_unused_parameters else config.reduce_bucket_size
             self.partition = partition_by_size(specs, self.world_size, unit_numel)
+        # where each unit's state lives: see [Note: shard stores] in store.py
+        self._stores, self._param_store = stores_for(config, device,
+                                                     [0 if u.frozen else u.padded_numel for u in self.partition.units])
         self._cast_back: list[tuple[nn.Parameter, torch.dtype]] = []  # frozen parameters cast to param_dtype
         self.policy.check_module(module)
         if config.stage >= 3 and has_meta(module):
@@ -94,7 +96,8 @@ class ZeroEngine:
     # --- setup -------------------------------------------------------------------------------
 
     def _unit(self, spec: UnitSpec, params: list[nn.Parameter]) -> FlatUnit:
-        return FlatUnit(spec, params, self.rank, self.config.stage, store=self.store,
+        store = self._stores[spec.index] if not spec.frozen else self._param_store
+        return FlatUnit(spec, params, self.rank, self.config.stage, store=store, param_store=self._param_store,
                         **self.policy.unit_dtypes(spec.keep_fp32))
 
     def _materialize_by_unit(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
@@ -317,8 +320,24 @@ class ZeroEngine:
             self.release_all()
 
     def wait(self) -> None:
-        """Block until every launched reduction has landed in its shard."""
+        """Block until every launched reduction has landed in its shard (offloaded: in host memory)."""
         self.reducer.wait()
+        for store in self.stores:
+            store.finish()
+
+    @property
+    def stores(self) -> list[ShardStore]:
+        """The distinct stores this engine's units keep state in."""
+        found: list[ShardStore] = []
+        for store in [*self._stores, self._param_store]:
+            if not any(store is f for f in found):
+                found.append(store)
+        return found
+
+    @property
+    def offloaded(self) -> bool:
+        """Some unit keeps its state in host memory."""
+        return any(store.name != "device" for store in self.stores)
 
     def prepare_step(self, units: Sequence[FlatUnit]) -> None:
         """Make the shard gradients of ``units`` final. A collective: every rank calls it."""
@@ -371,11 +390,7 @@ class ZeroEngine:
         benchmarks/results_step_time.md). Finite gradients large enough for their sum
         to overflow fp32 are reported too, which only skips a step that was about to explode."""
         self.prepare_step(units)
-        device = units[0].flat_param.device if units else None
-        total = torch.zeros((), dtype=torch.float32, device=device)
-        for unit in units:
-            if unit.master_shard.grad is not None:  # no host sync per unit: the flag is read once
-                total += unit.shard_grad.sum(dtype=torch.float32)
+        total = self._sum_over(units, lambda g: g.sum(dtype=torch.float32))
         return self.reducer.any_rank((~torch.isfinite(total)).float())
 
     # --- gradient norm and clipping ----------------------------------------------------------
@@ -384,21 +399,38 @@ class ZeroEngine:
     def grad_norm(self, units: Sequence[FlatUnit]) -> Tensor:
         """Global L2 norm of the reduced gradients of ``units``: one all-reduce. A collective."""
         self.prepare_step(units)
+        total = self._sum_over(units, lambda g: g.float().pow(2).sum())
+        return collectives.all_reduce(total, group=self.group).sqrt()
+
+    def _sum_over(self, units: Sequence[FlatUnit], term: Callable[[Tensor], Tensor]) -> Tensor:
+        """The fp32 sum of ``term(shard gradient)`` over ``units`` that have one, on the compute device. Terms
+        are summed where the gradients live (no device sync per unit); host partial sums join at the end."""
         device = units[0].flat_param.device if units else None
-        total = torch.zeros((), dtype=torch.float32, device=device)
+        totals: dict[torch.device, Tensor] = {}
         for unit in units:
             if unit.master_shard.grad is not None:
-                total += unit.shard_grad.float().pow(2).sum()
-        return collectives.all_reduce(total, group=self.group).sqrt()
+                where = unit.shard_grad.device
+                if where not in totals:
+                    totals[where] = torch.zeros((), dtype=torch.float32, device=where)
+                totals[where] += term(unit.shard_grad)
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for part in totals.values():
+            total += part.to(device)
+        return total
 
     @torch.no_grad()
     def clip_grad_norm_(self, units: Sequence[FlatUnit], max_norm: float) -> Tensor:
         """Scale gradients as ``torch.nn.utils.clip_grad_norm_`` would on the whole model."""
         norm = self.grad_norm(units)
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        coefs: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         for unit in units:
             if unit.master_shard.grad is not None:
-                unit.shard_grad.mul_(coef.to(unit.shard_grad.dtype))
+                grad = unit.shard_grad
+                key = (grad.device, grad.dtype)
+                if key not in coefs:  # one copy per store and dtype, not per unit
+                    coefs[key] = coef.to(grad.device, grad.dtype)
+                grad.mul_(coefs[key])
         return norm
 
     @torch.no_grad()
@@ -416,7 +448,10 @@ class ZeroEngine:
         Units are coalesced into gathers of about ``allgather_bucket_size`` elements, and each gather
         is launched as soon as its units are stepped, so it overlaps the step of the next ones."""
         pending = []
-        for bucket in _coalesce(units, self.config.allgather_bucket_size):
+        limit = self.config.allgather_bucket_size
+        if self.offloaded:  # the host steps ``sub_group_size`` elements before their values go back
+            limit = min(limit, self.config.sub_group_size)
+        for bucket in _coalesce(units, limit):
             for unit in bucket:
                 if unit.master_shard.grad is not None:
                     step_unit(unit)

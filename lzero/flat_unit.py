@@ -68,11 +68,12 @@ class FlatUnit:
 
     def __init__(self, spec: UnitSpec, params: Sequence[nn.Parameter], rank: int, stage: int,
                  param_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None,
-                 store: Optional[ShardStore] = None) -> None:
+                 store: Optional[ShardStore] = None, param_store: Optional[ShardStore] = None) -> None:
         self.spec = spec
         self.params = list(params)
         self.rank = rank
-        self.store: ShardStore = store if store is not None else DeviceStore()
+        self.store: ShardStore = store if store is not None else DeviceStore()  # master, gradient, optimizer state
+        self.param_store: ShardStore = param_store if param_store is not None else self.store  # stage-3 shard
         self.ranges = [(start, end) for _, start, end in spec.param_ranges()]  # each param in the flat buffer
         lo, hi = spec.shard_range(rank)
         device, master_dtype = params[0].device, params[0].dtype
@@ -85,7 +86,7 @@ class FlatUnit:
                 full[start:end].copy_(p.detach().reshape(-1))
             self.flat_param = full.to(compute_dtype) if self.mixed else full  # 1D, padded_numel
             if spec.frozen:  # nothing steps it: the compute-dtype shard is all a rank keeps
-                master = self.flat_param[lo:hi].clone()
+                master = self.param_store.hold(self.flat_param[lo:hi])
             else:  # full precision at stages 1-2: the master is the owned slice of the parameters itself
                 master = self.store.hold_master(full[lo:hi], alias_ok=not self.mixed and stage < 3)
             del full
@@ -97,7 +98,8 @@ class FlatUnit:
         # stage 3: the compute-dtype shard that all-gathers read (the master itself in full precision)
         self._compute_shard = None
         if stage >= 3:
-            self._compute_shard = master if not self.mixed or spec.frozen else master.to(compute_dtype)
+            shares = spec.frozen or (not self.mixed and self.store is self.param_store)
+            self._compute_shard = master if shares else self.param_store.hold(master.to(compute_dtype))
         self.accumulates_locally = stage == 1  # see [Note: gradient buffers]
         self.flat_grad: Optional[Tensor] = None  # stage 1: 1D, padded_numel, while the unit has local gradients
         self.shard_grad: Optional[Tensor] = None  # 1D, shard_numel, from the first reduction until the step
@@ -145,11 +147,13 @@ class FlatUnit:
     @torch.no_grad()
     def land_reduced(self, out: Tensor) -> None:
         """A reduce-scatter into ``out`` (this rank's shard of the averaged gradients) completed."""
-        if self.accumulates_locally:  # the whole accumulated gradient is reduced at once, into its own slice
-            if self.shard_grad is None:
-                lo, hi = self.spec.shard_range(self.rank)
-                self.shard_grad = self.local_grads()[lo:hi] if not self.mixed else torch.empty_like(self.master_shard)
+        if self.accumulates_locally and self.store.name == "device" and not self.mixed:
+            # the whole accumulated gradient is reduced at once, into its own slice: the master's gradient
+            lo, hi = self.spec.shard_range(self.rank)
+            self.shard_grad = self.local_grads()[lo:hi]
             self.shard_grad.copy_(out)
+        elif self.accumulates_locally:  # a separate master: the reduced slice replaces its gradient
+            self.shard_grad = self.store.land_grad(None, out, self.master_shard.dtype)
         else:
             self.shard_grad = self.store.land_grad(self.shard_grad, out, self.master_shard.dtype)
         self.mark_reduced()
@@ -189,6 +193,7 @@ class FlatUnit:
         exists (or that the last step consumed), zeroed, so the next step still steps it with zeros, as torch
         steps a zeroed ``p.grad``."""
         had_grad = self.grad_state is not GradState.EMPTY or self.zero_after_step
+        self.store.finish()  # no gradient copy may land after the clearing
         self.release_grads()
         self.zero_after_step = False
         if set_to_none or not had_grad:
@@ -219,6 +224,7 @@ class FlatUnit:
         """The user cleared ``params[index].grad``: its part of the gradients is zeroed. With ``set_to_none`` it is
         also dropped: once every trainable parameter of the unit is, the unit has no gradient and is not stepped."""
         start, end = self.ranges[index]
+        self.store.finish()  # no gradient copy may land after the clearing
         if self.flat_grad is not None:
             self.flat_grad[start:end].zero_()
         lo, hi = self.spec.shard_range(self.rank)
@@ -251,9 +257,13 @@ class FlatUnit:
     @torch.no_grad()
     def publish(self) -> None:
         """After the optimizer stepped the master: write it, in the compute dtype, where the next
-        all-gather reads. A no-op in full precision, where the master is that very tensor."""
-        if self.mixed and not self.spec.frozen:
+        all-gather reads. A no-op when the master is that very tensor (full precision, not offloaded)."""
+        if not self.spec.frozen:
             self.store.publish(self.master_shard.detach(), self.compute_shard())
+
+    def gather_source(self) -> Tensor:
+        """The compute shard on the compute device, for an all-gather (a copy when it lives in host memory)."""
+        return self.param_store.fetch(self.compute_shard(), self.flat_param.device)
 
     @property
     def gathered(self) -> bool:
@@ -289,7 +299,8 @@ class FlatUnit:
             self._require_gathered("hand back")
         for p, (start, end) in zip(self.params, self.ranges):
             # the masters in their dtype (a frozen unit's are in the compute dtype), or the gathered parameters
-            p.data = values[start:end].view(p.shape).to(self.master_dtype, copy=True) if values is not None \
+            p.data = values[start:end].view(p.shape).to(self.flat_param.device, self.master_dtype, copy=True) \
+                if values is not None \
                 else p.detach().clone()
             mark_gathered(p)
         self.owns_params = False
@@ -300,7 +311,7 @@ class FlatUnit:
         shard (and master)."""
         lo, hi = self.spec.shard_range(self.rank)
         self.compute_shard().copy_(self.flat_param[lo:hi])
-        if self.mixed and not self.spec.frozen:
+        if not self.spec.frozen and self.master_shard.data_ptr() != self.compute_shard().data_ptr():
             self.master_shard.data.copy_(self.flat_param[lo:hi])
 
     def _require_gathered(self, what: str) -> None:

@@ -43,7 +43,7 @@ hooks are tensor hooks that autograd's engine runs, outside any compiled frame.
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -53,6 +53,16 @@ import torch.distributed as dist
 
 from lzero import collectives
 from lzero.flat_unit import FlatUnit
+
+
+class _Gathering(NamedTuple):
+    """A launched all-gather of one unit and the shard it reads."""
+
+    handle: collectives.Handle
+    source: torch.Tensor
+
+    def wait(self) -> None:
+        self.handle.wait()
 
 
 class UnitOrderError(RuntimeError):
@@ -111,7 +121,11 @@ class Gatherer:
         self._agree_on(name)
         for unit in block.units:
             unit.allocate()
-            block.handles.append(collectives.all_gather(unit.flat_param, unit.compute_shard(), self.group, async_op=True))
+            # an offloaded shard is copied to the device here, so a prefetch starts that copy early too; the
+            # handle keeps the copy alive until the all-gather has read it
+            source = unit.gather_source()
+            block.handles.append(_Gathering(collectives.all_gather(unit.flat_param, source, self.group, async_op=True),
+                                            source))
         block.state = BlockState.GATHERING
 
     def _agree_on(self, name: str) -> None:

@@ -9,6 +9,17 @@ rank's shard tensors: one instance per unit, so that each unit's all-gather is l
 that unit is stepped and overlaps the step of the next units. Before every step the
 hyperparameters of the user's groups are copied into the inner groups, so LR schedulers and
 manual LR changes reach the sharded step.
+
+[Note: the host step]
+A unit whose state is offloaded (``offload_optimizer``) is stepped on the host, over its flat fp32
+shard, by the user's optimizer class with the user's hyperparameters. Where torch has a fused CPU
+kernel (Adam, AdamW, SGD, Adagrad) and the user did not set ``fused=False``, that kernel is used:
+one multithreaded pass over the shard, several times faster than the for-loop or foreach kernels on
+the CPU (benchmarks/results_offload.md). It rounds differently from the other kernels at the last
+bit (measured in tests/test_offload.py); ``fused=True`` on the user's optimizer makes the offloaded
+and the device step run the same kernel, and ``fused=False`` keeps the user's kernel on the host.
+Before the first step each offloaded optimizer is checked on a two-element host tensor, so an
+optimizer without a CPU implementation is refused at setup, by name, rather than at the first step.
 """
 
 from __future__ import annotations
@@ -29,6 +40,14 @@ ELEMENTWISE_OPTIMIZERS = tuple(
 )
 """Optimizers whose update of an element depends only on that element's history, so stepping a
 shard gives exactly what stepping the whole model gives."""
+
+
+FUSED_ON_HOST = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+"""Optimizers with a fused CPU kernel (torch >= 2.4): an offloaded step runs it unless the user chose
+``fused=False``. See [Note: the host step]."""
+
+KERNEL_FLAGS = ("fused", "foreach")
+"""Group keys that choose the kernel rather than the update: not copied from the user's groups each step."""
 
 
 class ZeroOptimizerError(TypeError):
@@ -69,6 +88,9 @@ class ZeroOptimizer(Optimizer):
         self.param_groups = optimizer.param_groups  # the same dicts: see the Note
         self.defaults = optimizer.defaults
         self._shared = _Shared()
+        self.host_kernel: Optional[str] = None  # the kernel offloaded units step with; None: none offloaded
+        if any(u.store.name != "device" for u in self.units):
+            self.host_kernel = _check_host_step(optimizer)
         self._shared.inner = {u.spec.index: _build_inner(optimizer, u) for u in self.units}
 
     def shard_optimizer(self, unit: FlatUnit) -> Optimizer:
@@ -92,7 +114,7 @@ class ZeroOptimizer(Optimizer):
     def _step_unit(self, unit: FlatUnit) -> None:
         outer = self.param_groups[unit.spec.group[1]]
         inner = self.shard_optimizer(unit)
-        inner.param_groups[0].update({k: v for k, v in outer.items() if k != "params"})
+        inner.param_groups[0].update({k: v for k, v in outer.items() if k != "params" and k not in KERNEL_FLAGS})
         inner.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -121,9 +143,47 @@ class ZeroOptimizer(Optimizer):
 
 
 def _build_inner(optimizer: Optimizer, unit: FlatUnit) -> Optimizer:
-    """Same class, same constructor flags, the unit's group hyperparameters, the unit's shard."""
+    """Same class, same constructor flags, the unit's group hyperparameters, the unit's shard (offloaded: the
+    host kernel of [Note: the host step])."""
     group = {k: v for k, v in optimizer.param_groups[unit.spec.group[1]].items() if k != "params"}
+    flags = _flags(optimizer)
+    if unit.store.name != "device":
+        kernel = _host_kernel(optimizer)
+        group.update(kernel)
+        flags.update(kernel)
     group["params"] = [unit.master_shard]
-    cls = type(optimizer)
-    accepted = inspect.signature(cls.__init__).parameters
-    return cls([group], **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+    return type(optimizer)([group], **flags)
+
+
+def _flags(optimizer: Optimizer) -> dict[str, Any]:
+    """The optimizer's constructor flags, as its class accepts them."""
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    return {k: v for k, v in optimizer.defaults.items() if k in accepted}
+
+
+def _host_kernel(optimizer: Optimizer) -> dict[str, Any]:
+    """The kernel flags an offloaded step runs with: fused where torch has a CPU kernel and the user allowed it."""
+    defaults = optimizer.defaults
+    if type(optimizer) in FUSED_ON_HOST and defaults.get("fused") is None and not defaults.get("differentiable"):
+        return {"fused": True, "foreach": None}
+    return {}
+
+
+def _check_host_step(optimizer: Optimizer) -> str:
+    """Step the user's optimizer class, with its flags and the host kernel, on a two-element host tensor: an
+    optimizer without a CPU implementation is refused now, by name. Returns the kernel's description."""
+    flags = {**_flags(optimizer), **_host_kernel(optimizer)}
+    probe = torch.nn.Parameter(torch.zeros(2, dtype=optimizer.param_groups[0]["params"][0].dtype))
+    probe.grad = torch.full_like(probe, 1e-3)
+    name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    try:
+        type(optimizer)([probe], **flags).step()
+    except Exception as err:  # noqa: BLE001 - any failure means the class cannot step host tensors
+        raise ZeroOptimizerError(
+            f"`offload_optimizer` steps the optimizer on the host (CPU), but `{name}` cannot step a CPU tensor"
+            f" with flags {flags}: {type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}. HINT: use a"
+            " torch.optim optimizer (e.g. torch.optim.AdamW), or keep the optimizer on the device with"
+            " `offload_optimizer: none`."
+        ) from err
+    kernel = "fused" if flags.get("fused") else "foreach" if flags.get("foreach") else "default"
+    return f"{type(optimizer).__name__} ({kernel} kernel)"

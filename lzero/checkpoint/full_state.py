@@ -47,8 +47,9 @@ def gather_optimizer_state(zopt: ShardedOptimizer, to_all: bool = False) -> dict
         for key in sorted(shard_state):
             value = shard_state[key]
             if isinstance(value, Tensor) and value.shape == unit.master_shard.shape:
-                full = torch.empty(unit.spec.padded_numel, dtype=value.dtype, device=value.device)
-                collectives.all_gather(full, value.contiguous(), engine.group)
+                device = unit.flat_param.device  # where collectives run (offloaded state lives in host memory)
+                full = torch.empty(unit.spec.padded_numel, dtype=value.dtype, device=device)
+                collectives.all_gather(full, value.to(device).contiguous(), engine.group)
                 pieces = {s.name: full[a:b] for s, a, b in unit.spec.param_ranges()}
             else:
                 pieces = {s.name: value for s, _, _ in unit.spec.param_ranges()}
@@ -112,7 +113,7 @@ def _slice_into_shard(unit: "FlatUnit", per_param: list[Optional[dict[str, Any]]
             )
         return value.reshape(-1)[a:b]
 
-    return fill_shard(torch.zeros(unit.spec.shard_numel, dtype=dtype, device=unit.flat_param.device), unit, fetch)
+    return fill_shard(torch.zeros(unit.spec.shard_numel, dtype=dtype, device=unit.master_shard.device), unit, fetch)
 
 
 def _check_groups(zopt: ShardedOptimizer, saved_groups: list) -> None:

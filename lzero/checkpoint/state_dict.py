@@ -113,8 +113,9 @@ def module_state_dict(engine: "ZeroEngine", module: nn.Module, sharded_checkpoin
 def gathered_masters(engine: "ZeroEngine") -> Iterator[tuple["FlatUnit", Tensor]]:
     """(unit, its full fp32 master buffer), one unit at a time, on every rank. A collective."""
     for unit in engine.units:
-        flat = torch.empty(unit.spec.padded_numel, dtype=unit.master_shard.dtype, device=unit.master_shard.device)
-        collectives.all_gather(flat, unit.master_shard.detach(), engine.group)
+        device = unit.flat_param.device  # where collectives run (offloaded masters live in host memory)
+        flat = torch.empty(unit.spec.padded_numel, dtype=unit.master_shard.dtype, device=device)
+        collectives.all_gather(flat, unit.master_shard.detach().to(device), engine.group)
         yield unit, flat
 
 

@@ -1,0 +1,70 @@
+"""Bodies run on every rank by tests/test_offload.py: an offloaded engine against the same engine without
+offload, step by step (importable by spawned processes)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lzero import ZeroConfig, ZeroEngine, ZeroOptimizer
+from lzero.mixed_precision import PrecisionPolicy
+from _engine_cases import Net
+
+
+def _run(rank: int, cfg: dict, offload: bool) -> tuple[list[torch.Tensor], list[float], ZeroEngine]:
+    torch.manual_seed(0)
+    model = Net(width=24, depth=3)
+    fused = cfg.get("fused")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, **({"fused": fused} if fused is not None else {}))
+    options = {}
+    if offload:
+        options["offload_optimizer"] = {"device": "cpu", "ratio": cfg.get("ratio", 1.0)}
+        if cfg["stage"] == 3 and cfg.get("offload_param", True):
+            options["offload_param"] = "cpu"
+        if "sub_group_size" in cfg:
+            options["sub_group_size"] = cfg["sub_group_size"]
+    policy = PrecisionPolicy(torch.bfloat16, torch.float32) if cfg.get("bf16") else None
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=cfg["stage"], reduce_bucket_size=cfg.get("bucket", 300),
+                                                 unit_modules=("Linear",) if cfg["stage"] == 3 else None, **options),
+                        policy)
+    zopt = ZeroOptimizer(opt, engine, 0)
+    gen = torch.Generator().manual_seed(7 + rank)
+    acc = cfg.get("acc", 1)
+    losses = []
+    for step in range(cfg.get("steps", 10)):
+        for micro in range(acc):
+            x, y = torch.randn(4, 7, generator=gen), torch.randn(4, 5, generator=gen)
+            engine.gather_root()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(cfg.get("bf16"))):
+                loss = nn.functional.mse_loss(model(x).float(), y) / acc
+            with (torch.enable_grad() if micro == acc - 1 else engine.no_sync()):
+                loss.backward()
+            losses.append(loss.item())
+        if cfg.get("clip"):
+            engine.clip_grad_norm_(engine.units, cfg["clip"])
+        zopt.step()
+        zopt.zero_grad()
+    if engine.mixed:
+        from lzero.checkpoint.state_dict import restore_masters
+        restore_masters(engine)
+    else:
+        engine.unshard()
+    params = [p.detach().clone() for p in model.parameters()]
+    return params, losses, engine
+
+
+def offloaded_vs_device(rank: int, world_size: int, configs: list[dict]) -> list[dict]:
+    results = []
+    for cfg in configs:
+        ref, ref_losses, ref_engine = _run(rank, cfg, offload=False)
+        ref_engine.remove()
+        got, losses, engine = _run(rank, cfg, offload=True)
+        stores = sorted({u.store.name for u in engine.units})
+        param_stores = sorted({u.param_store.name for u in engine.units})
+        engine.remove()
+        results.append({
+            "bitwise": all(torch.equal(a, b) for a, b in zip(got, ref)) and losses == ref_losses,
+            "max_rel": max(((a - b).norm() / b.norm()).item() for a, b in zip(got, ref)),
+            "stores": stores, "param_stores": param_stores,
+        })
+    return results
