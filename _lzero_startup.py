@@ -12,12 +12,12 @@ PRESETS = {
     "zero1": "ZeRO stage 1 (lzero): optimizer state sharded",
     "zero2": "ZeRO stage 2 (lzero): optimizer state and gradients sharded",
     "zero3": "ZeRO stage 3 (lzero): optimizer state, gradients and parameters sharded",
+    "zero2_offload": "ZeRO stage 2 (lzero) with fp32 masters and optimizer state offloaded to CPU memory",
+    "zero3_offload": "ZeRO stage 3 (lzero) with parameters, fp32 masters and optimizer state offloaded to CPU memory",
 }
 """Registered strategy names and their descriptions; lzero.presets holds their configurations."""
 
 UNBUILT = {
-    "zero2_offload": "ZeRO stage 2 with optimizer state offloaded to CPU (lzero): not built yet",
-    "zero3_offload": "ZeRO stage 3 with parameters and optimizer state offloaded to CPU (lzero): not built yet",
     "zero3_offload_nvme": "ZeRO stage 3 with parameters and optimizer state offloaded to NVMe (lzero): not built yet",
 }
 """Names that are planned but not built: registered so that asking for one says so (lzero.presets

@@ -1,5 +1,5 @@
 """The registered strategy names (``zero1``, ``zero2``, ...) and the configuration each stands for;
-names of strategies not built yet (``zero3_offload``...) and the error they raise.
+names of strategies not built yet (``zero3_offload_nvme``) and the error they raise.
 
 Names are registered in one place, ``_lzero_startup.register`` (the start-up hook, and ``import lzero``):
 each entry is a lazy factory that calls :func:`build_preset` on first use."""
@@ -13,13 +13,13 @@ PRESET_CONFIGS: dict[str, dict[str, Any]] = {
     "zero1": {"stage": 1},
     "zero2": {"stage": 2},
     "zero3": {"stage": 3},
+    "zero2_offload": {"stage": 2, "offload_optimizer": "cpu"},
+    "zero3_offload": {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"},
 }
 """Each registered name (``_lzero_startup.PRESETS``; tests/test_registration.py checks they agree) -> its config."""
 
 STAND_INS: dict[str, tuple[str, str]] = {
-    "zero2_offload": ("zero2", "optimizer state and gradients sharded"),
-    "zero3_offload": ("zero3", "optimizer state, gradients and parameters sharded"),
-    "zero3_offload_nvme": ("zero3", "optimizer state, gradients and parameters sharded"),
+    "zero3_offload_nvme": ("zero3_offload", "with parameters, fp32 masters and optimizer state offloaded to CPU memory"),
 }
 """Each unbuilt name (``_lzero_startup.UNBUILT``) -> the built preset to use meanwhile (the same sharding,
 everything on the device) and what it shards."""
@@ -53,7 +53,7 @@ def raise_unbuilt(name: str) -> None:
 
     stand_in, what = STAND_INS[name]
     raise ZeroConfigError(
-        f"`strategy={name!r}` is not built in this lzero release: CPU/NVMe offload is planned but not"
-        f" implemented yet. HINT: use `strategy={stand_in!r}` meanwhile ({what},"
-        " everything kept on the device); lower memory further with more devices or `precision='bf16-mixed'`."
+        f"`strategy={name!r}` is not built in this lzero release: NVMe offload (ZeRO-Infinity) is planned but not"
+        f" implemented yet. HINT: use `strategy={stand_in!r}` meanwhile ({what}); lower memory further with"
+        " more devices or `precision='bf16-mixed'`."
     )

@@ -34,6 +34,7 @@ from lzero.engine import ZeroEngine
 from lzero.materialize import has_meta
 from lzero.optimizer import ZeroOptimizer, check_optimizer
 from lzero.precision import ZeroPrecision, to_zero_precision
+from lzero.store import divide_host_threads
 
 
 class ZeroStrategy(DDPStrategy):
@@ -136,6 +137,8 @@ class ZeroStrategy(DDPStrategy):
                                       device=self.root_device, init_fn=self.init_fn)
             self._engine.automatic = self.lightning_module.automatic_optimization
             self.optimizers = [ZeroOptimizer(opt, self._engine, i) for i, opt in enumerate(self.optimizers)]
+            if self._engine.offloaded:
+                _announce_offload(self._engine, self.optimizers, divide_host_threads(self.num_processes))
             self.precision_plugin.bind(self._engine)
             if self.config.async_save:
                 import torch.distributed as dist
@@ -416,6 +419,21 @@ class ZeroStrategy(DDPStrategy):
         return open_checkpoint(checkpoint_path, self.global_rank, self.world_size, weights_only,
                                lambda safe: super(ZeroStrategy, self).load_checkpoint(checkpoint_path,
                                                                                      weights_only=safe))
+
+
+def _announce_offload(engine: ZeroEngine, optimizers: list[ZeroOptimizer], threads: Optional[int]) -> None:
+    """One line on rank 0: what is offloaded, the host step's kernel and its threads."""
+    from lightning.pytorch.utilities import rank_zero_info
+
+    trainable = [u for u in engine.units if not u.spec.frozen]
+    host = sum(u.spec.shard_numel for u in trainable if u.store.name != "device")
+    total = sum(u.spec.shard_numel for u in trainable)
+    kernels = ", ".join(sorted({z.host_kernel for z in optimizers if z.host_kernel}))
+    params = "; parameter shards in host memory" if any(u.param_store.name != "device" for u in engine.units) else ""
+    count = threads or torch.get_num_threads()
+    thread_note = f"{count} thread{'s' if count > 1 else ''} per process" + (" (torch.set_num_threads)" if threads else "")
+    rank_zero_info(f"lzero offload: fp32 masters and optimizer state of {host:,} of {total:,} shard elements per rank in"
+                   f" host memory{params}; host step: {kernels or 'none'}, {thread_note}.")
 
 
 def _unwrap(optimizer: Any) -> ZeroOptimizer:

@@ -90,9 +90,9 @@ def test_batchnorm_under_bf16_params_is_refused_unless_kept_in_fp32() -> None:
     kept.remove()
 
 
-def test_unbuilt_offload_refused() -> None:
-    with pytest.raises(ZeroConfigError, match="offload_optimizer='cpu'.*not built"):
-        ZeroConfig(offload_optimizer="cpu")
+def test_unbuilt_nvme_offload_refused() -> None:
+    with pytest.raises(ZeroConfigError, match="offload_optimizer.device='nvme'.*not built"):
+        ZeroConfig(offload_optimizer="nvme")
 
 
 @pytest.mark.parametrize("make", [

@@ -83,8 +83,8 @@ def test_unbuilt_strategy_name_in_yaml_says_not_built(user_config: Path, tmp_pat
     from lzero import ZeroConfigError
 
     config = tmp_path / "offload.yaml"
-    config.write_text(user_config.read_text() + "trainer:\n  strategy: zero3_offload\n  accelerator: cpu\n")
-    with pytest.raises(ZeroConfigError, match="`strategy='zero3_offload'` is not built.*HINT: use `strategy='zero3'`"):
+    config.write_text(user_config.read_text() + "trainer:\n  strategy: zero3_offload_nvme\n  accelerator: cpu\n")
+    with pytest.raises(ZeroConfigError, match="`strategy='zero3_offload_nvme'` is not built.*HINT: use `strategy='zero3_offload'`"):
         main(["fit", "--config", str(config)])
 
 
