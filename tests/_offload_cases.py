@@ -18,7 +18,8 @@ def _run(rank: int, cfg: dict, offload: bool) -> tuple[list[torch.Tensor], list[
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, **({"fused": fused} if fused is not None else {}))
     options = {}
     if offload:
-        options["offload_optimizer"] = {"device": "cpu", "ratio": cfg.get("ratio", 1.0)}
+        if cfg.get("offload_optimizer", True):
+            options["offload_optimizer"] = {"device": "cpu", "ratio": cfg.get("ratio", 1.0)}
         if cfg["stage"] == 3 and cfg.get("offload_param", True):
             options["offload_param"] = "cpu"
         if "sub_group_size" in cfg:
@@ -68,3 +69,39 @@ def offloaded_vs_device(rank: int, world_size: int, configs: list[dict]) -> list
             "stores": stores, "param_stores": param_stores,
         })
     return results
+
+
+def memory_by_store(rank: int, world_size: int, stage: int) -> dict:
+    """After 3 offloaded fp32 AdamW steps (between steps): the accounting by store and kind, the sizes the
+    formulas need, and the live tensor bytes of the process."""
+    import gc
+
+    from _engine_cases import live_tensor_bytes
+    from lzero.memory import model_state_bytes
+
+    torch.manual_seed(0)
+    model = Net(width=96, depth=6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    options = {"offload_optimizer": "cpu", **({"offload_param": "cpu"} if stage == 3 else {})}
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage, reduce_bucket_size=20_000,
+                                                 unit_modules=("Linear",) if stage == 3 else None, **options))
+    zopt = ZeroOptimizer(opt, engine, 0)
+    x, y = torch.randn(2, 7), torch.randn(2, 5)
+    for _ in range(3):
+        engine.gather_root()
+        nn.functional.mse_loss(model(x), y).backward()
+        zopt.step()
+        zopt.zero_grad()
+    gc.collect()
+    result = {
+        "by_store": model_state_bytes(engine, [zopt]),
+        "live": live_tensor_bytes(),
+        "padded": sum(u.spec.padded_numel for u in engine.units),
+        "shard": sum(u.spec.shard_numel for u in engine.units),
+        "units": len(engine.units),
+        # no host tensor shares memory with a device parameter
+        "aliased": any(u.master_shard.data_ptr() == u.flat_param.data_ptr() + u.spec.shard_range(rank)[0] * 4
+                       for u in engine.units if u.gathered),
+    }
+    engine.remove()
+    return result

@@ -285,3 +285,23 @@ def test_validate_with_a_sharded_checkpoint_outside_fit(runs: Path, in_process_f
     saved = load(runs, "zero3_first")["params"]
     for name, value in model.named_parameters():
         assert torch.equal(value, saved[name]), name
+
+
+@pytest.fixture(scope="module")
+def offload_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ckpt_offload_runs")
+    for suite in ("offload_ws2", "offload_ws1"):
+        run_script("ckpt_runs.py", suite, str(out))
+    return out
+
+
+@pytest.mark.parametrize("resumed, ddp", [("zero3_offload_to_zero2_offload", "ddp6_to_ddp_ws2"),
+                                          ("zero3_offload_to_zero2_ws1", "ddp6_to_ddp_ws1")])
+def test_zero3_offload_checkpoint_resumes_under_another_stage_offload_and_world_size(offload_runs: Path, resumed: str,
+                                                                                    ddp: str) -> None:
+    """zero3_offload at world size 2 saved at step 6 (the ordinary sharded format), resumed to step 12 under
+    zero2_offload at world size 2 and under zero2 at world size 1, against DDP saved and resumed the same way."""
+    ours, ref = load(offload_runs, resumed)["params"], load(offload_runs, ddp)["params"]
+    print(f"{resumed}: max relative difference vs {ddp} {max_rel(ours, ref):.2e}")
+    assert max_rel(ours, ref) < 1e-6
+    assert ShardedCheckpoint(offload_runs / "zero3_offload_first" / "last.ckpt").manifest["global_step"] == 6

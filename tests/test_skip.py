@@ -149,3 +149,16 @@ def test_a_disabled_limit_lets_training_finish(in_process_fit) -> None:
     assert all(torch.isfinite(p).all() for p in model.parameters())
     with pytest.raises(ValueError, match=r"`max_consecutive_skips=-1` must be a whole number >= 0"):
         ZeroPrecision("32-true", max_consecutive_skips=-1)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_offloaded_fp16_skips_the_same_steps_and_scales_bitwise(runs: Path, stage: int) -> None:
+    """zero2_offload / zero3_offload (host step with the same kernel, fused=False) against the device runs."""
+    for rank in (0, 1):
+        off, dev = load(runs, f"fp16_zero{stage}_offload", rank), load(runs, f"fp16_zero{stage}", rank)
+        assert [i for i, r in enumerate(off["rows"]) if r["skipped"]] == SKIPPED
+        assert [i for i, r in enumerate(off["rows"]) if r["unchanged"]] == SKIPPED
+        assert [r["scale"] for r in off["rows"]] == SCALES
+        assert [r["loss"] for r in off["rows"]] == [r["loss"] for r in dev["rows"]]
+        for name, value in dev["params"].items():
+            assert torch.equal(off["params"][name], value), name

@@ -67,6 +67,15 @@ def main(suite: str, out: Path) -> None:
                     resume=str(out / f"zero2_first_{source}" / "last.ckpt"))
             torch.save(reads, out / f"reads_{source}_rank{torch.distributed.get_rank()}.pt")
             fit(out, f"ddp_{source}_to_ws2", "ddp", 2, steps=30, resume=str(out / f"ddp_first_{source}" / "last.ckpt"))
+    elif suite == "offload_ws2":  # zero3_offload saved at step 6, resumed under zero2_offload (and DDP -> DDP)
+        fit(out, "zero3_offload_first", "zero3_offload", 2, steps=6, every=6)
+        fit(out, "ddp_first6", "ddp", 2, steps=6, every=6)
+        fit(out, "zero3_offload_to_zero2_offload", "zero2_offload", 2, steps=12,
+            resume=str(out / "zero3_offload_first" / "last.ckpt"))
+        fit(out, "ddp6_to_ddp_ws2", "ddp", 2, steps=12, resume=str(out / "ddp_first6" / "last.ckpt"))
+    elif suite == "offload_ws1":  # ... and under zero2 at world size 1
+        fit(out, "zero3_offload_to_zero2_ws1", zero[2](), 1, steps=12, resume=str(out / "zero3_offload_first" / "last.ckpt"))
+        fit(out, "ddp6_to_ddp_ws1", "ddp", 1, steps=12, resume=str(out / "ddp_first6" / "last.ckpt"))
     elif suite == "kill":  # rank 1 dies while rewriting last.ckpt/ in place at step 10
         die_while_writing(rank=1, call=4)  # writes: step 5 (epoch=0-step=5.ckpt, last.ckpt), step 10 (the same)
         fit(out, "killed", zero[2](), 2, steps=20, every=5)

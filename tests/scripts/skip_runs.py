@@ -28,8 +28,9 @@ SCALING = LossScaleConfig(initial_scale_power=8, loss_scale_window=5, hysteresis
 
 
 class Toy(LightningModule):
-    def __init__(self, inject: Optional[dict[int, str]] = None) -> None:
+    def __init__(self, inject: Optional[dict[int, str]] = None, fused: Optional[bool] = None) -> None:
         super().__init__()
+        self.fused = fused
         self.inject = dict(INJECT if inject is None else inject)
         self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
         self._hook: Any = None
@@ -48,7 +49,8 @@ class Toy(LightningModule):
             self._hook = None
 
     def configure_optimizers(self) -> Any:
-        opt = torch.optim.AdamW(self.parameters(), lr=2e-2, weight_decay=0.01)
+        opt = torch.optim.AdamW(self.parameters(), lr=2e-2, weight_decay=0.01,
+                                **({"fused": self.fused} if getattr(self, "fused", None) is not None else {}))
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.97**s)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -111,11 +113,12 @@ def data(n: int = 320) -> DataLoader:
 
 
 def fit(out: Path, name: str, stage: int, precision: ZeroPrecision, steps: int,
-        inject: Optional[dict[int, str]] = None, ckpt_path: Optional[str] = None, save: bool = False) -> None:
+        inject: Optional[dict[int, str]] = None, ckpt_path: Optional[str] = None, save: bool = False,
+        fused: Optional[bool] = None, **options: Any) -> None:
     torch.manual_seed(0)
-    model = Toy(inject)
+    model = Toy(inject, fused)
     record = Record()
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=stage), plugins=[precision],
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=stage, **options), plugins=[precision],
                       max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       enable_model_summary=False, callbacks=[record])
     error = ""
@@ -134,6 +137,11 @@ def fit(out: Path, name: str, stage: int, precision: ZeroPrecision, steps: int,
 def main(out: Path) -> None:
     for stage in (1, 2, 3):
         fit(out, f"fp16_zero{stage}", stage, ZeroPrecision("16-mixed", loss_scaling=SCALING), steps=40)
+    # offloaded (host step with the same for-loop kernel as above: fused=False), the same overflows
+    fit(out, "fp16_zero2_offload", 2, ZeroPrecision("16-mixed", loss_scaling=SCALING), steps=40, fused=False,
+        offload_optimizer="cpu")
+    fit(out, "fp16_zero3_offload", 3, ZeroPrecision("16-mixed", loss_scaling=SCALING), steps=40, fused=False,
+        offload_optimizer="cpu", offload_param="cpu")
     fit(out, "fp32_zero2", 2, ZeroPrecision("32-true"), steps=40)
     fit(out, "bf16_zero3", 3, ZeroPrecision("bf16-mixed"), steps=12)
     # the loss-scaler state across a save at an epoch boundary (20 batches per epoch) and a resume

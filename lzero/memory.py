@@ -1,0 +1,59 @@
+"""Model-state memory of one rank, by kind and by store: what the ZeRO formulas count.
+
+Each tensor storage is counted once, under the first kind that claims it, in the order parameters,
+gradients, masters, optimizer state: a master that is the parameters' own memory (full precision,
+not offloaded) counts as parameters, as the formulas count it. The store is the one the unit keeps
+that kind in ("device", or "cpu" for host memory under offload), so the split is right on a
+CPU-only machine too, where both stores are host memory.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
+
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from lzero.engine import ZeroEngine
+    from lzero.optimizer import ZeroOptimizer
+
+KINDS = ("parameters", "gradients", "masters", "optimizer_state")
+
+
+def model_state_bytes(engine: "ZeroEngine", optimizers: Sequence["ZeroOptimizer"] = ()) -> dict[str, dict[str, int]]:
+    """``{store: {kind: bytes}}`` held by this rank now (no communication)."""
+    seen: set[int] = set()
+    out: dict[str, dict[str, int]] = {}
+    for store, kind, tensor in _tensors(engine, optimizers):
+        storage = tensor.untyped_storage()
+        if storage.nbytes() == 0 or storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        per_kind = out.setdefault(store, dict.fromkeys(KINDS, 0))
+        per_kind[kind] += storage.nbytes()
+    return out
+
+
+def _tensors(engine: "ZeroEngine", optimizers: Sequence["ZeroOptimizer"]) -> Iterator[tuple[str, str, Tensor]]:
+    for unit in engine.units:
+        yield "device", "parameters", unit.flat_param
+        yield unit.param_store.name, "parameters", unit.compute_shard()
+    for unit in engine.units:
+        for grad in (unit.flat_grad, unit.shard_grad):
+            if grad is not None:
+                yield unit.store.name, "gradients", grad
+        for p in unit.params:
+            if p.grad is not None:
+                yield "device", "gradients", p.grad
+    for unit in engine.units:
+        yield unit.store.name, "masters", unit.master_shard.detach()
+    for zopt in optimizers:
+        for unit in zopt.units:
+            for value in zopt.shard_optimizer(unit).state.get(unit.master_shard, {}).values():
+                if isinstance(value, Tensor):
+                    yield unit.store.name, "optimizer_state", value
+
+
+def total(by_store: dict[str, dict[str, int]], store: Optional[str] = None) -> int:
+    """The sum over kinds (and over stores, or of ``store`` alone)."""
+    return sum(sum(kinds.values()) for name, kinds in by_store.items() if store is None or name == store)
