@@ -25,6 +25,7 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lzero import activation_checkpointing as checkpointing
 from lzero.checkpoint.full_state import gather_optimizer_state
 from lzero.checkpoint.resume import load_module_state, load_optimizer_states, open_checkpoint
 from lzero.checkpoint.sharded import AsyncSaver, save_sharded
@@ -51,6 +52,12 @@ class ZeroStrategy(DDPStrategy):
             after the modules' own ``reset_parameters()``, as ``model.apply(init_fn)`` after building the
             model eagerly would be; by default a Hugging Face model's ``_init_weights`` for the modules
             inside one. See [Note: meta-device initialization] in materialize.py.
+        activation_checkpointing: modules that recompute their forward in backward instead of keeping its
+            activations (non-reentrant ``torch.utils.checkpoint``), while fitting: True for the stage-3 unit
+            classes (the transformer blocks, at every stage), or a list of module classes or class names.
+            Parameter and state_dict names are unchanged. See [Note: checkpointing inside the module's hooks]
+            in activation_checkpointing.py.
+        cpu_checkpointing: keep the checkpointed modules' saved inputs in host memory (DeepSpeed's option).
         **options: any other :class:`lzero.ZeroConfig` field, applied over ``config``.
         The remaining arguments are Lightning's, as for ``DDPStrategy``.
     """
@@ -71,6 +78,8 @@ class ZeroStrategy(DDPStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         init_fn: Optional[Callable[[torch.nn.Module], None]] = None,
         precision: Optional[str] = None,
+        activation_checkpointing: checkpointing.ModuleChoice = None,
+        cpu_checkpointing: bool = False,
         **options: Any,
     ) -> None:
         self.config = optional_config(config, stage=stage, allow_untested_optimizer=allow_untested_optimizer, **options)
@@ -94,6 +103,8 @@ class ZeroStrategy(DDPStrategy):
         self._exit_group: Optional[Any] = None  # gloo, exception_checkpoint_timeout_s; see [Note: checkpoints after an exception]
         self._ranks_together: Optional[bool] = None  # every rank reached the exception's checkpoint in time
         self.init_fn = init_fn
+        self._checkpoint_policy = checkpointing.CheckpointPolicy(activation_checkpointing, cpu_checkpointing)
+        self._checkpointed: Optional[checkpointing.Checkpointed] = None
 
     # --- plugins -----------------------------------------------------------------------------
 
@@ -133,6 +144,7 @@ class ZeroStrategy(DDPStrategy):
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:
                 check_optimizer(optimizer, self.config.allow_untested_optimizer)
+            self._checkpointed = checkpointing.apply(self.model, self._checkpoint_policy, self.config)
             self._engine = ZeroEngine(self.model, self.optimizers, self.config, self.precision_plugin.policy,
                                       device=self.root_device, init_fn=self.init_fn)
             self._engine.automatic = self.lightning_module.automatic_optimization
@@ -316,6 +328,9 @@ class ZeroStrategy(DDPStrategy):
         process then exits with the user's exception, and its peers, blocked in a collective with
         it, see the closed connection and fail within seconds, as under DDP."""
         failed, self._failure, self._ranks_together = self._failure is not None, None, None
+        if self._checkpointed is not None:  # the module leaves fit with its own forward
+            self._checkpointed.remove()
+            self._checkpointed = None
         if self._exit_group is not None:  # synchronous barriers only: nothing pending, destroying waits for no rank
             import torch.distributed as dist
 
