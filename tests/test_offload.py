@@ -58,7 +58,7 @@ def test_memory_is_labelled_by_store_and_matches_the_formula(stage: int) -> None
         shard, padded = res["shard"], res["padded"]
         print(f"stage {stage} rank {rank}: device {device}, host {host}; live {res['live']:,} bytes")
         # host: fp32 masters 4 bytes and AdamW's two moments 8 bytes per owned element (+ a 4-byte step per unit)
-        assert host["masters"] == 4 * shard or (stage == 3 and host["masters"] == 0)
+        assert host["masters"] == (0 if stage == 3 else 4 * shard)  # stage 3: the master is the parameter shard
         assert host["optimizer_state"] == 8 * shard + 4 * res["units"]
         assert host["gradients"] == 0 and device.get("gradients", 0) == 0  # freed after the step
         if stage == 3:  # the fp32 parameter shard is the master itself, in host memory; nothing on the device
