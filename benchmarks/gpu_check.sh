@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Everything a session lent one GPU runs, in one command, from the repository root:
+#
+#   bash benchmarks/gpu_check.sh          # writes under $OUT (the device tool's folder), or ./gpu_out
+#
+# 1. benchmarks/cuda_offload_check.py: offload against no offload on CUDA over NCCL, bitwise, pinned memory
+#    (about 30 s; limit 90 s);
+# 2. benchmarks/bench_offload_gpu.py: step times (a, c) and the largest model under a memory cap (b), within
+#    its own wall-clock budget (BENCH_BUDGET_S, default 360 s; limit that + 30 s).
+# Under 8 minutes in all. Every part runs even if an earlier one failed; the exit status is the first failure's.
+set -u
+OUT="${OUT:-gpu_out}"
+mkdir -p "$OUT"
+export PYTHONPATH=.
+export LZERO_COLLECTIVES_AT_WORLD_SIZE_1=1
+PY="${PYTHON:-python3}"
+BUDGET="${BENCH_BUDGET_S:-360}"
+status=0
+
+{
+  date -u
+  git log -1 --oneline 2>/dev/null
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
+  "$PY" -c 'import torch, lightning; print("torch", torch.__version__, "cuda", torch.version.cuda, "lightning", lightning.__version__)'
+  nproc; free -g
+} > "$OUT/env.txt" 2>&1
+
+part() {  # part NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log, remember the first failure
+  local name="$1" limit="$2"; shift 2
+  local start=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: exit $rc after $((SECONDS - start)) s (limit $limit s; 124: timed out)"
+  tail -n 25 "$OUT/$name.log"
+  if [ "$rc" -ne 0 ] && [ "$status" -eq 0 ]; then status=$rc; fi
+}
+
+part cuda_offload_check 90 "$PY" benchmarks/cuda_offload_check.py
+part bench_offload_gpu $((BUDGET + 30)) "$PY" benchmarks/bench_offload_gpu.py --budget-s "$BUDGET" \
+  --out "$OUT/results_offload_gpu.md" --log-dir "$OUT/bench_logs"
+exit $status
