@@ -94,19 +94,18 @@ def train(stage: int, bf16: bool, offload: bool) -> Run:
 
 
 def host_tensors_not_pinned(engine) -> list[str]:
-    """Names of the host store's tensors (masters, landed gradients, offloaded parameter shards) not page-locked."""
+    """What is wrong with the host store's pinning: it copies through page-locked staging buffers (the state itself
+    stays pageable, see [Note: host store copies]); every staging buffer must be pinned and pinning still on."""
     found = []
-    for unit in engine.units:
-        first = unit.spec.params[0].name
-        held = {"master": unit.master_shard.detach() if unit.store.name == "cpu" else None,
-                "gradient": unit.shard_grad if unit.store.name == "cpu" else None,
-                "parameter shard": unit.compute_shard() if unit.param_store.name == "cpu" else None}
-        for what, t in held.items():
-            if t is not None and not t.is_pinned():
-                found.append(f"{what} of the unit holding {first} ({t.device}, {t.dtype})")
     stores = [s for s in engine.stores if s.name == "cpu"]
     if not stores or not all(getattr(s, "pin", False) for s in stores):
         found.append("the host store is not pinning (pin is off or no host store)")
+    for store in stores:
+        for buffer in store._free:
+            if not buffer.is_pinned():
+                found.append(f"a staging buffer of {buffer.numel():,} bytes is not pinned")
+        if not store._free:
+            found.append("the host store holds no staging buffer after a step (nothing went through it?)")
     return found
 
 

@@ -60,9 +60,12 @@ class _Gathering(NamedTuple):
 
     handle: collectives.Handle
     source: torch.Tensor
+    copied: Any  # CUDA event after the shard's copy to the device (offloaded shards), or None
 
     def wait(self) -> None:
-        self.handle.wait()
+        self.handle.wait()  # NCCL: the compute stream waits for the all-gather
+        if self.copied is not None:  # a local (world size 1) gather is a copy on the side stream
+            torch.cuda.current_stream(self.source.device).wait_event(self.copied)
 
 
 class UnitOrderError(RuntimeError):
@@ -124,8 +127,9 @@ class Gatherer:
             # an offloaded shard is copied to the device here, so a prefetch starts that copy early too; the
             # handle keeps the copy alive until the all-gather has read it
             source = unit.gather_source()
-            block.handles.append(_Gathering(collectives.all_gather(unit.flat_param, source, self.group, async_op=True),
-                                            source))
+            handle, copied = unit.param_store.gather_from_side_stream(
+                lambda: collectives.all_gather(unit.flat_param, source, self.group, async_op=True))
+            block.handles.append(_Gathering(handle, source, copied))
         block.state = BlockState.GATHERING
 
     def _agree_on(self, name: str) -> None:

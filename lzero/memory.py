@@ -1,7 +1,7 @@
 """Model-state memory of one rank, by kind and by store: what the ZeRO formulas count.
 
 Each tensor storage is counted once, under the first kind that claims it, in the order parameters,
-gradients, masters, optimizer state: a master that is the parameters' own memory (full precision,
+gradients, masters, optimizer state (then the offload stores' staging buffers): a master that is the parameters' own memory (full precision,
 not offloaded) counts as parameters, as the formulas count it. The store is the one the unit keeps
 that kind in ("device", or "cpu" for host memory under offload), so the split is right on a
 CPU-only machine too, where both stores are host memory.
@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from lzero.engine import ZeroEngine
     from lzero.optimizer import ZeroOptimizer
 
-KINDS = ("parameters", "gradients", "masters", "optimizer_state")
+KINDS = ("parameters", "gradients", "masters", "optimizer_state", "buffers")
+"""``buffers``: the offload stores' staging buffers (see [Note: host store copies] in store.py)."""
 
 
 def model_state_bytes(engine: "ZeroEngine", optimizers: Sequence["ZeroOptimizer"] = ()) -> dict[str, dict[str, int]]:
@@ -31,6 +32,10 @@ def model_state_bytes(engine: "ZeroEngine", optimizers: Sequence["ZeroOptimizer"
         seen.add(storage.data_ptr())
         per_kind = out.setdefault(store, dict.fromkeys(KINDS, 0))
         per_kind[kind] += storage.nbytes()
+    for store in engine.stores:
+        staging = getattr(store, "staging_bytes", None)
+        if staging is not None:
+            out.setdefault(store.name, dict.fromkeys(KINDS, 0))["buffers"] += staging()
     return out
 
 

@@ -10,35 +10,43 @@ on; ``HostStore`` keeps it in host memory (``ZeroConfig.offload_optimizer`` / ``
 the engine, the reducer and the optimizer wrapper do not change with the choice.
 
 [Note: host store copies]
-On CUDA the host store moves data with asynchronous copies through page-locked ("pinned") buffers:
+The host store keeps its tensors (masters, shard gradients, optimizer state, stage-3 parameter shards) in
+ordinary pageable host memory, and moves data through a small pool of page-locked ("pinned") staging
+buffers, at most ``max_staged`` of them in use per direction (``pin_memory: false``: pageable staging).
+Pinned memory is scarce on small hosts (a classic DeepSpeed offload failure) and torch's caching host
+allocator rounds each pinned block up to a power of two, so pinning the whole state could take up to
+twice its size; the pool costs a few units' worth. On CUDA:
 
-- gradients down: a reduced shard gradient is copied device->host on a side stream that first waits
-  for the compute stream (the reduction's result is ready there), in the dtype it was reduced in
-  (half the bytes under bf16/fp16 reductions), into a pinned staging buffer; an event marks the end of
-  the copy. Nothing on the host waits yet: backward goes on. ``finish`` (called before anything reads
-  a gradient: clipping, the non-finite check, the step) waits for each event and adds (or, for the
-  first reduction of a step, converts) the staged values into the fp32 shard gradient on the host;
-  the device tensor is kept alive for the side stream by ``record_stream``.
-- parameters up: after the host step of a unit its master is written into a pinned staging buffer in
-  the compute dtype and copied host->device on the compute stream, so the all-gather and the next
-  forward, queued behind it, see the new values while the host steps the next unit. The staging buffer
-  returns to the pool once its event has completed (checked in ``finish``).
-- stage-3 parameter shards (``offload_param``): each unit's pinned shard is copied to the device on the
-  compute stream inside the gather (and so inside the prefetch), just before its all-gather.
+- gradients down: a reduced shard gradient is copied device->host on a side stream (which first waits
+  for the compute stream, where the reduction's result is ready), in the dtype it was reduced in (half the
+  bytes under bf16/fp16 reductions), into a staging buffer; an event marks the end of the copy, and
+  ``record_stream`` keeps the device tensor allocated until then. Backward goes on. A landing is
+  completed (the staged values added into, or for the first reduction of a step converted into, the
+  fp32 host gradient, and the buffer returned to the pool) as soon as its event has passed, checked at
+  each new landing, and at the latest in ``finish``, which runs before anything reads a gradient
+  (clipping, the non-finite check, the step). When ``max_staged`` copies are in flight the oldest is
+  waited for.
+- parameters up: after the host step of a unit, its master is cast to the compute dtype into a staging
+  buffer on the host and copied host->device on the compute stream, so the all-gather and the next forward,
+  queued behind it, see the new values, while the host steps the next unit. The buffer returns to the
+  pool when the copy's event has passed.
+- stage-3 parameter shards (``offload_param``): each unit's shard is copied into a staging buffer and from
+  there to the device on the side stream, which first waits for the compute stream (the gather's target
+  memory is then free); the unit's all-gather is launched from the side stream too, so both run while the
+  compute stream computes the current unit (the gather is launched by the prefetch, a unit early). The
+  compute stream waits for the all-gather (and for an event after the copy) only when it gathers the unit.
 
 When the model computes on the CPU (this project's test machine) the "device" is the host: the store
-still keeps separate tensors and runs the same staging, landing and publishing logic, with
-synchronous copies, so the CPU tests exercise the logic that CUDA runs with streams.
+still keeps separate tensors and runs the same staging, landing, recycling and publishing logic, with
+synchronous copies and no events, so the CPU tests exercise the logic that CUDA runs with streams.
 
-Pinned memory can fail to allocate (page-locked memory is limited on small hosts). The store then
-goes on with pageable memory for the rest of the run, with one warning naming
-``pin_memory: false``: training continues with slower, synchronous copies instead of stopping a run
-that has everything else it needs.
+A pinned staging buffer can fail to allocate. The store then goes on with pageable buffers for the rest
+of the run, with one warning naming ``pin_memory: false``: training continues with slower, synchronous
+copies instead of stopping a run that has everything else it needs.
 """
 
 from __future__ import annotations
 
-import collections
 import os
 import warnings
 from typing import Any, NamedTuple, Optional, Protocol
@@ -74,6 +82,11 @@ class ShardStore(Protocol):
         """``shard`` (this store's parameter shard) as a tensor on ``device`` for an all-gather to read."""
         ...
 
+    def gather_from_side_stream(self, launch: Any) -> tuple[Any, Any]:
+        """Run ``launch()`` (an all-gather of fetched shards) where their copies run; returns its result and an
+        event the compute stream waits for before reading what it gathered (None: nothing to wait for)."""
+        ...
+
     def finish(self) -> None:
         """Complete every copy in flight: landed gradients hold their sums afterwards."""
         ...
@@ -105,15 +118,19 @@ class DeviceStore:
     def fetch(self, shard: Tensor, device: torch.device) -> Tensor:
         return shard
 
+    def gather_from_side_stream(self, launch: Any) -> tuple[Any, Any]:
+        return launch(), None
+
     def finish(self) -> None:
         pass
 
 
 class _Landing(NamedTuple):
-    """A gradient copy to complete in ``HostStore.finish``."""
+    """A gradient copy to complete: add (or convert) ``staged`` into ``held`` once ``event`` has passed."""
 
     event: Any  # torch.cuda.Event marking the end of the device->host copy; None when synchronous
-    staged: Tensor  # the reduced values on the host (a staging buffer), or ``held`` itself when copied there
+    staged: Tensor  # the reduced values in a staging buffer, in the reduce dtype
+    base: Tensor  # the staging buffer itself (bytes), returned to the pool once the landing is complete
     held: Tensor  # the fp32 host shard gradient
     add: bool  # add into ``held``; False: ``held`` takes the staged values (the first reduction of a step)
 
@@ -123,45 +140,61 @@ class HostStore:
 
     name = "cpu"
 
-    def __init__(self, device: torch.device, pin_memory: bool = True) -> None:
+    def __init__(self, device: torch.device, pin_memory: bool = True, max_staged: int = 4) -> None:
         self.device = device  # where the model computes
         self.cuda = device.type == "cuda"
         self.pin = pin_memory and self.cuda  # nothing to pin for copies between host tensors
+        self.max_staged = max_staged
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
-        self._landings: list[_Landing] = []
-        self._publishing: list[tuple[Any, Optional[Tensor]]] = []  # (event, staging buffer) of copies to the device
-        self._free: dict[tuple[int, torch.dtype], list[Tensor]] = collections.defaultdict(list)
+        self._landings: list[_Landing] = []  # gradient copies not yet summed into their host gradient
+        self._uploads: list[tuple[Any, Tensor]] = []  # (event, staging buffer) of copies to the device
+        self._free: list[Tensor] = []  # staging buffers (bytes) not in use, at most ``max_staged``
 
     # --- memory ------------------------------------------------------------------------------
 
-    def empty(self, numel: int, dtype: torch.dtype) -> Tensor:
-        """A host tensor, page-locked when copies to and from a GPU read it (see the Note on failures)."""
+    def _staging(self, numel: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """``numel`` elements of ``dtype`` in a staging buffer, and the buffer: the smallest free one that is large
+        enough, or a new one, page-locked when copies to and from a GPU read it (see the Note on failures)."""
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        fits = [b for b in self._free if b.numel() >= nbytes]
+        if fits:
+            base = min(fits, key=lambda b: b.numel())
+            self._free = [b for b in self._free if b is not base]
+        else:
+            base = self._allocate(nbytes)
+        return base[:nbytes].view(dtype), base
+
+    def _allocate(self, nbytes: int) -> Tensor:
         if self.pin:
             try:
-                return self._pinned(numel, dtype)
+                return self._pinned(nbytes)
             except RuntimeError as err:
                 self.pin = False
                 warnings.warn(
-                    f"lzero could not allocate {numel * torch.empty((), dtype=dtype).element_size():,} bytes of"
+                    f"lzero could not allocate {nbytes:,} bytes of"
                     f" pinned host memory ({str(err).splitlines()[0]}); offload goes on with pageable memory, whose"
                     " copies are synchronous and slower. HINT: set `pin_memory: false` in `offload_optimizer` /"
                     " `offload_param` to start with pageable memory, or raise the page-locked memory limit.",
                     stacklevel=2,
                 )
-        return torch.empty(numel, dtype=dtype)
+        return torch.empty(nbytes, dtype=torch.uint8)
 
-    def _pinned(self, numel: int, dtype: torch.dtype) -> Tensor:
-        return torch.empty(numel, dtype=dtype, pin_memory=True)
+    def _pinned(self, nbytes: int) -> Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
-    def _staging(self, numel: int, dtype: torch.dtype) -> Tensor:
-        free = self._free[(numel, dtype)]
-        return free.pop() if free else self.empty(numel, dtype)
+    def _recycle(self, base: Tensor) -> None:
+        """Return a staging buffer to the pool, which keeps the ``max_staged`` largest free ones."""
+        self._free.append(base)
+        if len(self._free) > self.max_staged:
+            self._free.remove(min(self._free, key=lambda b: b.numel()))
 
-    def _recycle(self, buffer: Tensor) -> None:
-        self._free[(buffer.numel(), buffer.dtype)].append(buffer)
+    def staging_bytes(self) -> int:
+        """Bytes of the staging buffers this store holds now (free or in flight)."""
+        busy = [landing.base for landing in self._landings] + [base for _, base in self._uploads]
+        return sum(b.numel() for b in self._free + busy)
 
     def hold(self, values: Tensor) -> Tensor:
-        out = self.empty(values.numel(), values.dtype)
+        out = torch.empty(values.numel(), dtype=values.dtype)
         out.copy_(values.reshape(-1))
         return out
 
@@ -174,61 +207,103 @@ class HostStore:
     def land_grad(self, held: Optional[Tensor], reduced: Tensor, dtype: torch.dtype) -> Tensor:
         add = held is not None
         if held is None:
-            held = self.empty(reduced.numel(), dtype)
-        if not self.cuda:  # the "device" is the host: the reduced tensor is already host memory
-            self._landings.append(_Landing(None, reduced, held, add))
-            return held
-        direct = not add and reduced.dtype == dtype and self.pin  # straight into the gradient, no staging
-        staged = held if direct else self._staging(reduced.numel(), reduced.dtype)
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.copy_stream):
-            staged.copy_(reduced, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.copy_stream)
-        reduced.record_stream(self.copy_stream)  # its device memory stays allocated until the copy ran
-        self._landings.append(_Landing(event, staged, held, add))
+            held = torch.empty(reduced.numel(), dtype=dtype)
+        self._complete_landings(block=False)
+        while len(self._landings) >= self.max_staged:  # bound the staging buffers in flight
+            self._complete(self._landings.pop(0))
+        staged, base = self._staging(reduced.numel(), reduced.dtype)
+        event = None
+        if self.cuda:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.copy_stream):
+                staged.copy_(reduced, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.copy_stream)
+            reduced.record_stream(self.copy_stream)  # its device memory stays allocated until the copy ran
+        else:
+            staged.copy_(reduced)
+        self._landings.append(_Landing(event, staged, base, held, add))
         return held
+
+    def _complete_landings(self, block: bool) -> None:
+        """Complete the landings whose copies have finished (``block``: all of them), oldest first."""
+        while self._landings and (block or self._landings[0].event is None or self._landings[0].event.query()):
+            self._complete(self._landings.pop(0))
+
+    def _complete(self, landing: _Landing) -> None:
+        if landing.event is not None:
+            landing.event.synchronize()
+        if landing.add:
+            landing.held.add_(landing.staged)
+        else:
+            landing.held.copy_(landing.staged)
+        self._recycle(landing.base)
+
+    def _complete_uploads(self, block: bool) -> None:
+        while self._uploads and (block or self._uploads[0][0] is None or self._uploads[0][0].query()):
+            event, base = self._uploads.pop(0)
+            if event is not None:
+                event.synchronize()
+            self._recycle(base)
 
     @torch.no_grad()
     def finish(self) -> None:
-        landings, self._landings = self._landings, []
-        for landing in landings:
-            if landing.event is not None:
-                landing.event.synchronize()
-            if landing.staged is not landing.held:
-                if landing.add:
-                    landing.held.add_(landing.staged)
-                else:
-                    landing.held.copy_(landing.staged)
-                if landing.event is not None:
-                    self._recycle(landing.staged)
-        publishing, self._publishing = self._publishing, []
-        for event, staging in publishing:
-            event.synchronize()
-            if staging is not None:
-                self._recycle(staging)
+        self._complete_landings(block=True)
+        self._complete_uploads(block=True)
 
     # --- parameters up -----------------------------------------------------------------------
+
+    def _upload(self, dst: Tensor, src: Tensor, stream: Any) -> None:
+        """``dst`` (device) takes ``src`` (host, any float dtype) through a staging buffer, on ``stream``."""
+        self._complete_uploads(block=False)
+        while len(self._uploads) >= self.max_staged:
+            event, base = self._uploads.pop(0)
+            event.synchronize()
+            self._recycle(base)
+        staging, base = self._staging(src.numel(), dst.dtype)
+        staging.copy_(src)  # on the host: the cast to the compute dtype happens here, before the copy
+        with torch.cuda.stream(stream):
+            dst.copy_(staging, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        self._uploads.append((event, base))
 
     @torch.no_grad()
     def publish(self, master: Tensor, compute: Tensor) -> None:
         if compute.device.type != "cuda":  # host to host (CPU model, or offloaded stage-3 parameter shards)
             if compute.data_ptr() != master.data_ptr():
-                compute.copy_(master)
+                staging, base = self._staging(master.numel(), compute.dtype)  # the path CUDA takes, synchronously
+                staging.copy_(master)
+                compute.copy_(staging)
+                self._recycle(base)
             return
-        source = master
-        if master.dtype != compute.dtype or not master.is_pinned():
-            source = self._staging(master.numel(), compute.dtype)
-            source.copy_(master)  # the cast to the compute dtype runs on the host, before the copy
-        compute.copy_(source, non_blocking=True)  # on the compute stream: the all-gather queues behind it
-        event = torch.cuda.Event()  # the master (or staging) is not written again before this copy ran
-        event.record(torch.cuda.current_stream(compute.device))
-        self._publishing.append((event, source if source is not master else None))
+        self._upload(compute, master, torch.cuda.current_stream(compute.device))  # the gather queues behind it
 
+    @torch.no_grad()
     def fetch(self, shard: Tensor, device: torch.device) -> Tensor:
-        out = torch.empty(shard.numel(), dtype=shard.dtype, device=device)
-        out.copy_(shard, non_blocking=shard.is_pinned())  # on the compute stream, before the all-gather
+        out = torch.empty(shard.numel(), dtype=shard.dtype, device=device)  # allocated on the compute stream
+        if not self.cuda:
+            staging, base = self._staging(shard.numel(), shard.dtype)
+            staging.copy_(shard)
+            out.copy_(staging)
+            self._recycle(base)
+            return out
+        # the side stream waits for the compute stream: ``out`` and the gather's target are free to write
+        self.copy_stream.wait_stream(torch.cuda.current_stream(device))
+        self._upload(out, shard, self.copy_stream)
+        out.record_stream(self.copy_stream)
         return out
+
+    def gather_from_side_stream(self, launch: Any) -> tuple[Any, Any]:
+        """Launch ``launch()`` (the all-gather reading fetched shards) from the side stream, after their copies;
+        returns its handle and an event the compute stream must wait for before reading the gathered values."""
+        if not self.cuda:
+            return launch(), None
+        with torch.cuda.stream(self.copy_stream):
+            handle = launch()
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        return handle, event
 
 
 def stores_for(config: Any, device: torch.device, numels: list[int]) -> tuple[list[ShardStore], ShardStore]:

@@ -98,6 +98,7 @@ def memory_by_store(rank: int, world_size: int, stage: int) -> dict:
         "live": live_tensor_bytes(),
         "padded": sum(u.spec.padded_numel for u in engine.units),
         "shard": sum(u.spec.shard_numel for u in engine.units),
+        "largest_shard": max(u.spec.shard_numel for u in engine.units),
         "units": len(engine.units),
         # no host tensor shares memory with a device parameter
         "aliased": any(u.master_shard.data_ptr() == u.flat_param.data_ptr() + u.spec.shard_range(rank)[0] * 4

@@ -61,6 +61,7 @@ def test_memory_is_labelled_by_store_and_matches_the_formula(stage: int) -> None
         assert host["masters"] == (0 if stage == 3 else 4 * shard)  # stage 3: the master is the parameter shard
         assert host["optimizer_state"] == 8 * shard + 4 * res["units"]
         assert host["gradients"] == 0 and device.get("gradients", 0) == 0  # freed after the step
+        assert 0 < host["buffers"] <= 4 * 4 * res["largest_shard"]  # at most max_staged staging buffers
         if stage == 3:  # the fp32 parameter shard is the master itself, in host memory; nothing on the device
             assert host["parameters"] == 4 * shard and device.get("parameters", 0) == 0
         else:  # full fp32 parameters on the device, as without offload
@@ -130,13 +131,27 @@ def test_pinned_allocation_failure_falls_back_to_pageable_memory_with_one_warnin
     store = HostStore(torch.device("cpu"), pin_memory=True)
     store.pin = True  # as on CUDA; this machine has no page-locked allocator
 
-    def fail(numel, dtype):  # type: ignore[no-untyped-def]
+    def fail(nbytes):  # type: ignore[no-untyped-def]
         raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
 
     monkeypatch.setattr(store, "_pinned", fail)
     with pytest.warns(UserWarning, match=r"could not allocate 4,000 bytes of pinned host memory.*`pin_memory: false`"):
-        first = store.hold(torch.ones(1000))
+        held = store.land_grad(None, torch.ones(1000), torch.float32)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # once only
-        second = store.empty(10, torch.float32)
-    assert torch.equal(first, torch.ones(1000)) and not first.is_pinned() and second.numel() == 10
+        warnings.simplefilter("error")  # once only: a larger buffer is allocated, pageable, without a warning
+        store.land_grad(held, torch.full((1000,), 2.0), torch.float32)
+        other = store.land_grad(None, torch.ones(3000, dtype=torch.bfloat16), torch.float32)
+        store.finish()
+    assert torch.equal(held, torch.full((1000,), 3.0)) and torch.equal(other, torch.ones(3000))
+    assert not store.pin and not held.is_pinned()
+
+
+def test_staging_buffers_are_pooled_and_bounded() -> None:
+    """Landings reuse the smallest free buffer that fits; the pool keeps at most max_staged buffers."""
+    from lzero.store import HostStore
+
+    store = HostStore(torch.device("cpu"), max_staged=2)
+    held = [store.land_grad(None, torch.full((n,), float(n)), torch.float32) for n in (100, 50, 400, 300, 20)]
+    store.finish()
+    assert [h[0].item() for h in held] == [100.0, 50.0, 400.0, 300.0, 20.0]
+    assert store.staging_bytes() <= 4 * (400 + 300)  # the two largest, not one per size
