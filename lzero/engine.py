@@ -445,17 +445,20 @@ class ZeroEngine:
     @torch.no_grad()
     def step_and_gather(self, units: Sequence[FlatUnit], step_unit: Callable[[FlatUnit], None]) -> None:
         """Step every unit's shard and all-gather the updated shards into the full flat parameters.
-        Units are coalesced into gathers of about ``allgather_bucket_size`` elements, and each gather
-        is launched as soon as its units are stepped, so it overlaps the step of the next ones."""
+        Units are coalesced into buckets of about ``allgather_bucket_size`` elements (offloaded: at most
+        ``sub_group_size``); a bucket's values are published and its gather launched as soon as its units
+        are stepped, so both overlap the step of the next bucket."""
         pending = []
         limit = self.config.allgather_bucket_size
         if self.offloaded:  # the host steps ``sub_group_size`` elements before their values go back
             limit = min(limit, self.config.sub_group_size)
         for bucket in _coalesce(units, limit):
+            stepped = [unit for unit in bucket if unit.master_shard.grad is not None]
+            for unit in stepped:
+                step_unit(unit)
+            for unit in stepped:  # the bucket's values go back (offloaded: to the device) once it has stepped
+                unit.publish()
             for unit in bucket:
-                if unit.master_shard.grad is not None:
-                    step_unit(unit)
-                    unit.publish()
                 unit.release_grads()  # consumed: see [Note: gradient buffers] in flat_unit.py
             if not collectives.local(self.group) and self.gatherer is None:  # stage 3 gathers on demand instead
                 pending.append(self._launch_gather(bucket))
