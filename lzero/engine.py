@@ -14,6 +14,7 @@ and nothing is gathered after the step.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
@@ -180,6 +181,14 @@ class ZeroEngine:
     def mixed(self) -> bool:
         """16-bit working parameters with fp32 masters."""
         return any(u.mixed for u in self.units)
+
+    @contextmanager
+    def resident(self, units: Sequence[FlatUnit], write: bool = False) -> Iterator[None]:
+        """The masters and optimizer state of ``units`` in memory inside the block (see ``ShardStore.resident``)."""
+        with contextlib.ExitStack() as stack:
+            for unit in units:
+                stack.enter_context(unit.resident(write))
+            yield
 
     @contextmanager
     def gathered(self, module: nn.Module) -> Iterator[None]:
@@ -454,10 +463,11 @@ class ZeroEngine:
             limit = min(limit, self.config.sub_group_size)
         for bucket in _coalesce(units, limit):
             stepped = [unit for unit in bucket if unit.master_shard.grad is not None]
-            for unit in stepped:
-                step_unit(unit)
-            for unit in stepped:  # the bucket's values go back (offloaded: to the device) once it has stepped
-                unit.publish()
+            with self.resident(stepped, write=True):
+                for unit in stepped:
+                    step_unit(unit)
+                for unit in stepped:  # the bucket's values go back (offloaded: to the device) once it has stepped
+                    unit.publish()
             for unit in bucket:
                 unit.release_grads()  # consumed: see [Note: gradient buffers] in flat_unit.py
             if not collectives.local(self.group) and self.gatherer is None:  # stage 3 gathers on demand instead

@@ -88,7 +88,8 @@ class FlatUnit:
             if spec.frozen:  # nothing steps it: the compute-dtype shard is all a rank keeps
                 master = self.param_store.hold(self.flat_param[lo:hi])
             else:  # full precision at stages 1-2: the master is the owned slice of the parameters itself
-                master = self.store.hold_master(full[lo:hi], alias_ok=not self.mixed and stage < 3)
+                master = self.store.hold_master(full[lo:hi], alias_ok=not self.mixed and stage < 3,
+                                                key=f"unit{spec.index}")
             del full
             for p, (start, end) in zip(self.params, self.ranges):
                 p.data = self.flat_param[start:end].view(p.shape)
@@ -99,7 +100,8 @@ class FlatUnit:
         self._compute_shard = None
         if stage >= 3:
             shares = spec.frozen or (not self.mixed and self.store is self.param_store)
-            self._compute_shard = master if shares else self.param_store.hold(master.to(compute_dtype))
+            # the compute-dtype values of the shard (the master's rounding): flat_param is the unit in that dtype
+            self._compute_shard = master if shares else self.param_store.hold(self.flat_param[lo:hi])
         self.accumulates_locally = stage == 1  # see [Note: gradient buffers]
         self.flat_grad: Optional[Tensor] = None  # stage 1: 1D, padded_numel, while the unit has local gradients
         self.shard_grad: Optional[Tensor] = None  # 1D, shard_numel, from the first reduction until the step
@@ -261,6 +263,10 @@ class FlatUnit:
         if not self.spec.frozen:
             self.store.publish(self.master_shard.detach(), self.compute_shard())
 
+    def resident(self, write: bool = False):  # -> ContextManager[None]
+        """The master and its optimizer state in memory inside the block. See ``ShardStore.resident``."""
+        return self.store.resident(self, write)
+
     def gather_source(self) -> Tensor:
         """The compute shard on the compute device, for an all-gather (a copy when it lives in host memory)."""
         return self.param_store.fetch(self.compute_shard(), self.flat_param.device)
@@ -312,7 +318,8 @@ class FlatUnit:
         lo, hi = self.spec.shard_range(self.rank)
         self.compute_shard().copy_(self.flat_param[lo:hi])
         if not self.spec.frozen and self.master_shard.data_ptr() != self.compute_shard().data_ptr():
-            self.master_shard.data.copy_(self.flat_param[lo:hi])
+            with self.resident(write=True):
+                self.master_shard.data.copy_(self.flat_param[lo:hi])
 
     def _require_gathered(self, what: str) -> None:
         """Views of a freed buffer would read freed memory (a segfault on CPU): refuse instead."""

@@ -47,9 +47,10 @@ copies instead of stopping a run that has everything else it needs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
-from typing import Any, NamedTuple, Optional, Protocol
+from typing import Any, ContextManager, NamedTuple, Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -59,14 +60,22 @@ class ShardStore(Protocol):
     """See [Note: shard stores]."""
 
     name: str  # the memory this store's tensors occupy: "device" or "cpu"
+    in_memory: bool  # the master and optimizer state stay in memory between uses (see ``resident``)
 
     def hold(self, values: Tensor) -> Tensor:
         """A copy of ``values`` (1-D) kept in this store."""
         ...
 
-    def hold_master(self, values: Tensor, alias_ok: bool) -> Tensor:
+    def hold_master(self, values: Tensor, alias_ok: bool, key: str) -> Tensor:
         """The tensor the optimizer steps, holding ``values`` (1-D). ``alias_ok``: ``values`` may be used
-        as it is (full precision at stages 1-2, where the master is the owned slice of the parameters)."""
+        as it is (full precision at stages 1-2, where the master is the owned slice of the parameters).
+        ``key`` names the unit (a store that keeps masters in files names them by it)."""
+        ...
+
+    def resident(self, unit: Any, write: bool) -> ContextManager[None]:
+        """Inside the block ``unit.master_shard`` and its optimizer state hold their values (``write``: what is
+        changed inside is kept). Every reader or writer of masters and optimizer state enters it; a no-op
+        for stores that keep them in memory."""
         ...
 
     def land_grad(self, held: Optional[Tensor], reduced: Tensor, dtype: torch.dtype) -> Tensor:
@@ -96,12 +105,16 @@ class DeviceStore:
     """Everything on the compute device."""
 
     name = "device"
+    in_memory = True
 
     def hold(self, values: Tensor) -> Tensor:
         return values.clone()
 
-    def hold_master(self, values: Tensor, alias_ok: bool) -> Tensor:
+    def hold_master(self, values: Tensor, alias_ok: bool, key: str) -> Tensor:
         return values if alias_ok else values.clone()
+
+    def resident(self, unit: Any, write: bool) -> ContextManager[None]:
+        return contextlib.nullcontext()
 
     @torch.no_grad()
     def land_grad(self, held: Optional[Tensor], reduced: Tensor, dtype: torch.dtype) -> Tensor:
@@ -139,6 +152,7 @@ class HostStore:
     """Shard state in host memory. See [Note: host store copies]."""
 
     name = "cpu"
+    in_memory = True
 
     def __init__(self, device: torch.device, pin_memory: bool = True, max_staged: int = 4) -> None:
         self.device = device  # where the model computes
@@ -198,8 +212,11 @@ class HostStore:
         out.copy_(values.reshape(-1))
         return out
 
-    def hold_master(self, values: Tensor, alias_ok: bool) -> Tensor:
+    def hold_master(self, values: Tensor, alias_ok: bool, key: str) -> Tensor:
         return self.hold(values)  # never the device's parameters themselves
+
+    def resident(self, unit: Any, write: bool) -> ContextManager[None]:
+        return contextlib.nullcontext()
 
     # --- gradients down ----------------------------------------------------------------------
 

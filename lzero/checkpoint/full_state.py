@@ -41,28 +41,35 @@ def gather_optimizer_state(zopt: ShardedOptimizer, to_all: bool = False) -> dict
     index = _param_indices(zopt)
     state: dict[int, dict[str, Any]] = {}
     for unit in zopt.units:
-        shard_state = zopt.shard_optimizer(unit).state.get(unit.master_shard)
-        if not shard_state:
-            continue
-        for key in sorted(shard_state):
-            value = shard_state[key]
-            if isinstance(value, Tensor) and value.shape == unit.master_shard.shape:
-                device = unit.flat_param.device  # where collectives run (offloaded state lives in host memory)
-                full = torch.empty(unit.spec.padded_numel, dtype=value.dtype, device=device)
-                collectives.all_gather(full, value.to(device).contiguous(), engine.group)
-                pieces = {s.name: full[a:b] for s, a, b in unit.spec.param_ranges()}
-            else:
-                pieces = {s.name: value for s, _, _ in unit.spec.param_ranges()}
-            if not keep:
-                continue
-            for p, spec in zip(unit.params, unit.spec.params):
-                v = pieces[spec.name]
-                if isinstance(v, Tensor):
-                    v = v.view(p.shape).clone() if v.dim() else v.clone()
-                state.setdefault(index[id(p)], {})[key] = v
+        with unit.resident():
+            _gather_unit_state(zopt, unit, index, keep, state)
     if not keep:
         return {}
     return {"state": state, "param_groups": pack_param_groups(zopt, lambda p: index[id(p)])}
+
+
+def _gather_unit_state(zopt: ShardedOptimizer, unit: "FlatUnit", index: dict[int, int], keep: bool,
+                       state: dict[int, dict[str, Any]]) -> None:
+    """One unit's full per-parameter state into ``state`` (when ``keep``), the unit resident. A collective."""
+    shard_state = zopt.shard_optimizer(unit).state.get(unit.master_shard)
+    if not shard_state:
+        return
+    for key in sorted(shard_state):
+        value = shard_state[key]
+        if isinstance(value, Tensor) and value.shape == unit.master_shard.shape:
+            device = unit.flat_param.device  # where collectives run (offloaded state lives in host memory)
+            full = torch.empty(unit.spec.padded_numel, dtype=value.dtype, device=device)
+            collectives.all_gather(full, value.to(device).contiguous(), zopt.engine.group)
+            pieces = {s.name: full[a:b] for s, a, b in unit.spec.param_ranges()}
+        else:
+            pieces = {s.name: value for s, _, _ in unit.spec.param_ranges()}
+        if not keep:
+            continue
+        for p, spec in zip(unit.params, unit.spec.params):
+            v = pieces[spec.name]
+            if isinstance(v, Tensor):
+                v = v.view(p.shape).clone() if v.dim() else v.clone()
+            state.setdefault(index[id(p)], {})[key] = v
 
 
 @torch.no_grad()
@@ -79,19 +86,24 @@ def load_optimizer_state(zopt: ShardedOptimizer, state_dict: dict[str, Any]) -> 
     restore_param_groups(zopt, saved_groups)
     index = _param_indices(zopt)
     for unit in zopt.units:
-        inner = zopt.shard_optimizer(unit)
-        per_param = [saved_state.get(index[id(p)]) for p in unit.params]
-        template = next((s for s in per_param if s), None)
-        if template is None:
-            inner.state.pop(unit.master_shard, None)
-            continue
-        shard_state: dict[str, Any] = {}
-        for key, value in template.items():
-            if isinstance(value, Tensor) and value.dim() > 0:
-                shard_state[key] = _slice_into_shard(unit, per_param, key, value.dtype)
-            else:
-                shard_state[key] = value.clone() if isinstance(value, Tensor) else value
-        inner.state[unit.master_shard] = shard_state
+        with unit.resident(write=True):
+            _load_unit_state(zopt, unit, [saved_state.get(index[id(p)]) for p in unit.params])
+
+
+def _load_unit_state(zopt: ShardedOptimizer, unit: "FlatUnit", per_param: list[Optional[dict[str, Any]]]) -> None:
+    """One unit's shard of a full per-parameter state (the unit resident)."""
+    inner = zopt.shard_optimizer(unit)
+    template = next((s for s in per_param if s), None)
+    if template is None:
+        inner.state.pop(unit.master_shard, None)
+        return
+    shard_state: dict[str, Any] = {}
+    for key, value in template.items():
+        if isinstance(value, Tensor) and value.dim() > 0:
+            shard_state[key] = _slice_into_shard(unit, per_param, key, value.dtype)
+        else:
+            shard_state[key] = value.clone() if isinstance(value, Tensor) else value
+    inner.state[unit.master_shard] = shard_state
 
 
 def _slice_into_shard(unit: "FlatUnit", per_param: list[Optional[dict[str, Any]]], key: str,

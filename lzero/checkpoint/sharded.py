@@ -49,6 +49,7 @@ from lzero.checkpoint.tree import encode_tree
 
 if TYPE_CHECKING:
     from lzero.engine import ZeroEngine
+    from lzero.flat_unit import FlatUnit
 
 SHARDED_ENTRIES = ("state_dict", "optimizer_states")  # written from the engine, not from the dict
 
@@ -72,24 +73,33 @@ def _local_pieces(engine: "ZeroEngine", optimizers: Sequence[ShardedOptimizer]) 
     ranges: dict[str, Any] = {}
     owner = {u.spec.index: (k, z) for k, z in enumerate(optimizers) for u in z.units}
     for unit in engine.units:
-        master = unit.master_shard.detach()
-        for spec, a, b, piece in shard_pieces(unit, master):
-            tensors[f"param/{spec.name}"], ranges[f"param/{spec.name}"] = piece, [a, b]
-        if unit.spec.index not in owner:  # a frozen unit: no optimizer state
-            continue
-        k, zopt = owner[unit.spec.index]
-        state = zopt.shard_optimizer(unit).state.get(unit.master_shard, {})
-        for key, value in state.items():
-            if isinstance(value, Tensor) and value.shape == master.shape:  # per element: this rank's pieces
-                for spec, a, b, piece in shard_pieces(unit, value):
-                    name = f"optim/{k}/{spec.name}/{key}"
-                    tensors[name], ranges[name] = piece, [a, b]
-                continue
-            for spec, _, _ in unit.spec.param_ranges():  # 0-dim (``step``): whole, under every parameter
-                name = f"optim/{k}/{spec.name}/{key}"
-                tensors[name] = value.detach().clone() if isinstance(value, Tensor) else torch.tensor(value)
-                ranges[name] = None
+        with unit.resident():
+            _unit_pieces(unit, owner, tensors, ranges)
     return tensors, ranges
+
+
+def _unit_pieces(unit: "FlatUnit", owner: dict[int, tuple[int, ShardedOptimizer]], tensors: dict[str, Tensor],
+                 ranges: dict[str, Any]) -> None:
+    """One unit's pieces into ``tensors`` and ``ranges``: views of its shards, copies where its store keeps them in
+    memory only while the unit is resident."""
+    keep = (lambda t: t) if unit.store.in_memory else (lambda t: t.clone())
+    master = unit.master_shard.detach()
+    for spec, a, b, piece in shard_pieces(unit, master):
+        tensors[f"param/{spec.name}"], ranges[f"param/{spec.name}"] = keep(piece), [a, b]
+    if unit.spec.index not in owner:  # a frozen unit: no optimizer state
+        return
+    k, zopt = owner[unit.spec.index]
+    state = zopt.shard_optimizer(unit).state.get(unit.master_shard, {})
+    for key, value in state.items():
+        if isinstance(value, Tensor) and value.shape == master.shape:  # per element: this rank's pieces
+            for spec, a, b, piece in shard_pieces(unit, value):
+                name = f"optim/{k}/{spec.name}/{key}"
+                tensors[name], ranges[name] = keep(piece), [a, b]
+            continue
+        for spec, _, _ in unit.spec.param_ranges():  # 0-dim (``step``): whole, under every parameter
+            name = f"optim/{k}/{spec.name}/{key}"
+            tensors[name] = value.detach().clone() if isinstance(value, Tensor) else torch.tensor(value)
+            ranges[name] = None
 
 
 def describe(engine: "ZeroEngine", checkpoint: dict[str, Any], **fields: Any) -> tuple[dict[str, Tensor],
@@ -311,20 +321,26 @@ def load_optimizer_shards(zopt: ShardedOptimizer, index: int, reader: ShardedChe
                               f" {len(zopt.param_groups)}. HINT: `configure_optimizers` must build the same groups.")
     restore_param_groups(zopt, groups)
     for unit in zopt.units:
-        inner = zopt.shard_optimizer(unit)
-        first = unit.spec.params[0].name
-        keys = reader.optimizer_keys(index, first)
-        if not keys:
-            inner.state.pop(unit.master_shard, None)
+        with unit.resident(write=True):
+            _load_unit_state(zopt, unit, index, reader)
+
+
+def _load_unit_state(zopt: ShardedOptimizer, unit: "FlatUnit", index: int, reader: ShardedCheckpoint) -> None:
+    """Fill one unit's shard optimizer state from ``reader`` (the unit resident)."""
+    inner = zopt.shard_optimizer(unit)
+    first = unit.spec.params[0].name
+    keys = reader.optimizer_keys(index, first)
+    if not keys:
+        inner.state.pop(unit.master_shard, None)
+        return
+    state: dict[str, Any] = {}
+    for key in keys:
+        if reader.is_scalar(f"optim/{index}/{first}/{key}"):
+            state[key] = reader.scalar(f"optim/{index}/{first}/{key}").to(unit.master_shard.device)
             continue
-        state: dict[str, Any] = {}
-        for key in keys:
-            if reader.is_scalar(f"optim/{index}/{first}/{key}"):
-                state[key] = reader.scalar(f"optim/{index}/{first}/{key}").to(unit.master_shard.device)
-                continue
-            shard = torch.zeros(unit.spec.shard_numel, dtype=unit.master_shard.dtype, device=unit.master_shard.device)
-            state[key] = fill_shard(shard, unit, _optimizer_reader(reader, index, key))
-        inner.state[unit.master_shard] = state
+        shard = torch.zeros(unit.spec.shard_numel, dtype=unit.master_shard.dtype, device=unit.master_shard.device)
+        state[key] = fill_shard(shard, unit, _optimizer_reader(reader, index, key))
+    inner.state[unit.master_shard] = state
 
 
 def _optimizer_reader(reader: ShardedCheckpoint, index: int, key: str) -> Callable[[Any, int, int], Tensor]:

@@ -44,10 +44,12 @@ class ShardedTensor:
 
     def local_shard(self) -> tuple[int, Tensor]:
         """(start within the flattened parameter, this rank's elements of it); empty if it owns none."""
-        for spec, a, _, piece in shard_pieces(self.unit, self.unit.master_shard.detach()):
-            if spec.name == self.spec.name:
-                return a, piece
-        return 0, self.unit.master_shard.detach()[:0]
+        with self.unit.resident():
+            keep = (lambda t: t) if self.unit.store.in_memory else (lambda t: t.clone())
+            for spec, a, _, piece in shard_pieces(self.unit, self.unit.master_shard.detach()):
+                if spec.name == self.spec.name:
+                    return a, keep(piece)
+            return 0, keep(self.unit.master_shard.detach()[:0])
 
     def full_tensor(self) -> Tensor:
         """The whole parameter on every rank (a collective: call it on every rank)."""
@@ -115,7 +117,8 @@ def gathered_masters(engine: "ZeroEngine") -> Iterator[tuple["FlatUnit", Tensor]
     for unit in engine.units:
         device = unit.flat_param.device  # where collectives run (offloaded masters live in host memory)
         flat = torch.empty(unit.spec.padded_numel, dtype=unit.master_shard.dtype, device=device)
-        collectives.all_gather(flat, unit.master_shard.detach().to(device), engine.group)
+        with unit.resident():
+            collectives.all_gather(flat, unit.master_shard.detach().to(device), engine.group)
         yield unit, flat
 
 
@@ -151,8 +154,9 @@ def load_params(engine: "ZeroEngine", fetch: Callable[[str, int, int], Tensor]) 
     parameter): each rank fetches only the pieces it owns into its fp32 masters, publishes them in the
     compute dtype, and stages 1-2 all-gather the full parameters. A collective."""
     for unit in engine.units:
-        fill_shard(unit.master_shard.data, unit, lambda spec, a, b: fetch(spec.name, a, b))
-        unit.publish()
+        with unit.resident(write=True):
+            fill_shard(unit.master_shard.data, unit, lambda spec, a, b: fetch(spec.name, a, b))
+            unit.publish()
         if engine.config.stage >= 3 and unit.gathered:
             lo, hi = unit.spec.shard_range(unit.rank)
             unit.flat_param[lo:hi].copy_(unit.compute_shard())
