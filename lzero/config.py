@@ -18,7 +18,10 @@ class ZeroConfigError(ValueError):
 
 
 NVME_KEYS = ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pipeline_read", "pipeline_write")
-"""DeepSpeed offload keys that belong to NVMe offload (ZeRO-Infinity), not built in this release."""
+"""DeepSpeed offload keys that only apply with ``device: nvme`` (ZeRO-Infinity)."""
+
+NVME_BUILT: dict[str, bool] = {"offload_optimizer": False, "offload_param": False}
+"""Which offload blocks take ``device: nvme`` in this release (the other is refused by name)."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,20 @@ class OffloadOptimizer:
     """The fraction of the optimizer state (by elements) that is offloaded; the first units, up to
     ``1 - ratio`` of the elements, keep their state on the device and step there (DeepSpeed's Twin-Flow)."""
 
+    nvme_path: Optional[str] = None
+    """``device: nvme``: the folder (on a fast local disk) that holds the swap files; None: a per-run folder
+    under the system temporary directory, printed at start."""
+
+    buffer_count: int = 4
+    """``device: nvme``: units whose state may be in host memory at once while the step reads ahead and writes
+    behind (at least 2)."""
+
+    pipeline_read: bool = False
+    """``device: nvme``: read the next group of units while the current one steps."""
+
+    pipeline_write: bool = False
+    """``device: nvme``: write a stepped group back while the next one steps, instead of waiting for it."""
+
 
 @dataclass(frozen=True)
 class OffloadParam:
@@ -46,6 +63,43 @@ class OffloadParam:
 
     pin_memory: bool = True
     """As :attr:`OffloadOptimizer.pin_memory`."""
+
+    nvme_path: Optional[str] = None
+    """``device: nvme``: as :attr:`OffloadOptimizer.nvme_path`."""
+
+    buffer_count: int = 5
+    """``device: nvme``: parameter shards being read at once."""
+
+    buffer_size: int = 100_000_000
+    """``device: nvme``: elements per read buffer (sized to min(this, the largest unit))."""
+
+    max_in_cpu: int = 1_000_000_000
+    """``device: nvme``: parameter elements kept in host memory instead of files."""
+
+
+@dataclass(frozen=True)
+class AioConfig:
+    """DeepSpeed's ``aio`` block: how NVMe swap files are read and written (lzero: a thread pool issuing
+    ``os.preadv``/``os.pwritev`` on ``O_DIRECT`` files; no libaio)."""
+
+    block_size: int = 1_048_576
+    """Bytes per request."""
+
+    queue_depth: int = 8
+    """Requests in flight per thread."""
+
+    intra_op_parallelism: int = 1
+    """I/O threads (DeepSpeed's older name ``thread_count`` is read as this)."""
+
+    single_submit: bool = False
+    """Submit requests one at a time instead of in batches (lzero's threads submit one request per call, so
+    both values behave the same)."""
+
+    overlap_events: bool = True
+    """Overlap request submission and completion (always so with lzero's thread pool)."""
+
+    use_gds: bool = False
+    """GPUDirect Storage; refused: this torch build offers no usable ``torch.cuda.gds`` path in lzero."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +178,10 @@ class ZeroConfig:
     block: "none", "cpu" or ``{device: cpu, pin_memory: true}`` (see :class:`OffloadParam`). Each unit's
     shard is copied to the device inside the stage-3 prefetch, before its all-gather."""
 
+    aio: Union[dict[str, Any], AioConfig] = AioConfig()
+    """DeepSpeed's ``aio`` block, used by NVMe offload: ``{block_size: 1048576, queue_depth: 8,
+    intra_op_parallelism: 1, single_submit: false, overlap_events: true, use_gds: false}``."""
+
     sub_group_size: int = 1_000_000_000
     """With ``offload_optimizer``: elements the host optimizer steps before it sends the stepped values back
     to the device (and, at stages 1-2, launches their all-gather). Consecutive units are stepped in groups of
@@ -193,6 +251,7 @@ class ZeroConfig:
         object.__setattr__(self, "offload_optimizer", _offload_block("offload_optimizer", self.offload_optimizer,
                                                                      OffloadOptimizer))
         object.__setattr__(self, "offload_param", _offload_block("offload_param", self.offload_param, OffloadParam))
+        object.__setattr__(self, "aio", _aio_block(self.aio))
         if self.offload_param.device != "none" and self.stage < 3:
             raise ZeroConfigError(
                 f"`offload_param={{'device': {self.offload_param.device!r}}}` at stage {self.stage}: only stage 3 shards"
@@ -216,19 +275,26 @@ def _offload_block(name: str, value: Any, cls: type) -> Any:
     """``value`` (a device name, a DeepSpeed-style dict, or ``cls``) as a checked ``cls``."""
     if isinstance(value, str):
         value = {"device": value}
-    elif isinstance(value, cls):
-        value = {f.name: getattr(value, f.name) for f in fields(cls)}
+    elif isinstance(value, cls):  # the fields that differ from the defaults, as if written in a block
+        value = {f.name: getattr(value, f.name) for f in fields(cls)
+                 if f.name == "device" or getattr(value, f.name) != f.default}
     elif not isinstance(value, dict):
         raise ZeroConfigError(
             f"`{name}={value!r}` must be a device name or a block. HINT: `{name}='cpu'` or"
             f" `{name}={{'device': 'cpu', 'pin_memory': True}}`."
         )
     known = [f.name for f in fields(cls)]
+    device = value.get("device", "none") or "none"
     for key in value:
-        if key in NVME_KEYS:
+        if key in NVME_KEYS and key in known and device != "nvme":
             raise ZeroConfigError(
-                f"`{name}.{key}` configures NVMe offload (ZeRO-Infinity), which is not built in this lzero release."
-                f" HINT: remove `{key}` and use `{name}={{'device': 'cpu'}}` (host memory)."
+                f"`{name}.{key}` only applies with `device: nvme` (ZeRO-Infinity); with device {device!r} it would"
+                f" be ignored. HINT: remove `{key}`, or use `{name}={{'device': 'nvme', '{key}': ...}}`."
+            )
+        if key in NVME_KEYS and key not in known:
+            raise ZeroConfigError(
+                f"`{name}.{key}` is not an `{name}` key (DeepSpeed has it in the other offload block). HINT: remove it"
+                f" or move it to {'`offload_param`' if name == 'offload_optimizer' else '`offload_optimizer`'}."
             )
         if key not in known:
             close = difflib.get_close_matches(str(key), known, n=1)
@@ -243,10 +309,10 @@ def _offload_block(name: str, value: Any, cls: type) -> Any:
             f"`{name}.device={device!r}` is not an offload device: without offload the state already lives on the"
             " device the model computes on (the GPU). HINT: use 'none' (keep it there) or 'cpu' (host memory)."
         )
-    if device == "nvme":
+    if device == "nvme" and not NVME_BUILT[name]:
         raise ZeroConfigError(
-            f"`{name}.device='nvme'`: NVMe offload (ZeRO-Infinity) is not built in this lzero release."
-            f" HINT: use `{name}={{'device': 'cpu'}}` (host memory)."
+            f"`{name}.device='nvme'`: NVMe offload of {'parameters' if name == 'offload_param' else 'optimizer state'}"
+            f" is not built in this lzero release. HINT: use `{name}={{'device': 'cpu'}}` (host memory)."
         )
     if not isinstance(block["pin_memory"], bool):
         raise ZeroConfigError(f"`{name}.pin_memory={block['pin_memory']!r}` must be true or false.")
@@ -258,8 +324,63 @@ def _offload_block(name: str, value: Any, cls: type) -> Any:
                 " host memory. HINT: 1.0 offloads all of it; to offload none, use `device: none`."
             )
         block["ratio"] = float(ratio)
+    for key in ("buffer_count", "buffer_size", "max_in_cpu"):
+        if key in block:
+            number = block[key]
+            if isinstance(number, float) and number.is_integer():  # DeepSpeed configs write 1e8
+                number = block[key] = int(number)
+            least = 2 if key == "buffer_count" else 0 if key == "max_in_cpu" else 1
+            if isinstance(number, bool) or not isinstance(number, int) or number < least:
+                raise ZeroConfigError(f"`{name}.{key}={block[key]!r}` must be a whole number >= {least}.")
+    for key in ("pipeline_read", "pipeline_write"):
+        if key in block and not isinstance(block[key], bool):
+            raise ZeroConfigError(f"`{name}.{key}={block[key]!r}` must be true or false.")
+    if block.get("nvme_path") is not None and not isinstance(block["nvme_path"], str):
+        raise ZeroConfigError(f"`{name}.nvme_path={block['nvme_path']!r}` must be a folder path (a string).")
     block["device"] = device
     return cls(**block)
+
+
+def _aio_block(value: Any) -> AioConfig:
+    """DeepSpeed's ``aio`` block as a checked :class:`AioConfig`; ``thread_count`` read as ``intra_op_parallelism``."""
+    if isinstance(value, AioConfig):
+        value = {f.name: getattr(value, f.name) for f in fields(AioConfig)}
+    if not isinstance(value, dict):
+        raise ZeroConfigError(f"`aio={value!r}` must be a block. HINT: `aio={{'block_size': 1048576, 'queue_depth': 8}}`.")
+    value = dict(value)
+    if "thread_count" in value:  # DeepSpeed's older spelling, which DeepSpeed itself now ignores
+        threads = value.pop("thread_count")
+        if "intra_op_parallelism" in value and value["intra_op_parallelism"] != threads:
+            raise ZeroConfigError(
+                f"`aio.thread_count={threads!r}` and `aio.intra_op_parallelism={value['intra_op_parallelism']!r}` say"
+                " different things (the first is the older name of the second). HINT: keep `intra_op_parallelism`."
+            )
+        value["intra_op_parallelism"] = threads
+    known = [f.name for f in fields(AioConfig)]
+    for key in value:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f"did you mean `{close[0]}`?" if close else f"the keys are: {', '.join(known)}."
+            raise ZeroConfigError(f"Unknown key `aio.{key}`. HINT: {hint}")
+    block = {**{f.name: f.default for f in fields(AioConfig)}, **value}
+    for key in ("block_size", "queue_depth", "intra_op_parallelism"):
+        number = block[key]
+        if isinstance(number, float) and number.is_integer():
+            number = block[key] = int(number)
+        if isinstance(number, bool) or not isinstance(number, int) or number < 1:
+            raise ZeroConfigError(f"`aio.{key}={block[key]!r}` must be a whole number >= 1.")
+    if block["block_size"] % 4096:
+        raise ZeroConfigError(f"`aio.block_size={block['block_size']}` must be a multiple of 4096 bytes (O_DIRECT"
+                              " requests are page-aligned). HINT: e.g. 1048576.")
+    for key in ("single_submit", "overlap_events", "use_gds"):
+        if not isinstance(block[key], bool):
+            raise ZeroConfigError(f"`aio.{key}={block[key]!r}` must be true or false.")
+    if block["use_gds"]:
+        raise ZeroConfigError(
+            "`aio.use_gds=true`: lzero does not read swap files with GPUDirect Storage (it reads through host"
+            " buffers). HINT: set `use_gds: false`."
+        )
+    return AioConfig(**block)
 
 
 def _check_names(kwargs: dict[str, Any], what: str) -> None:

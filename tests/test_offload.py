@@ -78,8 +78,15 @@ def test_memory_is_labelled_by_store_and_matches_the_formula(stage: int) -> None
     ({"offload_optimizer": "gpu"}, r"`offload_optimizer.device='gpu'` is not an offload device.*HINT: use 'none'"),
     ({"offload_optimizer": {"device": "cpu", "ratio": 0}}, r"`offload_optimizer.ratio=0` must be a fraction in \(0, 1\]"),
     ({"offload_optimizer": {"device": "cpu", "ratio": 1.5}}, r"`offload_optimizer.ratio=1.5` must be a fraction"),
-    ({"offload_optimizer": {"device": "cpu", "nvme_path": "/nvme"}}, r"`offload_optimizer.nvme_path` configures NVMe"),
-    ({"stage": 3, "offload_param": {"device": "cpu", "buffer_count": 5}}, r"`offload_param.buffer_count` configures NVMe"),
+    ({"offload_optimizer": {"device": "cpu", "nvme_path": "/nvme"}},
+     r"`offload_optimizer.nvme_path` only applies with `device: nvme`.*with device 'cpu' it would be ignored"),
+    ({"stage": 3, "offload_param": {"device": "cpu", "buffer_count": 5}}, r"`offload_param.buffer_count` only applies"),
+    ({"offload_optimizer": {"device": "cpu", "max_in_cpu": 5}}, r"`offload_optimizer.max_in_cpu` is not an"
+                                                                r" `offload_optimizer` key.*move it to `offload_param`"),
+    ({"aio": {"thread_count": 2, "intra_op_parallelism": 4}}, r"`aio.thread_count=2` and `aio.intra_op_parallelism=4`"),
+    ({"aio": {"block_sise": 4096}}, r"Unknown key `aio.block_sise`.*did you mean `block_size`"),
+    ({"aio": {"block_size": 1000}}, r"`aio.block_size=1000` must be a multiple of 4096"),
+    ({"aio": {"use_gds": True}}, r"`aio.use_gds=true`.*HINT: set `use_gds: false`"),
     ({"offload_optimizer": {"device": "cpu", "pin_memroy": False}}, r"`offload_optimizer.pin_memroy`.*did you mean `pin_memory`"),
     ({"offload_optimizer": {"device": "cpu", "pin_memory": "yes"}}, r"`offload_optimizer.pin_memory='yes'` must be true"),
     ({"offload_optimizer": 3}, r"`offload_optimizer=3` must be a device name or a block"),
@@ -97,6 +104,8 @@ def test_deepspeed_blocks_and_defaults() -> None:
     assert (config.offload_param.device, config.offload_param.pin_memory) == ("cpu", False)
     assert config.sub_group_size == 1_000_000_000
     assert ZeroConfig().offload_optimizer.device == "none" and ZeroConfig().offload_param.device == "none"
+    aio = ZeroConfig(aio={"thread_count": 8, "queue_depth": 16}).aio  # DeepSpeed's older name, read (not ignored)
+    assert (aio.intra_op_parallelism, aio.queue_depth, aio.block_size) == (8, 16, 1_048_576)
 
 
 class CudaOnlySGD(torch.optim.SGD):
