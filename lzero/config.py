@@ -20,7 +20,7 @@ class ZeroConfigError(ValueError):
 NVME_KEYS = ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pipeline_read", "pipeline_write")
 """DeepSpeed offload keys that only apply with ``device: nvme`` (ZeRO-Infinity)."""
 
-NVME_BUILT: dict[str, bool] = {"offload_optimizer": False, "offload_param": False}
+NVME_BUILT: dict[str, bool] = {"offload_optimizer": True, "offload_param": False}
 """Which offload blocks take ``device: nvme`` in this release (the other is refused by name)."""
 
 

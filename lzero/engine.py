@@ -67,7 +67,8 @@ class ZeroEngine:
             self.partition = partition_by_size(specs, self.world_size, unit_numel)
         # where each unit's state lives: see [Note: shard stores] in store.py
         self._stores, self._param_store = stores_for(config, device,
-                                                     [0 if u.frozen else u.padded_numel for u in self.partition.units])
+                                                     [0 if u.frozen else u.padded_numel for u in self.partition.units],
+                                                     self.rank, self.world_size, self._run_id(config))
         self._cast_back: list[tuple[nn.Parameter, torch.dtype]] = []  # frozen parameters cast to param_dtype
         self.policy.check_module(module)
         if config.stage >= 3 and has_meta(module):
@@ -95,6 +96,14 @@ class ZeroEngine:
         self._launch_in_hooks = False
 
     # --- setup -------------------------------------------------------------------------------
+
+    def _run_id(self, config: ZeroConfig) -> Optional[str]:
+        """NVMe offload: one id for this run's swap folder, the same on every rank (rank 0's). A collective."""
+        if config.offload_optimizer.device != "nvme" and config.offload_param.device != "nvme":
+            return None
+        token = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+        collectives.broadcast_([token], src=0, group=self.group)
+        return f"{int(token.item()):x}"
 
     def _unit(self, spec: UnitSpec, params: list[nn.Parameter]) -> FlatUnit:
         store = self._stores[spec.index] if not spec.frozen else self._param_store
@@ -273,6 +282,8 @@ class ZeroEngine:
             self.gatherer.remove()
             self._gather_group = self._check_group = None
         self.reducer.remove(after_failure)
+        for store in self.stores:  # NVMe: the swap folder goes, after a failure too
+            store.close()
 
     # --- backward ----------------------------------------------------------------------------
 
@@ -461,7 +472,11 @@ class ZeroEngine:
         limit = self.config.allgather_bucket_size
         if self.offloaded:  # the host steps ``sub_group_size`` elements before their values go back
             limit = min(limit, self.config.sub_group_size)
-        for bucket in _coalesce(units, limit):
+        buckets = list(_coalesce(units, limit))
+        for k, bucket in enumerate(buckets):
+            for unit in buckets[k + 1] if k + 1 < len(buckets) else []:  # NVMe: read ahead while this bucket steps
+                if unit.master_shard.grad is not None:
+                    unit.store.prefetch(unit)
             stepped = [unit for unit in bucket if unit.master_shard.grad is not None]
             with self.resident(stepped, write=True):
                 for unit in stepped:

@@ -3,7 +3,7 @@
 Each tensor storage is counted once, under the first kind that claims it, in the order parameters,
 gradients, masters, optimizer state (then the offload stores' staging buffers): a master that is the parameters' own memory (full precision,
 not offloaded) counts as parameters, as the formulas count it. The store is the one the unit keeps
-that kind in ("device", or "cpu" for host memory under offload), so the split is right on a
+that kind in ("device", or "cpu" for host memory under offload; "nvme" for swap files), so the split is right on a
 CPU-only machine too, where both stores are host memory.
 """
 
@@ -35,28 +35,32 @@ def model_state_bytes(engine: "ZeroEngine", optimizers: Sequence["ZeroOptimizer"
     for store in engine.stores:
         staging = getattr(store, "staging_bytes", None)
         if staging is not None:
-            out.setdefault(store.name, dict.fromkeys(KINDS, 0))["buffers"] += staging()
+            out.setdefault(store.memory, dict.fromkeys(KINDS, 0))["buffers"] += staging()
+        on_disk = getattr(store, "bytes_on_disk", None)
+        if on_disk is not None:  # NVMe swap files
+            for kind, nbytes in on_disk().items():
+                out.setdefault("nvme", dict.fromkeys(KINDS, 0))[kind] += nbytes
     return out
 
 
 def _tensors(engine: "ZeroEngine", optimizers: Sequence["ZeroOptimizer"]) -> Iterator[tuple[str, str, Tensor]]:
     for unit in engine.units:
         yield "device", "parameters", unit.flat_param
-        yield unit.param_store.name, "parameters", unit.compute_shard()
+        yield unit.param_store.memory, "parameters", unit.compute_shard()
     for unit in engine.units:
         for grad in (unit.flat_grad, unit.shard_grad):
             if grad is not None:
-                yield unit.store.name, "gradients", grad
+                yield unit.store.memory, "gradients", grad
         for p in unit.params:
             if p.grad is not None:
                 yield "device", "gradients", p.grad
     for unit in engine.units:
-        yield unit.store.name, "masters", unit.master_shard.detach()
+        yield unit.store.memory, "masters", unit.master_shard.detach()
     for zopt in optimizers:
         for unit in zopt.units:
             for value in zopt.shard_optimizer(unit).state.get(unit.master_shard, {}).values():
                 if isinstance(value, Tensor):
-                    yield unit.store.name, "optimizer_state", value
+                    yield unit.store.memory, "optimizer_state", value
 
 
 def total(by_store: dict[str, dict[str, int]], store: Optional[str] = None) -> int:

@@ -92,6 +92,9 @@ class ZeroOptimizer(Optimizer):
         if any(u.store.name != "device" for u in self.units):
             self.host_kernel = _check_host_step(optimizer)
         self._shared.inner = {u.spec.index: _build_inner(optimizer, u) for u in self.units}
+        for unit in self.units:  # a store that swaps the state in and out finds it here
+            inner = self._shared.inner[unit.spec.index]
+            unit.store.bind_state(unit, lambda inner=inner, master=unit.master_shard: inner.state[master])
 
     def shard_optimizer(self, unit: FlatUnit) -> Optimizer:
         """The optimizer (the user's class and flags) that steps ``unit``'s shard on this rank."""

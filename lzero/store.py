@@ -100,11 +100,24 @@ class ShardStore(Protocol):
         """Complete every copy in flight: landed gradients hold their sums afterwards."""
         ...
 
+    def prefetch(self, unit: Any) -> None:
+        """``unit`` will be resident soon: a store that keeps it in files may start reading them."""
+        ...
+
+    def bind_state(self, unit: Any, state: Any) -> None:
+        """``state()`` returns the optimizer state dict of ``unit``'s master (for stores that swap it)."""
+        ...
+
+    def close(self) -> None:
+        """The engine is done with the store (end of fit, or after a failure): release what it holds."""
+        ...
+
 
 class DeviceStore:
     """Everything on the compute device."""
 
     name = "device"
+    memory = "device"  # where its in-memory tensors are (the label memory accounting uses)
     in_memory = True
 
     def hold(self, values: Tensor) -> Tensor:
@@ -137,6 +150,15 @@ class DeviceStore:
     def finish(self) -> None:
         pass
 
+    def prefetch(self, unit: Any) -> None:
+        pass
+
+    def bind_state(self, unit: Any, state: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
 
 class _Landing(NamedTuple):
     """A gradient copy to complete: add (or convert) ``staged`` into ``held`` once ``event`` has passed."""
@@ -152,6 +174,7 @@ class HostStore:
     """Shard state in host memory. See [Note: host store copies]."""
 
     name = "cpu"
+    memory = "cpu"
     in_memory = True
 
     def __init__(self, device: torch.device, pin_memory: bool = True, max_staged: int = 4) -> None:
@@ -268,6 +291,15 @@ class HostStore:
         self._complete_landings(block=True)
         self._complete_uploads(block=True)
 
+    def prefetch(self, unit: Any) -> None:
+        pass
+
+    def bind_state(self, unit: Any, state: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        self.finish()
+
     # --- parameters up -----------------------------------------------------------------------
 
     def _upload(self, dst: Tensor, src: Tensor, stream: Any) -> None:
@@ -323,10 +355,12 @@ class HostStore:
         return handle, event
 
 
-def stores_for(config: Any, device: torch.device, numels: list[int]) -> tuple[list[ShardStore], ShardStore]:
+def stores_for(config: Any, device: torch.device, numels: list[int], rank: int = 0, world_size: int = 1,
+               run_id: Optional[str] = None) -> tuple[list[ShardStore], ShardStore]:
     """The optimizer store of each unit (``numels``: their sizes, in unit order) and the parameter store,
     as ``config.offload_optimizer`` / ``config.offload_param`` ask. With ``offload_optimizer.ratio`` < 1 the
-    first units, up to ``1 - ratio`` of the elements, keep their state on the device (DeepSpeed's Twin-Flow)."""
+    first units, up to ``1 - ratio`` of the elements, keep their state on the device (DeepSpeed's Twin-Flow).
+    NVMe: ``rank``'s swap folder of the run ``run_id`` (the same on every rank)."""
     device_store = DeviceStore()
     optimizer_offload, param_offload = config.offload_optimizer, config.offload_param
     host = None
@@ -334,7 +368,9 @@ def stores_for(config: Any, device: torch.device, numels: list[int]) -> tuple[li
         pin = optimizer_offload.pin_memory if optimizer_offload.device == "cpu" else param_offload.pin_memory
         host = HostStore(device, pin)
     param_store = host if param_offload.device == "cpu" else device_store
-    if optimizer_offload.device != "cpu":
+    if optimizer_offload.device == "nvme":
+        host = _nvme_store(config, device, sum(numels) * optimizer_offload.ratio / world_size, rank, run_id)
+    elif optimizer_offload.device != "cpu":
         return [device_store] * len(numels), param_store
     on_device = (1.0 - optimizer_offload.ratio) * sum(numels)
     stores, before = [], 0
@@ -342,6 +378,24 @@ def stores_for(config: Any, device: torch.device, numels: list[int]) -> tuple[li
         stores.append(device_store if before + numel <= on_device else host)
         before += numel
     return stores, param_store
+
+
+def _nvme_store(config: Any, device: torch.device, offloaded: float, rank: int, run_id: Optional[str]) -> ShardStore:
+    """The NVMe store of ``offload_optimizer`` (``offloaded``: this rank's elements), after the checks its folder
+    must pass before the first step."""
+    import tempfile
+
+    from lzero.nvme import SwapFiles, check_path, check_space, cleanup_stale
+    from lzero.nvme_store import NvmeStore
+
+    block, aio = config.offload_optimizer, config.aio
+    path = check_path(block.nvme_path if block.nvme_path is not None else tempfile.gettempdir())
+    cleanup_stale(path)  # folders of this user's dead runs, found by their locks
+    # this rank's share: fp32 masters and Adam's two moments, 12 bytes per element (the largest common case)
+    check_space(path, int(12 * offloaded))
+    files = SwapFiles(path, rank, run_id, block_size=aio.block_size, queue_depth=aio.queue_depth,
+                      threads=aio.intra_op_parallelism)
+    return NvmeStore(device, files, block.pin_memory, block.buffer_count, block.pipeline_read, block.pipeline_write)
 
 
 def divide_host_threads(local_processes: int) -> Optional[int]:

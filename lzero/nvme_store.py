@@ -1,0 +1,196 @@
+"""NVMe offload of the optimizer (ZeRO-Infinity, ``offload_optimizer: {device: nvme}``): each unit's fp32 master
+and optimizer state live in swap files and are in host memory only while the unit is resident.
+
+[Note: resident units]
+Between uses an NVMe unit's ``master_shard`` holds a placeholder of its real shape and no memory (one shared
+element, expanded), and so do the per-element tensors of its optimizer state (Adam's moments); scalars such
+as ``step`` stay in memory. Whoever reads or writes the master or the state enters ``unit.resident(write)``
+(see ``ShardStore.resident`` in store.py): entering reads the unit's files into page-aligned buffers
+(:func:`lzero.nvme.aligned_empty`) and puts them in place; leaving with ``write`` writes every per-element
+tensor back, then puts the placeholders back. Tensors the optimizer or a checkpoint load created inside the
+block (the first step's moments) are copied into aligned buffers to be written; from then on the unit has
+files for them. Nesting is allowed (the step is resident for its bucket, and a checkpoint load inside
+it); the outermost block reads and writes.
+
+The step (``ZeroEngine.step_and_gather``) walks the units in groups of at most ``sub_group_size``
+elements: with ``pipeline_read`` the next group's reads are started before the current group steps, and
+with ``pipeline_write`` a group's writes are left in flight while the next group steps (otherwise each
+group waits for its writes). At most ``buffer_count`` units have buffers at once (reading, resident or
+writing); beyond that the oldest write is waited for. A unit is never read while its last write is in
+flight. The shard gradients stay in host memory (as for ``offload_optimizer: cpu``; they exist only from
+a backward to its step), and so host memory holds only gradients, buffers and scalars, never the whole
+optimizer state.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+from concurrent.futures import Future
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import Tensor
+
+from lzero.nvme import SwapFiles, aligned_empty
+from lzero.store import HostStore
+
+
+class NvmeStore(HostStore):
+    """See [Note: resident units]. Gradients and copies as :class:`lzero.store.HostStore`."""
+
+    name = "nvme"
+    in_memory = False
+
+    def __init__(self, device: torch.device, files: SwapFiles, pin_memory: bool = True, buffer_count: int = 4,
+                 pipeline_read: bool = False, pipeline_write: bool = False) -> None:
+        super().__init__(device, pin_memory)
+        self.files = files
+        self.buffer_count = buffer_count
+        self.pipeline_read, self.pipeline_write = pipeline_read, pipeline_write
+        self._on_disk: dict[int, dict[str, tuple[int, torch.dtype]]] = {}  # unit -> name -> (numel, dtype)
+        self._states: dict[int, Callable[[], dict[str, Any]]] = {}  # unit -> its optimizer state dict
+        self._reads: dict[int, dict[str, tuple[Future, Tensor]]] = {}  # started reads, by unit
+        self._writes: collections.deque[tuple[int, list[Future], list[Tensor]]] = collections.deque()
+        self._active: dict[int, bool] = {}  # resident units -> whether to write back
+        self._aligned: set[int] = set()  # data_ptr of the buffers this store allocated and still holds
+
+    # --- files -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _key(index: int, name: str) -> str:
+        return f"unit{index}.{name}"
+
+    def _buffer(self, numel: int, dtype: torch.dtype) -> Tensor:
+        buffer = aligned_empty(numel, dtype)
+        self._aligned.add(buffer.data_ptr())
+        return buffer
+
+    def _write(self, index: int, tensors: dict[str, Tensor]) -> None:
+        """Write ``tensors`` (name -> 1-D tensor) as the unit's files; waits as ``pipeline_write`` and
+        ``buffer_count`` say."""
+        self._wait_writes(index)  # a file is never written while its last write is in flight
+        futures, buffers = [], []
+        for name, tensor in tensors.items():
+            if tensor.data_ptr() in self._aligned:
+                buffer = tensor
+            else:
+                buffer = self._buffer(tensor.numel(), tensor.dtype)
+                buffer.copy_(tensor)
+            futures.append(self.files.write(self._key(index, name), buffer))
+            buffers.append(buffer)
+            self._on_disk.setdefault(index, {})[name] = (tensor.numel(), tensor.dtype)
+        self._writes.append((index, futures, buffers))
+        self._bound(keep=self.buffer_count if self.pipeline_write else 0)
+
+    def _bound(self, keep: int) -> None:
+        """Complete the oldest writes until at most ``keep`` units' writes are in flight."""
+        while len(self._writes) > keep:
+            self._complete_write(self._writes.popleft())
+
+    def _complete_write(self, write: tuple[int, list[Future], list[Tensor]]) -> None:
+        _, futures, buffers = write
+        for future in futures:
+            future.result()  # an NvmeError (ENOSPC...) surfaces here, naming the file
+        for buffer in buffers:
+            self._aligned.discard(buffer.data_ptr())
+
+    def _wait_writes(self, index: int) -> None:
+        pending = [w for w in self._writes if w[0] == index]
+        for write in pending:
+            self._writes.remove(write)
+            self._complete_write(write)
+
+    def prefetch(self, unit: Any) -> None:
+        """Start reading ``unit``'s files (``pipeline_read``: the next group, while this one steps)."""
+        if self.pipeline_read and unit.spec.index not in self._reads and unit.spec.index not in self._active:
+            self._start_read(unit.spec.index)
+
+    def _start_read(self, index: int) -> None:
+        self._wait_writes(index)
+        self._bound(keep=max(0, self.buffer_count - 1 - len(self._reads)))
+        reads = {}
+        for name, (numel, dtype) in self._on_disk.get(index, {}).items():
+            buffer = self._buffer(numel, dtype)
+            reads[name] = (self.files.read(self._key(index, name), buffer), buffer)
+        self._reads[index] = reads
+
+    def _take(self, index: int) -> dict[str, Tensor]:
+        if index not in self._reads:
+            self._start_read(index)
+        out = {}
+        for name, (future, buffer) in self._reads.pop(index).items():
+            future.result()
+            out[name] = buffer
+        return out
+
+    # --- the store ---------------------------------------------------------------------------
+
+    def hold_master(self, values: Tensor, alias_ok: bool, key: str) -> Tensor:
+        index = int(key.removeprefix("unit"))
+        self._write(index, {"master": values.reshape(-1)})
+        return _placeholder(values.dtype).expand(values.numel())
+
+    def bind_state(self, unit: Any, state: Callable[[], dict[str, Any]]) -> None:
+        """``state()`` is the optimizer state dict of ``unit``'s master (its inner optimizer's)."""
+        self._states[unit.spec.index] = state
+
+    @contextlib.contextmanager
+    def resident(self, unit: Any, write: bool) -> Iterator[None]:
+        index = unit.spec.index
+        if index in self._active:  # nested: the outer block reads and writes
+            self._active[index] = self._active[index] or write
+            yield
+            return
+        self._active[index] = write
+        buffers = self._take(index)
+        master = unit.master_shard
+        master.data = buffers.pop("master")
+        state = self._states[index]() if index in self._states else None
+        if state is not None:
+            state.update(buffers)
+        try:
+            yield
+        finally:
+            write = self._active.pop(index)
+            numel = unit.spec.shard_numel
+            per_element = {name: value for name, value in (state or {}).items()
+                           if isinstance(value, Tensor) and value.dim() == 1 and value.numel() == numel}
+            if write:
+                self._write(index, {"master": master.detach(), **{k: v.detach() for k, v in per_element.items()}})
+            else:
+                for tensor in [master.data, *per_element.values()]:
+                    self._aligned.discard(tensor.data_ptr())
+            master.data = _placeholder(master.dtype).expand(numel)
+            for name, value in per_element.items():
+                state[name] = _placeholder(value.dtype).expand(numel)
+
+    def close(self) -> None:
+        """Wait for the writes in flight and remove this rank's swap folder (end of fit, or after a failure)."""
+        try:
+            for write in list(self._writes):
+                for future in write[1]:
+                    future.exception()  # waited for; an error no longer matters
+        finally:
+            self._writes.clear()
+            self._reads.clear()
+            self.files.remove()
+
+    def bytes_on_disk(self) -> dict[str, int]:
+        """Bytes of this rank's swap files by kind (masters, optimizer state)."""
+        out = {"masters": 0, "optimizer_state": 0}
+        for names in self._on_disk.values():
+            for name, (numel, dtype) in names.items():
+                kind = "masters" if name == "master" else "optimizer_state"
+                out[kind] += numel * torch.empty((), dtype=dtype).element_size()
+        return out
+
+
+_PLACEHOLDERS: dict[torch.dtype, Tensor] = {}
+
+
+def _placeholder(dtype: torch.dtype) -> Tensor:
+    """One element per dtype, expanded to a shard's shape between uses (no memory behind the shape)."""
+    if dtype not in _PLACEHOLDERS:
+        _PLACEHOLDERS[dtype] = torch.zeros(1, dtype=dtype)
+    return _PLACEHOLDERS[dtype]
