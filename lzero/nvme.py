@@ -438,7 +438,8 @@ class SwapFiles:
             error = err
         with self._lock:
             self._in_flight -= 1
-            finished = self._pump() + ([request] if request.chunk_done(error) else [])
+            last = request.chunk_done(error)  # first: a failed request's queued chunks are then dropped
+            finished = self._pump() + ([request] if last else [])
         self._finish_all(finished)
 
     def _finish_all(self, requests: list[_Request]) -> None:
@@ -501,7 +502,8 @@ def _hint(code: Optional[int], folder: Path, padded: int) -> str:
                 f" needs {padded:,}): free space there or point `nvme_path` at a disk with room (check_space says"
                 " how much a run needs).")
     if code == errno.EINVAL:
-        return f"O_DIRECT refused the request: buffers must come from aligned_empty and block_size be a multiple of {ALIGN}."
+        return (f"O_DIRECT refused the request: buffers must come from aligned_empty and block_size be a multiple"
+                f" of {ALIGN}.")
     if code in (errno.EACCES, errno.EPERM, errno.EROFS):
         return f"lzero may not write in {folder}: check its permissions and that the disk is mounted read-write."
     if code == errno.ENOENT:
