@@ -309,6 +309,23 @@ def test_remove_is_idempotent_and_keeps_other_ranks(disk: Path) -> None:
     assert not rank1.run_folder.exists() and list(disk.iterdir()) == []
 
 
+def test_remove_with_requests_in_flight_fails_the_queued_ones(disk: Path, monkeypatch) -> None:
+    files = SwapFiles(disk, rank=0, block_size=64 << 10, threads=1, queue_depth=1)
+    release, real = threading.Event(), os.pwritev
+
+    def slow(fd, buffers, offset):
+        release.wait(10)
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", slow)
+    future = files.write("big", _random(100_000, torch.float32))  # 7 chunks, 1 in flight
+    threading.Timer(0.2, release.set).start()
+    files.remove()  # waits for the chunk in flight, drops the 6 queued
+    assert isinstance(future.exception(timeout=0), NvmeError)
+    assert "removed before this write ran" in str(future.exception())
+    assert not files.run_folder.exists()
+
+
 def test_cleanup_stale_removes_only_dead_runs_of_this_user(disk: Path) -> None:
     code = ("import os, sys, torch; from lzero.nvme import SwapFiles, aligned_empty;"
             "f = SwapFiles(sys.argv[1], rank=0, run_id='deadrun');"
