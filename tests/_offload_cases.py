@@ -18,7 +18,12 @@ def _run(rank: int, cfg: dict, offload: bool) -> tuple[list[torch.Tensor], list[
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, **({"fused": fused} if fused is not None else {}))
     options = {}
     if offload:
-        if cfg.get("offload_optimizer", True):
+        if cfg.get("nvme"):
+            options["offload_optimizer"] = {"device": "nvme", "nvme_path": cfg["nvme"], "ratio": cfg.get("ratio", 1.0),
+                                             "pipeline_read": cfg.get("pipeline", False),
+                                             "pipeline_write": cfg.get("pipeline", False),
+                                             "buffer_count": cfg.get("buffer_count", 4)}
+        elif cfg.get("offload_optimizer", True):
             options["offload_optimizer"] = {"device": "cpu", "ratio": cfg.get("ratio", 1.0)}
         if cfg["stage"] == 3 and cfg.get("offload_param", True):
             options["offload_param"] = "cpu"
