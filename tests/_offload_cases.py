@@ -111,3 +111,36 @@ def memory_by_store(rank: int, world_size: int, stage: int) -> dict:
     }
     engine.remove()
     return result
+
+
+def nvme_memory(rank: int, world_size: int, folder: str) -> dict:
+    """zero3 with the optimizer on NVMe, after 3 fp32 AdamW steps: memory by store, the swap folder while the
+    engine lives, and what is left of it after ``remove``."""
+    import gc
+    import os
+
+    from _engine_cases import live_tensor_bytes
+    from lzero.memory import model_state_bytes
+
+    torch.manual_seed(0)
+    model = Net(width=96, depth=6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, unit_modules=("Linear",),
+                                                 offload_optimizer={"device": "nvme", "nvme_path": folder}))
+    zopt = ZeroOptimizer(opt, engine, 0)
+    x, y = torch.randn(2, 7), torch.randn(2, 5)
+    for _ in range(3):
+        engine.gather_root()
+        nn.functional.mse_loss(model(x), y).backward()
+        zopt.step()
+        zopt.zero_grad()
+    gc.collect()
+    store = next(s for s in engine.stores if s.name == "nvme")
+    files = sorted(os.listdir(store.files.folder))
+    modes = {oct(os.stat(store.files.folder / f).st_mode & 0o777) for f in files}
+    result = {"by_store": model_state_bytes(engine, [zopt]), "live": live_tensor_bytes(),
+              "shard": sum(u.spec.shard_numel for u in engine.units), "units": len(engine.units),
+              "files": files, "modes": sorted(modes), "folder": str(store.files.folder)}
+    engine.remove()
+    result["left"] = os.path.exists(result["folder"])
+    return result

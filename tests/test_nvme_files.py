@@ -398,15 +398,6 @@ def test_check_path_unwritable_injected(disk: Path, monkeypatch) -> None:
     assert str(disk) in str(err.value) and err.value.errno == errno.EACCES
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a 0500 folder; test_check_path covers root")
-def test_check_path_unwritable_chmod(disk: Path) -> None:
-    locked = disk / "locked"
-    locked.mkdir(mode=0o500)
-    with pytest.raises(NvmeError, match="is not writable"):
-        check_path(locked)
-    locked.chmod(0o700)
-
-
 def test_check_buffer() -> None:
     check_buffer(1 << 20, 1 << 20)
     with pytest.raises(NvmeError, match=r"`buffer_size` \(524,288 bytes\) is smaller than aio `block_size` \(1,048,576"):
