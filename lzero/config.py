@@ -258,6 +258,12 @@ class ZeroConfig:
                 " the parameters, so only stage 3 can keep them off the device. HINT: use `stage=3` (the"
                 " 'zero3_offload' strategy), or offload the optimizer state alone with `offload_optimizer='cpu'`."
             )
+        if self.async_save and self.offload_optimizer.device == "nvme":
+            raise ZeroConfigError(
+                "`async_save=True` with `offload_optimizer: nvme`: an asynchronous save writes from a copy of the rank's"
+                " whole state in host memory, which NVMe offload exists to avoid. HINT: drop `async_save` (NVMe runs"
+                " save synchronously, one unit at a time, read from the swap files)."
+            )
         if isinstance(self.sub_group_size, float) and self.sub_group_size.is_integer():
             object.__setattr__(self, "sub_group_size", int(self.sub_group_size))
         _check_positive_int("sub_group_size", self.sub_group_size)

@@ -146,24 +146,31 @@ class NvmeStore(HostStore):
         buffers = self._take(index)
         master = unit.master_shard
         master.data = buffers.pop("master")
-        state = self._states[index]() if index in self._states else None
+        state = self._state(index)
         if state is not None:
             state.update(buffers)
+            _refuse_placeholders(unit, state)
         try:
             yield
         finally:
             write = self._active.pop(index)
             numel = unit.spec.shard_numel
+            state = self._state(index)  # the current dict: a checkpoint load may have replaced it inside
             per_element = {name: value for name, value in (state or {}).items()
                            if isinstance(value, Tensor) and value.dim() == 1 and value.numel() == numel}
             if write:
                 self._write(index, {"master": master.detach(), **{k: v.detach() for k, v in per_element.items()}})
-            else:
-                for tensor in [master.data, *per_element.values()]:
+                swapped = per_element
+            else:  # only what came from the files goes back to placeholders; the rest has no file yet
+                swapped = {name: value for name, value in per_element.items() if name in buffers}
+                for tensor in [master.data, *swapped.values()]:
                     self._aligned.discard(tensor.data_ptr())
             master.data = _placeholder(master.dtype).expand(numel)
-            for name, value in per_element.items():
+            for name, value in swapped.items():
                 state[name] = _placeholder(value.dtype).expand(numel)
+
+    def _state(self, index: int) -> Any:
+        return self._states[index]() if index in self._states else None
 
     def close(self) -> None:
         """Wait for the writes in flight and remove this rank's swap folder (end of fit, or after a failure)."""
@@ -184,6 +191,17 @@ class NvmeStore(HostStore):
                 kind = "masters" if name == "master" else "optimizer_state"
                 out[kind] += numel * torch.empty((), dtype=dtype).element_size()
         return out
+
+
+def _refuse_placeholders(unit: Any, state: dict[str, Any]) -> None:
+    """A per-element state tensor still a placeholder here has no file: stepping it would write through one shared
+    element. Refuse rather than corrupt memory."""
+    for name, value in state.items():
+        if isinstance(value, Tensor) and value.dim() == 1 and value.numel() > 1 and value.stride() == (0,):
+            raise RuntimeError(
+                f"lzero NVMe offload: the optimizer state `{name}` of the unit holding `{unit.spec.params[0].name}` has"
+                " no swap file (it was dropped without being written). This is a bug in lzero; please report it."
+            )
 
 
 _PLACEHOLDERS: dict[torch.dtype, Tensor] = {}

@@ -127,3 +127,46 @@ def test_bad_paths_are_refused_before_the_first_step(disk: Path, monkeypatch) ->
     with pytest.raises(NvmeError, match=rf"{disk}.*1,000 bytes"):
         _engine(disk)
     assert [p.name for p in disk.iterdir()] == ["file.txt"]  # nothing made
+
+
+def test_a_loaded_state_read_before_the_first_step_is_kept(disk: Path) -> None:
+    """Regression: a loaded optimizer state (in memory, no swap file yet) survived neither a read-only visit (a
+    callback reading the shards) nor the step after it: the step ran on a placeholder and corrupted the heap."""
+    def run(offload):  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        engine = ZeroEngine(model, [opt], ZeroConfig(stage=2, reduce_bucket_size=64, offload_optimizer=offload))
+        return model, engine, ZeroOptimizer(opt, engine, 0)
+
+    model, engine, zopt = run("cpu")
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randn(4, 8, generator=gen) for _ in range(6)]
+    for x in batches[:3]:
+        model(x).pow(2).mean().backward()
+        zopt.step()
+        zopt.zero_grad()
+    saved = zopt.state_dict()
+    params = [p.detach().clone() for p in model.parameters()]
+    engine.remove()
+    finals = []
+    for offload in ("cpu", {"device": "nvme", "nvme_path": str(disk)}):
+        model, engine, zopt = run(offload)
+        with torch.no_grad():
+            for p, v in zip(model.parameters(), params):
+                p.copy_(v)
+        engine.all_gather_params()
+        for unit in engine.units:  # the loaded masters: written through load_params in a real resume
+            with unit.resident(write=True):
+                unit.master_shard.data.copy_(unit.flat_param[slice(*unit.spec.shard_range(0))])
+        zopt.load_state_dict(saved)
+        for unit in engine.units:  # a read-only visit, as a callback snapshotting the shards makes
+            with unit.resident():
+                assert zopt.shard_optimizer(unit).state[unit.master_shard]["exp_avg"].stride() == (1,)
+        for x in batches[3:]:
+            model(x).pow(2).mean().backward()
+            zopt.step()
+            zopt.zero_grad()
+        finals.append([p.detach().clone() for p in model.parameters()])
+        engine.remove()
+    assert all(torch.equal(a, b) for a, b in zip(*finals))

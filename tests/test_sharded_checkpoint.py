@@ -296,7 +296,9 @@ def offload_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("resumed, ddp", [("zero3_offload_to_zero2_offload", "ddp6_to_ddp_ws2"),
-                                          ("zero3_offload_to_zero2_ws1", "ddp6_to_ddp_ws1")])
+                                          ("zero3_offload_to_zero2_ws1", "ddp6_to_ddp_ws1"),
+                                          ("zero2_nvme_to_zero3", "ddp6_to_ddp_ws2"),
+                                          ("zero3_offload_to_zero3_nvme", "ddp6_to_ddp_ws2")])
 def test_zero3_offload_checkpoint_resumes_under_another_stage_offload_and_world_size(offload_runs: Path, resumed: str,
                                                                                     ddp: str) -> None:
     """zero3_offload at world size 2 saved at step 6 (the ordinary sharded format), resumed to step 12 under
@@ -305,3 +307,4 @@ def test_zero3_offload_checkpoint_resumes_under_another_stage_offload_and_world_
     print(f"{resumed}: max relative difference vs {ddp} {max_rel(ours, ref):.2e}")
     assert max_rel(ours, ref) < 1e-6
     assert ShardedCheckpoint(offload_runs / "zero3_offload_first" / "last.ckpt").manifest["global_step"] == 6
+    assert list((offload_runs / "swap").iterdir()) == []  # NVMe runs removed their swap folders

@@ -138,7 +138,9 @@ class _SafetensorsLayout:
 def write_tensors(path: str | os.PathLike, tensors: dict[str, Tensor], metadata: dict[str, str]) -> None:
     """Write ``tensors`` as one safetensors file at ``path``, in one pass, fsynced; never overwrites.
 
-    Not atomic on its own: a file is trusted only once a manifest naming its save id exists.
+    Not atomic on its own: a file is trusted only once a manifest naming its save id exists. A value with a
+    ``materialize()`` method (and ``dtype``, ``shape``) is materialized only when its turn to be written comes,
+    so a writer can stream tensors that are not all in memory at once.
     """
     path = os.fspath(path)
     layout = _SafetensorsLayout(path, ((n, t.dtype, t.shape) for n, t in tensors.items()), metadata)
@@ -152,7 +154,7 @@ def write_tensors(path: str | os.PathLike, tensors: dict[str, Tensor], metadata:
         with file:
             file.write(layout.header)
             for name, t in tensors.items():
-                layout.write(file, name, t)
+                layout.write(file, name, t.materialize() if hasattr(t, "materialize") else t)
             layout.finish(file)
     except BaseException:
         os.unlink(path)

@@ -27,6 +27,7 @@ leaves either the old manifest with its files or the new one with its files.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import secrets
@@ -73,16 +74,59 @@ def _local_pieces(engine: "ZeroEngine", optimizers: Sequence[ShardedOptimizer]) 
     ranges: dict[str, Any] = {}
     owner = {u.spec.index: (k, z) for k, z in enumerate(optimizers) for u in z.units}
     for unit in engine.units:
-        with unit.resident():
+        if unit.store.in_memory:
             _unit_pieces(unit, owner, tensors, ranges)
+        else:  # NVMe: laid out from the placeholders' shapes, read when written (see _StreamedUnit)
+            _StreamedUnit(unit, owner).pieces_into(tensors, ranges)
     return tensors, ranges
 
 
+class _Deferred:
+    """A piece whose values are read only when the file writer reaches it (``write_tensors`` streams it)."""
+
+    def __init__(self, source: "_StreamedUnit", name: str, like: Tensor) -> None:
+        self.source, self.name = source, name
+        self.dtype, self.shape = like.dtype, like.shape
+
+    def materialize(self) -> Tensor:
+        return self.source.take(self.name)
+
+
+class _StreamedUnit:
+    """The pieces of one unit whose master and optimizer state live in files: the unit becomes resident when
+    the writer reaches its first piece and is released after its last, so a save holds one unit's state in
+    memory at a time, never the rank's whole state."""
+
+    def __init__(self, unit: "FlatUnit", owner: dict[int, tuple[int, ShardedOptimizer]]) -> None:
+        self.unit, self.owner = unit, owner
+        self.stack: Optional[contextlib.ExitStack] = None
+        self.values: dict[str, Tensor] = {}
+        self.left: set[str] = set()
+
+    def pieces_into(self, tensors: dict[str, Any], ranges: dict[str, Any]) -> None:
+        layout: dict[str, Tensor] = {}
+        _unit_pieces(self.unit, self.owner, layout, ranges)  # the placeholders have the real shapes and dtypes
+        for name, like in layout.items():
+            tensors[name] = _Deferred(self, name, like)
+        self.left = set(layout)
+
+    def take(self, name: str) -> Tensor:
+        if self.stack is None:
+            self.stack = contextlib.ExitStack()
+            self.stack.enter_context(self.unit.resident())
+            _unit_pieces(self.unit, self.owner, self.values, {}, copy=False)
+        value = self.values.pop(name)
+        self.left.discard(name)
+        if not self.left:
+            self.values = {}
+            self.stack.close()  # the unit's buffers go back
+        return value
+
+
 def _unit_pieces(unit: "FlatUnit", owner: dict[int, tuple[int, ShardedOptimizer]], tensors: dict[str, Tensor],
-                 ranges: dict[str, Any]) -> None:
-    """One unit's pieces into ``tensors`` and ``ranges``: views of its shards, copies where its store keeps them in
-    memory only while the unit is resident."""
-    keep = (lambda t: t) if unit.store.in_memory else (lambda t: t.clone())
+                 ranges: dict[str, Any], copy: bool = False) -> None:
+    """One unit's pieces into ``tensors`` and ``ranges``: views of its shards (``copy``: copies)."""
+    keep = (lambda t: t.clone()) if copy else (lambda t: t)
     master = unit.master_shard.detach()
     for spec, a, b, piece in shard_pieces(unit, master):
         tensors[f"param/{spec.name}"], ranges[f"param/{spec.name}"] = keep(piece), [a, b]
@@ -172,7 +216,7 @@ class SaveJob:
             encoded, tree_tensors = encode_tree(tree)
             metadata[tree_name] = json.dumps(encoded, allow_nan=False)
             tensors.update({f"{tree_name}/{k}": v for k, v in tree_tensors.items()})
-        if snapshot:  # training goes on and changes the shards: write from a copy in CPU memory
+        if snapshot:  # training goes on and changes the shards: write from a copy in CPU memory (refused with NVMe)
             tensors = {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
         self.tensors, self.metadata = tensors, metadata
 

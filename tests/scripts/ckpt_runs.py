@@ -73,6 +73,12 @@ def main(suite: str, out: Path) -> None:
         fit(out, "zero3_offload_to_zero2_offload", "zero2_offload", 2, steps=12,
             resume=str(out / "zero3_offload_first" / "last.ckpt"))
         fit(out, "ddp6_to_ddp_ws2", "ddp", 2, steps=12, resume=str(out / "ddp_first6" / "last.ckpt"))
+        # NVMe: saved from the swap files, resumed without offload; and a host-offload checkpoint resumed on NVMe
+        nvme = {"device": "nvme", "nvme_path": str(out / "swap")}
+        fit(out, "zero2_nvme_first", ZeroStrategy(stage=2, offload_optimizer=nvme), 2, steps=6, every=6)
+        fit(out, "zero2_nvme_to_zero3", zero[3](), 2, steps=12, resume=str(out / "zero2_nvme_first" / "last.ckpt"))
+        fit(out, "zero3_offload_to_zero3_nvme", ZeroStrategy(stage=3, offload_optimizer=nvme), 2, steps=12,
+            resume=str(out / "zero3_offload_first" / "last.ckpt"))
     elif suite == "offload_ws1":  # ... and under zero2 at world size 1
         fit(out, "zero3_offload_to_zero2_ws1", zero[2](), 1, steps=12, resume=str(out / "zero3_offload_first" / "last.ckpt"))
         fit(out, "ddp6_to_ddp_ws1", "ddp", 1, steps=12, resume=str(out / "ddp_first6" / "last.ckpt"))

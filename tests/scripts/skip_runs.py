@@ -60,9 +60,10 @@ def snapshot(trainer: Trainer) -> list[torch.Tensor]:
     zopt = trainer.strategy.optimizers[0]
     out = []
     for unit in zopt.units:
-        out.append(unit.master_shard.detach().clone())
-        for state in zopt.shard_optimizer(unit).state.values():
-            out.extend(v.clone() for v in state.values() if isinstance(v, torch.Tensor))
+        with unit.resident():  # NVMe offload: read from the swap files
+            out.append(unit.master_shard.detach().clone())
+            for state in zopt.shard_optimizer(unit).state.values():
+                out.extend(v.clone() for v in state.values() if isinstance(v, torch.Tensor))
     return out
 
 
