@@ -20,7 +20,7 @@ class ZeroConfigError(ValueError):
 NVME_KEYS = ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pipeline_read", "pipeline_write")
 """DeepSpeed offload keys that only apply with ``device: nvme`` (ZeRO-Infinity)."""
 
-NVME_BUILT: dict[str, bool] = {"offload_optimizer": True, "offload_param": False}
+NVME_BUILT: dict[str, bool] = {"offload_optimizer": True, "offload_param": True}
 """Which offload blocks take ``device: nvme`` in this release (the other is refused by name)."""
 
 
@@ -257,6 +257,13 @@ class ZeroConfig:
                 f"`offload_param={{'device': {self.offload_param.device!r}}}` at stage {self.stage}: only stage 3 shards"
                 " the parameters, so only stage 3 can keep them off the device. HINT: use `stage=3` (the"
                 " 'zero3_offload' strategy), or offload the optimizer state alone with `offload_optimizer='cpu'`."
+            )
+        paths = {b.nvme_path for b in (self.offload_optimizer, self.offload_param)
+                 if b.device == "nvme" and b.nvme_path is not None}
+        if len(paths) > 1:
+            raise ZeroConfigError(
+                f"`offload_optimizer.nvme_path` and `offload_param.nvme_path` differ ({sorted(paths)}): lzero keeps one"
+                " swap folder per rank. HINT: give both the same path, or set it in one block only."
             )
         if self.async_save and self.offload_optimizer.device == "nvme":
             raise ZeroConfigError(

@@ -86,7 +86,7 @@ class FlatUnit:
                 full[start:end].copy_(p.detach().reshape(-1))
             self.flat_param = full.to(compute_dtype) if self.mixed else full  # 1D, padded_numel
             if spec.frozen:  # nothing steps it: the compute-dtype shard is all a rank keeps
-                master = self.param_store.hold(self.flat_param[lo:hi])
+                master = self.param_store.hold(self.flat_param[lo:hi], key=f"unit{spec.index}.master")
             else:  # full precision at stages 1-2: the master is the owned slice of the parameters itself
                 master = self.store.hold_master(full[lo:hi], alias_ok=not self.mixed and stage < 3,
                                                 key=f"unit{spec.index}")
@@ -98,10 +98,14 @@ class FlatUnit:
         self.master_shard = nn.Parameter(master, requires_grad=not spec.frozen)
         # stage 3: the compute-dtype shard that all-gathers read (the master itself in full precision)
         self._compute_shard = None
+        self._shares = False
         if stage >= 3:
-            shares = spec.frozen or (not self.mixed and self.store is self.param_store)
+            # one tensor for both when it is the same memory (a file-backed master changes its data when resident)
+            shares = spec.frozen or (not self.mixed and self.store is self.param_store and self.store.in_memory)
+            self._shares = shares  # the compute shard is the master tensor itself
             # the compute-dtype values of the shard (the master's rounding): flat_param is the unit in that dtype
-            self._compute_shard = master if shares else self.param_store.hold(self.flat_param[lo:hi])
+            self._compute_shard = master if shares else \
+                self.param_store.hold(self.flat_param[lo:hi], key=f"unit{spec.index}.param")
         self.accumulates_locally = stage == 1  # see [Note: gradient buffers]
         self.flat_grad: Optional[Tensor] = None  # stage 1: 1D, padded_numel, while the unit has local gradients
         self.shard_grad: Optional[Tensor] = None  # 1D, shard_numel, from the first reduction until the step
@@ -260,7 +264,11 @@ class FlatUnit:
     def publish(self) -> None:
         """After the optimizer stepped the master: write it, in the compute dtype, where the next
         all-gather reads. A no-op when the master is that very tensor (full precision, not offloaded)."""
-        if not self.spec.frozen:
+        if self.spec.frozen:
+            return
+        if self.param_store.holds_in_file(self):  # NVMe parameter offload: the shard's file takes the values
+            self.param_store.write_param(self, self.master_shard.detach())
+        else:
             self.store.publish(self.master_shard.detach(), self.compute_shard())
 
     def resident(self, write: bool = False):  # -> ContextManager[None]
@@ -269,7 +277,7 @@ class FlatUnit:
 
     def gather_source(self) -> Tensor:
         """The compute shard on the compute device, for an all-gather (a copy when it lives in host memory)."""
-        return self.param_store.fetch(self.compute_shard(), self.flat_param.device)
+        return self.param_store.fetch(self, self.flat_param.device)
 
     @property
     def gathered(self) -> bool:
@@ -316,8 +324,11 @@ class FlatUnit:
         """Stage 3, while gathered: carry values written into the full parameters back into this rank's
         shard (and master)."""
         lo, hi = self.spec.shard_range(self.rank)
-        self.compute_shard().copy_(self.flat_param[lo:hi])
-        if not self.spec.frozen and self.master_shard.data_ptr() != self.compute_shard().data_ptr():
+        if self.param_store.holds_in_file(self):
+            self.param_store.write_param(self, self.flat_param[lo:hi])
+        else:
+            self.compute_shard().copy_(self.flat_param[lo:hi])
+        if not self.spec.frozen and not self._shares:
             with self.resident(write=True):
                 self.master_shard.data.copy_(self.flat_param[lo:hi])
 

@@ -43,8 +43,10 @@ class NvmeStore(HostStore):
     in_memory = False
 
     def __init__(self, device: torch.device, files: SwapFiles, pin_memory: bool = True, buffer_count: int = 4,
-                 pipeline_read: bool = False, pipeline_write: bool = False) -> None:
+                 pipeline_read: bool = False, pipeline_write: bool = False, max_in_cpu: int = 0) -> None:
         super().__init__(device, pin_memory)
+        self.max_in_cpu = max_in_cpu  # parameter elements (offload_param) kept in host memory instead of files
+        self._in_cpu = 0
         self.files = files
         self.buffer_count = buffer_count
         self.pipeline_read, self.pipeline_write = pipeline_read, pipeline_write
@@ -111,6 +113,8 @@ class NvmeStore(HostStore):
         self._bound(keep=max(0, self.buffer_count - 1 - len(self._reads)))
         reads = {}
         for name, (numel, dtype) in self._on_disk.get(index, {}).items():
+            if name == "param":  # read by fetch, for gathers; not part of a resident unit
+                continue
             buffer = self._buffer(numel, dtype)
             reads[name] = (self.files.read(self._key(index, name), buffer), buffer)
         self._reads[index] = reads
@@ -131,6 +135,40 @@ class NvmeStore(HostStore):
         self._write(index, {"master": values.reshape(-1)})
         return _placeholder(values.dtype).expand(values.numel())
 
+    def hold(self, values: Tensor, key: str = "") -> Tensor:
+        """A parameter shard (``unit<i>.param``, or a frozen unit's ``unit<i>.master``): in host memory while
+        ``max_in_cpu`` elements allow, else in its file (a placeholder is returned)."""
+        if self._in_cpu + values.numel() <= self.max_in_cpu:
+            self._in_cpu += values.numel()
+            return HostStore.hold(self, values)
+        index, name = key.removeprefix("unit").split(".")
+        self._write(int(index), {name: values.reshape(-1)})
+        return _placeholder(values.dtype).expand(values.numel())
+
+    def holds_in_file(self, unit: Any) -> bool:
+        names = self._on_disk.get(unit.spec.index, {})
+        return "param" in names or (unit.spec.frozen and "master" in names)
+
+    def write_param(self, unit: Any, values: Tensor) -> None:
+        """Write ``values`` (the stepped master, or written full parameters) into the unit's parameter file, cast
+        to its dtype."""
+        name = "param" if "param" in self._on_disk.get(unit.spec.index, {}) else "master"
+        _, dtype = self._on_disk[unit.spec.index][name]
+        self._write(unit.spec.index, {name: values.reshape(-1).to(dtype)})
+
+    @torch.no_grad()
+    def fetch(self, unit: Any, device: torch.device) -> Tensor:
+        if not self.holds_in_file(unit):
+            return super().fetch(unit, device)
+        index = unit.spec.index
+        name = "param" if "param" in self._on_disk[index] else "master"
+        numel, dtype = self._on_disk[index][name]
+        self._wait_writes(index)
+        buffer = self._buffer(numel, dtype)
+        self.files.read(self._key(index, name), buffer).result()
+        self._aligned.discard(buffer.data_ptr())
+        return self._to_device(buffer, device)
+
     def bind_state(self, unit: Any, state: Callable[[], dict[str, Any]]) -> None:
         """``state()`` is the optimizer state dict of ``unit``'s master (its inner optimizer's)."""
         self._states[unit.spec.index] = state
@@ -140,6 +178,9 @@ class NvmeStore(HostStore):
         index = unit.spec.index
         if index in self._active:  # nested: the outer block reads and writes
             self._active[index] = self._active[index] or write
+            yield
+            return
+        if "master" not in self._on_disk.get(index, {}):  # a frozen shard kept in host memory (max_in_cpu)
             yield
             return
         self._active[index] = write
@@ -184,11 +225,11 @@ class NvmeStore(HostStore):
             self.files.remove()
 
     def bytes_on_disk(self) -> dict[str, int]:
-        """Bytes of this rank's swap files by kind (masters, optimizer state)."""
-        out = {"masters": 0, "optimizer_state": 0}
+        """Bytes of this rank's swap files by kind (parameters, masters, optimizer state)."""
+        out = {"parameters": 0, "masters": 0, "optimizer_state": 0}
         for names in self._on_disk.values():
             for name, (numel, dtype) in names.items():
-                kind = "masters" if name == "master" else "optimizer_state"
+                kind = {"master": "masters", "param": "parameters"}.get(name, "optimizer_state")
                 out[kind] += numel * torch.empty((), dtype=dtype).element_size()
         return out
 

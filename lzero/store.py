@@ -62,8 +62,13 @@ class ShardStore(Protocol):
     name: str  # the memory this store's tensors occupy: "device" or "cpu"
     in_memory: bool  # the master and optimizer state stay in memory between uses (see ``resident``)
 
-    def hold(self, values: Tensor) -> Tensor:
-        """A copy of ``values`` (1-D) kept in this store."""
+    def hold(self, values: Tensor, key: str) -> Tensor:
+        """A copy of ``values`` (1-D) kept in this store; ``key`` names it (``unit<i>.<what>``) for stores that
+        keep it in a file (it then is a placeholder of the right shape: see ``holds_in_file``)."""
+        ...
+
+    def holds_in_file(self, unit: Any) -> bool:
+        """``unit``'s compute shard lives in a file of this store (written with ``write_param``)."""
         ...
 
     def hold_master(self, values: Tensor, alias_ok: bool, key: str) -> Tensor:
@@ -87,8 +92,8 @@ class ShardStore(Protocol):
         """Write the stepped master into the compute-dtype shard that the next all-gather reads."""
         ...
 
-    def fetch(self, shard: Tensor, device: torch.device) -> Tensor:
-        """``shard`` (this store's parameter shard) as a tensor on ``device`` for an all-gather to read."""
+    def fetch(self, unit: Any, device: torch.device) -> Tensor:
+        """``unit``'s compute shard (held by this store) as a tensor on ``device`` for an all-gather to read."""
         ...
 
     def gather_from_side_stream(self, launch: Any) -> tuple[Any, Any]:
@@ -120,8 +125,11 @@ class DeviceStore:
     memory = "device"  # where its in-memory tensors are (the label memory accounting uses)
     in_memory = True
 
-    def hold(self, values: Tensor) -> Tensor:
+    def hold(self, values: Tensor, key: str) -> Tensor:
         return values.clone()
+
+    def holds_in_file(self, unit: Any) -> bool:
+        return False
 
     def hold_master(self, values: Tensor, alias_ok: bool, key: str) -> Tensor:
         return values if alias_ok else values.clone()
@@ -141,8 +149,8 @@ class DeviceStore:
         if compute.data_ptr() != master.data_ptr():
             compute.copy_(master)
 
-    def fetch(self, shard: Tensor, device: torch.device) -> Tensor:
-        return shard
+    def fetch(self, unit: Any, device: torch.device) -> Tensor:
+        return unit.compute_shard()
 
     def gather_from_side_stream(self, launch: Any) -> tuple[Any, Any]:
         return launch(), None
@@ -230,13 +238,16 @@ class HostStore:
         busy = [landing.base for landing in self._landings] + [base for _, base in self._uploads]
         return sum(b.numel() for b in self._free + busy)
 
-    def hold(self, values: Tensor) -> Tensor:
+    def hold(self, values: Tensor, key: str = "") -> Tensor:
         out = torch.empty(values.numel(), dtype=values.dtype)
         out.copy_(values.reshape(-1))
         return out
 
+    def holds_in_file(self, unit: Any) -> bool:
+        return False
+
     def hold_master(self, values: Tensor, alias_ok: bool, key: str) -> Tensor:
-        return self.hold(values)  # never the device's parameters themselves
+        return HostStore.hold(self, values)  # never the device's parameters themselves
 
     def resident(self, unit: Any, write: bool) -> ContextManager[None]:
         return contextlib.nullcontext()
@@ -328,8 +339,12 @@ class HostStore:
             return
         self._upload(compute, master, torch.cuda.current_stream(compute.device))  # the gather queues behind it
 
+    def fetch(self, unit: Any, device: torch.device) -> Tensor:
+        return self._to_device(unit.compute_shard(), device)
+
     @torch.no_grad()
-    def fetch(self, shard: Tensor, device: torch.device) -> Tensor:
+    def _to_device(self, shard: Tensor, device: torch.device) -> Tensor:
+        """A host shard copied to a new tensor on ``device`` (through a staging buffer)."""
         out = torch.empty(shard.numel(), dtype=shard.dtype, device=device)  # allocated on the compute stream
         if not self.cuda:
             staging, base = self._staging(shard.numel(), shard.dtype)
@@ -368,8 +383,18 @@ def stores_for(config: Any, device: torch.device, numels: list[int], rank: int =
         pin = optimizer_offload.pin_memory if optimizer_offload.device == "cpu" else param_offload.pin_memory
         host = HostStore(device, pin)
     param_store = host if param_offload.device == "cpu" else device_store
+    nvme = None
+    if optimizer_offload.device == "nvme" or param_offload.device == "nvme":
+        # one store (one swap folder) for both blocks; this rank's bytes: 12 per offloaded optimizer element
+        # (fp32 master and Adam's moments) and 4 per parameter element (at most; 2 in 16-bit)
+        offloaded = sum(numels) / world_size
+        need = 12 * offloaded * optimizer_offload.ratio * (optimizer_offload.device == "nvme") \
+            + 4 * offloaded * (param_offload.device == "nvme")
+        nvme = _nvme_store(config, device, need, rank, run_id)
+    if param_offload.device == "nvme":
+        param_store = nvme
     if optimizer_offload.device == "nvme":
-        host = _nvme_store(config, device, sum(numels) * optimizer_offload.ratio / world_size, rank, run_id)
+        host = nvme
     elif optimizer_offload.device != "cpu":
         return [device_store] * len(numels), param_store
     on_device = (1.0 - optimizer_offload.ratio) * sum(numels)
@@ -380,22 +405,29 @@ def stores_for(config: Any, device: torch.device, numels: list[int], rank: int =
     return stores, param_store
 
 
-def _nvme_store(config: Any, device: torch.device, offloaded: float, rank: int, run_id: Optional[str]) -> ShardStore:
-    """The NVMe store of ``offload_optimizer`` (``offloaded``: this rank's elements), after the checks its folder
-    must pass before the first step."""
+def _nvme_store(config: Any, device: torch.device, need: float, rank: int, run_id: Optional[str]) -> ShardStore:
+    """The NVMe store of ``offload_optimizer`` and/or ``offload_param`` (``need``: this rank's bytes in files),
+    after the checks its folder must pass before the first step."""
     import tempfile
 
-    from lzero.nvme import SwapFiles, check_path, check_space, cleanup_stale
+    from lzero.nvme import SwapFiles, check_buffer, check_path, check_space, cleanup_stale
     from lzero.nvme_store import NvmeStore
 
-    block, aio = config.offload_optimizer, config.aio
-    path = check_path(block.nvme_path if block.nvme_path is not None else tempfile.gettempdir())
+    optimizer, param, aio = config.offload_optimizer, config.offload_param, config.aio
+    blocks = [b for b in (optimizer, param) if b.device == "nvme"]
+    chosen = next((b.nvme_path for b in blocks if b.nvme_path is not None), None)  # ZeroConfig: they agree
+    path = check_path(chosen if chosen is not None else tempfile.gettempdir())
+    if param.device == "nvme":
+        check_buffer(param.buffer_size * 4, aio.block_size)
     cleanup_stale(path)  # folders of this user's dead runs, found by their locks
-    # this rank's share: fp32 masters and Adam's two moments, 12 bytes per element (the largest common case)
-    check_space(path, int(12 * offloaded))
+    check_space(path, int(need))
     files = SwapFiles(path, rank, run_id, block_size=aio.block_size, queue_depth=aio.queue_depth,
                       threads=aio.intra_op_parallelism)
-    return NvmeStore(device, files, block.pin_memory, block.buffer_count, block.pipeline_read, block.pipeline_write)
+    first = blocks[0]
+    return NvmeStore(device, files, first.pin_memory, getattr(optimizer, "buffer_count", 4),
+                     optimizer.pipeline_read if optimizer.device == "nvme" else False,
+                     optimizer.pipeline_write if optimizer.device == "nvme" else False,
+                     max_in_cpu=param.max_in_cpu if param.device == "nvme" else 0)
 
 
 def divide_host_threads(local_processes: int) -> Optional[int]:

@@ -14,6 +14,8 @@ from _engine_cases import Net
 def _run(rank: int, cfg: dict, offload: bool) -> tuple[list[torch.Tensor], list[float], ZeroEngine]:
     torch.manual_seed(0)
     model = Net(width=24, depth=3)
+    if cfg.get("freeze"):  # a frozen layer: at stage 3 a frozen unit of its own (in a file under NVMe)
+        model.inp.requires_grad_(False)
     fused = cfg.get("fused")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, **({"fused": fused} if fused is not None else {}))
     options = {}
@@ -25,7 +27,10 @@ def _run(rank: int, cfg: dict, offload: bool) -> tuple[list[torch.Tensor], list[
                                              "buffer_count": cfg.get("buffer_count", 4)}
         elif cfg.get("offload_optimizer", True):
             options["offload_optimizer"] = {"device": "cpu", "ratio": cfg.get("ratio", 1.0)}
-        if cfg["stage"] == 3 and cfg.get("offload_param", True):
+        if cfg.get("nvme_param"):
+            options["offload_param"] = {"device": "nvme", "nvme_path": cfg["nvme_param"],
+                                        "max_in_cpu": cfg.get("max_in_cpu", 0)}
+        elif cfg["stage"] == 3 and cfg.get("offload_param", True):
             options["offload_param"] = "cpu"
         if "sub_group_size" in cfg:
             options["sub_group_size"] = cfg["sub_group_size"]

@@ -42,6 +42,12 @@ def configs(folder: Path) -> list[dict]:
         {"stage": 2, "fused": True, "nvme": nvme, "ratio": 0.5},
         {"stage": 3, "fused": True, "nvme": nvme, "acc": 2, "clip": 0.05},
         {"stage": 2, "fused": True, "nvme": nvme, "bf16": True}, {"stage": 3, "fused": True, "nvme": nvme, "bf16": True},
+        # parameter shards in files too (zero3_offload_nvme), none kept in host memory (max_in_cpu 0)
+        {"stage": 3, "fused": True, "nvme": nvme, "nvme_param": nvme},
+        {"stage": 3, "fused": True, "nvme": nvme, "nvme_param": nvme, "pipeline": True, "bf16": True},
+        {"stage": 3, "fused": True, "nvme": nvme, "nvme_param": nvme, "freeze": True},
+        {"stage": 3, "fused": True, "nvme": nvme, "nvme_param": nvme, "max_in_cpu": 400},  # some in host memory
+        {"stage": 3, "fused": True, "nvme_param": nvme, "offload_optimizer": False},  # parameters alone on NVMe
     ]
 
 
@@ -52,7 +58,10 @@ def test_nvme_offload_equals_device_step_by_step(disk: Path) -> None:
         for cfg, res in zip(cfgs, rank_results, strict=True):
             print(f"{ {k: v for k, v in cfg.items() if k != 'nvme'} }: bitwise={res['bitwise']} stores {res['stores']}")
             assert res["bitwise"], (cfg, res)
-            assert set(res["stores"]) == ({"nvme", "device"} if cfg.get("ratio", 1.0) < 1 else {"nvme"}), cfg
+            expected = {"nvme", "device"} if cfg.get("ratio", 1.0) < 1 else {"nvme"}
+            assert set(res["stores"]) == (expected if cfg.get("nvme") else {"device"}), cfg
+            assert res["param_stores"] == (["nvme"] if cfg.get("nvme_param") else ["cpu"] if cfg["stage"] == 3
+                                           else ["device"]), cfg
     assert list(disk.iterdir()) == []  # every run removed its swap folder
 
 

@@ -159,7 +159,7 @@ def load_params(engine: "ZeroEngine", fetch: Callable[[str, int, int], Tensor]) 
             unit.publish()
         if engine.config.stage >= 3 and unit.gathered:
             lo, hi = unit.spec.shard_range(unit.rank)
-            unit.flat_param[lo:hi].copy_(unit.compute_shard())
+            unit.flat_param[lo:hi].copy_(unit.gather_source())
     engine.all_gather_params()
 
 
