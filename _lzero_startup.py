@@ -14,14 +14,9 @@ PRESETS = {
     "zero3": "ZeRO stage 3 (lzero): optimizer state, gradients and parameters sharded",
     "zero2_offload": "ZeRO stage 2 (lzero) with fp32 masters and optimizer state offloaded to CPU memory",
     "zero3_offload": "ZeRO stage 3 (lzero) with parameters, fp32 masters and optimizer state offloaded to CPU memory",
+    "zero3_offload_nvme": "ZeRO stage 3 (lzero) with parameters, fp32 masters and optimizer state in NVMe swap files",
 }
 """Registered strategy names and their descriptions; lzero.presets holds their configurations."""
-
-UNBUILT = {
-    "zero3_offload_nvme": "ZeRO stage 3 with parameters and optimizer state offloaded to NVMe (lzero): not built yet",
-}
-"""Names that are planned but not built: registered so that asking for one says so (lzero.presets
-raises the error), instead of Lightning's "invalid strategy name"."""
 
 _TARGET = "lightning.pytorch.strategies"
 
@@ -41,7 +36,7 @@ class _LazyPreset:
 
 def register(registry):
     """Add the names to a Lightning StrategyRegistry; harmless to repeat."""
-    for name, description in {**PRESETS, **UNBUILT}.items():
+    for name, description in PRESETS.items():
         registry.register(name, _LazyPreset(name), description=description, override=True)
 
 

@@ -101,9 +101,14 @@ class ZeroEngine:
         """NVMe offload: one id for this run's swap folder, the same on every rank (rank 0's). A collective."""
         if config.offload_optimizer.device != "nvme" and config.offload_param.device != "nvme":
             return None
-        token = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+        from lzero.nvme import new_run_id  # time and a random uuid: unrelated to the (seeded) torch RNG
+
+        token = torch.zeros(64, dtype=torch.uint8)
+        if self.rank == 0:
+            mine = new_run_id().encode()
+            token[: len(mine)] = torch.tensor(list(mine), dtype=torch.uint8)
         collectives.broadcast_([token], src=0, group=self.group)
-        return f"{int(token.item()):x}"
+        return bytes(token[token != 0].tolist()).decode()
 
     def _unit(self, spec: UnitSpec, params: list[nn.Parameter]) -> FlatUnit:
         store = self._stores[spec.index] if not spec.frozen else self._param_store

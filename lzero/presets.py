@@ -1,5 +1,5 @@
-"""The registered strategy names (``zero1``, ``zero2``, ...) and the configuration each stands for;
-names of strategies not built yet (``zero3_offload_nvme``) and the error they raise.
+"""The registered strategy names (``zero1``, ``zero2``, ..., ``zero3_offload_nvme``) and the configuration
+each stands for.
 
 Names are registered in one place, ``_lzero_startup.register`` (the start-up hook, and ``import lzero``):
 each entry is a lazy factory that calls :func:`build_preset` on first use."""
@@ -15,15 +15,9 @@ PRESET_CONFIGS: dict[str, dict[str, Any]] = {
     "zero3": {"stage": 3},
     "zero2_offload": {"stage": 2, "offload_optimizer": "cpu"},
     "zero3_offload": {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"},
+    "zero3_offload_nvme": {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme"},
 }
 """Each registered name (``_lzero_startup.PRESETS``; tests/test_registration.py checks they agree) -> its config."""
-
-STAND_INS: dict[str, tuple[str, str]] = {
-    "zero3_offload_nvme": ("zero3_offload", "with parameters, fp32 masters and optimizer state offloaded to CPU memory"),
-}
-"""Each unbuilt name (``_lzero_startup.UNBUILT``) -> the built preset to use meanwhile (the same sharding,
-everything on the device) and what it shards."""
-
 
 def strategy_file(name: str) -> Path:
     """The LightningCLI YAML of a preset (``trainer.strategy: <this path>``), wherever lzero is installed:
@@ -43,17 +37,4 @@ def build_preset(name: str, **init_params: Any) -> Any:
     """The strategy a registered name stands for (Lightning builds it with no arguments)."""
     from lzero.strategy import ZeroStrategy
 
-    if name in STAND_INS:
-        raise_unbuilt(name)
     return ZeroStrategy(**{**PRESET_CONFIGS[name], **init_params})
-
-
-def raise_unbuilt(name: str) -> None:
-    from lzero.config import ZeroConfigError
-
-    stand_in, what = STAND_INS[name]
-    raise ZeroConfigError(
-        f"`strategy={name!r}` is not built in this lzero release: NVMe offload (ZeRO-Infinity) is planned but not"
-        f" implemented yet. HINT: use `strategy={stand_in!r}` meanwhile ({what}); lower memory further with"
-        " more devices or `precision='bf16-mixed'`."
-    )

@@ -444,11 +444,24 @@ def _announce_offload(engine: ZeroEngine, optimizers: list[ZeroOptimizer], threa
     host = sum(u.spec.shard_numel for u in trainable if u.store.name != "device")
     total = sum(u.spec.shard_numel for u in trainable)
     kernels = ", ".join(sorted({z.host_kernel for z in optimizers if z.host_kernel}))
-    params = "; parameter shards in host memory" if any(u.param_store.name != "device" for u in engine.units) else ""
+    where = {u.store.name for u in trainable if u.store.name != "device"}
+    places = " and ".join("NVMe swap files" if w == "nvme" else "host memory" for w in sorted(where)) or "host memory"
+    offloaded = [u for u in engine.units if u.param_store.name != "device"]
+    in_files = sum(u.spec.shard_numel for u in offloaded if u.param_store.holds_in_file(u))
+    in_host = sum(u.spec.shard_numel for u in offloaded) - in_files
+    params = ""
+    if offloaded:
+        params = "; parameter shard elements per rank: " + ", ".join(
+            f"{n:,} in {w}" for n, w in ((in_files, "NVMe swap files"), (in_host, "host memory")) if n)
+        if in_files == 0 and any(u.param_store.name == "nvme" for u in offloaded):
+            params += " (all within `offload_param.max_in_cpu`)"
+    folders = {str(s.files.run_folder) for s in engine.stores if hasattr(s, "files")}
+    if folders:
+        params += f"; swap folder {', '.join(sorted(folders))} (removed at the end of fit)"
     count = threads or torch.get_num_threads()
     thread_note = f"{count} thread{'s' if count > 1 else ''} per process" + (" (torch.set_num_threads)" if threads else "")
     rank_zero_info(f"lzero offload: fp32 masters and optimizer state of {host:,} of {total:,} shard elements per rank in"
-                   f" host memory{params}; host step: {kernels or 'none'}, {thread_note}.")
+                   f" {places}{params}; host step: {kernels or 'none'}, {thread_note}.")
 
 
 def _unwrap(optimizer: Any) -> ZeroOptimizer:

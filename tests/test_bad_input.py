@@ -90,9 +90,10 @@ def test_batchnorm_under_bf16_params_is_refused_unless_kept_in_fp32() -> None:
     kept.remove()
 
 
-def test_unbuilt_nvme_offload_refused() -> None:
-    with pytest.raises(ZeroConfigError, match="offload_optimizer.device='nvme'.*not built"):
-        ZeroConfig(offload_optimizer="nvme")
+def test_nvme_paths_of_the_two_blocks_must_agree() -> None:
+    with pytest.raises(ZeroConfigError, match=r"`offload_optimizer.nvme_path` and `offload_param.nvme_path` differ"):
+        ZeroConfig(stage=3, offload_optimizer={"device": "nvme", "nvme_path": "/a"},
+                   offload_param={"device": "nvme", "nvme_path": "/b"})
 
 
 @pytest.mark.parametrize("make", [

@@ -31,7 +31,7 @@ def test_import_lightning_registers_names_but_does_not_import_lzero() -> None:
         "from lightning.pytorch.strategies import StrategyRegistry\n"
         "print(sorted(k for k in StrategyRegistry if k.startswith('zero')), 'lzero' in sys.modules)"
     )
-    assert out == f"{sorted({**_lzero_startup.PRESETS, **_lzero_startup.UNBUILT})} False"
+    assert out == f"{sorted(_lzero_startup.PRESETS)} False"
 
 
 def test_trainer_by_name_in_fresh_interpreter(tmp_path: Path) -> None:
@@ -70,17 +70,6 @@ def test_strategy_yaml_per_preset() -> None:
             assert getattr(built, key) == getattr(preset, key), (name, key)
 
 
-@pytest.mark.parametrize("name, stand_in", [("zero3_offload_nvme", "zero3_offload")])
-def test_unbuilt_name_says_not_built_and_what_to_use(name: str, stand_in: str) -> None:
-    from lightning.pytorch import Trainer
-
-    from lzero import ZeroConfigError
-
-    with pytest.raises(ZeroConfigError, match=rf"`strategy='{name}'` is not built in this lzero release.*"
-                                              rf"HINT: use `strategy='{stand_in}'` meanwhile"):
-        Trainer(strategy=name, accelerator="cpu", devices=1, logger=False)
-
-
 def test_registered_factories_and_strategies_pickle() -> None:
     import pickle
 
@@ -89,7 +78,7 @@ def test_registered_factories_and_strategies_pickle() -> None:
     import lzero
 
     assert "register_strategies" not in vars(lzero.ZeroStrategy)  # one registration path: the start-up hook's
-    for name in {**_lzero_startup.PRESETS, **_lzero_startup.UNBUILT}:
+    for name in _lzero_startup.PRESETS:
         factory = pickle.loads(pickle.dumps(StrategyRegistry[name]["strategy"]))
         if name in _lzero_startup.PRESETS:
             strategy = pickle.loads(pickle.dumps(factory(**StrategyRegistry[name]["init_params"])))
@@ -97,13 +86,10 @@ def test_registered_factories_and_strategies_pickle() -> None:
             assert strategy.config == ZeroConfig(**PRESET_CONFIGS[name])
 
 
-def test_every_registered_name_has_a_configuration_or_a_stand_in() -> None:
-    from lzero.presets import PRESET_CONFIGS, STAND_INS
+def test_every_registered_name_has_a_configuration() -> None:
+    from lzero.presets import PRESET_CONFIGS
 
     assert PRESET_CONFIGS.keys() == _lzero_startup.PRESETS.keys()
-    assert STAND_INS.keys() == _lzero_startup.UNBUILT.keys()
-    for name, (stand_in, what) in STAND_INS.items():
-        assert _lzero_startup.PRESETS[stand_in].endswith(what), name
 
 
 def test_strategy_yamls_ship_inside_the_package() -> None:
@@ -118,5 +104,5 @@ def test_strategy_yamls_ship_inside_the_package() -> None:
     for name in _lzero_startup.PRESETS:
         path = strategy_file(name)
         assert path.is_absolute() and path.read_text() == (ROOT / "strategies" / f"{name}.yaml").read_text()
-    with pytest.raises(KeyError, match="No preset 'zero3_offload_nvme'"):
-        strategy_file("zero3_offload_nvme")
+    with pytest.raises(KeyError, match="No preset 'zero4'"):
+        strategy_file("zero4")
