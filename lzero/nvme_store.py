@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import sys
+import time
 from concurrent.futures import Future
 from typing import Any, Callable, Iterator
 
@@ -43,8 +45,10 @@ class NvmeStore(HostStore):
     in_memory = False
 
     def __init__(self, device: torch.device, files: SwapFiles, pin_memory: bool = True, buffer_count: int = 4,
-                 pipeline_read: bool = False, pipeline_write: bool = False, max_in_cpu: int = 0) -> None:
+                 pipeline_read: bool = False, pipeline_write: bool = False, max_in_cpu: int = 0,
+                 initial_bytes: int = 0) -> None:
         super().__init__(device, pin_memory)
+        self.progress = Progress(files.rank == 0, "writing the initial state to the swap files", initial_bytes)
         self.max_in_cpu = max_in_cpu  # parameter elements (offload_param) kept in host memory instead of files
         self._in_cpu = 0
         self.files = files
@@ -81,6 +85,7 @@ class NvmeStore(HostStore):
                 buffer.copy_(tensor)
             futures.append(self.files.write(self._key(index, name), buffer))
             buffers.append(buffer)
+            self.progress.add(buffer.numel() * buffer.element_size())
             self._on_disk.setdefault(index, {})[name] = (tensor.numel(), tensor.dtype)
         self._writes.append((index, futures, buffers))
         self._bound(keep=self.buffer_count if self.pipeline_write else 0)
@@ -126,6 +131,7 @@ class NvmeStore(HostStore):
         for name, (future, buffer) in self._reads.pop(index).items():
             future.result()
             out[name] = buffer
+            self.progress.add(buffer.numel() * buffer.element_size())
         return out
 
     # --- the store ---------------------------------------------------------------------------
@@ -184,6 +190,8 @@ class NvmeStore(HostStore):
             yield
             return
         self._active[index] = write
+        if self.progress.total:  # the initial write-out is over
+            self.progress.done_with("swap file traffic")
         buffers = self._take(index)
         master = unit.master_shard
         master.data = buffers.pop("master")
@@ -232,6 +240,30 @@ class NvmeStore(HostStore):
                 kind = {"master": "masters", "param": "parameters"}.get(name, "optimizer_state")
                 out[kind] += numel * torch.empty((), dtype=dtype).element_size()
         return out
+
+
+class Progress:
+    """On rank 0, one line every ``every_s`` seconds while swap-file work goes on for longer than that (the
+    initial write-out of a large state, a checkpoint read from or written through the swap files), so a long
+    silent phase is not taken for a hang."""
+
+    def __init__(self, show: bool, what: str, total: int = 0, every_s: float = 10.0) -> None:
+        self.show, self.every_s = show, every_s
+        self.done_with(what, total)
+
+    def done_with(self, what: str, total: int = 0) -> None:
+        """Start counting a new phase."""
+        self.what, self.total, self.bytes = what, total, 0
+        self.start = self.last = time.monotonic()
+
+    def add(self, nbytes: int) -> None:
+        self.bytes += nbytes
+        now = time.monotonic()
+        if self.show and now - self.last >= self.every_s:
+            self.last = now
+            of = f" of {self.total / 1e9:.2f} GB" if self.total else " GB"
+            print(f"lzero NVMe: {self.what}: {self.bytes / 1e9:.2f}{of} in {now - self.start:.0f} s",
+                  file=sys.stderr, flush=True)
 
 
 def _refuse_placeholders(unit: Any, state: dict[str, Any]) -> None:

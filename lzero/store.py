@@ -388,9 +388,9 @@ def stores_for(config: Any, device: torch.device, numels: list[int], rank: int =
         # one store (one swap folder) for both blocks; this rank's bytes: 12 per offloaded optimizer element
         # (fp32 master and Adam's moments) and 4 per parameter element (at most; 2 in 16-bit)
         offloaded = sum(numels) / world_size
-        need = 12 * offloaded * optimizer_offload.ratio * (optimizer_offload.device == "nvme") \
-            + 4 * offloaded * (param_offload.device == "nvme")
-        nvme = _nvme_store(config, device, need, rank, run_id)
+        masters = 4 * offloaded * optimizer_offload.ratio * (optimizer_offload.device == "nvme")
+        params = 4 * offloaded * (param_offload.device == "nvme")
+        nvme = _nvme_store(config, device, 3 * masters + params, masters + params, rank, run_id)
     if param_offload.device == "nvme":
         param_store = nvme
     if optimizer_offload.device == "nvme":
@@ -405,9 +405,10 @@ def stores_for(config: Any, device: torch.device, numels: list[int], rank: int =
     return stores, param_store
 
 
-def _nvme_store(config: Any, device: torch.device, need: float, rank: int, run_id: Optional[str]) -> ShardStore:
-    """The NVMe store of ``offload_optimizer`` and/or ``offload_param`` (``need``: this rank's bytes in files),
-    after the checks its folder must pass before the first step."""
+def _nvme_store(config: Any, device: torch.device, need: float, initial: float, rank: int,
+                run_id: Optional[str]) -> ShardStore:
+    """The NVMe store of ``offload_optimizer`` and/or ``offload_param`` (``need``: this rank's bytes in files;
+    ``initial``: those written before the first step), after the checks its folder must pass."""
     import tempfile
 
     from lzero.nvme import SwapFiles, check_buffer, check_path, check_space, cleanup_stale
@@ -427,7 +428,7 @@ def _nvme_store(config: Any, device: torch.device, need: float, rank: int, run_i
     return NvmeStore(device, files, first.pin_memory, getattr(optimizer, "buffer_count", 4),
                      optimizer.pipeline_read if optimizer.device == "nvme" else False,
                      optimizer.pipeline_write if optimizer.device == "nvme" else False,
-                     max_in_cpu=param.max_in_cpu if param.device == "nvme" else 0)
+                     max_in_cpu=param.max_in_cpu if param.device == "nvme" else 0, initial_bytes=int(initial))
 
 
 def divide_host_threads(local_processes: int) -> Optional[int]:
