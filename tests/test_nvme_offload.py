@@ -179,3 +179,13 @@ def test_a_loaded_state_read_before_the_first_step_is_kept(disk: Path) -> None:
         finals.append([p.detach().clone() for p in model.parameters()])
         engine.remove()
     assert all(torch.equal(a, b) for a, b in zip(*finals))
+
+
+def test_a_parameter_buffer_smaller_than_an_io_request_is_refused(disk: Path) -> None:
+    model = torch.nn.Linear(4, 4)
+    block = {"device": "nvme", "nvme_path": str(disk)}
+    config = ZeroConfig(stage=3, offload_optimizer=block, offload_param={**block, "buffer_size": 1000},
+                        aio={"block_size": 1 << 20})
+    with pytest.raises(NvmeError, match=r"`buffer_size` \(4,000 bytes\) is smaller than aio `block_size` \(1,048,576"):
+        ZeroEngine(model, [torch.optim.AdamW(model.parameters())], config)
+    assert list(disk.iterdir()) == []
