@@ -33,7 +33,8 @@ from lzero.gather import Block, Gatherer, full_graphs_around
 from lzero.materialize import InitFn, Materializer, apply_order, common_seed, has_meta
 from lzero.partition import FROZEN, Partition, ParamSpec, UnitSpec, partition_by_label, partition_by_size
 from lzero.reducer import Reducer
-from lzero.store import ShardStore, stores_for
+from lzero.placement import stores_for
+from lzero.store import ShardStore
 from lzero.units import ROOT, find_blocks, label_parameters
 
 
