@@ -36,7 +36,8 @@ folder a rank claims it with a lock file ``rank<r>.lock`` in the run folder (``O
 the process start time and the host name. :meth:`SwapFiles.remove` deletes the rank folder and the lock, and
 the run folder once it is empty; nothing is registered globally, the caller calls it at the end of ``fit``
 and on an exception. A run killed before that leaves its folder; :func:`cleanup_stale` removes the run
-folders of the same user on the same host whose every lock names a process that no longer exists, and
+folders of the same user on the same host whose every lock names a process that no longer exists (or
+is a zombie: killed, not yet reaped), and
 leaves anything it does not fully recognise alone.
 """
 
@@ -528,13 +529,23 @@ def _host() -> str:
     return socket.gethostname()
 
 
+def _proc_stat(pid: int) -> Optional[list[str]]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (field 3, the state, first); None where /proc
+    does not say."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat_file:
+            return stat_file.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def _start_time(pid: int) -> Optional[int]:
     """The process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22), telling a reused
     pid from the process that wrote a lock; None where /proc does not say."""
+    fields = _proc_stat(pid)
     try:
-        with open(f"/proc/{pid}/stat") as stat_file:
-            return int(stat_file.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
+        return None if fields is None else int(fields[19])
+    except (IndexError, ValueError):
         return None
 
 
@@ -604,6 +615,11 @@ def _alive(pid: int, start: Optional[int]) -> bool:
         return False
     except PermissionError:  # exists, another user's
         pass
+    fields = _proc_stat(pid)
+    if fields is not None and fields[0] in ("Z", "X"):
+        # a zombie: killed (SIGKILL, OOM) but not yet reaped by its parent, e.g. a rank whose launcher is still
+        # alive; signal 0 reaches it, yet it is dead and will never touch its folder again
+        return False
     now = _start_time(pid)
     return start is None or now is None or now == start  # a different start time: the pid was reused
 
