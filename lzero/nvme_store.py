@@ -59,7 +59,8 @@ class NvmeStore(HostStore):
         self._reads: dict[int, dict[str, tuple[Future, Tensor]]] = {}  # started reads, by unit
         self._writes: collections.deque[tuple[int, list[Future], list[Tensor]]] = collections.deque()
         self._active: dict[int, bool] = {}  # resident units -> whether to write back
-        self._aligned: set[int] = set()  # data_ptr of the buffers this store allocated and still holds
+        self._owned: dict[int, Tensor] = {}  # data_ptr -> an aligned buffer of this store in use
+        self._pool: list[Tensor] = []  # free buffers, most recently released last, at most ``buffer_count``
 
     # --- files -------------------------------------------------------------------------------
 
@@ -68,17 +69,35 @@ class NvmeStore(HostStore):
         return f"unit{index}.{name}"
 
     def _buffer(self, numel: int, dtype: torch.dtype) -> Tensor:
-        buffer = aligned_empty(numel, dtype)
-        self._aligned.add(buffer.data_ptr())
+        """An aligned buffer, reused from the pool when one of the size is free: a fresh one costs page faults
+        (the kernel zero-fills every page an O_DIRECT read lands in), about as long as the read itself."""
+        found = next((i for i in range(len(self._pool) - 1, -1, -1)
+                      if self._pool[i].numel() == numel and self._pool[i].dtype == dtype), None)
+        buffer = self._pool.pop(found) if found is not None else aligned_empty(numel, dtype)
+        self._owned[buffer.data_ptr()] = buffer
         return buffer
 
-    def _write(self, index: int, tensors: dict[str, Tensor]) -> None:
+    def _release(self, tensor: Tensor) -> None:
+        """``tensor`` (a buffer of this store, or a view at its start) is no longer in use: back to the pool, which
+        keeps the ``buffer_count`` most recently released buffers (host memory stays bounded)."""
+        buffer = self._owned.pop(tensor.data_ptr(), None)
+        if buffer is not None:
+            self._pool.append(buffer)
+            del self._pool[: -self.buffer_count]
+
+    def staging_bytes(self) -> int:
+        """Bytes of the staging buffers and of this store's aligned buffers (in use or pooled)."""
+        mine = sum(b.untyped_storage().nbytes() for b in [*self._pool, *self._owned.values()])
+        return super().staging_bytes() + mine
+
+    def _write(self, index: int, tensors: dict[str, Tensor], give: bool = False) -> None:
         """Write ``tensors`` (name -> 1-D tensor) as the unit's files; waits as ``pipeline_write`` and
-        ``buffer_count`` say."""
+        ``buffer_count`` say. ``give``: the caller gives up the store's buffers among them, which are written
+        as they are and then return to the pool; otherwise every tensor is first copied into a buffer."""
         self._wait_writes(index)  # a file is never written while its last write is in flight
         futures, buffers = [], []
         for name, tensor in tensors.items():
-            if tensor.data_ptr() in self._aligned:
+            if give and tensor.data_ptr() in self._owned:
                 buffer = tensor
             else:
                 buffer = self._buffer(tensor.numel(), tensor.dtype)
@@ -100,7 +119,7 @@ class NvmeStore(HostStore):
         for future in futures:
             future.result()  # an NvmeError (ENOSPC...) surfaces here, naming the file
         for buffer in buffers:
-            self._aligned.discard(buffer.data_ptr())
+            self._release(buffer)
 
     def _wait_writes(self, index: int) -> None:
         pending = [w for w in self._writes if w[0] == index]
@@ -172,8 +191,10 @@ class NvmeStore(HostStore):
         self._wait_writes(index)
         buffer = self._buffer(numel, dtype)
         self.files.read(self._key(index, name), buffer).result()
-        self._aligned.discard(buffer.data_ptr())
-        return self._to_device(buffer, device)
+        try:
+            return self._to_device(buffer, device)  # copied out (on CUDA: the staging copy runs on the host)
+        finally:
+            self._release(buffer)
 
     def bind_state(self, unit: Any, state: Callable[[], dict[str, Any]]) -> None:
         """``state()`` is the optimizer state dict of ``unit``'s master (its inner optimizer's)."""
@@ -199,21 +220,26 @@ class NvmeStore(HostStore):
         if state is not None:
             state.update(buffers)
             _refuse_placeholders(unit, state)
+        failed = False
         try:
             yield
+        except BaseException:
+            failed = True  # the files keep the values from before the block; a failing write is not retried
+            raise
         finally:
-            write = self._active.pop(index)
+            write = self._active.pop(index) and not failed
             numel = unit.spec.shard_numel
             state = self._state(index)  # the current dict: a checkpoint load may have replaced it inside
             per_element = {name: value for name, value in (state or {}).items()
                            if isinstance(value, Tensor) and value.dim() == 1 and value.numel() == numel}
             if write:
-                self._write(index, {"master": master.detach(), **{k: v.detach() for k, v in per_element.items()}})
+                self._write(index, {"master": master.detach(), **{k: v.detach() for k, v in per_element.items()}},
+                            give=True)
                 swapped = per_element
             else:  # only what came from the files goes back to placeholders; the rest has no file yet
                 swapped = {name: value for name, value in per_element.items() if name in buffers}
                 for tensor in [master.data, *swapped.values()]:
-                    self._aligned.discard(tensor.data_ptr())
+                    self._release(tensor)
             master.data = _placeholder(master.dtype).expand(numel)
             for name, value in swapped.items():
                 state[name] = _placeholder(value.dtype).expand(numel)

@@ -118,8 +118,9 @@ class _StreamedUnit:
         value = self.values.pop(name)
         self.left.discard(name)
         if not self.left:
+            value = value.clone()  # the unit's buffers go back to the store's pool, to be read into again
             self.values = {}
-            self.stack.close()  # the unit's buffers go back
+            self.stack.close()
         return value
 
 
