@@ -81,6 +81,22 @@ def offloaded_vs_device(rank: int, world_size: int, configs: list[dict]) -> list
     return results
 
 
+def _three_steps(config: ZeroConfig) -> tuple[ZeroEngine, ZeroOptimizer]:
+    """A 6-layer Net (width 96) under ``config`` after 3 fp32 AdamW steps (between steps)."""
+    torch.manual_seed(0)
+    model = Net(width=96, depth=6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine = ZeroEngine(model, [opt], config)
+    zopt = ZeroOptimizer(opt, engine, 0)
+    x, y = torch.randn(2, 7), torch.randn(2, 5)
+    for _ in range(3):
+        engine.gather_root()
+        nn.functional.mse_loss(model(x), y).backward()
+        zopt.step()
+        zopt.zero_grad()
+    return engine, zopt
+
+
 def memory_by_store(rank: int, world_size: int, stage: int) -> dict:
     """After 3 offloaded fp32 AdamW steps (between steps): the accounting by store and kind, the sizes the
     formulas need, and the live tensor bytes of the process."""
@@ -89,19 +105,9 @@ def memory_by_store(rank: int, world_size: int, stage: int) -> dict:
     from _engine_cases import live_tensor_bytes
     from lzero.memory import model_state_bytes
 
-    torch.manual_seed(0)
-    model = Net(width=96, depth=6)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     options = {"offload_optimizer": "cpu", **({"offload_param": "cpu"} if stage == 3 else {})}
-    engine = ZeroEngine(model, [opt], ZeroConfig(stage=stage, reduce_bucket_size=20_000,
-                                                 unit_modules=("Linear",) if stage == 3 else None, **options))
-    zopt = ZeroOptimizer(opt, engine, 0)
-    x, y = torch.randn(2, 7), torch.randn(2, 5)
-    for _ in range(3):
-        engine.gather_root()
-        nn.functional.mse_loss(model(x), y).backward()
-        zopt.step()
-        zopt.zero_grad()
+    engine, zopt = _three_steps(ZeroConfig(stage=stage, reduce_bucket_size=20_000,
+                                           unit_modules=("Linear",) if stage == 3 else None, **options))
     gc.collect()
     result = {
         "by_store": model_state_bytes(engine, [zopt]),
@@ -127,18 +133,8 @@ def nvme_memory(rank: int, world_size: int, folder: str) -> dict:
     from _engine_cases import live_tensor_bytes
     from lzero.memory import model_state_bytes
 
-    torch.manual_seed(0)
-    model = Net(width=96, depth=6)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, unit_modules=("Linear",),
-                                                 offload_optimizer={"device": "nvme", "nvme_path": folder}))
-    zopt = ZeroOptimizer(opt, engine, 0)
-    x, y = torch.randn(2, 7), torch.randn(2, 5)
-    for _ in range(3):
-        engine.gather_root()
-        nn.functional.mse_loss(model(x), y).backward()
-        zopt.step()
-        zopt.zero_grad()
+    engine, zopt = _three_steps(ZeroConfig(stage=3, unit_modules=("Linear",),
+                                           offload_optimizer={"device": "nvme", "nvme_path": folder}))
     gc.collect()
     store = next(s for s in engine.stores if s.name == "nvme")
     files = sorted(os.listdir(store.files.folder))
