@@ -1,5 +1,5 @@
 """The ``lzero`` console script: LightningCLI with the lzero strategy names registered, plus the
-checkpoint commands ``consolidate`` and ``inspect``.
+checkpoint commands ``consolidate`` and ``inspect`` and the memory estimate ``estimate``.
 
 ``lzero fit --config configs/demo_zero2.yaml`` trains the demo GPT with ``trainer.strategy: zero2``.
 Models and datamodules are chosen by ``class_path`` exactly as with plain ``LightningCLI``: the
@@ -30,10 +30,17 @@ def _inspect(argv: list[str]) -> int:
     return inspect_command(argv)
 
 
+def _estimate(argv: list[str]) -> int:
+    from lzero.estimate_command import estimate_command
+
+    return estimate_command(argv)
+
+
 # Extra subcommands, name -> (handler(argv after the name) returning an exit code, one line of help).
 EXTRA_COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "consolidate": (_consolidate, "write a sharded checkpoint directory as one .ckpt/.pt/.safetensors file"),
     "inspect": (_inspect, "print a sharded checkpoint's step, stage, parameter counts and files"),
+    "estimate": (_estimate, "model-state memory per device, host and NVMe disk of each strategy (no model allocated)"),
 }
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
@@ -48,7 +55,7 @@ class _HelpFormatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter)
 def _epilog() -> str:
     width = max(map(len, EXTRA_COMMANDS))
     lines = [f"  {name:<{width}}  {text}" for name, (_, text) in EXTRA_COMMANDS.items()]
-    return "checkpoint commands (lzero COMMAND --help for details):\n" + "\n".join(lines)
+    return "other commands (lzero COMMAND --help for details):\n" + "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

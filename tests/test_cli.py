@@ -84,5 +84,5 @@ def test_help_lists_the_checkpoint_commands(capsys: pytest.CaptureFixture) -> No
         main(["--help"])
     out = capsys.readouterr().out
     assert out.startswith("usage: lzero ")
-    for command in ("fit", "validate", "consolidate", "inspect"):
+    for command in ("fit", "validate", "consolidate", "inspect", "estimate"):
         assert f"\n    {command} " in out or f"\n  {command} " in out, command

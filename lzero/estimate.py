@@ -1,0 +1,330 @@
+"""Model-state memory of one rank before a run: what each strategy keeps on the device, in host memory and
+on NVMe, by kind, in the same ``{store: {kind: bytes}}`` form that :func:`lzero.memory.model_state_bytes`
+measures. Pure arithmetic: nothing is allocated.
+
+Symbols: Ψ trainable parameters, F frozen ones, N = num_gpus x num_nodes (the data-parallel world), c the
+compute dtype's bytes (4 under ``32-true``, 2 under ``bf16-mixed``/``16-mixed``), O the optimizer's state
+bytes per parameter (Adam's two fp32 moments: 8), K = O + 4 under mixed precision (the fp32 master), K = O
+under ``32-true`` (the master is the parameter itself). Stores: ``device``, ``cpu`` (host memory), ``nvme``.
+
+[Note: lzero's layout]
+What lzero allocates (flat_unit.py, store.py, placement.py), per rank, with every gradient present (from a
+backward to its step; between steps the gradient terms are absent, see [Note: gradient buffers]):
+
+| strategy | device | host | nvme |
+|---|---|---|---|
+| ddp (Lightning's DDP) | (8 + O)Ψ + 4F | | |
+| zero1 | 2cΨ + cF + (4 + K)Ψ/N mixed, 8Ψ + 4F + 8Ψ/N fp32 | | |
+| zero2 | cΨ + cF + (4 + K)Ψ/N | | |
+| zero3 | (c + 4 + K)Ψ/N + cF/N | | |
+| zero2_offload | cΨ + cF | (8 + O)Ψ/N | |
+| zero3_offload | | (c + 4 + K)Ψ/N + cF/N | |
+| zero3_offload_nvme | | 4Ψ/N + c·min((Ψ+F)/N, max_in_cpu) | (4 + O)Ψ/N + c·rest |
+
+- Gradients: a stage-1 unit accumulates in a full flat gradient of the compute dtype (cΨ); the reduced shard
+  is a separate fp32 tensor (4Ψ/N) except in fp32 on the device, where it is a view of the flat gradient.
+  Stages 2-3 keep only the fp32 shard gradient (4Ψ/N). The ZeRO paper counts 16-bit gradients (2Ψ/N), so
+  under mixed precision lzero holds 2Ψ/N more than the paper at stages 2-3, and at stage 1 2Ψ/N more (its
+  fp32 shard gradient beside the full 16-bit one).
+- Masters: fp32 shards (4Ψ/N) in the optimizer's store; in fp32 on the device at stages 1-2 they are the
+  parameters' own slice, and at stage 3 (device or host alike) the parameter shard itself, counted once as
+  parameters (so fp32 zero3_offload holds 16Ψ/N in host memory, mixed precision 18Ψ/N).
+- Offload: ``offload_optimizer`` moves shard gradients, masters and optimizer state to host memory (NVMe:
+  masters and optimizer state to files, gradients stay in host memory); the stage-1/2 parameters stay on the
+  device in the compute dtype. ``offload_param`` moves the stage-3 parameter shards (NVMe: past
+  ``max_in_cpu`` elements per rank, to files). ``ratio`` < 1 keeps the first ``1 - ratio`` of the elements'
+  optimizer side (gradients, masters, state) on the device.
+- Frozen parameters: stages 1-2 leave them as module parameters in the compute dtype; stage 3 shards them in
+  the parameter store (cF/N).
+- Flat units are padded to a multiple of N elements; the estimate leaves the padding out.
+
+[Note: working set]
+``buffers=True`` adds, as kind ``buffers``, what lzero holds besides the model states, with the
+``ZeroConfig`` defaults (``reduce_bucket_size`` 5e6 elements, ``max_inflight_reductions`` 2, ``prefetch`` 1,
+4 staging buffers per offload store, NVMe ``buffer_count`` 4 units and parameter ``buffer_count`` 5):
+
+- ddp: torch's gradient buckets, a copy of every gradient (4Ψ; ``gradient_as_bucket_view=False``, the default).
+- stages 1-2: ``max_inflight_reductions`` reduce buckets of one unit in the fp32 reduce dtype: 2 x 4U, where U
+  is the largest stage-1/2 unit, max(``reduce_bucket_size``, the largest parameter), at most Ψ.
+- stage 3: the gathered root unit and ``prefetch`` + 1 gathered blocks in the compute dtype, c(R + 2B), plus
+  the reduce buckets, 2 x 4B (B: the largest block, R: the parameters outside blocks; both known only from a
+  model, otherwise taken as ``reduce_bucket_size`` each).
+- an offload store: 4 staging buffers of one unit's fp32 shard, 4 x 4U/N in host memory; NVMe adds the
+  ``buffer_count`` resident units (4 x (4 + O)U/N) and, when parameters are in files, 5 parameter read buffers
+  (5 x c·min(``buffer_size``, U/N)).
+Activations, the allocator's caching and the CUDA context are not counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from torch import nn
+
+from lzero.config import ZeroConfig
+from lzero.memory import KINDS
+
+GB = 1e9
+"""Bytes per GB, as the ZeRO paper counts (printed figures are GB, not GiB)."""
+
+STORES = ("device", "cpu", "nvme")
+
+COMPUTE_BYTES = {"32-true": 4, "bf16-mixed": 2, "16-mixed": 2}
+"""Bytes of a parameter in the dtype the model computes in, per Lightning precision string."""
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero3_offload_nvme")
+"""The rows of an estimate, in order of increasing communication."""
+
+ADAM_BYTES = 8
+"""Optimizer state bytes per parameter of Adam/AdamW: two fp32 moments."""
+
+
+class EstimateError(ValueError):
+    """An input the estimate cannot use; the message names the value and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelCount:
+    """The parameter counts an estimate needs."""
+
+    trainable: int
+    """Ψ: elements of the parameters that require gradients."""
+
+    frozen: int = 0
+    """F: elements of the parameters that do not."""
+
+    largest_param: Optional[int] = None
+    """Elements of the largest single parameter (a stage-1/2 unit may exceed ``reduce_bucket_size`` by it)."""
+
+    largest_block: Optional[int] = None
+    """Elements of the largest stage-3 block unit (a transformer block). None: unknown."""
+
+    root: Optional[int] = None
+    """Elements outside every stage-3 block (the root unit, gathered for the whole forward). None: unknown."""
+
+    def __post_init__(self) -> None:
+        for name in ("trainable", "frozen", "largest_param", "largest_block", "root"):
+            value = getattr(self, name)
+            if value is None and name != "trainable" and name != "frozen":
+                continue
+            if isinstance(value, float) and value.is_integer():
+                object.__setattr__(self, name, value := int(value))
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise EstimateError(f"`{name}={value!r}` must be a whole number of parameters >= 0."
+                                    " HINT: e.g. 7.5e9 for 7.5 billion.")
+        if self.trainable == 0:
+            raise EstimateError("`trainable=0`: there is nothing to train, so nothing to estimate."
+                                " HINT: give the number of trainable parameters, e.g. `--params 7.5e9`.")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One strategy's model-state bytes per rank (``per_rank``: ``{store: {kind: bytes}}``) and per node."""
+
+    strategy: str
+    per_rank: dict[str, dict[str, int]]
+    ranks_per_node: int
+    paper_bytes: Optional[int] = None
+    """The ZeRO paper's per-device formula (16-bit gradients, no buffers); None for the offload rows."""
+
+    def store_bytes(self, store: str) -> int:
+        return sum(self.per_rank.get(store, {}).values())
+
+    @property
+    def per_device(self) -> int:
+        return self.store_bytes("device")
+
+    @property
+    def per_host(self) -> int:
+        """Host memory of one node: every local rank's share."""
+        return self.store_bytes("cpu") * self.ranks_per_node
+
+    @property
+    def per_nvme(self) -> int:
+        """Swap-file bytes of one node (every local rank's folder, on one disk)."""
+        return self.store_bytes("nvme") * self.ranks_per_node
+
+    def as_dict(self) -> dict:
+        return {"strategy": self.strategy, "per_device_bytes": self.per_device, "per_host_bytes": self.per_host,
+                "per_nvme_bytes": self.per_nvme, "paper_per_device_bytes": self.paper_bytes,
+                "per_rank": self.per_rank}
+
+
+@dataclass
+class _Bytes:
+    """``{store: {kind: bytes}}`` being summed."""
+
+    table: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def add(self, store: str, kind: str, nbytes: float) -> None:
+        if nbytes:
+            self.table.setdefault(store, dict.fromkeys(KINDS, 0.0))[kind] += nbytes
+
+    def rounded(self) -> dict[str, dict[str, int]]:
+        return {store: {kind: round(v) for kind, v in kinds.items()} for store, kinds in self.table.items()}
+
+
+def check_precision(precision: str) -> int:
+    """The compute dtype's bytes of ``precision``, or an error naming the choices."""
+    if precision not in COMPUTE_BYTES:
+        raise EstimateError(f"Unknown precision {precision!r}. HINT: use one of {', '.join(COMPUTE_BYTES)}.")
+    return COMPUTE_BYTES[precision]
+
+
+def model_states(config: ZeroConfig, count: ModelCount, world_size: int, precision: str = "bf16-mixed",
+                 optimizer_bytes: float = ADAM_BYTES) -> dict[str, dict[str, int]]:
+    """One rank's model states under ``config`` (see [Note: lzero's layout]), every gradient present."""
+    c, mixed = check_precision(precision), precision != "32-true"
+    out = _Bytes()
+    psi, frozen, n, stage = count.trainable, count.frozen, world_size, config.stage
+    opt, param = config.offload_optimizer, config.offload_param
+    offloaded = opt.ratio if opt.device != "none" else 0.0
+    host_store = "nvme" if opt.device == "nvme" else "cpu"
+    param_store = {"none": "device", "cpu": "cpu", "nvme": "nvme"}[param.device]
+    if stage < 3:
+        out.add("device", "parameters", c * (psi + frozen))
+        if stage == 1:
+            out.add("device", "gradients", c * psi)
+    else:
+        _stage3_parameters(out, param_store, c, frozen / n, param.max_in_cpu)
+    for share, store in ((1.0 - offloaded, "device"), (offloaded, host_store)):
+        elements = share * psi / n
+        memory = "cpu" if store == "nvme" else store  # NVMe keeps gradients in host memory
+        if stage >= 2 or store != "device" or mixed:  # stage 1, fp32, device: a view of the flat gradient
+            out.add(memory, "gradients", 4 * elements)
+        out.add(store, "optimizer_state", optimizer_bytes * elements)
+        if stage < 3:
+            if mixed or store != "device":  # fp32 on the device: the master is the parameters' own slice
+                out.add(store, "masters", 4 * elements)
+        elif not mixed and store == param_store and store != "nvme":  # the parameter shard is the master
+            out.add(store, "parameters", 4 * elements)
+        else:
+            _stage3_parameters(out, param_store, c, elements, param.max_in_cpu)
+            out.add(store, "masters", 4 * elements)
+    return out.rounded()
+
+
+def _stage3_parameters(out: _Bytes, store: str, c: int, elements: float, max_in_cpu: int) -> None:
+    """Stage-3 compute-dtype parameter shards of ``elements`` per rank. NVMe keeps shards in host memory
+    until the rank holds ``max_in_cpu`` elements there (lzero fills it unit by unit; this counts frozen, then
+    trainable elements, without unit granularity), the rest in files."""
+    if store != "nvme":
+        out.add(store, "parameters", c * elements)
+        return
+    in_cpu = min(elements, max(0.0, max_in_cpu - out.table.get("cpu", {}).get("parameters", 0.0) / c))
+    out.add("cpu", "parameters", c * in_cpu)
+    out.add("nvme", "parameters", c * (elements - in_cpu))
+
+
+def ddp_states(count: ModelCount, optimizer_bytes: float = ADAM_BYTES) -> dict[str, dict[str, int]]:
+    """Lightning's DDP: fp32 parameters and gradients under every precision listed (``*-mixed`` is
+    autocast), the optimizer state, all on the device."""
+    out = _Bytes()
+    out.add("device", "parameters", 4 * (count.trainable + count.frozen))
+    out.add("device", "gradients", 4 * count.trainable)
+    out.add("device", "optimizer_state", optimizer_bytes * count.trainable)
+    return out.rounded()
+
+
+def paper_bytes(stage: int, count: ModelCount, world_size: int, precision: str = "bf16-mixed",
+                optimizer_bytes: float = ADAM_BYTES) -> int:
+    """The ZeRO paper's per-device model states (stage 0: DDP): 16-bit gradients, K = O (+ 4 mixed);
+    mixed-precision Adam: 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N. Frozen parameters add cF (cF/N at stage 3)."""
+    c = check_precision(precision)
+    k = optimizer_bytes + (4 if precision != "32-true" else 0)
+    psi, n = count.trainable, world_size
+    formula = {0: (2 * c + k) * psi, 1: 2 * c * psi + k * psi / n, 2: c * psi + (c + k) * psi / n,
+               3: (2 * c + k) * psi / n}[stage]
+    return round(formula + c * count.frozen / (n if stage == 3 else 1))
+
+
+def working_set(config: ZeroConfig, count: ModelCount, world_size: int, precision: str = "bf16-mixed",
+                optimizer_bytes: float = ADAM_BYTES) -> dict[str, int]:
+    """Bytes per store that lzero's buckets, gathers and staging hold (see [Note: working set])."""
+    c, n = check_precision(precision), world_size
+    psi = count.trainable + count.frozen
+    fallback = min(config.reduce_bucket_size, psi)
+    if config.stage < 3:
+        unit = min(max(config.reduce_bucket_size, count.largest_param or 0), psi)
+        out = {"device": config.max_inflight_reductions * 4 * unit}
+    else:
+        unit = count.largest_block if count.largest_block is not None else fallback
+        root = count.root if count.root is not None else fallback
+        out = {"device": c * (root + (config.prefetch + 1) * unit) + config.max_inflight_reductions * 4 * unit}
+    shard = unit / n
+    host = 0.0
+    if "cpu" in (config.offload_optimizer.device, config.offload_param.device):
+        host += 4 * 4 * shard
+    if "nvme" in (config.offload_optimizer.device, config.offload_param.device):
+        host += 4 * 4 * shard
+        if config.offload_optimizer.device == "nvme":
+            host += config.offload_optimizer.buffer_count * (4 + optimizer_bytes) * shard
+        if config.offload_param.device == "nvme" and psi / n > config.offload_param.max_in_cpu:
+            host += config.offload_param.buffer_count * c * min(config.offload_param.buffer_size, shard)
+    if host:
+        out["cpu"] = host
+    return {store: round(v) for store, v in out.items()}
+
+
+def estimate(count: ModelCount, num_gpus: int = 1, num_nodes: int = 1, precision: str = "bf16-mixed",
+             optimizer_bytes: float = ADAM_BYTES, buffers: bool = False, offload_ratio: float = 1.0,
+             max_in_cpu: Optional[int] = None, strategies: Sequence[str] = STRATEGIES) -> list[Estimate]:
+    """One :class:`Estimate` per strategy (``STRATEGIES``) for ``num_gpus`` ranks on each of ``num_nodes``
+    nodes. ``offload_ratio`` and ``max_in_cpu`` apply to the offload rows (``OffloadOptimizer.ratio``,
+    ``OffloadParam.max_in_cpu``; None: its default)."""
+    from lzero.presets import PRESET_CONFIGS
+
+    for name, value in (("num_gpus", num_gpus), ("num_nodes", num_nodes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            flag = "--" + name.replace("_", "-")
+            raise EstimateError(f"`{name}={value!r}` must be a whole number >= 1. HINT: e.g. `{flag} 8`.")
+    if isinstance(optimizer_bytes, bool) or not isinstance(optimizer_bytes, (int, float)) or optimizer_bytes < 0:
+        raise EstimateError(f"`optimizer_bytes={optimizer_bytes!r}` must be a number >= 0 of bytes per parameter."
+                            " HINT: Adam 8, SGD with momentum 4, plain SGD 0.")
+    check_precision(precision)
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown:
+        raise EstimateError(f"Unknown strategies {unknown}. HINT: use some of {', '.join(STRATEGIES)}.")
+    world = num_gpus * num_nodes
+    rows = []
+    for name in strategies:
+        if name == "ddp":
+            per_rank = ddp_states(count, optimizer_bytes)
+            extra = {"device": round(4 * count.trainable)} if buffers else {}
+            paper = paper_bytes(0, count, world, precision, optimizer_bytes)
+        else:
+            config = _config(PRESET_CONFIGS[name], offload_ratio, max_in_cpu)
+            per_rank = model_states(config, count, world, precision, optimizer_bytes)
+            extra = working_set(config, count, world, precision, optimizer_bytes) if buffers else {}
+            offloaded = config.offload_optimizer.device != "none"
+            paper = None if offloaded else paper_bytes(config.stage, count, world, precision, optimizer_bytes)
+        for store, nbytes in extra.items():
+            per_rank.setdefault(store, dict.fromkeys(KINDS, 0))["buffers"] += nbytes
+        rows.append(Estimate(name, per_rank, num_gpus, paper))
+    return rows
+
+
+def _config(preset: dict, offload_ratio: float, max_in_cpu: Optional[int]) -> ZeroConfig:
+    """The preset's ZeroConfig with the ratio and ``max_in_cpu`` asked for (a ZeroConfigError names bad ones)."""
+    values = dict(preset)
+    if values.get("offload_optimizer", "none") != "none":
+        values["offload_optimizer"] = {"device": values["offload_optimizer"], "ratio": offload_ratio}
+    if values.get("offload_param") == "nvme" and max_in_cpu is not None:
+        values["offload_param"] = {"device": "nvme", "max_in_cpu": max_in_cpu}
+    return ZeroConfig(**values)
+
+
+def count_parameters(module: nn.Module, unit_modules: Optional[Sequence[str]] = None) -> ModelCount:
+    """Ψ, F and the unit sizes of ``module`` (tied weights counted once); works on the meta device."""
+    from lzero.units import ROOT, find_blocks, label_parameters
+
+    params = dict(module.named_parameters())
+    trainable = sum(p.numel() for p in params.values() if p.requires_grad)
+    frozen = sum(p.numel() for p in params.values() if not p.requires_grad)
+    per_unit: dict[str, int] = {}
+    for name, label in label_parameters(module, find_blocks(module, unit_modules)).items():
+        per_unit[label] = per_unit.get(label, 0) + params[name].numel()
+    root = per_unit.pop(ROOT, 0)
+    return ModelCount(trainable, frozen, largest_param=max((p.numel() for p in params.values()), default=0),
+                      largest_block=max(per_unit.values(), default=0), root=root)

@@ -1,0 +1,237 @@
+"""``lzero.estimate`` and ``lzero estimate``: the ZeRO paper's example (Ψ = 7.5e9, N = 64, mixed-precision Adam:
+120 / 31.4 / 16.6 / 1.9 GB), lzero's own layout and the offload rows against hand arithmetic, a 1.5B-parameter
+demo GPT counted on the meta device without memory, the estimate against lzero's measured accounting of real
+engines, and bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lzero import ZeroConfig, ZeroEngine, ZeroOptimizer
+from lzero.cli import main
+from lzero.estimate import ModelCount, count_parameters, estimate, model_states
+from lzero.memory import model_state_bytes
+from lzero.mixed_precision import PrecisionPolicy
+
+PSI, N = 7_500_000_000, 64
+PAPER_GB = {"ddp": 120.0, "zero1": 31.4, "zero2": 16.6, "zero3": 1.9}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rows_by_name(**kwargs) -> dict:
+    return {row.strategy: row for row in estimate(ModelCount(PSI), **kwargs)}
+
+
+def test_paper_example_from_the_function() -> None:
+    rows = rows_by_name(num_gpus=N)
+    exact = {"ddp": (2 + 2 + 12) * PSI, "zero1": 4 * PSI + 12 * PSI / N, "zero2": 2 * PSI + 14 * PSI / N,
+             "zero3": 16 * PSI / N}  # 120e9, 31.40625e9, 16.640625e9, 1.875e9
+    for name, formula in exact.items():
+        assert rows[name].paper_bytes == formula
+        assert round(rows[name].paper_bytes / 1e9, 1) == PAPER_GB[name]
+
+
+def test_lzero_layout_keeps_fp32_gradient_shards() -> None:
+    """Mixed precision: lzero reduces into fp32 shard gradients (4Ψ/N where the paper counts 2Ψ/N)."""
+    rows = rows_by_name(num_gpus=N)
+    assert rows["ddp"].per_device == 4 * PSI + 4 * PSI + 8 * PSI  # Lightning's DDP: fp32 params and grads
+    assert rows["zero1"].per_device == 2 * PSI + 2 * PSI + (4 + 4 + 8) * PSI / N  # 31.875e9
+    assert rows["zero2"].per_device == 2 * PSI + (4 + 4 + 8) * PSI / N  # 16.875e9
+    assert rows["zero3"].per_device == (2 + 4 + 4 + 8) * PSI / N  # 2.109375e9
+    fp32 = rows_by_name(num_gpus=N, precision="32-true")  # the master is the parameter: paper == lzero
+    assert [fp32[s].per_device for s in ("ddp", "zero1", "zero2", "zero3")] == \
+        [16 * PSI, 8 * PSI + 8 * PSI / N, 4 * PSI + 12 * PSI / N, 16 * PSI / N]
+    assert all(fp32[s].per_device == fp32[s].paper_bytes for s in ("ddp", "zero1", "zero2", "zero3"))
+
+
+def test_offload_rows_by_hand() -> None:
+    rows = rows_by_name(num_gpus=8, num_nodes=8)  # N = 64, 8 ranks per node
+    # zero2_offload: bf16 parameters on the device; per rank in host memory fp32 grads 4 + masters 4 + Adam 8 per
+    # element of Ψ/N; a node holds 8 ranks' shares
+    assert (rows["zero2_offload"].per_device, rows["zero2_offload"].per_host) == (2 * PSI, 8 * 16 * PSI / N)
+    # zero3_offload: nothing on the device; host: bf16 shard 2 + grads 4 + masters 4 + Adam 8
+    assert (rows["zero3_offload"].per_device, rows["zero3_offload"].per_host) == (0, 8 * 18 * PSI / N)
+    # zero3_offload_nvme: masters and Adam (12) in files; grads (4) in host memory, and the bf16 parameter shards
+    # too (Ψ/N = 117,187,500 elements per rank is within the default max_in_cpu of 1e9)
+    nvme = rows["zero3_offload_nvme"]
+    assert (nvme.per_device, nvme.per_host, nvme.per_nvme) == (0, 8 * 6 * PSI / N, 8 * 12 * PSI / N)
+    nvme = rows_by_name(num_gpus=8, num_nodes=8, max_in_cpu=0)["zero3_offload_nvme"]  # parameter shards to files
+    assert (nvme.per_host, nvme.per_nvme) == (8 * 4 * PSI / N, 8 * 14 * PSI / N)
+    fp32 = rows_by_name(num_gpus=8, num_nodes=8, precision="32-true")
+    # fp32 zero2_offload: fp32 parameters on the device, a separate fp32 master in host memory
+    assert (fp32["zero2_offload"].per_device, fp32["zero2_offload"].per_host) == (4 * PSI, 8 * 16 * PSI / N)
+    # fp32 zero3_offload: the host parameter shard is the master: 4 + grads 4 + Adam 8
+    assert fp32["zero3_offload"].per_host == 8 * 16 * PSI / N
+    half = rows_by_name(num_gpus=8, num_nodes=8, offload_ratio=0.5)["zero2_offload"]
+    assert (half.per_device, half.per_host) == (2 * PSI + 0.5 * 16 * PSI / N, 8 * 0.5 * 16 * PSI / N)
+    sgd = rows_by_name(num_gpus=N, optimizer_bytes=4)  # SGD with momentum: K = 4 + 4
+    assert sgd["zero2"].paper_bytes == 2 * PSI + (2 + 8) * PSI / N
+
+
+def test_buffers_add_the_working_set() -> None:
+    plain, busy = rows_by_name(num_gpus=N), rows_by_name(num_gpus=N, buffers=True)
+    assert busy["ddp"].per_device - plain["ddp"].per_device == 4 * PSI  # DDP's gradient buckets
+    assert busy["zero2"].per_device - plain["zero2"].per_device == 2 * 4 * 5_000_000  # 2 fp32 reduce buckets
+    # stage 3, unit sizes unknown: the root and 2 gathered units in bf16 and 2 fp32 reduce buckets of 5e6 each
+    assert busy["zero3"].per_device - plain["zero3"].per_device == 2 * 3 * 5_000_000 + 2 * 4 * 5_000_000
+    assert busy["zero2_offload"].per_host - plain["zero2_offload"].per_host == N * 4 * 4 * 5_000_000 // N
+
+
+def test_paper_example_from_the_cli(capsys: pytest.CaptureFixture) -> None:
+    assert main(["estimate", "--params", "7.5e9", "--num-gpus", "64", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["world_size"], data["precision"], data["units"]) == (64, "bf16-mixed", "bytes")
+    got = {row["strategy"]: row for row in data["strategies"]}
+    assert {s: round(got[s]["paper_per_device_bytes"] / 1e9, 1) for s in PAPER_GB} == PAPER_GB
+    assert got["zero3"]["per_device_bytes"] == (2 + 4 + 4 + 8) * PSI / N
+    assert got["zero3_offload_nvme"]["per_nvme_bytes"] == 12 * PSI
+    assert main(["estimate", "--params", "7.5e9", "--num-gpus", "64"]) == 0
+    table = capsys.readouterr().out
+    paper_column = {line.split()[0]: line.split()[-1] for line in table.splitlines() if line.split()[:1] and
+                    line.split()[0] in PAPER_GB}
+    assert paper_column == {s: f"{gb:.1f}" for s, gb in PAPER_GB.items()}
+    cells = {line.split()[0]: line.split()[1:] for line in table.splitlines() if line.startswith("zero")}
+    assert cells["zero2_offload"] == ["15.0", "120.0", "-", "-"]  # device 2Ψ, host 64 x 16Ψ/64
+    assert cells["zero3_offload_nvme"] == ["-", "45.0", "90.0", "-"]  # host 64 x 6Ψ/64, NVMe 64 x 12Ψ/64
+
+
+RSS_SCRIPT = textwrap.dedent('''
+    import ctypes, gc, json, torch
+    from lzero.demo import DemoGPT
+    from lzero.estimate import count_parameters
+    from lzero.estimate_command import load_model
+
+    ARGS = {"n_layer": 48, "n_embd": 1600, "n_head": 25, "vocab_size": 50257, "block_size": 1024}
+
+    def status(key):
+        return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key + ":"))
+
+    def growth(work):
+        """VmHWM after work() minus VmRSS before it, the mark reset first (without a reset: an overestimate)."""
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        try:
+            open("/proc/self/clear_refs", "w").write("5")
+        except OSError:
+            pass
+        before = status("VmRSS")
+        result = work()
+        return status("VmHWM") - before, result
+
+    with torch.device("meta"):
+        reference = sum(p.numel() for p in DemoGPT(**ARGS).parameters())
+    grew, count = growth(lambda: count_parameters(load_model("lzero.demo.DemoGPT", json.dumps(ARGS))))
+    control, _ = growth(lambda: torch.ones(25_000_000).sum())  # 100 MB: the measure sees an allocation
+    print(json.dumps({"reference": reference, "trainable": count.trainable, "frozen": count.frozen,
+                      "growth": grew, "control": control}))
+''')
+
+
+def test_model_counted_on_meta_without_memory() -> None:
+    """~1.56B parameters (GPT-2 XL's shape): counted exactly, peak RSS growing by less than 50 MB."""
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", RSS_SCRIPT], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    print(result)
+    assert result["trainable"] == result["reference"] == 1_557_611_200 and result["frozen"] == 0
+    assert result["growth"] < 50e6
+    assert result["control"] >= 95e6
+
+
+def test_model_path_with_colon_and_frozen_parameters(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "user_models.py").write_text(textwrap.dedent('''
+        from torch import nn
+        class Tuned(nn.Module):
+            def __init__(self, width=4):
+                super().__init__()
+                self.base = nn.Linear(width, width)
+                self.base.requires_grad_(False)
+                self.head = nn.Linear(width, 2)
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["estimate", "--model", "user_models:Tuned", "--model-args", '{"width": 10}', "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["trainable_params"], data["frozen_params"]) == (10 * 2 + 2, 10 * 10 + 10)
+    zero3 = next(r for r in data["strategies"] if r["strategy"] == "zero3")
+    assert zero3["per_device_bytes"] == 18 * 22 + 2 * 110  # N = 1: frozen in bf16, sharded (here whole)
+
+
+def _engine_case(preset: dict, bf16: bool) -> tuple[dict, dict, int]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    count = count_parameters(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    config = ZeroConfig(**preset)
+    engine = ZeroEngine(model, [opt], config, PrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else None)
+    zopt = ZeroOptimizer(opt, engine, 0)
+    for step in range(2):  # the second backward: optimizer state exists and every gradient is held
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            model(torch.randn(3, 8)).float().square().mean().backward()
+        if step == 0:
+            zopt.step()
+            zopt.zero_grad()
+    measured = model_state_bytes(engine, [zopt])
+    units = len(engine.units)
+    engine.remove()
+    return measured, model_states(config, count, 1, "bf16-mixed" if bf16 else "32-true"), units
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["32-true", "bf16-mixed"])
+@pytest.mark.parametrize("preset", [{"stage": 1}, {"stage": 2}, {"stage": 3},
+                                    {"stage": 2, "offload_optimizer": "cpu"},
+                                    {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}],
+                         ids=["zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"])
+def test_estimate_equals_measured_engine(preset: dict, bf16: bool) -> None:
+    """World size 1 (no padding), after a backward: every store and kind equal to lzero.memory's accounting, but
+    Adam's 4-byte step counter per unit and the offload staging buffers (the working set, not model states)."""
+    measured, estimated, units = _engine_case(preset, bf16)
+    assert set(measured) == set(estimated)
+    for store in measured:
+        counters = measured[store]["optimizer_state"] - estimated[store]["optimizer_state"]
+        assert counters == (4 * units if estimated[store]["optimizer_state"] else 0)
+        for kind in ("parameters", "gradients", "masters"):
+            assert measured[store][kind] == estimated[store][kind], (store, kind)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--params", "7.5e9", "--precision", "fp8"], r"Unknown precision 'fp8'\. HINT: use one of 32-true, bf16-mixed"),
+    (["--params", "7.5e9", "--num-gpus", "0"], r"`num_gpus=0` must be a whole number >= 1\. HINT"),
+    (["--params", "7.5e9", "--num-nodes", "-2"], r"`num_nodes=-2` must be a whole number >= 1"),
+    (["--params", "7.5e9", "--optimizer-bytes", "-1"], r"`optimizer_bytes=-1.0` must be a number >= 0.*HINT: Adam 8"),
+    (["--params", "7.5e9", "--frozen-params", "-5"], r"`frozen=-5` must be a whole number"),
+    (["--params", "7.5e9", "--offload-ratio", "0"], r"`offload_optimizer.ratio=0.0` must be a fraction in \(0, 1\]"),
+    (["--model", "no_such_pkg.models:Net"], r"module 'no_such_pkg.models' does not import \(ModuleNotFoundError.*HINT"),
+    (["--model", "lzero.demo:NoSuchModel"], r"module 'lzero.demo' has no class 'NoSuchModel'\. HINT"),
+    (["--model", "lzero.demo.DemoGPT", "--model-args", "{n_layer: 2}"], r"is not valid JSON.*HINT: a JSON object"),
+    (["--model", "lzero.demo.DemoGPT", "--model-args", "[2]"], r"is a JSON list, not an object"),
+    (["--model", "lzero.demo.DemoGPT", "--model-args", '{"n_layers": 2}'],
+     r"failed to build \(TypeError.*n_layers.*HINT"),
+    (["--params", "7.5e9", "--model-args", "{}"], r"`--model-args` is given without `--model`"),
+    (["--params", "7.5e9", "--plot", "out.png"], r"`--plot out.png` needs matplotlib.*HINT: pip install matplotlib"),
+])
+def test_bad_input_is_named(argv: list, message: str, capsys: pytest.CaptureFixture,
+                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import re
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # absent, whether or not this venv has it
+    assert main(["estimate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "1.5", "lots"])
+def test_bad_params_are_refused_by_the_parser(value: str, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["estimate", "--params", value])
+    assert exit_.value.code == 2
+    assert f"{value!r}" in capsys.readouterr().err
