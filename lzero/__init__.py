@@ -21,6 +21,7 @@ _LIGHTNING_EXPORTS = {
     "ZeroStrategy": "lzero.strategy",
     "ZeroPrecision": "lzero.precision",
     "ZeroPrecisionError": "lzero.precision",
+    "MemoryMonitor": "lzero.monitor",
 }
 
 
@@ -36,6 +37,7 @@ _lzero_startup.install()
 
 __all__ = [
     "LossScaleConfig",
+    "MemoryMonitor",
     "LossScaleError",
     "LossScaler",
     "ParamSpec",

@@ -76,6 +76,12 @@ class _SliceAfter:
         return self.work is None or self.work.is_completed()
 
 
+TRAFFIC: dict[str, int] = {"reduce": 0, "all_gather": 0}
+"""Bytes this process has handed to reduce-scatters (the full flat input) and received from all-gathers (the
+full output) since it started; the memory monitor logs their growth per step. Local (world size 1) copies count
+too: they stand where the collectives would be."""
+
+
 def reduces_by_all_reduce(group: Optional[dist.ProcessGroup] = None) -> bool:
     """gloo's all-reduce is faster than its reduce-scatter (benchmarks/results_collectives.md), so on gloo
     a reduce-scatter is an all-reduce plus a slice."""
@@ -88,6 +94,7 @@ def reduce_scatter(output: Tensor, flat: Tensor, group: Optional[dist.ProcessGro
     """Sum ``flat`` (1-D, N * len(output)) over ranks; this rank receives its slice in ``output``.
     ``flat`` is scratch: on gloo it ends up holding the whole sum."""
     _require_contiguous(output, flat)
+    TRAFFIC["reduce"] += flat.numel() * flat.element_size()
     if local(group):
         output.copy_(flat)
         return _Done()
@@ -106,6 +113,7 @@ def all_gather(flat: Tensor, shard: Tensor, group: Optional[dist.ProcessGroup] =
                async_op: bool = False) -> Handle:
     """Concatenate every rank's ``shard`` into ``flat`` (1-D, N * len(shard)), rank order."""
     _require_contiguous(flat, shard)
+    TRAFFIC["all_gather"] += flat.numel() * flat.element_size()
     if local(group):
         flat.copy_(shard)
         return _Done()

@@ -202,6 +202,11 @@ class ZeroConfig:
     zero gradient, which stateful optimizers (Adam's momentum) still move. A unit that no rank used at
     all is skipped either way."""
 
+    log_memory: bool = True
+    """With a logger, add :class:`lzero.MemoryMonitor`: model-state bytes per rank, store and kind, beside what
+    the ZeRO formula expects, the step's peak memory and its communication, every ``log_every_n_steps``.
+    An explicit ``MemoryMonitor`` in the Trainer's callbacks wins."""
+
     allow_untested_optimizer: bool = False
     """Run an optimizer that is not on lzero's allow-list of elementwise optimizers. Such an optimizer
     may compute something other than it would on the whole model (e.g. a norm over a shard only)."""
@@ -274,7 +279,8 @@ class ZeroConfig:
         if isinstance(self.sub_group_size, float) and self.sub_group_size.is_integer():
             object.__setattr__(self, "sub_group_size", int(self.sub_group_size))
         _check_positive_int("sub_group_size", self.sub_group_size)
-        for name in ("overlap_comm", "broadcast_buffers", "find_unused_parameters", "allow_untested_optimizer"):
+        for name in ("overlap_comm", "broadcast_buffers", "find_unused_parameters", "allow_untested_optimizer",
+                     "log_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise ZeroConfigError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
 

@@ -194,6 +194,7 @@ class HostStore:
         self._landings: list[_Landing] = []  # gradient copies not yet summed into their host gradient
         self._uploads: list[tuple[Any, Tensor]] = []  # (event, staging buffer) of copies to the device
         self._free: list[Tensor] = []  # staging buffers (bytes) not in use, at most ``max_staged``
+        self.copied = {"to_host": 0, "to_device": 0}  # bytes copied since the start (the memory monitor logs them)
 
     # --- memory ------------------------------------------------------------------------------
 
@@ -263,6 +264,7 @@ class HostStore:
         while len(self._landings) >= self.max_staged:  # bound the staging buffers in flight
             self._complete(self._landings.pop(0))
         staged, base = self._staging(reduced.numel(), reduced.dtype)
+        self.copied["to_host"] += reduced.numel() * reduced.element_size()
         event = None
         if self.cuda:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -321,6 +323,7 @@ class HostStore:
             event.synchronize()
             self._recycle(base)
         staging, base = self._staging(src.numel(), dst.dtype)
+        self.copied["to_device"] += dst.numel() * dst.element_size()
         staging.copy_(src)  # on the host: the cast to the compute dtype happens here, before the copy
         with torch.cuda.stream(stream):
             dst.copy_(staging, non_blocking=True)
@@ -332,6 +335,7 @@ class HostStore:
     def publish(self, master: Tensor, compute: Tensor) -> None:
         if compute.device.type != "cuda":  # host to host (CPU model, or offloaded stage-3 parameter shards)
             if compute.data_ptr() != master.data_ptr():
+                self.copied["to_device"] += compute.numel() * compute.element_size()
                 staging, base = self._staging(master.numel(), compute.dtype)  # the path CUDA takes, synchronously
                 staging.copy_(master)
                 compute.copy_(staging)
@@ -347,6 +351,7 @@ class HostStore:
         """A host shard copied to a new tensor on ``device`` (through a staging buffer)."""
         out = torch.empty(shard.numel(), dtype=shard.dtype, device=device)  # allocated on the compute stream
         if not self.cuda:
+            self.copied["to_device"] += shard.numel() * shard.element_size()
             staging, base = self._staging(shard.numel(), shard.dtype)
             staging.copy_(shard)
             out.copy_(staging)

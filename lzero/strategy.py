@@ -151,6 +151,7 @@ class ZeroStrategy(DDPStrategy):
             self.optimizers = [ZeroOptimizer(opt, self._engine, i) for i, opt in enumerate(self.optimizers)]
             if self._engine.offloaded:
                 _announce_offload(self._engine, self.optimizers, divide_host_threads(self.num_processes))
+            _add_memory_monitor(trainer, self.config)
             self.precision_plugin.bind(self._engine)
             if self.config.async_save:
                 import torch.distributed as dist
@@ -434,6 +435,14 @@ class ZeroStrategy(DDPStrategy):
         return open_checkpoint(checkpoint_path, self.global_rank, self.world_size, weights_only,
                                lambda safe: super(ZeroStrategy, self).load_checkpoint(checkpoint_path,
                                                                                      weights_only=safe))
+
+
+def _add_memory_monitor(trainer: Trainer, config: ZeroConfig) -> None:
+    """``log_memory`` with a logger: a :class:`lzero.MemoryMonitor`, unless the Trainer has one already."""
+    from lzero.monitor import MemoryMonitor
+
+    if config.log_memory and trainer.loggers and not any(isinstance(c, MemoryMonitor) for c in trainer.callbacks):
+        trainer.callbacks.append(MemoryMonitor())
 
 
 def _announce_offload(engine: ZeroEngine, optimizers: list[ZeroOptimizer], threads: Optional[int]) -> None:

@@ -1,0 +1,170 @@
+"""``MemoryMonitor``: each rank's model-state memory by store and kind, beside what the ZeRO formula expects,
+the step's peak memory and its communication, logged every ``log_every_n_steps`` to the Trainer's logger.
+
+[Note: what the memory monitor logs]
+After an optimizer step (gradients freed, see [Note: gradient buffers] in flat_unit.py) on every
+``log_every_n_steps``-th step, each rank measures (no communication):
+
+- ``memory/model_states_bytes/rank{r}``: parameters, gradients, fp32 masters and optimizer state this rank holds
+  (``lzero.memory.model_state_bytes``), all stores; ``memory/{store}/{kind}_bytes/rank{r}`` split by store
+  (``device``, ``cpu``, ``nvme``) and kind; ``memory/{store}/buffers_bytes`` the offload staging buffers.
+- ``memory/model_states_expected_bytes/rank{r}``: what ``lzero.estimate.model_states`` predicts for this
+  configuration, model size and world size between steps (no gradients), for Adam-like, SGD, Adagrad and
+  RMSprop optimizers (others: not logged). Flat units are padded to a multiple of N: the measured value is
+  a little higher on tiny models.
+- ``memory/peak_device_bytes/rank{r}``: ``torch.cuda.max_memory_allocated`` since the last log (reset then);
+  on CPU ``memory/peak_rss_bytes/rank{r}``: the process's VmHWM, reset through ``/proc/self/clear_refs``
+  where the kernel allows it (else the peak since the start).
+- ``comm/{reduce,all_gather,to_host,to_device,nvme_read,nvme_write}_bytes_per_step/rank{r}``: bytes handed to
+  reduce-scatters, received from all-gathers, copied by the offload stores and moved by the swap files, per
+  step since the last log.
+- ``memory/monitor_seconds/rank{r}``: what this logging itself took.
+
+All ranks' values travel to rank 0 in one all-gather of one tensor, and rank 0 logs them (TensorBoard shows
+one curve per rank). The fp16 loss scale is logged by the precision plugin already (``lzero/loss_scale``).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from lzero import collectives
+from lzero.memory import KINDS, model_state_bytes
+
+STATE_BYTES = {"Adam": 8, "AdamW": 8, "Adamax": 8, "NAdam": 8, "RAdam": 8, "Adagrad": 4, "RMSprop": 4, "SGD": 0}
+"""Optimizer state bytes per element for the expectation (SGD and RMSprop add 4 with momentum)."""
+
+TRAFFIC = ("reduce", "all_gather", "to_host", "to_device", "nvme_read", "nvme_write")
+
+
+class MemoryMonitor(Callback):
+    """See [Note: what the memory monitor logs]. ``every_n_steps``: None follows ``log_every_n_steps``."""
+
+    def __init__(self, every_n_steps: Optional[int] = None) -> None:
+        self.every_n_steps = every_n_steps
+        self._last_step = -1
+        self._traffic_at: dict[str, int] = {}
+        self._steps_at = 0
+        self.cost_s: list[float] = []  # what each logged step's monitoring took on this rank
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._traffic_at, self._steps_at = self._traffic(trainer), trainer.global_step
+        _reset_peak(trainer.strategy.root_device)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = trainer.global_step
+        every = self.every_n_steps or trainer.log_every_n_steps
+        if step == self._last_step or step % every or getattr(trainer.strategy, "engine", None) is None:
+            return  # no optimizer step since the last call (accumulating), or not a logging step
+        self._last_step = step
+        start = time.perf_counter()
+        names, values = self._measure(trainer)
+        cost = time.perf_counter() - start
+        names.append("memory/monitor_seconds")
+        values.append(cost)
+        engine = trainer.strategy.engine
+        device = engine.units[0].flat_param.device if engine.units else torch.device("cpu")
+        mine = torch.tensor(values, dtype=torch.float64, device=device)
+        every_rank = torch.empty(mine.numel() * engine.world_size, dtype=torch.float64, device=device)
+        collectives.all_gather(every_rank, mine, engine.group)  # one collective, every rank's values
+        self.cost_s.append(time.perf_counter() - start)
+        if trainer.is_global_zero and trainer.logger is not None:
+            table = every_rank.view(engine.world_size, -1).tolist()
+            metrics = {f"{name}/rank{r}": row[i] for r, row in enumerate(table) for i, name in enumerate(names)
+                       if row[i] == row[i]}  # NaN: not known on this rank
+            trainer.logger.log_metrics(metrics, step=step)
+
+    # --- measuring ---------------------------------------------------------------------------
+
+    def _measure(self, trainer: Trainer) -> tuple[list[str], list[float]]:
+        engine, strategy = trainer.strategy.engine, trainer.strategy
+        by_store = model_state_bytes(engine, strategy.optimizers)
+        names, values = [], []
+        stores = sorted({s.memory for s in engine.stores} | {"device"} | ({"nvme"} if "nvme" in by_store else set()))
+        for store in stores:
+            for kind in KINDS:
+                names.append(f"memory/{store}/{kind}_bytes")
+                values.append(float(by_store.get(store, {}).get(kind, 0)))
+        names.append("memory/model_states_bytes")
+        values.append(float(sum(v for s in by_store.values() for k, v in s.items() if k != "buffers")))
+        names.append("memory/model_states_expected_bytes")
+        values.append(_expected(engine, strategy.optimizers))
+        peak_name, peak = _peak(strategy.root_device)
+        names.append(peak_name)
+        values.append(peak)
+        now, steps = self._traffic(trainer), max(1, trainer.global_step - self._steps_at)
+        for kind in TRAFFIC:
+            names.append(f"comm/{kind}_bytes_per_step")
+            values.append((now[kind] - self._traffic_at.get(kind, 0)) / steps)
+        self._traffic_at, self._steps_at = now, trainer.global_step
+        _reset_peak(strategy.root_device)
+        return names, values
+
+    @staticmethod
+    def _traffic(trainer: Trainer) -> dict[str, int]:
+        out = dict.fromkeys(TRAFFIC, 0)
+        out.update(collectives.TRAFFIC)
+        engine = getattr(trainer.strategy, "engine", None)
+        for store in engine.stores if engine is not None else []:
+            for kind, nbytes in getattr(store, "copied", {}).items():
+                out[kind] += nbytes
+            files = getattr(store, "files", None)
+            if files is not None:
+                out["nvme_read"] += files.bytes_read
+                out["nvme_write"] += files.bytes_written
+        return out
+
+
+def _expected(engine: Any, optimizers: list) -> float:
+    """The formula's model states of this rank between steps (NaN where the optimizer's state is not known)."""
+    from lzero.estimate import ModelCount, model_states
+
+    per_element = set()
+    for zopt in optimizers:
+        inner = type(zopt.optimizer)
+        nbytes = STATE_BYTES.get(inner.__name__)
+        if nbytes is None:
+            return float("nan")
+        defaults = zopt.optimizer.defaults
+        if inner.__name__ in ("SGD", "RMSprop") and defaults.get("momentum", 0):
+            nbytes += 4
+        per_element.add(nbytes)
+    if len(per_element) != 1 or not engine.units:
+        return float("nan")
+    master = engine.units[0].master_dtype
+    precision = "bf16-mixed" if engine.mixed else "32-true" if master == torch.float32 else None
+    if precision is None:
+        return float("nan")
+    trainable = sum(s.numel for u in engine.units if not u.spec.frozen for s in u.spec.params)
+    frozen = sum(s.numel for u in engine.units if u.spec.frozen for s in u.spec.params)
+    expected = model_states(engine.config, ModelCount(trainable, frozen), engine.world_size, precision,
+                            optimizer_bytes=per_element.pop())
+    return float(sum(v for kinds in expected.values() for k, v in kinds.items() if k != "gradients"))
+
+
+def _peak(device: torch.device) -> tuple[str, float]:
+    if device.type == "cuda":
+        return "memory/peak_device_bytes", float(torch.cuda.max_memory_allocated(device))
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return "memory/peak_rss_bytes", float(int(line.split()[1]) * 1024)
+    except OSError:
+        pass
+    return "memory/peak_rss_bytes", float("nan")
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    except OSError:
+        pass  # not allowed here: the peak runs from the start of the process
