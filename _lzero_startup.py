@@ -15,6 +15,7 @@ PRESETS = {
     "zero2_offload": "ZeRO stage 2 (lzero) with fp32 masters and optimizer state offloaded to CPU memory",
     "zero3_offload": "ZeRO stage 3 (lzero) with parameters, fp32 masters and optimizer state offloaded to CPU memory",
     "zero3_offload_nvme": "ZeRO stage 3 (lzero) with parameters, fp32 masters and optimizer state in NVMe swap files",
+    "zero_auto": "ZeRO (lzero) with the stage and offload chosen at setup from the model's size and the memory free",
 }
 """Registered strategy names and their descriptions; lzero.presets holds their configurations."""
 

@@ -16,6 +16,7 @@ PRESET_CONFIGS: dict[str, dict[str, Any]] = {
     "zero2_offload": {"stage": 2, "offload_optimizer": "cpu"},
     "zero3_offload": {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"},
     "zero3_offload_nvme": {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme"},
+    "zero_auto": {"stage": "auto"},
 }
 """Each registered name (``_lzero_startup.PRESETS``; tests/test_registration.py checks they agree) -> its config."""
 

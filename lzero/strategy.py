@@ -10,7 +10,7 @@ from __future__ import annotations
 import warnings
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Callable, Generator, Mapping, Optional
+from typing import Any, Callable, Generator, Literal, Mapping, Optional, Union
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -43,7 +43,11 @@ class ZeroStrategy(DDPStrategy):
 
     Args:
         config: the full configuration; see :class:`lzero.ZeroConfig` for every field.
-        stage: shortcut for ``config.stage``.
+        stage: shortcut for ``config.stage``; ``"auto"`` (the ``zero_auto`` preset) chooses the stage and offload at
+            setup from the model's size and the memory available (see [Note: choosing a stage] in auto.py).
+        memory_budget_bytes: with ``stage="auto"``, the device's budget (the host's on CPU) instead of the memory
+            found free.
+        memory_margin: with ``stage="auto"``, the fraction of the budget kept for activations and buffers.
         allow_untested_optimizer: shortcut for ``config.allow_untested_optimizer``.
         precision: a precision for this strategy (``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``);
             it wins over ``Trainer(precision=...)``.
@@ -67,7 +71,7 @@ class ZeroStrategy(DDPStrategy):
     def __init__(
         self,
         config: Optional[ZeroConfig] = None,
-        stage: Optional[int] = None,
+        stage: Optional[Union[int, Literal["auto"]]] = None,
         allow_untested_optimizer: Optional[bool] = None,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
@@ -80,8 +84,15 @@ class ZeroStrategy(DDPStrategy):
         precision: Optional[str] = None,
         activation_checkpointing: checkpointing.ModuleChoice = None,
         cpu_checkpointing: bool = False,
+        memory_budget_bytes: Optional[int] = None,
+        memory_margin: float = 0.2,
         **options: Any,
     ) -> None:
+        self._auto = stage == "auto"  # see [Note: choosing a stage] in auto.py
+        self._auto_record: Optional[dict] = None
+        self.memory_budget_bytes, self.memory_margin = memory_budget_bytes, memory_margin
+        if self._auto:
+            stage = None
         self.config = optional_config(config, stage=stage, allow_untested_optimizer=allow_untested_optimizer, **options)
         self._explicit_precision = precision is not None
         if precision is not None:
@@ -144,6 +155,8 @@ class ZeroStrategy(DDPStrategy):
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:
                 check_optimizer(optimizer, self.config.allow_untested_optimizer)
+            if self._auto:
+                self._choose_configuration()
             self._checkpointed = checkpointing.apply(self.model, self._checkpoint_policy, self.config)
             self._engine = ZeroEngine(self.model, self.optimizers, self.config, self.precision_plugin.policy,
                                       device=self.root_device, init_fn=self.init_fn)
@@ -166,6 +179,18 @@ class ZeroStrategy(DDPStrategy):
         else:
             _sync_module_states(self.model)
         self.setup_precision_plugin()
+
+    def _choose_configuration(self) -> None:
+        """``stage="auto"``: the configuration for this model and machine, logged in one line."""
+        from lightning.pytorch.utilities import rank_zero_info
+
+        from lzero import auto
+
+        mixed = self.precision_plugin.policy.param_dtype is not None
+        self.config, self._auto_record = auto.choose(
+            self.config, auto.count(self.model), self.world_size, self.num_processes,
+            "bf16-mixed" if mixed else "32-true", self.root_device, self.memory_budget_bytes, self.memory_margin)
+        rank_zero_info(auto.summary(self._auto_record))
 
     @contextmanager
     @override
@@ -255,10 +280,13 @@ class ZeroStrategy(DDPStrategy):
         if self._sharded_checkpoint:
             optimizers = [_unwrap(o) for o in self.optimizers] if "optimizer_states" in checkpoint else []
             save_sharded(filepath, self._engine, optimizers, checkpoint, self._saver, stage=self.config.stage,
-                         precision=self.precision_plugin.precision)
+                         precision=self.precision_plugin.precision,
+                         **({"auto": self._auto_record} if self._auto_record else {}))
             return
         if has_sharded(checkpoint.get("state_dict", {})):
             checkpoint = {**checkpoint, "state_dict": consolidate(self._engine, checkpoint["state_dict"])}
+        if self._auto_record:
+            checkpoint = {**checkpoint, "lzero/auto": self._auto_record}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @property

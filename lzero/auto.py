@@ -1,0 +1,106 @@
+"""``strategy="zero_auto"``: the least-communication configuration whose model states fit the memory available.
+
+[Note: choosing a stage]
+At setup, before anything is sharded, the model's parameters are counted (trainable and frozen; a model on
+the meta device costs nothing to count) and each candidate, in order of communication, is priced with
+``lzero.estimate.model_states`` (the same formulas ``lzero estimate`` prints and the memory monitor checks):
+zero1, zero2, zero3, zero3_offload, zero3_offload_nvme. The first whose per-rank bytes fit the budget, less
+``margin`` (activations, buffers and the allocator need the rest), is chosen. The budget: on CUDA the
+device's free memory for device-resident states and the host's available memory shared by the node's ranks
+for host-resident ones; on CPU, where the "device" is host memory, the two add up against the host budget.
+``memory_budget_bytes`` replaces the device budget (the host one on CPU). No trial runs. The choice and
+the numbers behind it are logged in one line and kept in checkpoints (the manifest's ``auto``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from lzero.config import ZeroConfig, ZeroConfigError
+from lzero.estimate import ModelCount, model_states
+
+CANDIDATES: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("zero1", {"stage": 1}),
+    ("zero2", {"stage": 2}),
+    ("zero3", {"stage": 3}),
+    ("zero3_offload", {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}),
+    ("zero3_offload_nvme", {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme"}),
+)
+"""In order of communication: the first that fits is chosen."""
+
+
+def count(module: nn.Module) -> ModelCount:
+    params = {id(p): p for p in module.parameters()}.values()  # tied parameters once
+    return ModelCount(trainable=sum(p.numel() for p in params if p.requires_grad),
+                      frozen=sum(p.numel() for p in params if not p.requires_grad))
+
+
+def host_available_bytes() -> Optional[int]:
+    """MemAvailable of this host (Linux), or None."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def choose(base: ZeroConfig, model: ModelCount, world_size: int, local_processes: int, precision: str,
+           device: torch.device, budget_bytes: Optional[int] = None, margin: float = 0.2) -> tuple[ZeroConfig, dict]:
+    """The chosen configuration (``base`` with a candidate's fields) and a record of the choice. See [Note: choosing
+    a stage]."""
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise ZeroConfigError(f"`memory_margin={margin!r}` must be a fraction in [0, 1). HINT: e.g. 0.2.")
+    host = host_available_bytes()
+    host_share = host // max(1, local_processes) if host is not None else None
+    if device.type == "cuda":
+        device_budget = budget_bytes if budget_bytes is not None else torch.cuda.mem_get_info(device)[0]
+        host_budget = host_share
+    else:
+        device_budget, host_budget = None, budget_bytes if budget_bytes is not None else host_share
+    if host_budget is None and device_budget is None:
+        raise ZeroConfigError("`strategy='zero_auto'` cannot read how much memory this machine has (no"
+                              " /proc/meminfo). HINT: pass `ZeroStrategy(stage='auto', memory_budget_bytes=...)`.")
+    priced = []
+    for name, fields in CANDIDATES:
+        config = base.with_overrides(**fields)
+        per_rank = model_states(config, model, world_size, precision)
+        on_device = sum(per_rank.get("device", {}).values())
+        on_host = sum(per_rank.get("cpu", {}).values())
+        if device_budget is None:  # CPU: the device is host memory
+            fits = host_budget is not None and on_device + on_host <= (1 - margin) * host_budget
+        else:
+            fits = on_device <= (1 - margin) * device_budget and (
+                host_budget is None or on_host <= (1 - margin) * host_budget)
+        priced.append({"name": name, "device_bytes": on_device, "host_bytes": on_host, "fits": fits})
+        if fits:
+            record = {"chosen": name, "trainable": model.trainable, "frozen": model.frozen, "world_size": world_size,
+                      "precision": precision, "device_budget_bytes": device_budget, "host_budget_bytes": host_budget,
+                      "margin": margin, "candidates": priced}
+            return config, record
+    last = priced[-1]
+    raise ZeroConfigError(
+        f"`strategy='zero_auto'`: no configuration fits. Even zero3_offload_nvme needs {last['device_bytes']:,} bytes"
+        f" on the device and {last['host_bytes']:,} in host memory per rank (budgets {device_budget}, {host_budget};"
+        f" margin {margin:.0%}) for {model.trainable + model.frozen:,} parameters at world size {world_size}."
+        " HINT: use more devices, a smaller model, or a larger `memory_budget_bytes` if the budget was set by hand."
+    )
+
+
+def summary(record: dict) -> str:
+    """The one line the strategy logs."""
+    tried = ", ".join(f"{c['name']} {_size(c['device_bytes'])} + {_size(c['host_bytes'])}"
+                      f"{'' if c['fits'] else ' (no)'}" for c in record["candidates"])
+    budget = record["device_budget_bytes"] if record["device_budget_bytes"] is not None else record["host_budget_bytes"]
+    return (f"lzero zero_auto: {record['chosen']} for {record['trainable']:,} trainable + {record['frozen']:,} frozen"
+            f" parameters at world size {record['world_size']} ({record['precision']}); per rank device + host:"
+            f" {tried}; budget {_size(budget)} less {record['margin']:.0%}.")
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.2f} MB"
