@@ -152,10 +152,12 @@ def gather_floats(value: float) -> list[float]:
     return values
 
 
-def bench_trainer(strategy: Strategy | str, steps: int, callback: Callback, accelerator: str = "cpu") -> Trainer:
+def bench_trainer(strategy: Strategy | str, steps: int, callback: Callback | list[Callback],
+                  accelerator: str = "cpu") -> Trainer:
     """A fp32 Trainer on WORLD_SIZE processes that only trains (no validation, checkpoints, logs or bars)."""
+    callbacks = callback if isinstance(callback, list) else [callback]
     return Trainer(accelerator=accelerator, devices=WORLD_SIZE, strategy=strategy, precision="32-true",
-                   max_steps=steps, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[callback],
+                   max_steps=steps, limit_val_batches=0, num_sanity_val_steps=0, callbacks=callbacks,
                    enable_checkpointing=False, logger=False, enable_progress_bar=False, enable_model_summary=False)
 
 
@@ -168,10 +170,21 @@ def run_one(strategy: str, args: argparse.Namespace) -> Result:
         block_size=shape["block_size"], batch_size=args.batch_size, steps_per_epoch=args.warmup + args.steps
     )
     timer = StepTimer(args.warmup)
-    trainer = bench_trainer(make_strategy(strategy), args.warmup + args.steps, timer)
+    callbacks: list[Callback] = [timer]
+    name = strategy
+    if strategy.endswith("+monitor"):  # lzero's memory monitor measuring at every step (its worst case)
+        from lzero import MemoryMonitor
+
+        strategy = strategy.removesuffix("+monitor")
+        callbacks.insert(0, MemoryMonitor(every_n_steps=1))  # before the timer: its work falls inside the step
+    trainer = bench_trainer(make_strategy(strategy), args.warmup + args.steps, callbacks)
     reset_peak_rss()
     trainer.fit(model, datamodule=data)
-    result = Result(strategy, timer.times, gather_floats(peak_rss_mb()))
+    result = Result(name, timer.times, gather_floats(peak_rss_mb()))
+    monitors = [c for c in callbacks if hasattr(c, "cost_s")]
+    if monitors and monitors[0].cost_s and trainer.is_global_zero:
+        costs = monitors[0].cost_s[args.warmup:] or monitors[0].cost_s
+        print(f"{name}: the memory monitor took {statistics.mean(costs) * 1e3:.1f} ms per step on rank 0", flush=True)
     del trainer, model, data
     return result
 
@@ -227,7 +240,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--strategies",
         default="ddp,zero1,zero2",
-        help="comma-separated names: Lightning registry names (ddp, zero1, zero2, zero3, ...) or fsdp2",
+        help="comma-separated names: Lightning registry names (ddp, zero1, zero2, zero3, ...) or fsdp2; a"
+        " '+monitor' suffix (zero2+monitor) adds lzero's MemoryMonitor measuring at every step",
     )
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per process per step")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
