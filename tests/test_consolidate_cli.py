@@ -92,7 +92,15 @@ def test_inspect_counts_trainable_and_frozen_parameters(work: Path, capsys: pyte
     assert main(["inspect", "sharded.ckpt"]) == 0
     out = capsys.readouterr().out
     assert f"trainable_parameters: {TRAINABLE}\n" in out and f"total_parameters: {TRAINABLE + FROZEN + BUFFERS}\n" in out
-
+    # zero2 at world size 1, fp32 AdamW (two 4-byte moments read from the checkpoint): 4 + 8 bytes per trainable
+    # parameter between steps (the frozen base is not a model state lzero shards below stage 3)
+    assert info["model_states_bytes_per_rank"] == 12 * TRAINABLE
+    needs = info["resume_needs"]
+    assert needs[(2, 2)] == 4 * TRAINABLE + 8 * TRAINABLE // 2  # parameters whole, moments sharded
+    # stage 3 shards everything; a zero1/2 checkpoint does not tell frozen parameters from buffers, so its frozen
+    # base is not counted (a zero3 checkpoint marks them)
+    assert needs[(3, 4)] == (4 * TRAINABLE + 8 * TRAINABLE) // 4
+    assert f"  zero3{needs[(3, 1)]:>16,}" in out.replace("N=", "")  # the table row
 
 @pytest.mark.parametrize("source, message", [
     ("plain.ckpt", r"`plain.ckpt` is a single torch.save file \(a plain Lightning/DDP checkpoint\), not an lzero sharded"

@@ -206,15 +206,41 @@ def inspect(checkpoint_dir: Any) -> dict[str, Any]:
     reader = ShardedCheckpoint(source)
     m = reader.manifest
     trainable = sum(p["numel"] for p in m["params"].values() if not p.get("frozen"))
-    other = reader.module_state_numel() + sum(p["numel"] for p in m["params"].values() if p.get("frozen"))
+    frozen = sum(p["numel"] for p in m["params"].values() if p.get("frozen"))
+    other = reader.module_state_numel() + frozen
+    needs = _resume_needs(reader, trainable, frozen)
     return {
         "path": str(reader.path), "save_id": m["save_id"], "world_size": m["world_size"], "stage": m.get("stage"),
         "precision": m.get("precision"), "global_step": m.get("global_step"), "epoch": m.get("epoch"),
         "trainable_parameters": trainable, "frozen_parameters_and_buffers": other,
         "total_parameters": trainable + other,
         "state_dict_keys": len(m["state_dict_keys"]), "optimizer_state": not m.get("weights_only", False),
+        "model_states_bytes_per_rank": needs.get((m.get("stage"), m["world_size"])),
+        "resume_needs": needs,
         "files": [(f["name"], f["bytes"]) for f in m["files"]],
     }
+
+
+def _resume_needs(reader: ShardedCheckpoint, trainable: int, frozen: int) -> dict[tuple[int, int], int]:
+    """(stage, world size) -> the model-state bytes per rank between steps (lzero.estimate), for stages 1-3 at world
+    sizes 1, 2, 4, 8 and the saved one: what resuming this checkpoint at another stage or world size needs. The
+    optimizer's per-element state is counted from the checkpoint (4 bytes per fp32 state tensor). Frozen parameters
+    count only where the checkpoint marks them (zero3 saves); zero1/2 saves keep them with the buffers."""
+    from lzero.config import ZeroConfig
+    from lzero.estimate import ModelCount, model_states
+
+    m = reader.manifest
+    first = next((n for n, p in m["params"].items() if not p.get("frozen")), None)
+    keys = reader.optimizer_keys(0, first) if first is not None and not m.get("weights_only") else []
+    optimizer_bytes = 4 * sum(1 for k in keys if not reader.is_scalar(f"optim/0/{first}/{k}"))
+    precision = "bf16-mixed" if m.get("precision") in ("bf16-mixed", "16-mixed") else "32-true"
+    needs = {}
+    for world in sorted({1, 2, 4, 8, m["world_size"]}):
+        for stage in (1, 2, 3):
+            per_rank = model_states(ZeroConfig(stage=stage), ModelCount(trainable, frozen if stage == 3 else 0), world,
+                                    precision, optimizer_bytes)
+            needs[(stage, world)] = sum(v for kinds in per_rank.values() for k, v in kinds.items() if k != "gradients")
+    return needs
 
 
 def consolidate_command(argv: list[str]) -> int:
@@ -241,8 +267,13 @@ def inspect_command(argv: list[str]) -> int:
         print(f"lzero inspect: {err}", file=sys.stderr)
         return 1
     for key, value in info.items():
-        if key != "files":
+        if key not in ("files", "resume_needs"):
             print(f"{key}: {value}")
+    worlds = sorted({world for _, world in info["resume_needs"]})
+    print("model states per rank between steps, by stage and world size (lzero.estimate; activations not included):")
+    print("  " + "stage".ljust(7) + "".join(f"N={w}".rjust(14) for w in worlds))
+    for stage in (1, 2, 3):
+        print("  " + f"zero{stage}".ljust(7) + "".join(f"{info['resume_needs'][(stage, w)]:,}".rjust(14) for w in worlds))
     print("files:")
     for name, size in info["files"]:
         print(f"  {name}  {size} bytes")
