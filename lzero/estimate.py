@@ -328,3 +328,40 @@ def count_parameters(module: nn.Module, unit_modules: Optional[Sequence[str]] = 
     root = per_unit.pop(ROOT, 0)
     return ModelCount(trainable, frozen, largest_param=max((p.numel() for p in params.values()), default=0),
                       largest_block=max(per_unit.values(), default=0), root=root)
+
+
+def deepspeed_estimator(stage: int, total_params: float, num_gpus_per_node: int = 1, num_nodes: int = 1,
+                        largest_layer_params: float = 0, buffer_factor: float = 1.5) -> list[dict]:
+    """DeepSpeed's own estimate (``estimate_zero2_model_states_mem_needs_all_cold`` /
+    ``estimate_zero3_..._all_cold``, DeepSpeed 0.19), re-derived from its documented per-parameter counts, for
+    comparison with lzero's: one row per option it prints, ``{"options", "per_gpu", "per_cpu"}`` in bytes.
+
+    DeepSpeed counts 18 bytes per parameter of sharded states (16-bit and fp32 gradients, fp32 masters, Adam), 2 of
+    16-bit parameters, 4 bytes of the largest layer at stage 3, and host memory with a 1.5 buffer factor; its
+    "cold" variant assumes the worst case of the model's construction (``zero_init`` on or off at stage 3)."""
+    gpus = num_gpus_per_node * num_nodes
+    rows = []
+    if stage == 2:
+        rows.append({"options": "offload_optimizer=cpu", "per_gpu": 2 * total_params,
+                     "per_cpu": total_params * max(4 * gpus, 16) * buffer_factor})
+        rows.append({"options": "offload_optimizer=none", "per_gpu": 2 * total_params + int(18 * total_params / gpus),
+                     "per_cpu": total_params * 4 * num_gpus_per_node * buffer_factor})
+    elif stage == 3:
+        layer, per_node = 4 * largest_layer_params, 1 / num_nodes
+        for params_off, opt_off in ((True, True), (False, True), (False, False)):
+            for zero_init in (True, False):
+                if opt_off and params_off:
+                    gpu = layer
+                    cpu = total_params * (18 * per_node if zero_init else max(4 * num_gpus_per_node, 18 * per_node))
+                elif opt_off:
+                    gpu = layer + int(2 * total_params / gpus)
+                    cpu = total_params * (16 * per_node if zero_init else max(4 * num_gpus_per_node, 16 * per_node))
+                else:
+                    gpu = layer + int(18 * total_params / gpus)
+                    cpu = (largest_layer_params if zero_init else total_params) * 4 * num_gpus_per_node
+                rows.append({"options": f"offload_param={'cpu' if params_off else 'none'}, offload_optimizer="
+                                        f"{'cpu' if opt_off else 'none'}, zero_init={int(zero_init)}",
+                             "per_gpu": gpu, "per_cpu": cpu * buffer_factor})
+    else:
+        raise EstimateError(f"DeepSpeed's estimator covers stages 2 and 3, not {stage!r}.")
+    return [{**r, "per_gpu": int(r["per_gpu"]), "per_cpu": int(r["per_cpu"])} for r in rows]

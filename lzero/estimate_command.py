@@ -94,6 +94,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--offload-ratio", type=float, default=1.0, help="offload_optimizer.ratio of the offload rows")
     parser.add_argument("--max-in-cpu", type=float, default=None,
                         help="offload_param.max_in_cpu of the NVMe row (default 1e9 elements per rank)")
+    parser.add_argument("--deepspeed", action="store_true",
+                        help="also print DeepSpeed's own estimator rows (stages 2 and 3) for comparison")
+    parser.add_argument("--largest-layer", type=float, default=None,
+                        help="with --deepspeed and --params: the largest layer's parameters (its stage-3 figure)")
     parser.add_argument("--json", action="store_true", help="print JSON (bytes) instead of the table")
     parser.add_argument("--plot", metavar="FILE.png", help="also write stacked bars per strategy (needs matplotlib)")
     return parser
@@ -117,11 +121,28 @@ def estimate_command(argv: Sequence[str]) -> int:
     except (EstimateError, ZeroConfigError) as err:
         print(f"lzero estimate: {err}", file=sys.stderr)
         return 2
+    deepspeed = _deepspeed(count, args) if args.deepspeed else None
     if args.json:
-        print(json.dumps(_json(rows, count, args), indent=2))
+        print(json.dumps({**_json(rows, count, args), **({"deepspeed": deepspeed} if deepspeed else {})}, indent=2))
     else:
         print(table(rows, count, args))
+        if deepspeed:
+            print("\nDeepSpeed's estimator (its formulas: 18 bytes of sharded states per parameter, a 1.5 host buffer"
+                  " factor), GiB:")
+            for stage, stage_rows in deepspeed.items():
+                for row in stage_rows:
+                    print(f"  {stage}: per GPU {row['per_gpu'] / 2**30:7.2f} | per CPU {row['per_cpu'] / 2**30:7.2f} |"
+                          f" {row['options']}")
     return 0
+
+
+def _deepspeed(count: ModelCount, args: argparse.Namespace) -> dict:
+    from lzero.estimate import deepspeed_estimator
+
+    total = count.trainable + count.frozen
+    largest = args.largest_layer if args.largest_layer is not None else (count.largest_block or count.largest_param or 0)
+    return {f"zero{stage}": deepspeed_estimator(stage, total, args.num_gpus, args.num_nodes, largest)
+            for stage in (2, 3)}
 
 
 def _json(rows: list[Estimate], count: ModelCount, args: argparse.Namespace) -> dict:

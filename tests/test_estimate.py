@@ -235,3 +235,23 @@ def test_bad_params_are_refused_by_the_parser(value: str, capsys: pytest.Capture
         main(["estimate", "--params", value])
     assert exit_.value.code == 2
     assert f"{value!r}" in capsys.readouterr().err
+
+
+def test_deepspeed_estimator_figures_for_its_documented_case() -> None:
+    """DeepSpeed 0.19.8's estimate_zero2/zero3_model_states_mem_needs_all_cold for its documented example (a 2851M
+    parameter model, 1 node x 8 GPUs, largest layer 32M), as it printed them here (GiB, two decimals)."""
+    from lzero.estimate import deepspeed_estimator
+
+    gib = lambda rows: [(round(r["per_gpu"] / 2**30, 2), round(r["per_cpu"] / 2**30, 2)) for r in rows]  # noqa: E731
+    assert gib(deepspeed_estimator(2, 2851e6, 8, 1)) == [(5.31, 127.45), (11.28, 127.45)]
+    assert gib(deepspeed_estimator(3, 2851e6, 8, 1, largest_layer_params=32e6)) == [
+        (0.12, 71.69), (0.12, 127.45), (0.78, 63.72), (0.78, 127.45), (6.09, 1.43), (6.09, 127.45)]
+
+
+def test_estimate_prints_deepspeed_rows_beside_lzeros(capsys: pytest.CaptureFixture) -> None:
+    from lzero.cli import main
+
+    assert main(["estimate", "--params", "2851e6", "--num-gpus", "8", "--deepspeed", "--largest-layer", "32e6"]) == 0
+    out = capsys.readouterr().out
+    assert "zero2: per GPU   11.28 | per CPU  127.45 | offload_optimizer=none" in out
+    assert "zero3: per GPU    6.09 | per CPU    1.43 | offload_param=none, offload_optimizer=none, zero_init=1" in out
