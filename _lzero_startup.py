@@ -30,7 +30,7 @@ class _LazyPreset:
         self.name = name
 
     def __call__(self, **init_params):
-        from lzero.presets import build_preset
+        from lzero.strategy import build_preset
 
         return build_preset(self.name, **init_params)
 

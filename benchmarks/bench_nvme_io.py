@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from lzero.nvme import SwapFiles, aligned_empty, raw_throughput  # noqa: E402
+from lzero.nvme import SwapFiles, aligned_empty  # noqa: E402
+from lzero.nvme_checks import raw_throughput  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = Path(__file__).with_name("results_nvme_io.md")

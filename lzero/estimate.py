@@ -63,7 +63,7 @@ from typing import Optional, Sequence
 from torch import nn
 
 from lzero.config import ZeroConfig
-from lzero.memory import KINDS
+from lzero.store import KINDS
 
 GB = 1e9
 """Bytes per GB, as the ZeRO paper counts (printed figures are GB, not GiB)."""

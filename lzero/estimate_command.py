@@ -192,7 +192,7 @@ def plot(rows: list[Estimate], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError as err:
         raise EstimateError(f"`--plot {path}` needs matplotlib, which is not installed. HINT: {PLOT_INSTALL}") from err
-    from lzero.memory import KINDS
+    from lzero.store import KINDS
 
     stores = [s for s in ("device", "cpu", "nvme") if any(r.store_bytes(s) for r in rows)]
     fig, axes = plt.subplots(1, len(stores), figsize=(5 * len(stores), 4), squeeze=False)

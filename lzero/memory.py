@@ -13,12 +13,13 @@ from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 from torch import Tensor
 
+from lzero.store import KINDS
+
 if TYPE_CHECKING:
     from lzero.engine import ZeroEngine
     from lzero.optimizer import ZeroOptimizer
 
-KINDS = ("parameters", "gradients", "masters", "optimizer_state", "buffers")
-"""``buffers``: the offload stores' staging buffers (see [Note: host store copies] in store.py)."""
+__all__ = ["KINDS", "model_state_bytes", "total"]
 
 
 def model_state_bytes(engine: "ZeroEngine", optimizers: Sequence["ZeroOptimizer"] = ()) -> dict[str, dict[str, int]]:

@@ -15,7 +15,7 @@ A unit whose state is offloaded (``offload_optimizer``) is stepped on the host, 
 shard, by the user's optimizer class with the user's hyperparameters. Where torch has a fused CPU
 kernel (Adam, AdamW, SGD, Adagrad) and the user did not set ``fused=False``, that kernel is used:
 one multithreaded pass over the shard, several times faster than the for-loop or foreach kernels on
-the CPU (benchmarks/results_offload.md). It rounds differently from the other kernels at the last
+the CPU (benchmarks/results_offload_optimizer.md). It rounds differently from the other kernels at the last
 bit (measured in tests/test_offload.py); ``fused=True`` on the user's optimizer makes the offloaded
 and the device step run the same kernel, and ``fused=False`` keeps the user's kernel on the host.
 Before the first step each offloaded optimizer is checked on a two-element host tensor, so an

@@ -8,7 +8,8 @@ from typing import Any, Optional
 
 import torch
 
-from lzero.nvme import SwapFiles, check_buffer, check_path, check_space, cleanup_stale
+from lzero.nvme import SwapFiles
+from lzero.nvme_checks import check_buffer, check_path, check_space, cleanup_stale
 from lzero.nvme_store import NvmeStore
 from lzero.store import DeviceStore, HostStore, ShardStore
 

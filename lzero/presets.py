@@ -2,7 +2,7 @@
 each stands for.
 
 Names are registered in one place, ``_lzero_startup.register`` (the start-up hook, and ``import lzero``):
-each entry is a lazy factory that calls :func:`build_preset` on first use."""
+each entry is a lazy factory that calls :func:`lzero.strategy.build_preset` on first use."""
 
 from __future__ import annotations
 
@@ -33,9 +33,3 @@ def strategy_file(name: str) -> Path:
                             f" `{package.parent / 'strategies'}`. HINT: reinstall lzero, or use the name:"
                             f" `trainer.strategy: {name}`.")
 
-
-def build_preset(name: str, **init_params: Any) -> Any:
-    """The strategy a registered name stands for (Lightning builds it with no arguments)."""
-    from lzero.strategy import ZeroStrategy
-
-    return ZeroStrategy(**{**PRESET_CONFIGS[name], **init_params})

@@ -56,6 +56,11 @@ import torch
 from torch import Tensor
 
 
+KINDS = ("parameters", "gradients", "masters", "optimizer_state", "buffers")
+"""The kinds of model-state memory a rank holds, in the order memory accounting claims a storage; ``buffers``: the
+offload stores' staging and swap buffers (see [Note: host store copies])."""
+
+
 class ShardStore(Protocol):
     """See [Note: shard stores]."""
 

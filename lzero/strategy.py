@@ -465,6 +465,14 @@ class ZeroStrategy(DDPStrategy):
                                                                                      weights_only=safe))
 
 
+def build_preset(name: str, **init_params: Any) -> ZeroStrategy:
+    """The strategy a registered name (``lzero.presets.PRESET_CONFIGS``) stands for; Lightning builds it with no
+    arguments."""
+    from lzero.presets import PRESET_CONFIGS
+
+    return ZeroStrategy(**{**PRESET_CONFIGS[name], **init_params})
+
+
 def _add_memory_monitor(trainer: Trainer, config: ZeroConfig) -> None:
     """``log_memory`` with a logger: a :class:`lzero.MemoryMonitor`, unless the Trainer has one already."""
     from lzero.monitor import MemoryMonitor

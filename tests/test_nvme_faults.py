@@ -139,7 +139,7 @@ def test_disk_full_mid_run(runs: SimpleNamespace) -> None:
 def test_a_killed_rank_not_yet_reaped_is_dead_to_the_next_start(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Regression: a rank SIGKILLed while its parent (the launcher, rank 0 under Lightning) is still alive stays a
     zombie until reaped; signal 0 still reaches it, so ``cleanup_stale`` took its folder for a live run's."""
-    from lzero.nvme import cleanup_stale
+    from lzero.nvme_checks import cleanup_stale
 
     folder = ROOT / ".pytest_nvme" / f"{os.getpid()}_{tmp_path_factory.mktemp('z').name}"
     folder.mkdir(parents=True)

@@ -23,17 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lzero.nvme import (
-    NvmeError,
-    SwapFiles,
-    aligned_empty,
-    check_buffer,
-    check_path,
-    check_space,
-    cleanup_stale,
-    raw_throughput,
-    round_up,
-)
+from lzero.nvme import NvmeError, SwapFiles, aligned_empty, round_up
+from lzero.nvme_checks import check_buffer, check_path, check_space, cleanup_stale, raw_throughput
 
 REPO = Path(__file__).resolve().parent.parent
 

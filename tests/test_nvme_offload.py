@@ -130,9 +130,9 @@ def test_bad_paths_are_refused_before_the_first_step(disk: Path, monkeypatch) ->
     (disk / "file.txt").write_text("x")
     with pytest.raises(NvmeError, match=r"file\.txt/sub.*cannot be created"):
         _engine(disk / "file.txt" / "sub")
-    import lzero.nvme
+    import lzero.nvme_checks
 
-    monkeypatch.setattr(lzero.nvme, "_free_bytes", lambda path: 1000)
+    monkeypatch.setattr(lzero.nvme_checks, "_free_bytes", lambda path: 1000)
     with pytest.raises(NvmeError, match=rf"{disk}.*1,000 bytes"):
         _engine(disk)
     assert [p.name for p in disk.iterdir()] == ["file.txt"]  # nothing made
