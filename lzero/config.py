@@ -20,8 +20,6 @@ class ZeroConfigError(ValueError):
 NVME_KEYS = ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pipeline_read", "pipeline_write")
 """DeepSpeed offload keys that only apply with ``device: nvme`` (ZeRO-Infinity)."""
 
-NVME_BUILT: dict[str, bool] = {"offload_optimizer": True, "offload_param": True}
-"""Which offload blocks take ``device: nvme`` in this release (the other is refused by name)."""
 
 
 @dataclass(frozen=True)
@@ -29,7 +27,7 @@ class OffloadOptimizer:
     """DeepSpeed's ``offload_optimizer`` block (its names and defaults)."""
 
     device: OffloadDevice = "none"
-    """"none": on the device the model computes on; "cpu": host memory; "nvme": not built yet."""
+    """"none": on the device the model computes on; "cpu": host memory; "nvme": swap files under ``nvme_path``."""
 
     pin_memory: bool = True
     """On CUDA, keep the host tensors the copies read and write in page-locked memory, so copies run
@@ -59,7 +57,7 @@ class OffloadParam:
     """DeepSpeed's ``offload_param`` block (its names and defaults); stage 3 only."""
 
     device: OffloadDevice = "none"
-    """"none": parameter shards on the device; "cpu": in host memory; "nvme": not built yet."""
+    """"none": parameter shards on the device; "cpu": in host memory; "nvme": swap files (past ``max_in_cpu``)."""
 
     pin_memory: bool = True
     """As :attr:`OffloadOptimizer.pin_memory`."""
@@ -169,13 +167,12 @@ class ZeroConfig:
 
     offload_optimizer: Union[OffloadDevice, dict[str, Any], OffloadOptimizer] = "none"
     """Where the fp32 master shards, the shard gradients and the optimizer state live (stages 1-3), as
-    DeepSpeed's ``offload_optimizer`` block: a device name ("none", "cpu") or
-    ``{device: cpu, pin_memory: true, ratio: 1.0}``. See :class:`OffloadOptimizer` for each key.
-    NVMe ("nvme" and its keys) is not built in this release and is refused by name."""
+    DeepSpeed's ``offload_optimizer`` block: a device name ("none", "cpu", "nvme") or
+    ``{device: cpu, pin_memory: true, ratio: 1.0}``. See :class:`OffloadOptimizer` for each key."""
 
     offload_param: Union[OffloadDevice, dict[str, Any], OffloadParam] = "none"
     """Stage 3 only: where the 16-bit parameter shards live between uses, as DeepSpeed's ``offload_param``
-    block: "none", "cpu" or ``{device: cpu, pin_memory: true}`` (see :class:`OffloadParam`). Each unit's
+    block: "none", "cpu", "nvme" or ``{device: cpu, pin_memory: true}`` (see :class:`OffloadParam`). Each unit's
     shard is copied to the device inside the stage-3 prefetch, before its all-gather."""
 
     aio: Union[dict[str, Any], AioConfig] = AioConfig()
@@ -327,11 +324,6 @@ def _offload_block(name: str, value: Any, cls: type) -> Any:
         raise ZeroConfigError(
             f"`{name}.device={device!r}` is not an offload device: without offload the state already lives on the"
             " device the model computes on (the GPU). HINT: use 'none' (keep it there) or 'cpu' (host memory)."
-        )
-    if device == "nvme" and not NVME_BUILT[name]:
-        raise ZeroConfigError(
-            f"`{name}.device='nvme'`: NVMe offload of {'parameters' if name == 'offload_param' else 'optimizer state'}"
-            f" is not built in this lzero release. HINT: use `{name}={{'device': 'cpu'}}` (host memory)."
         )
     if not isinstance(block["pin_memory"], bool):
         raise ZeroConfigError(f"`{name}.pin_memory={block['pin_memory']!r}` must be true or false.")
