@@ -346,11 +346,14 @@ class _Reader:
             return
         said = {name: block.get("enabled") for name, block in (("16-mixed", fp16), ("bf16-mixed", bf16))
                 if "enabled" in block}
-        for name, enabled in said.items():
-            if enabled == AUTO:
-                said[name] = trainer_precision == name
-                self.note("fp16.enabled" if name == "16-mixed" else "bf16.enabled", "filled",
-                          f"auto -> {json.dumps(said[name])} (Trainer precision {trainer_precision!r})")
+        for name, enabled in list(said.items()):
+            key = "fp16.enabled" if name == "16-mixed" else "bf16.enabled"
+            if enabled == AUTO and trainer_precision is None:
+                del said[name]
+                self.note(key, "filled", "auto -> the Trainer's precision")
+            elif enabled == AUTO:
+                said[name] = _normal(trainer_precision) == name
+                self.note(key, "filled", f"auto -> {json.dumps(said[name])} (Trainer precision {trainer_precision!r})")
         on = [name for name, enabled in said.items() if enabled]
         if len(on) == 2:
             raise ZeroConfigError("`fp16.enabled` and `bf16.enabled` are both true. HINT: enable one of them.")
@@ -394,7 +397,9 @@ class _Reader:
 
     def misc(self) -> None:
         clip = self.ds.get("gradient_clipping")
-        if clip is not None:
+        if clip == AUTO:
+            self.note("gradient_clipping", "filled", "auto -> the Trainer's `gradient_clip_val`")
+        elif clip is not None:
             if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
                 raise ZeroConfigError(f"`gradient_clipping={clip!r}` must be a number >= 0 (0: off).")
             self.out.gradient_clip_val = float(clip) if clip > 0 else None
@@ -496,3 +501,44 @@ def check_trainer_precision(translated: Translated, trainer: Any) -> None:
             f"The DeepSpeed configuration asks for precision {translated.precision!r} (its fp16/bf16 blocks) but the"
             f" Trainer for {name!r}. HINT: make them agree, or drop one (the Trainer's `precision` or the"
             " configuration's block).")
+
+
+# --- lzero convert-config ----------------------------------------------------------------------------------------
+
+
+def to_yaml(translated: Translated) -> str:
+    """The LightningCLI ``trainer:`` section (strategy and the Trainer settings the configuration implies), with
+    one ``#`` comment per filled, renamed or noticed key."""
+    import yaml
+
+    trainer: dict[str, Any] = {"strategy": {"class_path": "lzero.ZeroStrategy",
+                                            "init_args": translated.strategy_kwargs()}}
+    trainer.update(translated.trainer_kwargs())
+    comments = [f"# {note.kind}: {note.key}: {note.text}" for note in translated.notes]
+    return "\n".join([*comments, yaml.safe_dump({"trainer": trainer}, sort_keys=False).rstrip()]) + "\n"
+
+
+def convert_command(argv: list[str]) -> int:
+    """``lzero convert-config ds_config.json``: print the YAML, or the refusals (exit 1)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="lzero convert-config", description="Print the LightningCLI `trainer:`"
+                                     " section (lzero.ZeroStrategy and Trainer settings) for a DeepSpeed JSON config.")
+    parser.add_argument("config", help="the DeepSpeed JSON file")
+    parser.add_argument("--world-size", type=int, help="check the batch keys against this many ranks")
+    parser.add_argument("--micro-batch", type=int, help="the DataLoader's batch size (fills \"auto\")")
+    parser.add_argument("--accumulate", type=int, help="accumulate_grad_batches (fills \"auto\")")
+    parser.add_argument("--precision", help="the Trainer's precision (fills \"auto\", checked against fp16/bf16)")
+    args = parser.parse_args(argv)
+    try:
+        translated = translate(args.config, world_size=args.world_size, micro_batch=args.micro_batch,
+                               accumulate=args.accumulate, trainer_precision=args.precision)
+    except DeepSpeedConfigError as err:
+        print("\n".join(f"# refused: {line}" for line in err.errors))
+        print(f"lzero convert-config: {len(err.errors)} key(s) of {args.config} refused (see above).", file=sys.stderr)
+        return 1
+    except ZeroConfigError as err:
+        print(f"# refused: {err}")
+        return 1
+    print(to_yaml(translated), end="")
+    return 0
