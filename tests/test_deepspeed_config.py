@@ -243,3 +243,27 @@ def test_convert_config_prints_refusals_and_exits_1(tmp_path: Path) -> None:
         "# refused: `zero_optimization.mics_shard_size=8`: ZeRO++/MiCS is not built in lzero. HINT: remove"
         " `mics_shard_size` or set it to -1.",
     ]
+
+
+def test_strategy_checks_the_config_against_the_trainer_at_setup(tmp_path: Path, in_process_fit) -> None:
+    """What a config says and the Trainer contradicts is refused when fitting starts, naming both."""
+    from lightning.pytorch import Trainer
+
+    from lzero import ZeroStrategy
+    from lzero.demo import DemoGPT, TextDataModule
+
+    def fit(config: dict, **trainer_kwargs) -> None:
+        trainer = Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(config=config), max_steps=1,
+                          logger=False, enable_progress_bar=False, enable_model_summary=False,
+                          enable_checkpointing=False, limit_val_batches=0, default_root_dir=tmp_path, **trainer_kwargs)
+        trainer.fit(DemoGPT(vocab_size=256, block_size=8, n_layer=1, n_head=2, n_embd=16),
+                    datamodule=TextDataModule(block_size=8, batch_size=2, steps_per_epoch=4))
+
+    stage2 = {"zero_optimization": {"stage": 2}}
+    with pytest.raises(ZeroConfigError, match=r"`train_micro_batch_size_per_gpu=4` but the DataLoader's batch size is"
+                                              r" 2 \(train_batch_size None, world size 1\)"):
+        fit({**stage2, "train_micro_batch_size_per_gpu": 4})
+    with pytest.raises(ZeroConfigError, match=r"precision 'bf16-mixed' .* but the Trainer for '16-mixed'"):
+        fit({**stage2, "bf16": {"enabled": True}}, precision="16-mixed")
+    with pytest.raises(ZeroConfigError, match=r"`gradient_clipping=1.0` but the Trainer has `gradient_clip_val=0.5`"):
+        fit({**stage2, "gradient_clipping": 1.0}, gradient_clip_val=0.5)
