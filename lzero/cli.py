@@ -1,5 +1,6 @@
 """The ``lzero`` console script: LightningCLI with the lzero strategy names registered, plus the
-checkpoint commands ``consolidate`` and ``inspect`` and the memory estimate ``estimate``.
+checkpoint commands ``consolidate`` and ``inspect``, the memory estimate ``estimate`` and ``convert-config``
+(a DeepSpeed JSON configuration as LightningCLI YAML).
 
 ``lzero fit --config configs/demo_zero2.yaml`` trains the demo GPT with ``trainer.strategy: zero2``.
 Models and datamodules are chosen by ``class_path`` exactly as with plain ``LightningCLI``: the
@@ -36,10 +37,17 @@ def _estimate(argv: list[str]) -> int:
     return estimate_command(argv)
 
 
+def _convert_config(argv: list[str]) -> int:
+    from lzero.deepspeed_config import convert_command
+
+    return convert_command(argv)
+
+
 # Extra subcommands, name -> (handler(argv after the name) returning an exit code, one line of help).
 EXTRA_COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "consolidate": (_consolidate, "write a sharded checkpoint directory as one .ckpt/.pt/.safetensors file"),
     "inspect": (_inspect, "print a sharded checkpoint's step, stage, parameter counts and files"),
+    "convert-config": (_convert_config, "print the LightningCLI strategy YAML for a DeepSpeed JSON config"),
     "estimate": (_estimate, "model-state memory per device, host and NVMe disk of each strategy (no model allocated)"),
 }
 

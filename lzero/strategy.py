@@ -26,12 +26,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lzero import activation_checkpointing as checkpointing
+from lzero import deepspeed_config
 from lzero.checkpoint.full_state import gather_optimizer_state
 from lzero.checkpoint.resume import load_module_state, load_optimizer_states, open_checkpoint
 from lzero.checkpoint.sharded import AsyncSaver, save_sharded
 from lzero.checkpoint.state_dict import consolidate, has_sharded, module_state_dict, restore_masters
 from lzero.config import ZeroConfig, ZeroConfigError, optional_config
 from lzero.engine import ZeroEngine
+from lzero.loss_scale import LossScaleConfig
 from lzero.materialize import has_meta
 from lzero.optimizer import ZeroOptimizer, check_optimizer
 from lzero.precision import ZeroPrecision, to_zero_precision
@@ -42,7 +44,11 @@ class ZeroStrategy(DDPStrategy):
     """ZeRO data parallelism: ``Trainer(strategy="zero2")`` or ``Trainer(strategy=ZeroStrategy(...))``.
 
     Args:
-        config: the full configuration; see :class:`lzero.ZeroConfig` for every field.
+        config: the full configuration; see :class:`lzero.ZeroConfig` for every field. Or a DeepSpeed JSON
+            configuration (a path or a dict), as for Lightning's ``DeepSpeedStrategy(config=...)``: translated by
+            :func:`lzero.deepspeed_config.translate`, every key honoured or refused by name; its batch keys,
+            ``gradient_clipping`` and precision are checked against the Trainer's at setup. The other arguments
+            given here win over it.
         stage: shortcut for ``config.stage``; ``"auto"`` (the ``zero_auto`` preset) chooses the stage and offload at
             setup from the model's size and the memory available (see [Note: choosing a stage] in auto.py).
         memory_budget_bytes: with ``stage="auto"``, the device's budget (the host's on CPU) instead of the memory
@@ -62,6 +68,8 @@ class ZeroStrategy(DDPStrategy):
             Parameter and state_dict names are unchanged. See [Note: checkpointing inside the module's hooks]
             in activation_checkpointing.py.
         cpu_checkpointing: keep the checkpointed modules' saved inputs in host memory (DeepSpeed's option).
+        loss_scaling: with ``precision="16-mixed"``, DeepSpeed's fp16 loss-scaling knobs (a dict of
+            :class:`lzero.LossScaleConfig` fields, or one).
         **options: any other :class:`lzero.ZeroConfig` field, applied over ``config``.
         The remaining arguments are Lightning's, as for ``DDPStrategy``.
     """
@@ -70,7 +78,7 @@ class ZeroStrategy(DDPStrategy):
 
     def __init__(
         self,
-        config: Optional[ZeroConfig] = None,
+        config: Optional[Union[ZeroConfig, dict, str]] = None,
         stage: Optional[Union[int, Literal["auto"]]] = None,
         allow_untested_optimizer: Optional[bool] = None,
         accelerator: Optional[Accelerator] = None,
@@ -86,8 +94,19 @@ class ZeroStrategy(DDPStrategy):
         cpu_checkpointing: bool = False,
         memory_budget_bytes: Optional[int] = None,
         memory_margin: float = 0.2,
+        loss_scaling: Optional[Union[dict, LossScaleConfig]] = None,
         **options: Any,
     ) -> None:
+        self._deepspeed: Optional[deepspeed_config.Translated] = None
+        if config is not None and not isinstance(config, ZeroConfig):
+            self._deepspeed = deepspeed_config.translate(config)
+            options = {**self._deepspeed.options, **options}
+            stage = stage if stage is not None else options.pop("stage", None)
+            options.pop("stage", None)
+            config = None
+            precision = precision if precision is not None else self._deepspeed.precision
+            loss_scaling = loss_scaling if loss_scaling is not None else (self._deepspeed.loss_scaling or None)
+            cpu_checkpointing = cpu_checkpointing or self._deepspeed.cpu_checkpointing
         self._auto = stage == "auto"  # see [Note: choosing a stage] in auto.py
         self._auto_record: Optional[dict] = None
         self.memory_budget_bytes, self.memory_margin = memory_budget_bytes, memory_margin
@@ -95,8 +114,13 @@ class ZeroStrategy(DDPStrategy):
             stage = None
         self.config = optional_config(config, stage=stage, allow_untested_optimizer=allow_untested_optimizer, **options)
         self._explicit_precision = precision is not None
+        if loss_scaling is not None and precision != "16-mixed":
+            raise ZeroConfigError(f"`loss_scaling` applies to precision='16-mixed' only, got precision={precision!r}."
+                                  " HINT: drop `loss_scaling` or use `precision='16-mixed'`.")
+        if isinstance(loss_scaling, dict):
+            loss_scaling = LossScaleConfig(**loss_scaling)
         if precision is not None:
-            precision_plugin = ZeroPrecision(precision)
+            precision_plugin = ZeroPrecision(precision, loss_scaling=loss_scaling)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -150,6 +174,8 @@ class ZeroStrategy(DDPStrategy):
         if not has_meta(self.model):  # a meta model is materialized unit by unit by the engine
             self.model_to_device()
         if fitting:
+            if self._deepspeed is not None:
+                deepspeed_config.apply_to_trainer(self._deepspeed, trainer)
             if self.config.stage >= 3:
                 _refuse_weight_averaging(trainer.callbacks)
             self.setup_optimizers(trainer)
@@ -423,6 +449,8 @@ class ZeroStrategy(DDPStrategy):
         micro = _micro_batch_size(trainer.train_dataloader)
         accumulation, world = trainer.accumulate_grad_batches, self.world_size
         self._global_batch = None if micro is None else micro * accumulation * world
+        if self._deepspeed is not None:
+            deepspeed_config.resolve_batch(self._deepspeed.batch, world, micro, accumulation)
         wanted = self.config.train_batch_size
         if wanted is not None and self._global_batch != wanted:
             raise ZeroConfigError(

@@ -1,0 +1,544 @@
+"""A DeepSpeed JSON configuration as lzero's own arguments: every key honoured, or refused by name.
+
+[Note: reading a DeepSpeed configuration]
+Each key of the configuration has one fate, and :func:`translate` records it:
+- honoured: it becomes a :class:`lzero.ZeroConfig` field, the strategy's precision (with DeepSpeed's loss-scaling
+  knobs), ``cpu_checkpointing``, or a Trainer setting (``gradient_clip_val``, ``accumulate_grad_batches``);
+- filled / renamed: an ``"auto"`` value or a deprecated spelling, honoured with a note saying what it became;
+- notice: accepted although lzero does it its own way (logging knobs, stage-3 scheduling knobs that change
+  memory and speed but not the result), with a note naming the key;
+- refused: an unknown key (with a did-you-mean), a feature lzero does not have (ZeRO++, MiCS, the
+  ``optimizer``/``scheduler`` blocks for now), a value lzero cannot honour, or a contradiction. All refusals of one
+  configuration are raised together in one :class:`DeepSpeedConfigError`.
+Keys and defaults follow DeepSpeed 0.19 (``deepspeed/runtime/zero/config.py`` and neighbours).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+from lzero.config import ZeroConfig, ZeroConfigError
+
+AUTO = "auto"
+
+LOGGING_KEYS = ("wall_clock_breakdown", "steps_per_print", "flops_profiler", "tensorboard", "comms_logger", "wandb",
+                "csv_monitor", "dump_state", "memory_breakdown", "timers", "monitor_config", "comet")
+"""Top-level keys that only configure DeepSpeed's own logging and tooling: accepted with one notice."""
+
+NOT_BUILT_TOP = {
+    "optimizer": "the `optimizer` block is not built yet in lzero; return the optimizer from `configure_optimizers`"
+                 " (e.g. torch.optim.AdamW(self.parameters(), lr=...))",
+    "scheduler": "the `scheduler` block is not built yet in lzero; return the LR scheduler from"
+                 " `configure_optimizers`",
+    "amp": "NVIDIA Apex AMP is not supported; use the `bf16` or `fp16` block",
+    "sparse_attention": "DeepSpeed's sparse attention kernels are not part of lzero",
+    "pipeline": "pipeline parallelism is not part of lzero",
+    "compression_training": "DeepSpeed's compression library is not part of lzero",
+    "data_efficiency": "DeepSpeed's data-efficiency library is not part of lzero",
+    "curriculum_learning": "DeepSpeed's curriculum learning is not part of lzero",
+    "elasticity": "DeepSpeed's elastic training is not part of lzero",
+    "autotuning": "DeepSpeed's autotuner is not part of lzero",
+    "sparse_gradients": "sparse gradients are not supported by lzero's flat units",
+    "fp32_allreduce": "not built: lzero reduces in the precision's `reduce_dtype` (fp32 under the mixed precisions)",
+}
+
+ZERO_PLUS_PLUS = {  # key -> the value that means "off"
+    "zero_hpz_partition_size": 1, "zero_quantized_weights": False, "zero_quantized_nontrainable_weights": False,
+    "zero_quantized_gradients": False, "mics_shard_size": -1, "mics_hierarchical_params_gather": False,
+    "zeropp_loco_param": None,
+}
+"""ZeRO++ and MiCS: accepted at their "off" value, refused as not built otherwise."""
+
+STAGE3_SCHEDULING = {  # key -> DeepSpeed's default
+    "stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000,
+    "stage3_max_live_parameters": 1_000_000_000, "stage3_max_reuse_distance": 1_000_000_000,
+}
+"""Stage-3 scheduling knobs in bytes/elements. They decide when parameters are gathered and how long they stay,
+never what is computed; lzero schedules by units (``prefetch`` units ahead, nothing persistent), so any value
+is accepted with a notice saying so. See [Note: reading a DeepSpeed configuration]."""
+
+ZERO_ONLY_VALUE = {  # key -> (the one value lzero runs, why)
+    "contiguous_gradients": (True, "lzero's gradients always live in contiguous flat unit buffers"),
+    "reduce_scatter": (True, "lzero always reduce-scatters gradients (an all-reduce would defeat stage 2-3)"),
+    "allgather_partitions": (True, "lzero always all-gathers the updated partitions"),
+    "load_from_fp32_weights": (True, "lzero always resumes the fp32 master weights from the checkpoint"),
+    "round_robin_gradients": (False, "round-robin gradient copies to the host are not built"),
+    "ignore_unused_parameters": (True, "lzero never fails on unused parameters (see ZeroConfig.find_unused_parameters)"),
+    "stage3_model_persistence_threshold": (sys.maxsize, "persistent small models are not built"),
+    "stage3_module_granularity_threshold": (0, "module-granularity leaf units are not built; lzero's units are"
+                                               " chosen with `unit_modules`"),
+    "stage3_use_all_reduce_for_fetch_params": (False, "lzero gathers parameters with all-gather"),
+    "stage3_allgather_sequential": (False, "lzero coalesces gathers by `allgather_bucket_size`"),
+}
+
+ZERO_NOTICE = {  # key -> what lzero does instead
+    "elastic_checkpoint": "lzero's sharded checkpoints always resume at any world size and stage",
+    "use_multi_rank_bucket_allreduce": "lzero reduce-scatters one unit per collective",
+    "memory_efficient_linear": "lzero keeps torch's own Linear autograd",
+    "stage3_gather_16bit_weights_on_model_save": "lzero has no `save_16bit_model`; consolidated weights come from"
+                                                 " `lzero consolidate` or `checkpoint_format='full'`",
+}
+
+ZERO_RENAMED = {
+    "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+}
+
+ZERO_SIZES = {"reduce_bucket_size": "reduce_bucket_size", "allgather_bucket_size": "allgather_bucket_size",
+              "sub_group_size": "sub_group_size"}
+"""Keys with the same name and unit (elements) in ZeroConfig; ``"auto"`` takes lzero's default."""
+
+ZERO_KEYS = ("stage", "overlap_comm", "offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_params",
+             "cpu_offload_use_pin_memory", *ZERO_SIZES, *ZERO_PLUS_PLUS, *STAGE3_SCHEDULING, *ZERO_ONLY_VALUE,
+             *ZERO_NOTICE, *ZERO_RENAMED)
+
+FP16_KEYS = ("enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+             "consecutive_hysteresis", "min_loss_scale")
+LOSS_SCALE_KEYS = FP16_KEYS[2:]
+"""The ``fp16`` keys that are :class:`lzero.LossScaleConfig` fields of the same name."""
+
+ONLY_DEFAULT_TOP = {"prescale_gradients": False, "gradient_predivide_factor": 1.0, "communication_data_type": None}
+
+TOP_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization",
+            "fp16", "bf16", "bfloat16", "gradient_clipping", "activation_checkpointing", "aio",
+            "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", *ONLY_DEFAULT_TOP, *LOGGING_KEYS,
+            *NOT_BUILT_TOP)
+
+
+class DeepSpeedConfigError(ZeroConfigError):
+    """One or more keys of a DeepSpeed configuration that lzero refuses; ``errors`` holds one line per key."""
+
+    def __init__(self, errors: list[str]) -> None:
+        self.errors = errors
+        super().__init__("\n".join(errors) if len(errors) == 1 else
+                         f"{len(errors)} keys of the DeepSpeed configuration are refused:\n- " + "\n- ".join(errors))
+
+
+@dataclass(frozen=True)
+class Note:
+    """What became of one key that is not simply honoured."""
+
+    key: str
+    """Its dotted path, e.g. ``zero_optimization.reduce_bucket_size``."""
+
+    kind: str
+    """"filled" (an ``auto`` value), "renamed" (a deprecated spelling) or "notice" (accepted, done lzero's way)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class BatchTriple:
+    """DeepSpeed's three batch keys as written (None: absent or ``auto``)."""
+
+    train_batch_size: Optional[int] = None
+    micro: Optional[int] = None
+    accumulate: Optional[int] = None
+
+
+@dataclass
+class Translated:
+    """A DeepSpeed configuration as lzero arguments (see [Note: reading a DeepSpeed configuration])."""
+
+    options: dict[str, Any] = field(default_factory=dict)
+    """:class:`lzero.ZeroConfig` fields."""
+
+    precision: Optional[str] = None
+    """The strategy's precision, from the ``fp16``/``bf16`` blocks; None when neither block says."""
+
+    loss_scaling: dict[str, Any] = field(default_factory=dict)
+    """``16-mixed``: :class:`lzero.LossScaleConfig` fields given in the ``fp16`` block."""
+
+    cpu_checkpointing: bool = False
+    """From the ``activation_checkpointing`` block."""
+
+    gradient_clip_val: Optional[float] = None
+    """For the Trainer; None: no clipping."""
+
+    batch: BatchTriple = BatchTriple()
+    """The batch keys after DeepSpeed's rule, as far as the known numbers allow."""
+
+    notes: list[Note] = field(default_factory=list)
+
+    def strategy_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``ZeroStrategy``."""
+        kwargs = dict(self.options)
+        if self.precision is not None:
+            kwargs["precision"] = self.precision
+        if self.loss_scaling:
+            kwargs["loss_scaling"] = dict(self.loss_scaling)
+        if self.cpu_checkpointing:
+            kwargs["cpu_checkpointing"] = True
+        return kwargs
+
+    def trainer_kwargs(self) -> dict[str, Any]:
+        """Trainer settings the configuration implies (clipping, accumulation)."""
+        kwargs: dict[str, Any] = {}
+        if self.gradient_clip_val is not None:
+            kwargs["gradient_clip_val"] = self.gradient_clip_val
+        if self.batch.accumulate is not None:
+            kwargs["accumulate_grad_batches"] = self.batch.accumulate
+        return kwargs
+
+
+def load(ds: Union[dict, str, Path]) -> dict:
+    """The configuration as a dict: ``ds`` itself, or the JSON file it names."""
+    if isinstance(ds, dict):
+        return ds
+    path = Path(ds)
+    if not path.is_file():
+        raise ZeroConfigError(f"DeepSpeed configuration {str(ds)!r} is not a file. HINT: pass a path to a JSON"
+                              " file or a dict.")
+    try:
+        loaded = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ZeroConfigError(f"{path} is not valid JSON: {err}. HINT: DeepSpeed configurations are JSON.") from err
+    if not isinstance(loaded, dict):
+        raise ZeroConfigError(f"{path} holds {type(loaded).__name__}, not a JSON object.")
+    return loaded
+
+
+def translate(ds: Union[dict, str, Path], *, world_size: Optional[int] = None, micro_batch: Optional[int] = None,
+              accumulate: Optional[int] = None, trainer_precision: Optional[str] = None) -> Translated:
+    """lzero's arguments for DeepSpeed configuration ``ds``; the other arguments are what the caller knows (the
+    world size, the DataLoader's batch size, ``accumulate_grad_batches``, ``Trainer(precision=...)``), used to fill
+    ``"auto"`` values and to check the batch rule. Raises :class:`DeepSpeedConfigError` naming every refused key."""
+    reader = _Reader(load(ds))
+    reader.run(world_size, micro_batch, accumulate, trainer_precision)
+    if reader.errors:
+        raise DeepSpeedConfigError(reader.errors)
+    return reader.out
+
+
+class _Reader:
+    """One pass over a configuration, collecting the result and every refusal."""
+
+    def __init__(self, ds: dict) -> None:
+        self.ds, self.out, self.errors = ds, Translated(), []
+
+    def refuse(self, message: str) -> None:
+        self.errors.append(message)
+
+    def note(self, key: str, kind: str, text: str) -> None:
+        self.out.notes.append(Note(key, kind, text))
+
+    def guarded(self, fn: Callable[..., None], *args: Any) -> None:
+        try:
+            fn(*args)
+        except (ZeroConfigError, ValueError) as err:
+            self.refuse(str(err))
+
+    def run(self, world: Optional[int], micro: Optional[int], acc: Optional[int], precision: Optional[str]) -> None:
+        self.check_keys(self.ds, TOP_KEYS, "")
+        logging = [k for k in LOGGING_KEYS if k in self.ds]
+        if logging:
+            self.note(", ".join(logging), "notice", "logging/tooling keys of DeepSpeed; lzero logs through the"
+                      " Trainer's logger (and MemoryMonitor), so these are not used")
+        for key, why in NOT_BUILT_TOP.items():
+            if key in self.ds:
+                self.refuse(f"`{key}`: {why}. HINT: remove `{key}` from the configuration.")
+        for key, default in ONLY_DEFAULT_TOP.items():
+            if key in self.ds and self.ds[key] != default:
+                self.refuse(f"`{key}={self.ds[key]!r}` is not built in lzero (only {default!r}). HINT: remove it.")
+        self.guarded(self.zero, self.ds.get("zero_optimization", {}))
+        self.guarded(self.precision, precision)
+        self.guarded(self.batch, world, micro, acc)
+        self.guarded(self.misc)
+
+    def check_keys(self, block: Any, known: tuple, prefix: str) -> bool:
+        if not isinstance(block, dict):
+            self.refuse(f"`{prefix.rstrip('.')}` must be a JSON object, got {block!r}.")
+            return False
+        for key in block:
+            if key not in known:
+                close = difflib.get_close_matches(str(key), known, n=1)
+                hint = f"did you mean `{prefix}{close[0]}`?" if close else "DeepSpeed has no such key either."
+                self.refuse(f"Unknown DeepSpeed key `{prefix}{key}`. HINT: {hint}")
+        return True
+
+    # --- zero_optimization ---------------------------------------------------------------------------------------
+
+    def zero(self, block: Any) -> None:
+        if not self.check_keys(block, ZERO_KEYS, "zero_optimization."):
+            return
+        opts, p = self.out.options, "zero_optimization."
+        stage = block.get("stage", 0)
+        if stage != 0:
+            opts["stage"] = stage
+        else:
+            self.refuse("`zero_optimization.stage` is 0 (DeepSpeed's default when absent): plain data parallel."
+                        " HINT: set `stage` to 1, 2 or 3, or use `strategy='ddp'`.")
+        for key in ZERO_SIZES:
+            if block.get(key) == AUTO:
+                default = ZeroConfig.__dataclass_fields__[key].default
+                self.note(p + key, "filled", f"auto -> {default} (lzero's default; the model's hidden size is not"
+                                             " known when the configuration is read)")
+            elif key in block:
+                value = block[key]
+                opts[key] = int(value) if isinstance(value, float) and value.is_integer() else value
+        if block.get("overlap_comm") is not None:
+            opts["overlap_comm"] = block["overlap_comm"]
+        for key, off in ZERO_PLUS_PLUS.items():
+            if key in block and block[key] != off:
+                self.refuse(f"`{p}{key}={block[key]!r}`: ZeRO++/MiCS is not built in lzero. HINT: remove `{key}`"
+                            f"{'' if off is None else f' or set it to {json.dumps(off)}'}.")
+        for key, (only, why) in ZERO_ONLY_VALUE.items():
+            if key in block and block[key] != only:
+                self.refuse(f"`{p}{key}={block[key]!r}`: {why}. HINT: remove it or set it to {json.dumps(only)}.")
+        for old, new in ZERO_RENAMED.items():
+            if old in block:
+                self.note(p + old, "renamed", f"read as `{new}` (DeepSpeed's current name)")
+                if new in block and block[new] != block[old]:
+                    self.refuse(f"`{p}{old}` and `{p}{new}` differ; the first is the older name of the second."
+                                f" HINT: keep `{new}`.")
+        for key, what in ZERO_NOTICE.items():
+            value = block.get(key, next((block[o] for o, n in ZERO_RENAMED.items() if n == key and o in block), None))
+            if value is not None:
+                self.note(p + key, "notice", f"{json.dumps(value)} accepted: {what}")
+        for key, default in STAGE3_SCHEDULING.items():
+            if key in block:
+                self.note(p + key, "filled" if block[key] == AUTO else "notice",
+                          f"{json.dumps(block[key])} accepted, not used: lzero prefetches `prefetch` units ahead"
+                          " (ZeroConfig.prefetch) and keeps no parameter gathered between uses; this"
+                          " changes memory and speed, never the result")
+        self.offload(block)
+
+    def offload(self, block: dict) -> None:
+        opts, p = self.out.options, "zero_optimization."
+        pin = block.get("cpu_offload_use_pin_memory")
+        for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_params", "offload_param")):
+            if old not in block:
+                continue
+            if new in block:
+                self.refuse(f"`{p}{old}` and `{p}{new}` both given; the first is the deprecated form of the second."
+                            f" HINT: keep `{new}`.")
+                continue
+            self.note(p + old, "renamed", f"{json.dumps(block[old])} -> `{new}: {{device: "
+                                          f"{'cpu' if block[old] else 'none'}}}`")
+            if block[old]:
+                opts[new] = {"device": "cpu", **({"pin_memory": pin} if pin is not None else {})}
+        if pin is not None:
+            self.note(p + "cpu_offload_use_pin_memory", "renamed", f"-> `pin_memory: {json.dumps(pin)}` in the"
+                                                                   " offload blocks made from `cpu_offload*`")
+        for key in ("offload_optimizer", "offload_param"):
+            if isinstance(block.get(key), dict):
+                sub = dict(block[key])
+                if "fast_init" in sub:
+                    self.note(f"{p}{key}.fast_init", "notice", f"{json.dumps(sub.pop('fast_init'))} accepted: lzero"
+                              " creates swap files as it writes them")
+                opts[key] = sub
+            elif key in block and block[key] is not None:
+                opts[key] = block[key]
+
+    # --- precision, batch, the rest ------------------------------------------------------------------------------
+
+    def precision(self, trainer_precision: Optional[str]) -> None:
+        ds = dict(self.ds)
+        if "bfloat16" in ds:
+            self.note("bfloat16", "renamed", "read as `bf16`")
+            ds.setdefault("bf16", ds["bfloat16"])
+        fp16, bf16 = ds.get("fp16", {}), ds.get("bf16", {})
+        if not (self.check_keys(fp16, FP16_KEYS, "fp16.") and self.check_keys(bf16, ("enabled",), "bf16.")):
+            return
+        said = {name: block.get("enabled") for name, block in (("16-mixed", fp16), ("bf16-mixed", bf16))
+                if "enabled" in block}
+        for name, enabled in list(said.items()):
+            key = "fp16.enabled" if name == "16-mixed" else "bf16.enabled"
+            if enabled == AUTO and trainer_precision is None:
+                del said[name]
+                self.note(key, "filled", "auto -> the Trainer's precision")
+            elif enabled == AUTO:
+                said[name] = _normal(trainer_precision) == name
+                self.note(key, "filled", f"auto -> {json.dumps(said[name])} (Trainer precision {trainer_precision!r})")
+        on = [name for name, enabled in said.items() if enabled]
+        if len(on) == 2:
+            raise ZeroConfigError("`fp16.enabled` and `bf16.enabled` are both true. HINT: enable one of them.")
+        chosen = on[0] if on else ("32-true" if said else None)
+        if chosen is not None and trainer_precision is not None and _normal(trainer_precision) != chosen:
+            raise ZeroConfigError(
+                f"The DeepSpeed configuration asks for precision {chosen!r} (its fp16/bf16 blocks) but the Trainer for"
+                f" {trainer_precision!r}. HINT: make them agree, or drop one (the Trainer's `precision` or the"
+                " configuration's block).")
+        self.out.precision = chosen
+        if chosen == "16-mixed":
+            self.out.loss_scaling = {k: fp16[k] for k in LOSS_SCALE_KEYS if k in fp16}
+            if "auto_cast" in fp16:
+                self.note("fp16.auto_cast", "notice", f"{json.dumps(fp16['auto_cast'])} accepted: lzero's 16-mixed"
+                                                      " always runs forward under fp16 autocast")
+            from lzero.loss_scale import LossScaleConfig
+
+            LossScaleConfig(**self.out.loss_scaling)  # refuse bad values now, by name
+        elif any(k in fp16 for k in LOSS_SCALE_KEYS):
+            self.note("fp16", "notice", "loss-scaling keys accepted, not used: fp16 is not enabled")
+
+    def batch(self, world: Optional[int], micro: Optional[int], acc: Optional[int]) -> None:
+        names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+        caller = (None, micro, acc)
+        given: list[Optional[int]] = []
+        for name, known in zip(names, caller):
+            value = self.ds.get(name)
+            if value == AUTO:
+                value = known
+                self.note(name, "filled", f"auto -> {value}" if value is not None else
+                          "auto -> the Trainer's value (checked when training starts)")
+            elif value is not None:
+                if isinstance(value, float) and value.is_integer():
+                    value = int(value)
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ZeroConfigError(f"`{name}={value!r}` must be a whole number >= 1.")
+            given.append(value)
+        self.out.batch = resolve_batch(BatchTriple(*given), world, micro, acc)
+        if self.out.batch.train_batch_size is not None:
+            self.out.options["train_batch_size"] = self.out.batch.train_batch_size
+
+    def misc(self) -> None:
+        clip = self.ds.get("gradient_clipping")
+        if clip == AUTO:
+            self.note("gradient_clipping", "filled", "auto -> the Trainer's `gradient_clip_val`")
+        elif clip is not None:
+            if isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip < 0:
+                raise ZeroConfigError(f"`gradient_clipping={clip!r}` must be a number >= 0 (0: off).")
+            self.out.gradient_clip_val = float(clip) if clip > 0 else None
+        if "zero_allow_untested_optimizer" in self.ds:
+            self.out.options["allow_untested_optimizer"] = self.ds["zero_allow_untested_optimizer"]
+        if "zero_force_ds_cpu_optimizer" in self.ds:
+            self.note("zero_force_ds_cpu_optimizer", "notice", f"{json.dumps(self.ds['zero_force_ds_cpu_optimizer'])}"
+                      " accepted: with offload lzero steps the torch optimizer you return, on the host")
+        if "aio" in self.ds:
+            self.out.options["aio"] = self.ds["aio"]
+            if isinstance(self.ds["aio"], dict) and "thread_count" in self.ds["aio"]:
+                self.note("aio.thread_count", "renamed", "read as `aio.intra_op_parallelism`")
+        if "activation_checkpointing" in self.ds:
+            from lzero.activation_checkpointing import from_deepspeed
+
+            self.out.cpu_checkpointing = from_deepspeed(self.ds["activation_checkpointing"])["cpu_checkpointing"]
+        ZeroConfig(**self.out.options)  # every value checked by lzero's own rules, refused by name
+
+
+def _normal(precision: str) -> str:
+    """Lightning's short precision names as the long ones."""
+    return {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "16-mixed": "16-mixed"}.get(str(precision),
+                                                                                                str(precision))
+
+
+def resolve_batch(triple: BatchTriple, world: Optional[int], micro: Optional[int] = None,
+                  acc: Optional[int] = None) -> BatchTriple:
+    """DeepSpeed's rule ``train_batch_size = micro x accumulation x world size``: the triple completed from what is
+    known (given two, the third), or :class:`ZeroConfigError` showing the numbers when they disagree."""
+    total, m, a = triple.train_batch_size, triple.micro, triple.accumulate
+    shown = f"world size {world if world is not None else '(not known yet)'}"
+    for name, mine, theirs in (("train_micro_batch_size_per_gpu", m, micro), ("gradient_accumulation_steps", a, acc)):
+        if mine is not None and theirs is not None and mine != theirs:
+            what = "the DataLoader's batch size" if name.startswith("train_micro") else "accumulate_grad_batches"
+            raise ZeroConfigError(f"`{name}={mine}` but {what} is {theirs} (train_batch_size {total}, {shown})."
+                                  f" HINT: make them agree, or write \"auto\" in the configuration.")
+    m = m if m is not None else micro
+    a = a if a is not None else acc
+    if total is None and m is not None and a is not None and world is not None:
+        total = m * a * world
+    if total is not None and world is not None:
+        if m is None and a is None:
+            a = 1
+        if m is None:
+            m = _divide(total, a * world, total, m, a, world)
+        if a is None:
+            a = _divide(total, m * world, total, m, a, world)
+    elif m is not None and a is None and total is None:
+        a = 1
+    if None not in (total, m, a):
+        if world is None:
+            _divide(total, m * a, total, m, a, world)  # some whole world size must fit
+        elif total != m * a * world:
+            raise _mismatch(total, m, a, world)
+    return BatchTriple(total, m, a)
+
+
+def _divide(total: int, by: int, *numbers: Any) -> int:
+    if total % by:
+        raise _mismatch(*numbers)
+    return total // by
+
+
+def _mismatch(total: Any, m: Any, a: Any, world: Any) -> ZeroConfigError:
+    product = f" = {m * a * world}" if None not in (m, a, world) else ""
+    return ZeroConfigError(
+        f"Batch sizes disagree: train_batch_size {total} != train_micro_batch_size_per_gpu {m} x"
+        f" gradient_accumulation_steps {a} x world size {world if world is not None else '(any)'}{product}."
+        " HINT: DeepSpeed's rule is train_batch_size = micro x accumulation x world size; give two of the three"
+        " (or \"auto\") and lzero derives the third.")
+
+
+# --- checks against the Trainer (called by ZeroStrategy) ---------------------------------------------------------
+
+
+def apply_to_trainer(translated: Translated, trainer: Any) -> None:
+    """Set the Trainer's clipping and accumulation from the configuration where the Trainer left its defaults;
+    refuse a Trainer value that differs."""
+    check_trainer_precision(translated, trainer)
+    for attr, key, value, default in (
+        ("gradient_clip_val", "gradient_clipping", translated.gradient_clip_val, None),
+        ("accumulate_grad_batches", "gradient_accumulation_steps", translated.batch.accumulate, 1),
+    ):
+        current = getattr(trainer, attr)
+        if value is None or current == value:
+            continue
+        if current not in (default, 0):
+            raise ZeroConfigError(f"The DeepSpeed configuration sets `{key}={value}` but the Trainer has `{attr}="
+                                  f"{current}`. HINT: make them agree, or drop one of them.")
+        setattr(trainer, attr, value)
+
+
+def check_trainer_precision(translated: Translated, trainer: Any) -> None:
+    """Refuse a ``Trainer(precision=...)`` (other than the default 32-true) that contradicts the fp16/bf16 blocks.
+    Lightning keeps a strategy's own precision plugin and drops the Trainer's flag silently, so it is read here."""
+    name = str(getattr(getattr(trainer, "_accelerator_connector", None), "_precision_flag", "32-true"))
+    if translated.precision is not None and name != "32-true" and _normal(name) != translated.precision:
+        raise ZeroConfigError(
+            f"The DeepSpeed configuration asks for precision {translated.precision!r} (its fp16/bf16 blocks) but the"
+            f" Trainer for {name!r}. HINT: make them agree, or drop one (the Trainer's `precision` or the"
+            " configuration's block).")
+
+
+# --- lzero convert-config ----------------------------------------------------------------------------------------
+
+
+def to_yaml(translated: Translated) -> str:
+    """The LightningCLI ``trainer:`` section (strategy and the Trainer settings the configuration implies), with
+    one ``#`` comment per filled, renamed or noticed key."""
+    import yaml
+
+    trainer: dict[str, Any] = {"strategy": {"class_path": "lzero.ZeroStrategy",
+                                            "init_args": translated.strategy_kwargs()}}
+    trainer.update(translated.trainer_kwargs())
+    comments = [f"# {note.kind}: {note.key}: {note.text}" for note in translated.notes]
+    return "\n".join([*comments, yaml.safe_dump({"trainer": trainer}, sort_keys=False).rstrip()]) + "\n"
+
+
+def convert_command(argv: list[str]) -> int:
+    """``lzero convert-config ds_config.json``: print the YAML, or the refusals (exit 1)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="lzero convert-config", description="Print the LightningCLI `trainer:`"
+                                     " section (lzero.ZeroStrategy and Trainer settings) for a DeepSpeed JSON config.")
+    parser.add_argument("config", help="the DeepSpeed JSON file")
+    parser.add_argument("--world-size", type=int, help="check the batch keys against this many ranks")
+    parser.add_argument("--micro-batch", type=int, help="the DataLoader's batch size (fills \"auto\")")
+    parser.add_argument("--accumulate", type=int, help="accumulate_grad_batches (fills \"auto\")")
+    parser.add_argument("--precision", help="the Trainer's precision (fills \"auto\", checked against fp16/bf16)")
+    args = parser.parse_args(argv)
+    try:
+        translated = translate(args.config, world_size=args.world_size, micro_batch=args.micro_batch,
+                               accumulate=args.accumulate, trainer_precision=args.precision)
+    except DeepSpeedConfigError as err:
+        print("\n".join(f"# refused: {line}" for line in err.errors))
+        print(f"lzero convert-config: {len(err.errors)} key(s) of {args.config} refused (see above).", file=sys.stderr)
+        return 1
+    except ZeroConfigError as err:
+        print(f"# refused: {err}")
+        return 1
+    print(to_yaml(translated), end="")
+    return 0
