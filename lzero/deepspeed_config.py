@@ -511,8 +511,14 @@ def to_yaml(translated: Translated) -> str:
     one ``#`` comment per filled, renamed or noticed key."""
     import yaml
 
-    trainer: dict[str, Any] = {"strategy": {"class_path": "lzero.ZeroStrategy",
-                                            "init_args": translated.strategy_kwargs()}}
+    from dataclasses import fields
+
+    kwargs = translated.strategy_kwargs()
+    known = {f.name for f in fields(ZeroConfig)}
+    # ZeroConfig's fields under `config` (LightningCLI builds the dataclass from it); the strategy's own next to it
+    init_args = {"config": {k: v for k, v in kwargs.items() if k in known},
+                 **{k: v for k, v in kwargs.items() if k not in known}}
+    trainer: dict[str, Any] = {"strategy": {"class_path": "lzero.ZeroStrategy", "init_args": init_args}}
     trainer.update(translated.trainer_kwargs())
     comments = [f"# {note.kind}: {note.key}: {note.text}" for note in translated.notes]
     return "\n".join([*comments, yaml.safe_dump({"trainer": trainer}, sort_keys=False).rstrip()]) + "\n"

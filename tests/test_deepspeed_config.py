@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 from pathlib import Path
+from typing import Any, Union
 
 import pytest
 import torch
@@ -223,13 +224,23 @@ def test_convert_config_output_builds_the_same_strategy(tmp_path: Path, name: st
     assert code == 0
     section = yaml.safe_load(text)["trainer"]
     assert section["strategy"]["class_path"] == "lzero.ZeroStrategy"
-    ours, direct = ZeroStrategy(**section["strategy"]["init_args"]), ZeroStrategy(config=str(path))
+    ours, direct = _through_lightning_cli(section["strategy"]), ZeroStrategy(config=str(path))
     assert ours.config == direct.config
     assert ours.precision_plugin.precision == direct.precision_plugin.precision
     scalers = [getattr(s.precision_plugin.scaler, "config", None) for s in (ours, direct)]
     assert scalers[0] == scalers[1]
     assert {k: v for k, v in section.items() if k != "strategy"} == direct._deepspeed.trainer_kwargs()
     assert text.count("\n# ") + text.startswith("# ") == len(direct._deepspeed.notes)  # one comment per note
+
+
+def _through_lightning_cli(strategy: dict) -> Any:
+    """``trainer.strategy`` parsed and instantiated by jsonargparse as LightningCLI does it."""
+    from jsonargparse import ArgumentParser
+    from lightning.pytorch.strategies import Strategy
+
+    parser = ArgumentParser()
+    parser.add_argument("--strategy", type=Union[Strategy, str])
+    return parser.instantiate_classes(parser.parse_object({"strategy": strategy})).strategy
 
 
 def test_convert_config_prints_refusals_and_exits_1(tmp_path: Path) -> None:
