@@ -31,10 +31,6 @@ LOGGING_KEYS = ("wall_clock_breakdown", "steps_per_print", "flops_profiler", "te
 """Top-level keys that only configure DeepSpeed's own logging and tooling: accepted with one notice."""
 
 NOT_BUILT_TOP = {
-    "optimizer": "the `optimizer` block is not built yet in lzero; return the optimizer from `configure_optimizers`"
-                 " (e.g. torch.optim.AdamW(self.parameters(), lr=...))",
-    "scheduler": "the `scheduler` block is not built yet in lzero; return the LR scheduler from"
-                 " `configure_optimizers`",
     "amp": "NVIDIA Apex AMP is not supported; use the `bf16` or `fp16` block",
     "sparse_attention": "DeepSpeed's sparse attention kernels are not part of lzero",
     "pipeline": "pipeline parallelism is not part of lzero",
@@ -105,8 +101,8 @@ ONLY_DEFAULT_TOP = {"prescale_gradients": False, "gradient_predivide_factor": 1.
 
 TOP_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization",
             "fp16", "bf16", "bfloat16", "gradient_clipping", "activation_checkpointing", "aio",
-            "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", *ONLY_DEFAULT_TOP, *LOGGING_KEYS,
-            *NOT_BUILT_TOP)
+            "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "optimizer", "scheduler",
+            *ONLY_DEFAULT_TOP, *LOGGING_KEYS, *NOT_BUILT_TOP)
 
 
 class DeepSpeedConfigError(ZeroConfigError):
@@ -163,6 +159,12 @@ class Translated:
     """The batch keys after DeepSpeed's rule, as far as the known numbers allow."""
 
     notes: list[Note] = field(default_factory=list)
+
+    optimizer: Optional[dict[str, Any]] = None
+    """The ``optimizer`` block, checked (lzero/deepspeed_optim.py); built when ``configure_optimizers`` returns none."""
+
+    scheduler: Optional[dict[str, Any]] = None
+    """The ``scheduler`` block, checked; stepped every optimizer step."""
 
     def strategy_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``ZeroStrategy``."""
@@ -244,10 +246,18 @@ class _Reader:
         for key, default in ONLY_DEFAULT_TOP.items():
             if key in self.ds and self.ds[key] != default:
                 self.refuse(f"`{key}={self.ds[key]!r}` is not built in lzero (only {default!r}). HINT: remove it.")
+        for kind in ("optimizer", "scheduler"):
+            if kind in self.ds:
+                self.guarded(self.optim_block, kind)
         self.guarded(self.zero, self.ds.get("zero_optimization", {}))
         self.guarded(self.precision, precision)
         self.guarded(self.batch, world, micro, acc)
         self.guarded(self.misc)
+
+    def optim_block(self, kind: str) -> None:
+        from lzero import deepspeed_optim
+
+        setattr(self.out, kind, deepspeed_optim.check(kind, self.ds[kind]))
 
     def check_keys(self, block: Any, known: tuple, prefix: str) -> bool:
         if not isinstance(block, dict):

@@ -206,6 +206,36 @@ class ZeroStrategy(DDPStrategy):
             _sync_module_states(self.model)
         self.setup_precision_plugin()
 
+    @override
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        """The LightningModule's optimizers, or those of a DeepSpeed configuration's ``optimizer``/``scheduler``
+        blocks when ``configure_optimizers`` returns none (see [Note: DeepSpeed's optimizer and scheduler blocks])."""
+        super().setup_optimizers(trainer)
+        ds = self._deepspeed
+        if ds is None or (ds.optimizer is None and ds.scheduler is None):
+            return
+        from lightning.pytorch.core.optimizer import _MockOptimizer
+        from lightning.pytorch.utilities.types import LRSchedulerConfig
+
+        from lzero import deepspeed_optim
+
+        real = [o for o in self.optimizers if not isinstance(o, _MockOptimizer)]
+        if ds.optimizer is not None:
+            if real:
+                raise ZeroConfigError(
+                    "Both the DeepSpeed configuration (its `optimizer` block) and `configure_optimizers` define an"
+                    " optimizer. HINT: drop one: remove the block, or return nothing from `configure_optimizers`.")
+            trainable = [p for p in self.lightning_module.parameters() if p.requires_grad]
+            real = self.optimizers = [deepspeed_optim.build_optimizer(ds.optimizer, trainable)]
+        if ds.scheduler is not None:
+            if len(real) != 1 or self.lr_scheduler_configs:
+                raise ZeroConfigError(
+                    "The DeepSpeed configuration's `scheduler` block needs exactly one optimizer and no scheduler from"
+                    f" `configure_optimizers` (found {len(real)} optimizer(s), {len(self.lr_scheduler_configs)}"
+                    " scheduler(s)). HINT: drop the block, or return one optimizer and no scheduler.")
+            self.lr_scheduler_configs = [LRSchedulerConfig(deepspeed_optim.build_scheduler(ds.scheduler, real[0]),
+                                                           interval="step")]
+
     def _choose_configuration(self) -> None:
         """``stage="auto"``: the configuration for this model and machine, logged in one line."""
         from lightning.pytorch.utilities import rank_zero_info

@@ -198,8 +198,8 @@ def test_unknown_key_under_zero_optimization_names_it_and_a_suggestion() -> None
 def test_contradictions_and_unbuilt_blocks_are_refused_by_name() -> None:
     with pytest.raises(ZeroConfigError, match=r"`offload_param=\{'device': 'cpu'\}` at stage 2"):
         translate({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
-    with pytest.raises(ZeroConfigError, match=r"`optimizer`: the `optimizer` block is not built yet"):
-        translate({"zero_optimization": {"stage": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    with pytest.raises(ZeroConfigError, match=r"`scheduler.type='OneCycle'` is not built in lzero"):
+        translate({"zero_optimization": {"stage": 2}, "scheduler": {"type": "OneCycle", "params": {}}})
     with pytest.raises(ZeroConfigError, match=r"`zero_optimization.contiguous_gradients=False`: lzero's gradients"):
         translate({"zero_optimization": {"stage": 2, "contiguous_gradients": False}})
 
@@ -278,3 +278,108 @@ def test_strategy_checks_the_config_against_the_trainer_at_setup(tmp_path: Path,
         fit({**stage2, "bf16": {"enabled": True}}, precision="16-mixed")
     with pytest.raises(ZeroConfigError, match=r"`gradient_clipping=1.0` but the Trainer has `gradient_clip_val=0.5`"):
         fit({**stage2, "gradient_clipping": 1.0}, gradient_clip_val=0.5)
+
+
+BF16_WITH_BLOCKS = {
+    "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+    "zero_optimization": {"stage": 2}, "bf16": {"enabled": True},
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
+                                                      "warmup_num_steps": 2, "warmup_type": "linear",
+                                                      "total_num_steps": 5}},
+}
+
+
+def test_optimizer_and_scheduler_blocks_train_like_python(tmp_path: Path, in_process_fit) -> None:
+    """bf16 zero2 with an AdamW `optimizer` block and a WarmupDecayLR `scheduler` block, on a model whose
+    `configure_optimizers` returns nothing, against the same optimizer and schedule written in Python: the learning
+    rate of every step is DeepSpeed's (linear warmup over 2 steps from 0 to 1e-3, then linear decay to 0 at step 5)
+    and the parameters are equal."""
+    from lightning.pytorch import Callback, Trainer, seed_everything
+
+    from lzero import ZeroStrategy
+    from lzero.demo import DemoGPT, TextDataModule
+
+    class NoOptimizer(DemoGPT):
+        def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            return None
+
+    class Python(DemoGPT):
+        def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            opt = torch.optim.AdamW(self.parameters(), lr=1.0, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+            factor = lambda s: [0.0, 5e-4, 1e-3, 2e-3 / 3, 1e-3 / 3, 0.0][min(s, 5)]  # noqa: E731  DeepSpeed's rates
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, factor),
+                                                        "interval": "step"}}
+
+    class Rates(Callback):
+        def __init__(self) -> None:
+            self.seen: list[float] = []
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):  # type: ignore[no-untyped-def]
+            self.seen.append(optimizer.param_groups[0]["lr"])
+
+    def fit(cls, strategy) -> tuple[dict, list[float]]:  # type: ignore[no-untyped-def]
+        seed_everything(0)
+        model, rates = cls(vocab_size=256, block_size=8, n_layer=1, n_head=2, n_embd=16), Rates()
+        trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=4, logger=False,
+                          enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                          limit_val_batches=0, default_root_dir=tmp_path, callbacks=[rates])
+        trainer.fit(model, datamodule=TextDataModule(block_size=8, batch_size=2, steps_per_epoch=4))
+        return {k: v.detach().float().clone() for k, v in model.state_dict().items()}, rates.seen
+
+    ours, ours_rates = fit(NoOptimizer, ZeroStrategy(config=dict(BF16_WITH_BLOCKS)))
+    reference, reference_rates = fit(Python, ZeroStrategy(stage=2, precision="bf16-mixed"))
+    assert ours_rates == pytest.approx([0.0, 5e-4, 1e-3, 2e-3 / 3], rel=1e-12)
+    assert ours_rates == reference_rates
+    assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in ours)
+
+
+def test_bad_optimizer_and_scheduler_blocks_are_named(tmp_path: Path, in_process_fit) -> None:
+    cases = [
+        ({"type": "AdamX", "params": {}}, None, r"`optimizer.type='AdamX'` is not a type lzero builds.*'Adam"),
+        ({"type": "AdamW", "params": {"betas2": 0.9}}, None, r"`optimizer.params.betas2`.*did you mean `betas`"),
+        ({"type": "AdamW", "params": {"lr": "auto"}}, None, r"`optimizer.params.lr=\"auto\"`"),
+        (None, {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}}, r"`scheduler.params.total_num_steps`"),
+    ]
+    for optimizer, scheduler, match in cases:
+        block = {"zero_optimization": {"stage": 2}, **({"optimizer": optimizer} if optimizer else {}),
+                 **({"scheduler": scheduler} if scheduler else {})}
+        with pytest.raises(ZeroConfigError, match=match):
+            translate(block)
+    from lightning.pytorch import Trainer
+
+    from lzero import ZeroStrategy
+    from lzero.demo import DemoGPT, TextDataModule
+
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(config=dict(BF16_WITH_BLOCKS)), max_steps=1,
+                      logger=False, enable_progress_bar=False, enable_checkpointing=False, limit_val_batches=0,
+                      default_root_dir=tmp_path)
+    with pytest.raises(ZeroConfigError, match=r"Both the DeepSpeed configuration .* and `configure_optimizers`"):
+        trainer.fit(DemoGPT(vocab_size=256, block_size=8, n_layer=1, n_head=2, n_embd=16),
+                    datamodule=TextDataModule(block_size=8, batch_size=2, steps_per_epoch=1))
+
+
+def test_warmup_lr_and_warmup_cosine_lr_rates() -> None:
+    """DeepSpeed's formulas, by hand: WarmupLR "log" from 0.01 to 0.1 over 10 steps (log(s + 1) / log(10)), then 0.1;
+    WarmupCosineLR relative to the optimizer's 0.5: linear warmup from 0.2 over 2 steps, cosine to 0.1 at step 6."""
+    import math
+
+    from lzero.deepspeed_optim import build_optimizer, build_scheduler, check
+
+    def rates(scheduler_block: dict, steps: int) -> list[float]:
+        opt = build_optimizer(check("optimizer", {"type": "SGD", "params": {"lr": 0.5}}), [torch.nn.Parameter(torch.zeros(1))])
+        sched = build_scheduler(check("scheduler", scheduler_block), opt)
+        out = []
+        for _ in range(steps):
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return out
+
+    log = rates({"type": "WarmupLR", "params": {"warmup_min_lr": 0.01, "warmup_max_lr": 0.1, "warmup_num_steps": 10}}, 12)
+    assert log == pytest.approx([0.01 + 0.09 * math.log(s + 1) / math.log(10) for s in range(10)] + [0.1, 0.1])
+    cos = rates({"type": "WarmupCosineLR", "params": {"warmup_min_ratio": 0.2, "warmup_num_steps": 2,
+                                                       "warmup_type": "linear", "cos_min_ratio": 0.1,
+                                                       "total_num_steps": 6}}, 7)
+    expected = [0.2, 0.6] + [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - 2) / 4)) for s in range(2, 7)]
+    assert cos == pytest.approx([0.5 * r for r in expected])
