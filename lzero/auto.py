@@ -18,25 +18,14 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from torch import nn
 
 from lzero.config import ZeroConfig, ZeroConfigError
 from lzero.estimate import ModelCount, model_states
+from lzero.presets import PRESET_CONFIGS
 
-CANDIDATES: tuple[tuple[str, dict[str, Any]], ...] = (
-    ("zero1", {"stage": 1}),
-    ("zero2", {"stage": 2}),
-    ("zero3", {"stage": 3}),
-    ("zero3_offload", {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}),
-    ("zero3_offload_nvme", {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme"}),
-)
-"""In order of communication: the first that fits is chosen."""
-
-
-def count(module: nn.Module) -> ModelCount:
-    params = {id(p): p for p in module.parameters()}.values()  # tied parameters once
-    return ModelCount(trainable=sum(p.numel() for p in params if p.requires_grad),
-                      frozen=sum(p.numel() for p in params if not p.requires_grad))
+CANDIDATES: tuple[tuple[str, dict[str, Any]], ...] = tuple(
+    (name, PRESET_CONFIGS[name]) for name in ("zero1", "zero2", "zero3", "zero3_offload", "zero3_offload_nvme"))
+"""The presets in order of communication: the first that fits is chosen."""
 
 
 def host_available_bytes() -> Optional[int]:

@@ -70,6 +70,11 @@ class ZeroEngine:
         self._stores, self._param_store = stores_for(config, device,
                                                      [0 if u.frozen else u.padded_numel for u in self.partition.units],
                                                      self.rank, self.world_size, self._run_id(config))
+        self.stores: list[ShardStore] = []  # the distinct stores the units keep state in
+        for store in [*self._stores, self._param_store]:
+            if not any(store is s for s in self.stores):
+                self.stores.append(store)
+        self.offloaded = any(store.name != "device" for store in self.stores)  # some unit keeps state in host memory
         self._cast_back: list[tuple[nn.Parameter, torch.dtype]] = []  # frozen parameters cast to param_dtype
         self.policy.check_module(module)
         if config.stage >= 3 and has_meta(module):
@@ -351,19 +356,6 @@ class ZeroEngine:
         for store in self.stores:
             store.finish()
 
-    @property
-    def stores(self) -> list[ShardStore]:
-        """The distinct stores this engine's units keep state in."""
-        found: list[ShardStore] = []
-        for store in [*self._stores, self._param_store]:
-            if not any(store is f for f in found):
-                found.append(store)
-        return found
-
-    @property
-    def offloaded(self) -> bool:
-        """Some unit keeps its state in host memory."""
-        return any(store.name != "device" for store in self.stores)
 
     def prepare_step(self, units: Sequence[FlatUnit]) -> None:
         """Make the shard gradients of ``units`` final. A collective: every rank calls it."""

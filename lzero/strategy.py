@@ -241,10 +241,11 @@ class ZeroStrategy(DDPStrategy):
         from lightning.pytorch.utilities import rank_zero_info
 
         from lzero import auto
+        from lzero.estimate import count_parameters
 
         mixed = self.precision_plugin.policy.param_dtype is not None
         self.config, self._auto_record = auto.choose(
-            self.config, auto.count(self.model), self.world_size, self.num_processes,
+            self.config, count_parameters(self.model, self.config.unit_modules), self.world_size, self.num_processes,
             "bf16-mixed" if mixed else "32-true", self.root_device, self.memory_budget_bytes, self.memory_margin)
         rank_zero_info(auto.summary(self._auto_record))
 

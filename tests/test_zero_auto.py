@@ -58,12 +58,13 @@ def test_the_chosen_configuration_trains_and_is_recorded(tmp_path: Path, in_proc
     zero3_offload_nvme, which trains."""
     from lightning.pytorch import Trainer
 
-    from lzero import ZeroStrategy, auto
+    from lzero import ZeroStrategy
+    from lzero.estimate import count_parameters
     from lzero.checkpoint.reader import ShardedCheckpoint
     from lzero.demo import DemoGPT, TextDataModule
 
     model = DemoGPT(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32)
-    psi = auto.count(model).trainable
+    psi = count_parameters(model).trainable
     budget = 15 * psi if squeeze else None
     strategy = ZeroStrategy(stage="auto", memory_budget_bytes=budget) if squeeze else "zero_auto"
     trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=3, logger=False,
