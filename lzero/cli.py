@@ -38,7 +38,7 @@ def _estimate(argv: list[str]) -> int:
 
 
 def _convert_config(argv: list[str]) -> int:
-    from lzero.deepspeed_config import convert_command
+    from lzero.deepspeed_convert import convert_command
 
     return convert_command(argv)
 

@@ -135,6 +135,30 @@ class ZeroConfig:
     prefetch: int = 1
     """Stage 3: how many units ahead to all-gather while the current one computes (0: none)."""
 
+    prefetch_bucket_size: Optional[int] = None
+    """Stage 3: prefetch by size instead of by count: all-gather the next units while those already gathered
+    or launched ahead of the current one hold fewer than this many elements (a unit is never split, so the last
+    one may pass the limit; 0: no prefetch). DeepSpeed's ``stage3_prefetch_bucket_size``. None: ``prefetch``
+    units ahead. See [Note: stage-3 gather schedule] in gather.py."""
+
+    max_live_parameters: Optional[int] = None
+    """Stage 3: a prefetch, or a unit kept gathered by ``max_reuse_distance``, never takes the gathered
+    parameters past this many elements (the unit being computed is always gathered). DeepSpeed's
+    ``stage3_max_live_parameters``. None: no limit."""
+
+    max_reuse_distance: int = 0
+    """Stage 3: a unit whose next use is fewer than this many elements away is kept gathered instead of being
+    released and gathered again. The distance is counted in the elements of the units used in between: for
+    the unit at position k of n in forward, twice the elements of units k+1..n-1 (their forward, then their
+    backward), so the last units of forward, which backward needs first, are kept from the second step on
+    (the first step records the order). DeepSpeed's ``stage3_max_reuse_distance``. 0: none kept."""
+
+    param_persistence_threshold: int = 0
+    """Stage 3: a unit of at most this many elements stays gathered from its forward to the end of its
+    backward, gathered once per step instead of twice. DeepSpeed's ``stage3_param_persistence_threshold``
+    compares each parameter; lzero gathers a unit's parameters in one collective, so it compares the unit
+    (small parameters inside a large unit cost no collective of their own). 0: none."""
+
     unit_order_timeout_s: float = 120.0
     """Stage 3: before each unit's all-gather the ranks check that they gather the same unit; a rank
     that does not arrive within this many seconds raises an error naming the unit (0 disables the
@@ -219,6 +243,7 @@ class ZeroConfig:
             _check_positive_int("train_batch_size", self.train_batch_size)
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ZeroConfigError(f"`prefetch={self.prefetch!r}` must be a whole number >= 0. HINT: e.g. `prefetch=1`.")
+        self._check_gather_schedule()
         if isinstance(self.unit_order_timeout_s, bool) or not isinstance(self.unit_order_timeout_s, (int, float)) \
                 or self.unit_order_timeout_s < 0:
             raise ZeroConfigError(
@@ -280,6 +305,25 @@ class ZeroConfig:
                      "log_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise ZeroConfigError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
+
+    def _check_gather_schedule(self) -> None:
+        """The stage-3 knobs of [Note: stage-3 gather schedule]: whole numbers, stage 3 only, one way to prefetch."""
+        optional = ("prefetch_bucket_size", "max_live_parameters")
+        for name in (*optional, "max_reuse_distance", "param_persistence_threshold"):
+            value = getattr(self, name)
+            if isinstance(value, float) and value.is_integer():  # DeepSpeed configs write 5e7
+                object.__setattr__(self, name, value := int(value))
+            if value is None and name in optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ZeroConfigError(f"`{name}={value!r}` must be a whole number of elements >= 0.")
+            if self.stage < 3 and value != ZeroConfig.__dataclass_fields__[name].default:
+                raise ZeroConfigError(f"`{name}={value}` at stage {self.stage}: it schedules stage 3's parameter"
+                                      f" gathers, and stage {self.stage} keeps whole parameters. HINT: drop"
+                                      f" `{name}`, or use `stage=3`.")
+        if self.prefetch_bucket_size is not None and self.prefetch != 1:
+            raise ZeroConfigError(f"`prefetch={self.prefetch}` and `prefetch_bucket_size={self.prefetch_bucket_size}`"
+                                  " both say how far to prefetch. HINT: give one of them.")
 
     def with_overrides(self, **overrides: Any) -> "ZeroConfig":
         """A copy with some fields changed; an unknown field name is refused with a suggestion."""

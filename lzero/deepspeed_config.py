@@ -50,13 +50,22 @@ ZERO_PLUS_PLUS = {  # key -> the value that means "off"
 }
 """ZeRO++ and MiCS: accepted at their "off" value, refused as not built otherwise."""
 
-STAGE3_SCHEDULING = {  # key -> DeepSpeed's default
-    "stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000,
-    "stage3_max_live_parameters": 1_000_000_000, "stage3_max_reuse_distance": 1_000_000_000,
+STAGE3_SCHEDULE = {  # DeepSpeed key -> ZeroConfig field, both in elements
+    "stage3_prefetch_bucket_size": "prefetch_bucket_size", "stage3_param_persistence_threshold":
+    "param_persistence_threshold", "stage3_max_live_parameters": "max_live_parameters",
+    "stage3_max_reuse_distance": "max_reuse_distance",
 }
-"""Stage-3 scheduling knobs in bytes/elements. They decide when parameters are gathered and how long they stay,
-never what is computed; lzero schedules by units (``prefetch`` units ahead, nothing persistent), so any value
-is accepted with a notice saying so. See [Note: reading a DeepSpeed configuration]."""
+"""Stage-3 scheduling knobs: when parameters are gathered and how long they stay, never what is computed.
+Honoured by lzero's gather schedule ([Note: stage-3 gather schedule] in gather.py); stage 3 only."""
+
+BY_HIDDEN_SIZE = {  # ZeroConfig field -> its "auto" value from the model's hidden size h, as Hugging Face fills it
+    "reduce_bucket_size": lambda h: h * h,
+    "prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "param_persistence_threshold": lambda h: 10 * h,
+}
+HIDDEN_SIZE_NAMES = ("hidden_size", "n_embd", "d_model", "hidden_dim")
+"""Where the hidden size is looked for: these attributes (or the largest of ``hidden_sizes``) of a ``config`` on
+the LightningModule or a submodule (a Hugging Face model's), then these hyperparameters of the LightningModule."""
 
 ZERO_ONLY_VALUE = {  # key -> (the one value lzero runs, why)
     "contiguous_gradients": (True, "lzero's gradients always live in contiguous flat unit buffers"),
@@ -89,7 +98,7 @@ ZERO_SIZES = {"reduce_bucket_size": "reduce_bucket_size", "allgather_bucket_size
 """Keys with the same name and unit (elements) in ZeroConfig; ``"auto"`` takes lzero's default."""
 
 ZERO_KEYS = ("stage", "overlap_comm", "offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_params",
-             "cpu_offload_use_pin_memory", *ZERO_SIZES, *ZERO_PLUS_PLUS, *STAGE3_SCHEDULING, *ZERO_ONLY_VALUE,
+             "cpu_offload_use_pin_memory", *ZERO_SIZES, *ZERO_PLUS_PLUS, *STAGE3_SCHEDULE, *ZERO_ONLY_VALUE,
              *ZERO_NOTICE, *ZERO_RENAMED)
 
 FP16_KEYS = ("enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
@@ -149,6 +158,10 @@ class Translated:
     loss_scaling: dict[str, Any] = field(default_factory=dict)
     """``16-mixed``: :class:`lzero.LossScaleConfig` fields given in the ``fp16`` block."""
 
+    loss_scaling_if_fp16: dict[str, Any] = field(default_factory=dict)
+    """``fp16.enabled: "auto"`` before the Trainer is known: the block's loss-scaling fields, applied if the
+    Trainer's precision turns out to be ``16-mixed``."""
+
     cpu_checkpointing: bool = False
     """From the ``activation_checkpointing`` block."""
 
@@ -165,6 +178,10 @@ class Translated:
 
     scheduler: Optional[dict[str, Any]] = None
     """The ``scheduler`` block, checked; stepped every optimizer step."""
+
+    by_hidden_size: tuple[str, ...] = ()
+    """ZeroConfig fields written ``"auto"`` that are filled from the model's hidden size at setup
+    (:data:`BY_HIDDEN_SIZE`, :func:`fill_from_hidden_size`)."""
 
     def strategy_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``ZeroStrategy``."""
@@ -282,14 +299,20 @@ class _Reader:
         else:
             self.refuse("`zero_optimization.stage` is 0 (DeepSpeed's default when absent): plain data parallel."
                         " HINT: set `stage` to 1, 2 or 3, or use `strategy='ddp'`.")
-        for key in ZERO_SIZES:
-            if block.get(key) == AUTO:
-                default = ZeroConfig.__dataclass_fields__[key].default
-                self.note(p + key, "filled", f"auto -> {default} (lzero's default; the model's hidden size is not"
-                                             " known when the configuration is read)")
+        for key, name in [*ZERO_SIZES.items(), *STAGE3_SCHEDULE.items()]:
+            if key in STAGE3_SCHEDULE and key in block and stage != 3:
+                self.refuse(f"`{p}{key}={block[key]!r}` at stage {stage}: it schedules stage 3's parameter gathers"
+                            f" (lzero's `{name}`). HINT: remove it, or use stage 3.")
+            elif block.get(key) == AUTO and name in BY_HIDDEN_SIZE:
+                self.out.by_hidden_size += (name,)
+                self.note(p + key, "filled", f"auto -> `{name}` from the model's hidden size h at setup"
+                                             f" ({_FORMULA[name]}, as the Hugging Face integration fills it)")
+            elif block.get(key) == AUTO:
+                self.refuse(f"`{p}{key}=\"auto\"`: nothing fills it (the Hugging Face integration does not either)."
+                            f" HINT: write a number, or remove it for lzero's default.")
             elif key in block:
                 value = block[key]
-                opts[key] = int(value) if isinstance(value, float) and value.is_integer() else value
+                opts[name] = int(value) if isinstance(value, float) and value.is_integer() else value
         if block.get("overlap_comm") is not None:
             opts["overlap_comm"] = block["overlap_comm"]
         for key, off in ZERO_PLUS_PLUS.items():
@@ -309,12 +332,6 @@ class _Reader:
             value = block.get(key, next((block[o] for o, n in ZERO_RENAMED.items() if n == key and o in block), None))
             if value is not None:
                 self.note(p + key, "notice", f"{json.dumps(value)} accepted: {what}")
-        for key, default in STAGE3_SCHEDULING.items():
-            if key in block:
-                self.note(p + key, "filled" if block[key] == AUTO else "notice",
-                          f"{json.dumps(block[key])} accepted, not used: lzero prefetches `prefetch` units ahead"
-                          " (ZeroConfig.prefetch) and keeps no parameter gathered between uses; this"
-                          " changes memory and speed, never the result")
         self.offload(block)
 
     def offload(self, block: dict) -> None:
@@ -360,7 +377,9 @@ class _Reader:
             key = "fp16.enabled" if name == "16-mixed" else "bf16.enabled"
             if enabled == AUTO and trainer_precision is None:
                 del said[name]
-                self.note(key, "filled", "auto -> the Trainer's precision")
+                knobs = {k: fp16[k] for k in LOSS_SCALE_KEYS if k in fp16} if name == "16-mixed" else {}
+                self.note(key, "filled", "auto -> the Trainer's precision" + (
+                    f"; if it is 16-mixed, with loss_scaling {json.dumps(knobs)}" if knobs else ""))
             elif enabled == AUTO:
                 said[name] = _normal(trainer_precision) == name
                 self.note(key, "filled", f"auto -> {json.dumps(said[name])} (Trainer precision {trainer_precision!r})")
@@ -374,8 +393,14 @@ class _Reader:
                 f" {trainer_precision!r}. HINT: make them agree, or drop one (the Trainer's `precision` or the"
                 " configuration's block).")
         self.out.precision = chosen
-        if chosen == "16-mixed":
-            self.out.loss_scaling = {k: fp16[k] for k in LOSS_SCALE_KEYS if k in fp16}
+        knobs = {k: fp16[k] for k in LOSS_SCALE_KEYS if k in fp16}
+        if chosen is None and fp16.get("enabled") == AUTO:
+            self.out.loss_scaling_if_fp16 = knobs
+            from lzero.loss_scale import LossScaleConfig
+
+            LossScaleConfig(**knobs)  # refuse bad values now, by name
+        elif chosen == "16-mixed":
+            self.out.loss_scaling = knobs
             if "auto_cast" in fp16:
                 self.note("fp16.auto_cast", "notice", f"{json.dumps(fp16['auto_cast'])} accepted: lzero's 16-mixed"
                                                       " always runs forward under fp16 autocast")
@@ -427,6 +452,38 @@ class _Reader:
 
             self.out.cpu_checkpointing = from_deepspeed(self.ds["activation_checkpointing"])["cpu_checkpointing"]
         ZeroConfig(**self.out.options)  # every value checked by lzero's own rules, refused by name
+
+
+_FORMULA = {"reduce_bucket_size": "h*h", "prefetch_bucket_size": "0.9*h*h", "param_persistence_threshold": "10*h"}
+
+
+def hidden_size(module: Any) -> Optional[int]:
+    """The model's hidden size, looked for as :data:`HIDDEN_SIZE_NAMES` says; None if nothing says it."""
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        found = next((getattr(config, n) for n in HIDDEN_SIZE_NAMES if isinstance(getattr(config, n, None), int)),
+                     None)
+        if found is None and getattr(config, "hidden_sizes", None):
+            found = max(config.hidden_sizes)
+        if found is not None:
+            return int(found)
+    hparams = getattr(module, "hparams", {}) or {}
+    return next((int(hparams[n]) for n in HIDDEN_SIZE_NAMES if isinstance(hparams.get(n), int)), None)
+
+
+def fill_from_hidden_size(translated: Translated, module: Any) -> dict[str, int]:
+    """The ZeroConfig values of the ``"auto"`` keys that follow the hidden size, or :class:`ZeroConfigError`
+    naming them when the model does not say its hidden size."""
+    if not translated.by_hidden_size:
+        return {}
+    h = hidden_size(module)
+    if h is None:
+        raise ZeroConfigError(
+            f"The DeepSpeed configuration writes \"auto\" for {', '.join(translated.by_hidden_size)}, filled from the"
+            " model's hidden size, but the model does not say it: no Hugging Face `config.hidden_size` (or"
+            f" `hidden_sizes`) on any module, and no hyperparameter named {', '.join(HIDDEN_SIZE_NAMES)}. HINT:"
+            " write numbers for these keys, or `self.save_hyperparameters()` with a `hidden_size` argument.")
+    return {name: BY_HIDDEN_SIZE[name](h) for name in translated.by_hidden_size}
 
 
 def _normal(precision: str) -> str:
@@ -511,50 +568,3 @@ def check_trainer_precision(translated: Translated, trainer: Any) -> None:
             f"The DeepSpeed configuration asks for precision {translated.precision!r} (its fp16/bf16 blocks) but the"
             f" Trainer for {name!r}. HINT: make them agree, or drop one (the Trainer's `precision` or the"
             " configuration's block).")
-
-
-# --- lzero convert-config ----------------------------------------------------------------------------------------
-
-
-def to_yaml(translated: Translated) -> str:
-    """The LightningCLI ``trainer:`` section (strategy and the Trainer settings the configuration implies), with
-    one ``#`` comment per filled, renamed or noticed key."""
-    import yaml
-
-    from dataclasses import fields
-
-    kwargs = translated.strategy_kwargs()
-    known = {f.name for f in fields(ZeroConfig)}
-    # ZeroConfig's fields under `config` (LightningCLI builds the dataclass from it); the strategy's own next to it
-    init_args = {"config": {k: v for k, v in kwargs.items() if k in known},
-                 **{k: v for k, v in kwargs.items() if k not in known}}
-    trainer: dict[str, Any] = {"strategy": {"class_path": "lzero.ZeroStrategy", "init_args": init_args}}
-    trainer.update(translated.trainer_kwargs())
-    comments = [f"# {note.kind}: {note.key}: {note.text}" for note in translated.notes]
-    return "\n".join([*comments, yaml.safe_dump({"trainer": trainer}, sort_keys=False).rstrip()]) + "\n"
-
-
-def convert_command(argv: list[str]) -> int:
-    """``lzero convert-config ds_config.json``: print the YAML, or the refusals (exit 1)."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="lzero convert-config", description="Print the LightningCLI `trainer:`"
-                                     " section (lzero.ZeroStrategy and Trainer settings) for a DeepSpeed JSON config.")
-    parser.add_argument("config", help="the DeepSpeed JSON file")
-    parser.add_argument("--world-size", type=int, help="check the batch keys against this many ranks")
-    parser.add_argument("--micro-batch", type=int, help="the DataLoader's batch size (fills \"auto\")")
-    parser.add_argument("--accumulate", type=int, help="accumulate_grad_batches (fills \"auto\")")
-    parser.add_argument("--precision", help="the Trainer's precision (fills \"auto\", checked against fp16/bf16)")
-    args = parser.parse_args(argv)
-    try:
-        translated = translate(args.config, world_size=args.world_size, micro_batch=args.micro_batch,
-                               accumulate=args.accumulate, trainer_precision=args.precision)
-    except DeepSpeedConfigError as err:
-        print("\n".join(f"# refused: {line}" for line in err.errors))
-        print(f"lzero convert-config: {len(err.errors)} key(s) of {args.config} refused (see above).", file=sys.stderr)
-        return 1
-    except ZeroConfigError as err:
-        print(f"# refused: {err}")
-        return 1
-    print(to_yaml(translated), end="")
-    return 0

@@ -29,7 +29,7 @@ from lzero.errors import ZeroEngineError
 from lzero.mixed_precision import PrecisionPolicy
 from lzero.flat_unit import FlatUnit, GradState
 from lzero import parameters
-from lzero.gather import Block, Gatherer, full_graphs_around
+from lzero.gather import Block, Gatherer, GatherSchedule, full_graphs_around
 from lzero.materialize import InitFn, Materializer, apply_order, common_seed, has_meta
 from lzero.partition import FROZEN, Partition, ParamSpec, UnitSpec, partition_by_label, partition_by_size
 from lzero.reducer import Reducer
@@ -175,7 +175,7 @@ class ZeroEngine:
         if self.world_size > 1 and self.config.unit_order_timeout_s > 0:
             timeout = datetime.timedelta(seconds=self.config.unit_order_timeout_s)
             self._check_group = dist.new_group(backend="gloo", timeout=timeout)
-        return Gatherer(blocks, modules, self._gather_group, self.config.prefetch, self._check_group,
+        return Gatherer(blocks, modules, self._gather_group, GatherSchedule.of(self.config), self._check_group,
                         self.config.unit_order_timeout_s)
 
     def gather_root(self) -> None:

@@ -17,8 +17,24 @@ block none of whose inputs or parameters require gradients has no backward and i
 its forward (a frozen reference model under ``torch.no_grad()``).
 
 The order in which blocks ran in the first forward is recorded; from then on, entering block k
-also launches the all-gathers of the next ``prefetch`` blocks (reversed in backward), so their
-communication overlaps the current block's compute.
+also launches the all-gathers of the next blocks (reversed in backward), so their communication
+overlaps the current block's compute: see [Note: stage-3 gather schedule].
+
+[Note: stage-3 gather schedule]
+Four knobs of :class:`GatherSchedule` (DeepSpeed's stage-3 knobs, in elements) decide when a block is
+gathered and how long it stays; none changes what is computed:
+- how far to prefetch: ``prefetch`` blocks ahead, or, with ``prefetch_bucket_size``, blocks ahead until
+  those gathered or launched ahead hold that many elements;
+- ``max_live_parameters``: a prefetch that would take the gathered elements past it waits for the
+  block's own gather; so does keeping a block across the turn;
+- ``max_reuse_distance``: from the second step on (the first records the order), the last blocks of
+  forward, which backward needs first, are not released at the end of their forward when their reuse
+  distance (twice the elements of the blocks after them: their forward, then their backward) is below it;
+- ``param_persistence_threshold``: a block of at most that many elements is not released at the end of
+  its forward either.
+A block kept at the end of its forward is released like any other once its backward is done, and every
+block at the end of backward; a forward that no backward follows leaves kept blocks gathered until the
+next step begins, which releases them before the optimizer's update could make them stale.
 
 Every rank must gather the same blocks in the same order: gloo pairs any two buffers of equal
 size, so a block run on only some ranks would silently mix parameters. Before each gather the
@@ -43,6 +59,7 @@ hooks are tensor hooks that autograd's engine runs, outside any compiled frame.
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
 
 import torch
@@ -91,19 +108,38 @@ class Block:
         self.has_frozen = any(u.spec.frozen for u in self.units)
 
 
+@dataclass(frozen=True)
+class GatherSchedule:
+    """When blocks are gathered and how long they stay: [Note: stage-3 gather schedule]. ZeroConfig's fields."""
+
+    prefetch: int = 1
+    prefetch_bucket_size: Optional[int] = None
+    max_live_parameters: Optional[int] = None
+    max_reuse_distance: int = 0
+    param_persistence_threshold: int = 0
+
+    @classmethod
+    def of(cls, config: Any) -> "GatherSchedule":
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
+
+
 class Gatherer:
     """See [Note: stage-3 parameter lifecycle]."""
 
-    def __init__(self, blocks: dict[str, Block], modules: dict[str, nn.Module], group: Any, prefetch: int,
-                 check_group: Any = None, check_timeout_s: float = 0.0) -> None:
+    def __init__(self, blocks: dict[str, Block], modules: dict[str, nn.Module], group: Any,
+                 schedule: GatherSchedule = GatherSchedule(), check_group: Any = None,
+                 check_timeout_s: float = 0.0) -> None:
         self.blocks = blocks
         self.group = group
         self.check_group = check_group
         self.check_timeout_s = check_timeout_s
         self._names = list(blocks)
-        self.prefetch = prefetch
+        self.schedule = schedule
+        self.numel = {name: sum(u.spec.numel for u in b.units) for name, b in blocks.items()}  # elements, unpadded
         self.order: list[str] = []  # block names in first-forward order
         self._recording = True
+        self._persistent = {n for n, k in self.numel.items() if k <= schedule.param_persistence_threshold}
+        self._reused: Optional[set[str]] = None  # blocks kept across the turn, once the order is known
         self._block_of_unit = {id(u): b for b in blocks.values() for u in b.units}
         self._hooks = []
         for name, module in modules.items():
@@ -190,15 +226,51 @@ class Gatherer:
     def gathered_names(self) -> list[str]:
         return [n for n, b in self.blocks.items() if b.state is not BlockState.RELEASED]
 
-    # --- hooks -------------------------------------------------------------------------------
+    def live_numel(self) -> int:
+        """Elements of the blocks gathered or being gathered."""
+        return sum(self.numel[n] for n in self.gathered_names())
+
+    # --- schedule: see [Note: stage-3 gather schedule] -----------------------------------------
+
+    def _fits(self, live: int, numel: int) -> bool:
+        cap = self.schedule.max_live_parameters
+        return cap is None or live + numel <= cap
+
+    def _keeps(self, name: str) -> bool:
+        """Whether ``name`` stays gathered at the end of a forward that backward will follow."""
+        if name in self._persistent:
+            return True
+        if self._recording:  # the first step: the order, hence the reuse distances, are not known yet
+            return False
+        if self._reused is None:
+            self._reused = set()
+            after, live = 0, self.numel.get("", 0)  # the root stays gathered all step
+            for block in reversed(self.order):
+                if 2 * after >= self.schedule.max_reuse_distance or not self._fits(live, self.numel[block]):
+                    break
+                self._reused.add(block)
+                live += self.numel[block]
+                after += self.numel[block]
+        return name in self._reused
 
     def _prefetch_after(self, name: str, step: int) -> None:
-        if name not in self.order or not self.prefetch:
+        if name not in self.order:
             return
-        k = self.order.index(name)
-        for j in range(1, self.prefetch + 1):
-            if 0 <= k + step * j < len(self.order):
-                self.launch(self.order[k + step * j])
+        schedule, k = self.schedule, self.order.index(name)
+        live, ahead, count = self.live_numel(), 0, 0
+        for j in range(k + step, len(self.order) if step > 0 else -1, step):
+            by_size = schedule.prefetch_bucket_size
+            if (count >= schedule.prefetch) if by_size is None else (ahead >= by_size):
+                return
+            nxt = self.order[j]
+            if self.blocks[nxt].state is BlockState.RELEASED:
+                if not self._fits(live, self.numel[nxt]):
+                    return
+                self.launch(nxt)
+                live += self.numel[nxt]
+            ahead, count = ahead + self.numel[nxt], count + 1
+
+    # --- hooks -------------------------------------------------------------------------------
 
     def _pre_forward_hook(self, name: str):
         @_eager
@@ -226,11 +298,14 @@ class Gatherer:
     def _post_forward_hook(self, name: str):
         @_eager
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            self.release(name)
+            backward = False
             if torch.is_grad_enabled():
                 for t in tree_flatten(output)[0]:
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         t.register_hook(self._pre_backward_hook(name))
+                        backward = True
+            if not (backward and self._keeps(name)):
+                self.release(name)
             return output
         return hook
 
@@ -245,9 +320,11 @@ class Gatherer:
     # --- backward bookkeeping (called by the engine) -----------------------------------------
 
     def begin_step(self) -> None:
-        """A training step starts: forget input gradients a forward without backward left pending."""
+        """A training step starts: forget input gradients a forward without backward left pending, and release the
+        blocks it left gathered (kept for a backward that never came)."""
         for block in self.blocks.values():
             block.pending_inputs = 0
+        self.release_all()
 
     def start_backward(self) -> None:
         for block in self.blocks.values():

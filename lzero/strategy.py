@@ -155,6 +155,10 @@ class ZeroStrategy(DDPStrategy):
         if explicit and not isinstance(plugin, ZeroPrecision):
             return  # the strategy's own precision wins over the Trainer's generic plugin
         self._precision_plugin = None if plugin is None else to_zero_precision(plugin)
+        knobs = self._deepspeed.loss_scaling_if_fp16 if getattr(self, "_deepspeed", None) is not None else None
+        if knobs and not isinstance(plugin, ZeroPrecision) and self.precision_plugin.precision == "16-mixed":
+            # a DeepSpeed `fp16: {enabled: "auto", ...}` block: its loss scaling, now that the Trainer says 16-mixed
+            self._precision_plugin = ZeroPrecision("16-mixed", loss_scaling=LossScaleConfig(**knobs))
 
     @property
     def engine(self) -> Optional[ZeroEngine]:
@@ -176,6 +180,7 @@ class ZeroStrategy(DDPStrategy):
         if fitting:
             if self._deepspeed is not None:
                 deepspeed_config.apply_to_trainer(self._deepspeed, trainer)
+                self._fill_from_hidden_size()
             if self.config.stage >= 3:
                 _refuse_weight_averaging(trainer.callbacks)
             self.setup_optimizers(trainer)
@@ -235,6 +240,16 @@ class ZeroStrategy(DDPStrategy):
                     " scheduler(s)). HINT: drop the block, or return one optimizer and no scheduler.")
             self.lr_scheduler_configs = [LRSchedulerConfig(deepspeed_optim.build_scheduler(ds.scheduler, real[0]),
                                                            interval="step")]
+
+    def _fill_from_hidden_size(self) -> None:
+        """The DeepSpeed configuration's ``"auto"`` sizes that follow the model's hidden size, logged in one line."""
+        filled = deepspeed_config.fill_from_hidden_size(self._deepspeed, self.lightning_module)
+        if filled:
+            from lightning.pytorch.utilities import rank_zero_info
+
+            self.config = self.config.with_overrides(**filled)
+            rank_zero_info("lzero: DeepSpeed \"auto\" values from the model's hidden size: "
+                           + ", ".join(f"{k}={v}" for k, v in filled.items()))
 
     def _choose_configuration(self) -> None:
         """``stage="auto"``: the configuration for this model and machine, logged in one line."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import gc
 import warnings
+from typing import Any
 
 import torch
 from torch import nn
@@ -486,19 +487,29 @@ def stage3_gather(rank: int, world_size: int) -> dict:
     result = {"gathered": stage3_gathered_parameters(rank, world_size)}
     if world_size == 2:
         result["states"] = stage3_block_states(rank, world_size)
+        b = sum(p.numel() for p in Block(48).parameters())  # elements of one block of Deep()
+        result["block_numel"] = b
+        result["schedules"] = {name: stage3_block_states(rank, world_size, **knobs) for name, knobs in {
+            "bucket": dict(prefetch_bucket_size=b + b // 2),  # 1.5 blocks: two blocks ahead
+            "live": dict(prefetch=2, max_live_parameters=3072 + 2 * b),  # root + 2 blocks: one ahead, not two
+            "reuse": dict(max_reuse_distance=2 * b + 1),  # blocks 3 (distance 0) and 2 (2b) kept
+            "reuse_live": dict(max_reuse_distance=10 * b, max_live_parameters=3072 + b + b // 2),  # 3 kept, no prefetch
+            "persist": dict(param_persistence_threshold=b, prefetch=0),
+        }.items()}
         result["partial"] = stage3_unit_on_some_ranks(rank, world_size)
     return result
 
 
-def stage3_block_states(rank: int, world_size: int) -> dict:
+def stage3_block_states(rank: int, world_size: int, **schedule: Any) -> dict:
     """Every block's state seen from inside forward and backward of the second step (the first one
-    records the order): the computing block gathered, the next ``prefetch`` launched, the rest released."""
+    records the order): by default the computing block gathered, the next ``prefetch`` launched, the rest
+    released; ``schedule``: ZeroConfig's gather-schedule knobs. Also the parameters after the two steps."""
     from lzero.gather import BlockState
 
     torch.manual_seed(0)
     model = Deep(depth=4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, prefetch=1))
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, **{"prefetch": 1, **schedule}))
     zopt = ZeroOptimizer(opt, engine, 0)
     blocks = engine.gatherer.blocks
     names = [f"blocks.{i}" for i in range(4)]
@@ -523,6 +534,8 @@ def stage3_block_states(rank: int, world_size: int) -> dict:
         zopt.zero_grad()
     for h in hooks:
         h.remove()
+    engine.unshard()
+    seen["params"] = {n: p.detach().flatten().tolist() for n, p in model.named_parameters()}  # exact floats
     engine.remove()
     assert BlockState.GATHERED.name == "GATHERED"
     return seen

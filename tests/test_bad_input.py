@@ -46,8 +46,8 @@ def test_unknown_option_suggests_the_field() -> None:
 
 
 def test_unknown_config_field_suggests_the_field() -> None:
-    with pytest.raises(ZeroConfigError, match=r"Unknown ZeroConfig field `prefetch_blocks`\. HINT: did you mean `prefetch`\?"):
-        ZeroConfig(stage=3, prefetch_blocks=2)
+    with pytest.raises(ZeroConfigError, match=r"Unknown ZeroConfig field `prefetch_block`\. HINT: did you mean `prefetch`\?"):
+        ZeroConfig(stage=3, prefetch_block=2)
     with pytest.raises(ZeroConfigError, match="Unknown ZeroConfig field `zzz`. HINT: the options are: stage, "):
         ZeroConfig(zzz=1)
     assert ZeroConfig(stage=3, prefetch=2).prefetch == 2

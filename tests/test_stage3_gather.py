@@ -38,6 +38,40 @@ def test_block_states_follow_forward_and_backward_with_prefetch(ranks: tuple[int
         assert seen["after_backward"] == {name: "RELEASED" for name in ["", *BLOCKS]}
 
 
+def states(gathered: set[int], launched: set[int] = set()) -> dict[str, str]:
+    return {"": "GATHERED", **{name: "GATHERED" if i in gathered else "GATHERING" if i in launched else "RELEASED"
+                               for i, name in enumerate(BLOCKS)}}
+
+
+FORWARD, BACKWARD = range(4), (3, 2, 1, 0)
+SCHEDULES = {  # [Note: stage-3 gather schedule]: the states seen in forward and backward of the second step
+    # prefetch_bucket_size 1.5 blocks: blocks are launched until those ahead hold 1.5 blocks, so two ahead
+    "bucket": ([states({k}, {k + 1, k + 2}) for k in FORWARD], [states({k}, {k - 1, k - 2}) for k in BACKWARD]),
+    # prefetch=2 capped by max_live_parameters = root + 2 blocks: only one ahead
+    "live": ([states({k}, {k + 1}) for k in FORWARD], [states({k}, {k - 1}) for k in BACKWARD]),
+    # max_reuse_distance 2b + 1: blocks 3 (distance 0) and 2 (distance 2b) stay gathered at the end of forward
+    "reuse": ([states({0}, {1}), states({1}, {2}), states({2}, {3}), states({2, 3})],
+              [states({2, 3}), states({2}, {1}), states({1}, {0}), states({0})]),
+    # reuse distance 10b, but max_live_parameters = root + 1.5 blocks: block 3 alone is kept, nothing prefetched
+    "reuse_live": ([states({k}) for k in FORWARD], [states({k}) for k in BACKWARD]),
+    # every block under param_persistence_threshold: each stays gathered from its forward to its backward
+    "persist": ([states(set(range(k + 1))) for k in FORWARD], [states(set(range(k + 1))) for k in BACKWARD]),
+}
+
+
+@pytest.mark.parametrize("ranks", [2], indirect=True)
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_gather_schedule_knobs_change_when_blocks_are_gathered_not_the_result(ranks, schedule: str) -> None:
+    forward, backward = SCHEDULES[schedule]
+    for res in ranks[1]:
+        seen = res["schedules"][schedule]
+        assert seen["after_root_gather"] == states(set())
+        assert seen["forward"] == list(zip(FORWARD, forward))
+        assert seen["backward"] == list(zip(BACKWARD, backward))
+        assert seen["after_backward"] == {name: "RELEASED" for name in ["", *BLOCKS]}
+        assert seen["params"] == res["states"]["params"]  # bitwise those of the default schedule (prefetch=1)
+
+
 @pytest.mark.parametrize("ranks", [2], indirect=True)
 def test_stage3_unit_run_on_some_ranks_is_a_clear_error(ranks: tuple[int, list[dict]]) -> None:
     for rank, res in enumerate(ranks[1]):
