@@ -66,8 +66,21 @@ def _epilog() -> str:
     return "other commands (lzero COMMAND --help for details):\n" + "\n".join(lines)
 
 
+def _show_field_docstrings() -> None:
+    """``--help`` and ``--print_config=comments`` show each ZeroConfig field's docstring (jsonargparse reads
+    attribute docstrings only when asked)."""
+    import jsonargparse
+
+    if hasattr(jsonargparse, "set_parsing_settings"):
+        jsonargparse.set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    else:  # jsonargparse < 4.41
+        jsonargparse.set_docstring_parse_options(attribute_docstrings=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     import lzero  # noqa: F401  registers the lzero strategy names with Lightning
+
+    _show_field_docstrings()
 
     args = sys.argv[1:] if argv is None else argv
     command = args[0] if args else None

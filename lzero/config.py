@@ -344,9 +344,10 @@ def _offload_block(name: str, value: Any, cls: type) -> Any:
             f" `{name}={{'device': 'cpu', 'pin_memory': True}}`."
         )
     known = [f.name for f in fields(cls)]
+    defaults = {f.name: f.default for f in fields(cls)}
     device = value.get("device", "none") or "none"
-    for key in value:
-        if key in NVME_KEYS and key in known and device != "nvme":
+    for key in value:  # a key at its default says nothing (LightningCLI writes out every key of a block)
+        if key in NVME_KEYS and key in known and device != "nvme" and value[key] != defaults[key]:
             raise ZeroConfigError(
                 f"`{name}.{key}` only applies with `device: nvme` (ZeRO-Infinity); with device {device!r} it would"
                 f" be ignored. HINT: remove `{key}`, or use `{name}={{'device': 'nvme', '{key}': ...}}`."

@@ -71,14 +71,15 @@ class ZeroStrategy(DDPStrategy):
         loss_scaling: with ``precision="16-mixed"``, DeepSpeed's fp16 loss-scaling knobs (a dict of
             :class:`lzero.LossScaleConfig` fields, or one).
         **options: any other :class:`lzero.ZeroConfig` field, applied over ``config``.
-        The remaining arguments are Lightning's, as for ``DDPStrategy``.
+
+    The remaining arguments are Lightning's, as for ``DDPStrategy``.
     """
 
     strategy_name = "zero"
 
     def __init__(
         self,
-        config: Optional[Union[ZeroConfig, dict, str]] = None,
+        config: Optional[Union[ZeroConfig, dict, str]] = ZeroConfig(),
         stage: Optional[Union[int, Literal["auto"]]] = None,
         allow_untested_optimizer: Optional[bool] = None,
         accelerator: Optional[Accelerator] = None,

@@ -6,6 +6,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from lightning.pytorch import Callback
 
 from lzero.cli import main
 
@@ -86,3 +87,74 @@ def test_help_lists_the_checkpoint_commands(capsys: pytest.CaptureFixture) -> No
     assert out.startswith("usage: lzero ")
     for command in ("fit", "validate", "consolidate", "inspect", "estimate"):
         assert f"\n    {command} " in out or f"\n  {command} " in out, command
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_demo_config_per_registered_name_differing_only_in_the_strategy() -> None:
+    import yaml
+
+    from lzero.presets import PRESET_CONFIGS
+
+    ddp = yaml.safe_load((ROOT / "configs/demo_ddp.yaml").read_text())
+    for name in PRESET_CONFIGS:
+        assert (ROOT / "strategies" / f"{name}.yaml").is_file(), name
+        config = yaml.safe_load((ROOT / "configs" / f"demo_{name}.yaml").read_text())
+        assert config["trainer"].pop("strategy") == name
+        assert config == {**ddp, "trainer": {k: v for k, v in ddp["trainer"].items() if k != "strategy"}}, name
+
+
+class RecordTrainer(Callback):
+    """A callback (given by class path) that keeps the Trainer it ran in."""
+
+    last = None
+
+    def on_train_end(self, trainer, pl_module):  # type: ignore[no-untyped-def]
+        RecordTrainer.last = trainer
+
+
+def test_one_argument_switches_the_demo_from_ddp_to_zero3(tmp_path: Path, in_process_fit) -> None:
+    """`lzero fit --config configs/demo_ddp.yaml --trainer.strategy zero3` (shrunk to one process, two steps)."""
+    from lzero import ZeroStrategy
+
+    assert main(["fit", "--config", str(ROOT / "configs/demo_ddp.yaml"), "--trainer.strategy", "zero3",
+                 "--trainer.devices", "1", "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0",
+                 "--trainer.logger", "false", "--trainer.callbacks", "test_cli.RecordTrainer",
+                 "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path),
+                 "--model.n_layer", "1", "--model.n_embd", "16", "--model.n_head", "2", "--model.block_size", "8",
+                 "--data.block_size", "8", "--data.batch_size", "2"]) == 0
+    trainer = RecordTrainer.last
+    assert isinstance(trainer.strategy, ZeroStrategy) and trainer.strategy.config.stage == 3
+    assert trainer.global_step == 2
+
+
+def test_print_config_comments_show_every_strategy_field_with_its_docstring(capsys: pytest.CaptureFixture) -> None:
+    """`--print_config=comments` with `trainer.strategy: strategies/zero3.yaml` lists every ZeroConfig field under
+    `config`, each under a comment that starts with the first words of its docstring, with the preset's values."""
+    import ast
+    from dataclasses import fields
+
+    from lzero import ZeroConfig
+
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--config", str(ROOT / "configs/demo_ddp.yaml"), "--trainer.strategy",
+              str(ROOT / "strategies/zero3.yaml"), "--print_config=comments"])
+    assert done.value.code == 0
+    printed = capsys.readouterr().out.splitlines()
+    tree = ast.parse((ROOT / "lzero/config.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ZeroConfig")
+    docs = {}
+    for field_node, doc in zip(cls.body, cls.body[1:]):
+        if isinstance(field_node, ast.AnnAssign) and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant):
+            docs[field_node.target.id] = " ".join(doc.value.value.split())
+    start = printed.index("      config:")
+    for f in fields(ZeroConfig):
+        line = next(i for i in range(start, len(printed)) if printed[i].strip().startswith(f"{f.name}:"))
+        comment = []
+        i = line - 1
+        while printed[i].strip().startswith("#"):
+            comment.insert(0, printed[i].strip().lstrip("#").strip())
+            i -= 1
+        assert " ".join(comment).startswith(docs[f.name][:40]), f.name
+    assert printed[start + 3].strip() == "stage: 3"

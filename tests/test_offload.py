@@ -80,7 +80,7 @@ def test_memory_is_labelled_by_store_and_matches_the_formula(stage: int) -> None
     ({"offload_optimizer": {"device": "cpu", "ratio": 1.5}}, r"`offload_optimizer.ratio=1.5` must be a fraction"),
     ({"offload_optimizer": {"device": "cpu", "nvme_path": "/nvme"}},
      r"`offload_optimizer.nvme_path` only applies with `device: nvme`.*with device 'cpu' it would be ignored"),
-    ({"stage": 3, "offload_param": {"device": "cpu", "buffer_count": 5}}, r"`offload_param.buffer_count` only applies"),
+    ({"stage": 3, "offload_param": {"device": "cpu", "buffer_count": 6}}, r"`offload_param.buffer_count` only applies"),
     ({"offload_optimizer": {"device": "cpu", "max_in_cpu": 5}}, r"`offload_optimizer.max_in_cpu` is not an"
                                                                 r" `offload_optimizer` key.*move it to `offload_param`"),
     ({"aio": {"thread_count": 2, "intra_op_parallelism": 4}}, r"`aio.thread_count=2` and `aio.intra_op_parallelism=4`"),
@@ -95,6 +95,12 @@ def test_memory_is_labelled_by_store_and_matches_the_formula(stage: int) -> None
 def test_bad_offload_options_are_named(kwargs: dict, match: str) -> None:
     with pytest.raises(ZeroConfigError, match=match):
         ZeroConfig(**kwargs)
+
+
+def test_an_nvme_key_at_its_default_is_accepted_with_another_device() -> None:
+    """LightningCLI writes out every key of a block; a key at its default loses nothing."""
+    config = ZeroConfig(stage=3, offload_param={"device": "cpu", "buffer_count": 5, "nvme_path": None})
+    assert config.offload_param.device == "cpu" and config.offload_param.buffer_count == 5
 
 
 def test_deepspeed_blocks_and_defaults() -> None:
