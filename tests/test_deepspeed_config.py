@@ -329,3 +329,15 @@ def test_fp16_auto_takes_the_blocks_loss_scaling_when_the_trainer_says_16_mixed(
     assert (config.initial_scale_power, config.hysteresis) == (8, 3) and strategy.precision_plugin.loss_scale == 2.0 ** 8
     strategy.precision_plugin = SimpleNamespace(precision="bf16-mixed")
     assert strategy.precision_plugin.precision == "bf16-mixed"
+
+
+def test_readme_migration_table_names_every_key_lzero_reads() -> None:
+    """README point of issue 15: the table of DeepSpeed keys covers every key the translation knows."""
+    from lzero.deepspeed_config import FP16_KEYS, TOP_KEYS, ZERO_KEYS
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Migrating from DeepSpeed"):]
+    table = section[section.index("| DeepSpeed key | lzero |"):]
+    table = table[:table.index("\n\n")]
+    missing = [key for key in (*TOP_KEYS, *ZERO_KEYS, *FP16_KEYS) if f"`{key}`" not in table and key != "enabled"]
+    assert missing == []
