@@ -8,7 +8,7 @@ Each key of the configuration has one fate, and :func:`translate` records it:
 - notice: accepted although lzero does it its own way (logging knobs, stage-3 scheduling knobs that change
   memory and speed but not the result), with a note naming the key;
 - refused: an unknown key (with a did-you-mean), a feature lzero does not have (ZeRO++, MiCS, the
-  ``optimizer``/``scheduler`` blocks for now), a value lzero cannot honour, or a contradiction. All refusals of one
+  ``LRRangeTest`` scheduler), a value lzero cannot honour, or a contradiction. All refusals of one
   configuration are raised together in one :class:`DeepSpeedConfigError`.
 Keys and defaults follow DeepSpeed 0.19 (``deepspeed/runtime/zero/config.py`` and neighbours).
 """
@@ -274,7 +274,11 @@ class _Reader:
     def optim_block(self, kind: str) -> None:
         from lzero import deepspeed_optim
 
-        setattr(self.out, kind, deepspeed_optim.check(kind, self.ds[kind]))
+        spec = deepspeed_optim.check(kind, self.ds[kind])
+        setattr(self.out, kind, spec)
+        for key in [k for k, v in spec["params"].items() if v == AUTO]:
+            self.note(f"{kind}.params.{key}", "filled", f"auto -> {deepspeed_optim.AUTO_SOURCES[kind][key]}, when"
+                      " training starts")
 
     def check_keys(self, block: Any, known: tuple, prefix: str) -> bool:
         if not isinstance(block, dict):

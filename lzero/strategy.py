@@ -215,7 +215,8 @@ class ZeroStrategy(DDPStrategy):
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
         """The LightningModule's optimizers, or those of a DeepSpeed configuration's ``optimizer``/``scheduler``
-        blocks when ``configure_optimizers`` returns none (see [Note: DeepSpeed's optimizer and scheduler blocks])."""
+        blocks when ``configure_optimizers`` returns none, their ``"auto"`` values filled from the module's hparams,
+        the Trainer and the optimizer (see [Note: DeepSpeed's optimizer and scheduler blocks])."""
         super().setup_optimizers(trainer)
         ds = self._deepspeed
         if ds is None or (ds.optimizer is None and ds.scheduler is None):
@@ -226,20 +227,23 @@ class ZeroStrategy(DDPStrategy):
         from lzero import deepspeed_optim
 
         real = [o for o in self.optimizers if not isinstance(o, _MockOptimizer)]
+        hparams, steps = self.lightning_module.hparams, lambda: trainer.estimated_stepping_batches
         if ds.optimizer is not None:
             if real:
                 raise ZeroConfigError(
                     "Both the DeepSpeed configuration (its `optimizer` block) and `configure_optimizers` define an"
                     " optimizer. HINT: drop one: remove the block, or return nothing from `configure_optimizers`.")
             trainable = [p for p in self.lightning_module.parameters() if p.requires_grad]
-            real = self.optimizers = [deepspeed_optim.build_optimizer(ds.optimizer, trainable)]
+            spec = deepspeed_optim.fill_auto(ds.optimizer, hparams, steps, [])
+            real = self.optimizers = [deepspeed_optim.build_optimizer(spec, trainable)]
         if ds.scheduler is not None:
             if len(real) != 1 or self.lr_scheduler_configs:
                 raise ZeroConfigError(
                     "The DeepSpeed configuration's `scheduler` block needs exactly one optimizer and no scheduler from"
                     f" `configure_optimizers` (found {len(real)} optimizer(s), {len(self.lr_scheduler_configs)}"
                     " scheduler(s)). HINT: drop the block, or return one optimizer and no scheduler.")
-            self.lr_scheduler_configs = [LRSchedulerConfig(deepspeed_optim.build_scheduler(ds.scheduler, real[0]),
+            spec = deepspeed_optim.fill_auto(ds.scheduler, hparams, steps, [g["lr"] for g in real[0].param_groups])
+            self.lr_scheduler_configs = [LRSchedulerConfig(deepspeed_optim.build_scheduler(spec, real[0]),
                                                            interval="step")]
 
     def _fill_from_hidden_size(self) -> None:
