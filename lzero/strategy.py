@@ -224,7 +224,7 @@ class ZeroStrategy(DDPStrategy):
         from lightning.pytorch.core.optimizer import _MockOptimizer
         from lightning.pytorch.utilities.types import LRSchedulerConfig
 
-        from lzero import deepspeed_optim
+        from lzero import deepspeed_optim, deepspeed_schedules
 
         real = [o for o in self.optimizers if not isinstance(o, _MockOptimizer)]
         hparams, steps = self.lightning_module.hparams, lambda: trainer.estimated_stepping_batches
@@ -243,7 +243,7 @@ class ZeroStrategy(DDPStrategy):
                     f" `configure_optimizers` (found {len(real)} optimizer(s), {len(self.lr_scheduler_configs)}"
                     " scheduler(s)). HINT: drop the block, or return one optimizer and no scheduler.")
             spec = deepspeed_optim.fill_auto(ds.scheduler, hparams, steps, [g["lr"] for g in real[0].param_groups])
-            self.lr_scheduler_configs = [LRSchedulerConfig(deepspeed_optim.build_scheduler(spec, real[0]),
+            self.lr_scheduler_configs = [LRSchedulerConfig(deepspeed_schedules.build_scheduler(spec, real[0]),
                                                            interval="step")]
 
     def _fill_from_hidden_size(self) -> None:

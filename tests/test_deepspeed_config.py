@@ -252,16 +252,18 @@ def test_bad_optimizer_and_scheduler_blocks_are_named(tmp_path: Path, in_process
                     datamodule=TextDataModule(block_size=8, batch_size=2, steps_per_epoch=1))
 
 
-def test_warmup_lr_and_warmup_cosine_lr_rates() -> None:
-    """DeepSpeed's formulas, by hand: WarmupLR "log" from 0.01 to 0.1 over 10 steps (log(s + 1) / log(10)), then 0.1;
-    WarmupCosineLR relative to the optimizer's 0.5: linear warmup from 0.2 over 2 steps, cosine to 0.1 at step 6."""
+def test_warmup_schedulers_set_deepspeeds_rates_with_its_timing() -> None:
+    """DeepSpeed's formulas and timing, by hand ([Note: DeepSpeed's scheduler timing]): the rate before optimizer
+    step k is the one for DeepSpeed's iteration L = k - 1 (L = -1: the warmup's bottom; 0 for WarmupCosineLR).
+    (benchmarks/check_deepspeed_schedules.py compares with DeepSpeed's own classes: bitwise equal.)"""
     import math
 
-    from lzero.deepspeed_optim import build_optimizer, build_scheduler, check
+    from lzero.deepspeed_optim import build_optimizer, check
+    from lzero.deepspeed_schedules import build_scheduler
 
-    def rates(scheduler_block: dict, steps: int) -> list[float]:
+    def rates(kind: str, steps: int, **params: Any) -> list[float]:
         opt = build_optimizer(check("optimizer", {"type": "SGD", "params": {"lr": 0.5}}), [torch.nn.Parameter(torch.zeros(1))])
-        sched = build_scheduler(check("scheduler", scheduler_block), opt)
+        sched = build_scheduler(check("scheduler", {"type": kind, "params": params}), opt)
         out = []
         for _ in range(steps):
             out.append(opt.param_groups[0]["lr"])
@@ -269,13 +271,24 @@ def test_warmup_lr_and_warmup_cosine_lr_rates() -> None:
             sched.step()
         return out
 
-    log = rates({"type": "WarmupLR", "params": {"warmup_min_lr": 0.01, "warmup_max_lr": 0.1, "warmup_num_steps": 10}}, 12)
-    assert log == pytest.approx([0.01 + 0.09 * math.log(s + 1) / math.log(10) for s in range(10)] + [0.1, 0.1])
-    cos = rates({"type": "WarmupCosineLR", "params": {"warmup_min_ratio": 0.2, "warmup_num_steps": 2,
-                                                       "warmup_type": "linear", "cos_min_ratio": 0.1,
-                                                       "total_num_steps": 6}}, 7)
-    expected = [0.2, 0.6] + [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - 2) / 4)) for s in range(2, 7)]
+    # WarmupLR "log" from 0.01 to 0.1 over 10 iterations: 0.01 at L = -1, log(L + 1) / log(10) of the way, then 0.1
+    log = rates("WarmupLR", 12, warmup_min_lr=0.01, warmup_max_lr=0.1, warmup_num_steps=10)
+    assert log == pytest.approx([0.01] + [0.01 + 0.09 * math.log(L + 1) / math.log(10) for L in range(10)] + [0.1])
+    # warmup_num_steps 1 runs as 2 (DeepSpeed's clamp); warmup_max_lr defaults to the optimizer's lr (0.5)
+    assert rates("WarmupLR", 4, warmup_num_steps=1, warmup_type="linear") == [0.0, 0.0, 0.25, 0.5]
+    # WarmupDecayLR from 0.1 to 1.0 over 2 (linear), then down to warmup_min_lr (not 0) at L = 5, held there
+    decay = rates("WarmupDecayLR", 8, warmup_min_lr=0.1, warmup_max_lr=1.0, warmup_num_steps=2, warmup_type="linear",
+                  total_num_steps=5)
+    assert decay == pytest.approx([0.1, 0.1, 0.55, 1.0, 0.1 + 0.9 * 2 / 3, 0.1 + 0.9 / 3, 0.1, 0.1])
+    # WarmupCosineLR relative to 0.5: 0 at L = -1, linear from 0.2 over 2, cosine with progress (L - 1) / 4 to 0.1
+    cos = rates("WarmupCosineLR", 8, warmup_min_ratio=0.2, warmup_num_steps=2, warmup_type="linear",
+                cos_min_ratio=0.1, total_num_steps=6)
+    expected = [0.0, 0.2, 0.6] + [0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1, (L - 1) / 4))) for L in range(2, 7)]
     assert cos == pytest.approx([0.5 * r for r in expected])
+    with pytest.raises(ZeroConfigError, match=r"`scheduler.params.warmup_type='cosine'` is not one of log, linear"):
+        check("scheduler", {"type": "WarmupLR", "params": {"warmup_type": "cosine"}})
+    with pytest.raises(ZeroConfigError, match=r"`scheduler.params.warmup_num_steps=0` must be a whole number >= 1"):
+        check("scheduler", {"type": "WarmupLR", "params": {"warmup_num_steps": 0}})
 
 
 HF_AUTO_ZERO3 = {"fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 8, "hysteresis": 3},

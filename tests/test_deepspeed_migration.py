@@ -42,6 +42,9 @@ class Case:
     refused: Optional[str] = None
     """For a refused configuration: a regex of the message."""
 
+    steps: int = 2
+    """Optimizer steps of each fit."""
+
     blocks: bool = False
     """The configuration has ``optimizer``/``scheduler`` blocks: its model's ``configure_optimizers`` returns
     nothing, the Python model's returns the same optimizer and schedule."""
@@ -137,7 +140,7 @@ CASES = {
          "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
                                                            "warmup_num_steps": 2, "warmup_type": "linear",
                                                            "total_num_steps": 5}}},
-        python=dict(stage=2, precision="bf16-mixed"), blocks=True),
+        python=dict(stage=2, precision="bf16-mixed"), blocks=True, steps=4),  # DeepSpeed's first 2 steps: lr 0
     "deprecated_spellings": Case(
         {"zero_optimization": {"stage": 3, "cpu_offload": True, "cpu_offload_params": True,
                                "cpu_offload_use_pin_memory": False,
@@ -178,7 +181,7 @@ def _with_nvme(value: Any, nvme: str) -> Any:
 def _models() -> tuple[type, type]:
     """The demo model whose ``configure_optimizers`` returns nothing, and one returning the blocks' optimizer and
     schedule written in Python (AdamW; DeepSpeed's WarmupDecayLR rates: linear warmup over 2 steps, decay to 0
-    at step 5)."""
+    at step 5, with DeepSpeed's timing: the rate before step k is the one for its iteration k - 1)."""
     from lzero.demo import DemoGPT
 
     class NoOptimizer(DemoGPT):
@@ -188,7 +191,7 @@ def _models() -> tuple[type, type]:
     class Python(DemoGPT):
         def configure_optimizers(self):  # type: ignore[no-untyped-def]
             opt = torch.optim.AdamW(self.parameters(), lr=1.0, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-            factor = lambda s: [0.0, 5e-4, 1e-3, 2e-3 / 3, 1e-3 / 3, 0.0][min(s, 5)]  # noqa: E731
+            factor = lambda s: [0.0, 0.0, 5e-4, 1e-3, 2e-3 / 3, 1e-3 / 3, 0.0][min(s, 6)]  # noqa: E731
             return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, factor),
                                                         "interval": "step"}}
 
@@ -203,7 +206,7 @@ def fit(tmp_path: Path, strategy: Any, case: Case, model_cls: Optional[type] = N
 
     seed_everything(0)
     model = (model_cls or DemoGPT)(vocab_size=256, block_size=8, n_layer=2, n_head=2, n_embd=WIDTH)
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=case.steps, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                       limit_val_batches=0, default_root_dir=tmp_path, **{**case.trainer, **trainer_kwargs})
     trainer.fit(model, datamodule=TextDataModule(block_size=8, batch_size=case.batch_size, steps_per_epoch=64))
@@ -222,7 +225,7 @@ def test_config_trains_like_the_same_configuration_in_python(tmp_path: Path, in_
     ours, trainer = fit(tmp_path / "ds", ZeroStrategy(config=str(path)), case, no_optimizer)
     reference, ref_trainer = fit(tmp_path / "py", ZeroStrategy(**_with_nvme(case.python, nvme)), case,
                                  python_optimizer, **case.python_trainer)
-    assert trainer.global_step == ref_trainer.global_step == 2
+    assert trainer.global_step == ref_trainer.global_step == case.steps
     assert trainer.strategy.config == ref_trainer.strategy.config  # every field, "auto" sizes included
     for attr in ("accumulate_grad_batches", "gradient_clip_val"):
         assert getattr(trainer, attr) == getattr(ref_trainer, attr), attr

@@ -15,7 +15,8 @@ import torch
 from lzero import ZeroConfigError
 from lzero import deepspeed_optim
 from lzero.deepspeed_config import translate
-from lzero.deepspeed_optim import build_optimizer, build_scheduler, check, fill_auto
+from lzero.deepspeed_optim import build_optimizer, check, fill_auto
+from lzero.deepspeed_schedules import build_scheduler
 
 
 def schedule(optimizer_block: dict, scheduler_block: dict, steps: int) -> tuple[list[float], list[Any]]:
@@ -33,7 +34,7 @@ def schedule(optimizer_block: dict, scheduler_block: dict, steps: int) -> tuple[
 
 
 def test_one_cycle_rates_and_momentum_by_hand() -> None:
-    """DeepSpeed's OneCycle (see [Note: DeepSpeed's OneCycle]), the heights of the cycle written out step by step."""
+    """DeepSpeed's OneCycle (see [Note: DeepSpeed's OneCycle] in lzero/deepspeed_schedules.py), the heights of the cycle written out step by step."""
     adam = {"type": "AdamW", "params": {"lr": 0.05, "betas": [0.7, 0.99]}}
 
     # A symmetric cycle of 4 + 4 steps, then a smooth decay in units of 2 steps. The first step runs with
@@ -199,7 +200,8 @@ AUTO_BLOCKS = {
 def test_auto_blocks_train_like_python(tmp_path: Path, in_process_fit, monkeypatch: pytest.MonkeyPatch) -> None:
     """AdamW and WarmupDecayLR written all in "auto", filled from DemoGPT's hparams (lr 2e-3, betas (0.8, 0.9),
     weight_decay 0.05, eps 1e-7, warmup_steps 2) and the Trainer's 4 steps, against the same written in Python:
-    DeepSpeed's rates (linear warmup from 0 to 2e-3 over 2 steps, then linearly to 0 at step 4), equal parameters."""
+    DeepSpeed's rates (linear warmup from 0 to 2e-3 over 2 steps, then linearly to 0 at step 4; the first step at the
+    rate for DeepSpeed's iteration -1, see [Note: DeepSpeed's scheduler timing]), equal parameters."""
     from lzero import ZeroStrategy
 
     logged: list[str] = []
@@ -208,15 +210,15 @@ def test_auto_blocks_train_like_python(tmp_path: Path, in_process_fit, monkeypat
 
     def python(module: Any) -> dict:
         opt = torch.optim.AdamW(module.parameters(), lr=1.0, betas=(0.8, 0.9), eps=1e-7, weight_decay=0.05)
-        rates = [0.0, 1e-3, 2e-3, 1e-3]  # DeepSpeed's WarmupDecayLR by hand
+        rates = [0.0, 0.0, 1e-3, 2e-3, 1e-3]  # DeepSpeed's WarmupDecayLR by hand, with its timing (L = step - 1)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: rates[s] if s < 4 else 0.0), "interval": "step"}}
+            opt, lambda s: rates[s] if s < 5 else 0.0), "interval": "step"}}
 
     ours, ours_lrs, _ = fit(tmp_path, tiny(no_optimizer(), eps=1e-7, warmup_steps=2, **hparams),
                             ZeroStrategy(config=AUTO_BLOCKS), 4)
     reference, reference_lrs, _ = fit(tmp_path, tiny(written_in_python(python), **hparams), ZeroStrategy(stage=2), 4)
     assert moved(ours, no_optimizer(), **hparams)
-    assert ours_lrs == reference_lrs == [0.0, 1e-3, 2e-3, 1e-3]
+    assert ours_lrs == reference_lrs == [0.0, 0.0, 1e-3, 2e-3]
     assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in ours)
     assert sorted(logged) == sorted(f"DeepSpeed configuration: `{key}` \"auto\" -> {value}" for key, value in [
         ("optimizer.params.lr", "0.002 (hparams lr)"), ("optimizer.params.betas", "(0.8, 0.9) (hparams betas)"),
