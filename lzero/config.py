@@ -100,6 +100,12 @@ class AioConfig:
     """GPUDirect Storage; refused: this torch build offers no usable ``torch.cuda.gds`` path in lzero."""
 
 
+AUTO = "auto"
+BY_HIDDEN_SIZE = ("reduce_bucket_size", "prefetch_bucket_size", "param_persistence_threshold")
+"""The fields that may be "auto": sized from the model's hidden size at setup ([Note: sizes from the hidden size]
+in auto.py), as the Hugging Face integration sizes DeepSpeed's keys."""
+
+
 @dataclass(frozen=True)
 class ZeroConfig:
     """What a ZeRO strategy shards, how it communicates and where it keeps state.
@@ -110,10 +116,11 @@ class ZeroConfig:
     stage: int = 2
     """ZeRO stage. 1: optimizer state sharded. 2: also gradients. 3: also parameters."""
 
-    reduce_bucket_size: int = 5_000_000
+    reduce_bucket_size: Union[int, Literal["auto"]] = 5_000_000
     """Elements per gradient reduce-scatter. At stages 1 and 2 this is also the size limit of a unit:
     parameters are packed, in backward order, into flat units of at most this many elements (a larger
-    parameter forms a unit of its own). Counted in elements, as DeepSpeed counts them."""
+    parameter forms a unit of its own). Counted in elements, as DeepSpeed counts them. "auto": h*h for the
+    model's hidden size h, filled at setup (see [Note: sizes from the hidden size] in auto.py)."""
 
     allgather_bucket_size: int = 5_000_000
     """Elements per parameter all-gather after the optimizer step. Consecutive units are coalesced into
@@ -135,11 +142,11 @@ class ZeroConfig:
     prefetch: int = 1
     """Stage 3: how many units ahead to all-gather while the current one computes (0: none)."""
 
-    prefetch_bucket_size: Optional[int] = None
+    prefetch_bucket_size: Union[None, int, Literal["auto"]] = None
     """Stage 3: prefetch by size instead of by count: all-gather the next units while those already gathered
     or launched ahead of the current one hold fewer than this many elements (a unit is never split, so the last
     one may pass the limit; 0: no prefetch). DeepSpeed's ``stage3_prefetch_bucket_size``. None: ``prefetch``
-    units ahead. See [Note: stage-3 gather schedule] in gather.py."""
+    units ahead. "auto": 0.9*h*h, filled at setup. See [Note: stage-3 gather schedule] in gather.py."""
 
     max_live_parameters: Optional[int] = None
     """Stage 3: a prefetch, or a unit kept gathered by ``max_reuse_distance``, never takes the gathered
@@ -153,11 +160,12 @@ class ZeroConfig:
     backward), so the last units of forward, which backward needs first, are kept from the second step on
     (the first step records the order). DeepSpeed's ``stage3_max_reuse_distance``. 0: none kept."""
 
-    param_persistence_threshold: int = 0
+    param_persistence_threshold: Union[int, Literal["auto"]] = 0
     """Stage 3: a unit of at most this many elements stays gathered from its forward to the end of its
     backward, gathered once per step instead of twice. DeepSpeed's ``stage3_param_persistence_threshold``
     compares each parameter; lzero gathers a unit's parameters in one collective, so it compares the unit
-    (small parameters inside a large unit cost no collective of their own). 0: none."""
+    (small parameters inside a large unit cost no collective of their own). 0: none. "auto": 10*h, filled
+    at setup."""
 
     unit_order_timeout_s: float = 120.0
     """Stage 3: before each unit's all-gather the ranks check that they gather the same unit; a rank
@@ -238,7 +246,8 @@ class ZeroConfig:
             value = getattr(self, name)
             if isinstance(value, float) and value.is_integer():  # DeepSpeed configs write 5e8
                 object.__setattr__(self, name, int(value))
-            _check_positive_int(name, getattr(self, name))
+            if getattr(self, name) != AUTO or name not in BY_HIDDEN_SIZE:
+                _check_positive_int(name, getattr(self, name))
         if self.train_batch_size is not None:
             _check_positive_int("train_batch_size", self.train_batch_size)
         if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
@@ -313,10 +322,11 @@ class ZeroConfig:
             value = getattr(self, name)
             if isinstance(value, float) and value.is_integer():  # DeepSpeed configs write 5e7
                 object.__setattr__(self, name, value := int(value))
-            if value is None and name in optional:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ZeroConfigError(f"`{name}={value!r}` must be a whole number of elements >= 0.")
+            unset = value is None and name in optional
+            if not unset and not (value == AUTO and name in BY_HIDDEN_SIZE) and (
+                    isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                also = ' or "auto"' if name in BY_HIDDEN_SIZE else ""
+                raise ZeroConfigError(f"`{name}={value!r}` must be a whole number of elements >= 0{also}.")
             if self.stage < 3 and value != ZeroConfig.__dataclass_fields__[name].default:
                 raise ZeroConfigError(f"`{name}={value}` at stage {self.stage}: it schedules stage 3's parameter"
                                       f" gathers, and stage {self.stage} keeps whole parameters. HINT: drop"

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
-from lzero.config import ZeroConfig, ZeroConfigError
+from lzero.auto_sizes import FORMULAS
+from lzero.config import BY_HIDDEN_SIZE, ZeroConfig, ZeroConfigError
 
 AUTO = "auto"
 
@@ -57,15 +58,6 @@ STAGE3_SCHEDULE = {  # DeepSpeed key -> ZeroConfig field, both in elements
 }
 """Stage-3 scheduling knobs: when parameters are gathered and how long they stay, never what is computed.
 Honoured by lzero's gather schedule ([Note: stage-3 gather schedule] in gather.py); stage 3 only."""
-
-BY_HIDDEN_SIZE = {  # ZeroConfig field -> its "auto" value from the model's hidden size h, as Hugging Face fills it
-    "reduce_bucket_size": lambda h: h * h,
-    "prefetch_bucket_size": lambda h: int(0.9 * h * h),
-    "param_persistence_threshold": lambda h: 10 * h,
-}
-HIDDEN_SIZE_NAMES = ("hidden_size", "n_embd", "d_model", "hidden_dim")
-"""Where the hidden size is looked for: these attributes (or the largest of ``hidden_sizes``) of a ``config`` on
-the LightningModule or a submodule (a Hugging Face model's), then these hyperparameters of the LightningModule."""
 
 ZERO_ONLY_VALUE = {  # key -> (the one value lzero runs, why)
     "contiguous_gradients": (True, "lzero's gradients always live in contiguous flat unit buffers"),
@@ -179,9 +171,6 @@ class Translated:
     scheduler: Optional[dict[str, Any]] = None
     """The ``scheduler`` block, checked; stepped every optimizer step."""
 
-    by_hidden_size: tuple[str, ...] = ()
-    """ZeroConfig fields written ``"auto"`` that are filled from the model's hidden size at setup
-    (:data:`BY_HIDDEN_SIZE`, :func:`fill_from_hidden_size`)."""
 
     def strategy_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``ZeroStrategy``."""
@@ -192,6 +181,9 @@ class Translated:
             kwargs["loss_scaling"] = dict(self.loss_scaling)
         if self.cpu_checkpointing:
             kwargs["cpu_checkpointing"] = True
+        for kind in ("optimizer", "scheduler"):
+            if getattr(self, kind) is not None:
+                kwargs[f"deepspeed_{kind}"] = getattr(self, kind)
         return kwargs
 
     def trainer_kwargs(self) -> dict[str, Any]:
@@ -231,6 +223,13 @@ def translate(ds: Union[dict, str, Path], *, world_size: Optional[int] = None, m
     if reader.errors:
         raise DeepSpeedConfigError(reader.errors)
     return reader.out
+
+
+def blocks_only(blocks: dict[str, Any]) -> Translated:
+    """``ZeroStrategy(deepspeed_optimizer=..., deepspeed_scheduler=...)`` without a configuration: the blocks checked."""
+    from lzero import deepspeed_optim
+
+    return Translated(**{kind: deepspeed_optim.check(kind, block) for kind, block in blocks.items()})
 
 
 class _Reader:
@@ -308,9 +307,9 @@ class _Reader:
                 self.refuse(f"`{p}{key}={block[key]!r}` at stage {stage}: it schedules stage 3's parameter gathers"
                             f" (lzero's `{name}`). HINT: remove it, or use stage 3.")
             elif block.get(key) == AUTO and name in BY_HIDDEN_SIZE:
-                self.out.by_hidden_size += (name,)
-                self.note(p + key, "filled", f"auto -> `{name}` from the model's hidden size h at setup"
-                                             f" ({_FORMULA[name]}, as the Hugging Face integration fills it)")
+                opts[name] = AUTO
+                self.note(p + key, "filled", f"auto -> `{name}: auto`, filled from the model's hidden size h at"
+                                             f" setup ({FORMULAS[name][0]}, as the Hugging Face integration fills it)")
             elif block.get(key) == AUTO:
                 self.refuse(f"`{p}{key}=\"auto\"`: nothing fills it (the Hugging Face integration does not either)."
                             f" HINT: write a number, or remove it for lzero's default.")
@@ -456,38 +455,6 @@ class _Reader:
 
             self.out.cpu_checkpointing = from_deepspeed(self.ds["activation_checkpointing"])["cpu_checkpointing"]
         ZeroConfig(**self.out.options)  # every value checked by lzero's own rules, refused by name
-
-
-_FORMULA = {"reduce_bucket_size": "h*h", "prefetch_bucket_size": "0.9*h*h", "param_persistence_threshold": "10*h"}
-
-
-def hidden_size(module: Any) -> Optional[int]:
-    """The model's hidden size, looked for as :data:`HIDDEN_SIZE_NAMES` says; None if nothing says it."""
-    for sub in module.modules():
-        config = getattr(sub, "config", None)
-        found = next((getattr(config, n) for n in HIDDEN_SIZE_NAMES if isinstance(getattr(config, n, None), int)),
-                     None)
-        if found is None and getattr(config, "hidden_sizes", None):
-            found = max(config.hidden_sizes)
-        if found is not None:
-            return int(found)
-    hparams = getattr(module, "hparams", {}) or {}
-    return next((int(hparams[n]) for n in HIDDEN_SIZE_NAMES if isinstance(hparams.get(n), int)), None)
-
-
-def fill_from_hidden_size(translated: Translated, module: Any) -> dict[str, int]:
-    """The ZeroConfig values of the ``"auto"`` keys that follow the hidden size, or :class:`ZeroConfigError`
-    naming them when the model does not say its hidden size."""
-    if not translated.by_hidden_size:
-        return {}
-    h = hidden_size(module)
-    if h is None:
-        raise ZeroConfigError(
-            f"The DeepSpeed configuration writes \"auto\" for {', '.join(translated.by_hidden_size)}, filled from the"
-            " model's hidden size, but the model does not say it: no Hugging Face `config.hidden_size` (or"
-            f" `hidden_sizes`) on any module, and no hyperparameter named {', '.join(HIDDEN_SIZE_NAMES)}. HINT:"
-            " write numbers for these keys, or `self.save_hyperparameters()` with a `hidden_size` argument.")
-    return {name: BY_HIDDEN_SIZE[name](h) for name in translated.by_hidden_size}
 
 
 def _normal(precision: str) -> str:

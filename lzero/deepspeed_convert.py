@@ -8,8 +8,9 @@ import sys
 from dataclasses import fields
 from typing import Any, Optional
 
-from lzero.config import ZeroConfig, ZeroConfigError
-from lzero.deepspeed_config import BY_HIDDEN_SIZE, DeepSpeedConfigError, Translated, translate
+from lzero.auto_sizes import sizes_for
+from lzero.config import AUTO, BY_HIDDEN_SIZE, ZeroConfig, ZeroConfigError
+from lzero.deepspeed_config import DeepSpeedConfigError, Translated, translate
 
 
 def to_yaml(translated: Translated, hidden_size: Optional[int] = None) -> str:
@@ -19,7 +20,7 @@ def to_yaml(translated: Translated, hidden_size: Optional[int] = None) -> str:
 
     kwargs = translated.strategy_kwargs()
     if hidden_size is not None:
-        kwargs.update({name: BY_HIDDEN_SIZE[name](hidden_size) for name in translated.by_hidden_size})
+        kwargs.update(sizes_for(tuple(k for k in BY_HIDDEN_SIZE if kwargs.get(k) == AUTO), hidden_size))
     known = {f.name for f in fields(ZeroConfig)}
     # ZeroConfig's fields under `config` (LightningCLI builds the dataclass from it); the strategy's own next to it
     init_args = {"config": {k: v for k, v in kwargs.items() if k in known},
@@ -41,9 +42,9 @@ def convert_command(argv: list[str]) -> int:
     parser.add_argument("--micro-batch", type=int, help="the DataLoader's batch size (fills \"auto\")")
     parser.add_argument("--accumulate", type=int, help="accumulate_grad_batches (fills \"auto\")")
     parser.add_argument("--precision", help="the Trainer's precision (fills \"auto\", checked against fp16/bf16)")
-    parser.add_argument("--hidden-size", type=int, help="the model's hidden size (fills the \"auto\" bucket sizes"
-                        " and persistence threshold as the Hugging Face integration does; without it they are"
-                        " filled at setup from the model)")
+    parser.add_argument("--hidden-size", type=int, help="the model's hidden size: writes numbers for the \"auto\""
+                        " bucket sizes and persistence threshold, as the Hugging Face integration fills them (without"
+                        " it they stay \"auto\", filled at setup from the model)")
     args = parser.parse_args(argv)
     try:
         translated = translate(args.config, world_size=args.world_size, micro_batch=args.micro_batch,

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lzero import collectives
+from lzero import auto_sizes, collectives
 from lzero.config import ZeroConfig
 from lzero.errors import ZeroEngineError
 from lzero.mixed_precision import PrecisionPolicy
@@ -50,6 +50,7 @@ class ZeroEngine:
     def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], config: ZeroConfig,
                  policy: Optional[PrecisionPolicy] = None, group: Optional[dist.ProcessGroup] = None,
                  device: torch.device = torch.device("cpu"), init_fn: Optional[InitFn] = None) -> None:
+        config, _ = auto_sizes.fill(config, module)  # "auto" sizes (the strategy has filled them already)
         self.config = config
         self.policy = policy if policy is not None else PrecisionPolicy()
         self.group = group

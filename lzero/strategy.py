@@ -70,6 +70,10 @@ class ZeroStrategy(DDPStrategy):
         cpu_checkpointing: keep the checkpointed modules' saved inputs in host memory (DeepSpeed's option).
         loss_scaling: with ``precision="16-mixed"``, DeepSpeed's fp16 loss-scaling knobs (a dict of
             :class:`lzero.LossScaleConfig` fields, or one).
+        deepspeed_optimizer: a DeepSpeed ``optimizer`` block (``{"type": "AdamW", "params": {...}}``), built when
+            ``configure_optimizers`` returns nothing (``lzero convert-config`` writes a file's block here).
+        deepspeed_scheduler: a DeepSpeed ``scheduler`` block (``{"type": "WarmupLR", "params": {...}}``), stepped
+            every optimizer step with DeepSpeed's rates (see lzero/deepspeed_schedules.py).
         **options: any other :class:`lzero.ZeroConfig` field, applied over ``config``.
 
     The remaining arguments are Lightning's, as for ``DDPStrategy``.
@@ -96,9 +100,18 @@ class ZeroStrategy(DDPStrategy):
         memory_budget_bytes: Optional[int] = None,
         memory_margin: float = 0.2,
         loss_scaling: Optional[Union[dict, LossScaleConfig]] = None,
+        deepspeed_optimizer: Optional[dict] = None,
+        deepspeed_scheduler: Optional[dict] = None,
         **options: Any,
     ) -> None:
         self._deepspeed: Optional[deepspeed_config.Translated] = None
+        if deepspeed_optimizer is not None or deepspeed_scheduler is not None:
+            blocks = {k: v for k, v in (("optimizer", deepspeed_optimizer), ("scheduler", deepspeed_scheduler))
+                      if v is not None}
+            if config is not None and not isinstance(config, ZeroConfig):
+                config = {**deepspeed_config.load(config), **blocks}  # these arguments win over the file's blocks
+            else:
+                self._deepspeed = deepspeed_config.blocks_only(blocks)
         if config is not None and not isinstance(config, ZeroConfig):
             self._deepspeed = deepspeed_config.translate(config)
             options = {**self._deepspeed.options, **options}
@@ -181,7 +194,7 @@ class ZeroStrategy(DDPStrategy):
         if fitting:
             if self._deepspeed is not None:
                 deepspeed_config.apply_to_trainer(self._deepspeed, trainer)
-                self._fill_from_hidden_size()
+            self._fill_from_hidden_size()
             if self.config.stage >= 3:
                 _refuse_weight_averaging(trainer.callbacks)
             self.setup_optimizers(trainer)
@@ -247,13 +260,15 @@ class ZeroStrategy(DDPStrategy):
                                                            interval="step")]
 
     def _fill_from_hidden_size(self) -> None:
-        """The DeepSpeed configuration's ``"auto"`` sizes that follow the model's hidden size, logged in one line."""
-        filled = deepspeed_config.fill_from_hidden_size(self._deepspeed, self.lightning_module)
+        """``"auto"`` sizes filled from the model's hidden size ([Note: sizes from the hidden size] in auto_sizes.py),
+        logged in one line."""
+        from lzero import auto_sizes
+
+        self.config, filled = auto_sizes.fill(self.config, self.lightning_module)
         if filled:
             from lightning.pytorch.utilities import rank_zero_info
 
-            self.config = self.config.with_overrides(**filled)
-            rank_zero_info("lzero: DeepSpeed \"auto\" values from the model's hidden size: "
+            rank_zero_info("lzero: \"auto\" sizes from the model's hidden size: "
                            + ", ".join(f"{k}={v}" for k, v in filled.items()))
 
     def _choose_configuration(self) -> None:

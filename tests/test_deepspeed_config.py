@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 
 from lzero import ZeroConfig, ZeroConfigError
 from lzero.deepspeed_config import DeepSpeedConfigError, translate
@@ -76,7 +77,8 @@ def test_tutorial_zero3_offload_fp16_translates() -> None:
 def test_hf_auto_zero2_cpu_offload_fills_from_the_callers_numbers() -> None:
     t = translate(HF_AUTO_ZERO2, world_size=2, micro_batch=2, accumulate=4, trainer_precision="bf16-mixed")
     assert (t.batch.train_batch_size, t.batch.micro, t.batch.accumulate) == (16, 2, 4)
-    assert t.strategy_kwargs() == {"stage": 2, "allgather_bucket_size": 200_000_000, "overlap_comm": True,
+    assert t.strategy_kwargs() == {"stage": 2, "reduce_bucket_size": "auto", "allgather_bucket_size": 200_000_000,
+                                   "overlap_comm": True,
                                    "offload_optimizer": {"device": "cpu", "pin_memory": True},
                                    "train_batch_size": 16, "precision": "bf16-mixed"}
     assert t.gradient_clip_val is None
@@ -296,15 +298,19 @@ HF_AUTO_ZERO3 = {"fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_pow
                                        "stage3_param_persistence_threshold": "auto"}}
 
 
-def test_hidden_size_auto_sizes_follow_the_model_or_are_refused_naming_the_keys() -> None:
+def test_hidden_size_auto_sizes_follow_the_model_or_are_refused_naming_the_keys(tmp_path: Path) -> None:
     """Hugging Face's formulas (h*h, 0.9*h*h, 10*h) from a `config.hidden_size` on any module, else the
-    LightningModule's `n_embd`-like hyperparameters; a model that says neither is refused naming the keys."""
+    LightningModule's `n_embd`-like hyperparameters; a model that says neither is refused naming the fields.
+    `convert-config --hidden-size` writes the numbers."""
     from lightning.pytorch import LightningModule
 
-    from lzero.deepspeed_config import fill_from_hidden_size
+    from lzero import auto_sizes
+    from lzero.deepspeed_convert import to_yaml
 
     t = translate(HF_AUTO_ZERO3)
-    assert t.by_hidden_size == ("reduce_bucket_size", "prefetch_bucket_size", "param_persistence_threshold")
+    assert {k: t.options[k] for k in ("reduce_bucket_size", "prefetch_bucket_size", "param_persistence_threshold")} \
+        == dict.fromkeys(("reduce_bucket_size", "prefetch_bucket_size", "param_persistence_threshold"), "auto")
+    config = ZeroConfig(**t.options)
 
     class WithConfig(torch.nn.Module):
         def __init__(self) -> None:
@@ -317,15 +323,21 @@ def test_hidden_size_auto_sizes_follow_the_model_or_are_refused_naming_the_keys(
             self.inner = inner
             self.save_hyperparameters(hparams)
 
-    assert fill_from_hidden_size(t, Module(torch.nn.Sequential(WithConfig()))) == {
-        "reduce_bucket_size": 1024 * 1024, "prefetch_bucket_size": 943718, "param_persistence_threshold": 10240}
-    assert fill_from_hidden_size(t, Module(torch.nn.Linear(2, 2), d_model=64))["reduce_bucket_size"] == 4096
-    with pytest.raises(ZeroConfigError, match=r"\"auto\" for reduce_bucket_size, prefetch_bucket_size,"
-                                              r" param_persistence_threshold, .* the model does not say it"):
-        fill_from_hidden_size(t, Module(torch.nn.Linear(2, 2)))
+    filled, values = auto_sizes.fill(config, Module(torch.nn.Sequential(WithConfig())))
+    assert values == {"reduce_bucket_size": 1024 * 1024, "prefetch_bucket_size": 943718,
+                      "param_persistence_threshold": 10240}
+    assert (filled.reduce_bucket_size, filled.prefetch_bucket_size, filled.stage) == (1048576, 943718, 3)
+    assert auto_sizes.fill(config, Module(torch.nn.Linear(2, 2), d_model=64))[1]["reduce_bucket_size"] == 4096
+    with pytest.raises(ZeroConfigError, match=r"reduce_bucket_size, prefetch_bucket_size, param_persistence_threshold"
+                                              r" = \"auto\" is filled from the model's hidden size, but the model"
+                                              r" does not say it"):
+        auto_sizes.fill(config, Module(torch.nn.Linear(2, 2)))
     with pytest.raises(DeepSpeedConfigError, match=r"`zero_optimization.stage3_max_live_parameters=\"auto\"`:"
                                                    r" nothing fills it"):
         translate({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": "auto"}})
+    written = yaml.safe_load(to_yaml(t, hidden_size=64))["trainer"]["strategy"]["init_args"]["config"]
+    assert (written["reduce_bucket_size"], written["prefetch_bucket_size"], written["param_persistence_threshold"]) \
+        == (4096, 3686, 640)
 
 
 def test_fp16_auto_takes_the_blocks_loss_scaling_when_the_trainer_says_16_mixed() -> None:

@@ -275,26 +275,26 @@ def through_lightning_cli(section: dict) -> Any:
 
 @pytest.mark.parametrize("name", TRAINED)
 def test_convert_config_output_builds_the_same_configuration(tmp_path: Path, name: str) -> None:
-    """``lzero convert-config`` (given the hidden size for hidden-size "auto" keys) fed back through LightningCLI
-    builds what ``ZeroStrategy(config=...)`` builds: every ZeroConfig field, precision, loss scaling and the Trainer
-    settings; one comment per filled, renamed or noticed key."""
+    """``lzero convert-config`` fed back through LightningCLI builds what ``ZeroStrategy(config=...)`` builds
+    (hidden-size "auto" sizes stay "auto" in both, filled at setup): every ZeroConfig field, precision, loss scaling, the optimizer
+    and scheduler blocks and the Trainer settings; one comment per filled, renamed or noticed key."""
     from lzero import ZeroStrategy
-    from lzero.deepspeed_config import BY_HIDDEN_SIZE
 
     case = CASES[name]
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(_with_nvme(case.ds, str(tmp_path / "nvme"))))
-    code, text = convert(path, "--hidden-size", str(WIDTH))
+    code, text = convert(path)
     assert code == 0, text
     section = yaml.safe_load(text)["trainer"]
     assert section["strategy"]["class_path"] == "lzero.ZeroStrategy"
     built, direct = through_lightning_cli(section), ZeroStrategy(config=str(path))
     ds = direct._deepspeed
-    wanted = direct.config.with_overrides(**{k: BY_HIDDEN_SIZE[k](WIDTH) for k in ds.by_hidden_size})
-    assert built.strategy.config == wanted
+    assert built.strategy.config == direct.config
     assert built.strategy.precision_plugin.precision == direct.precision_plugin.precision
     scalers = [getattr(s.precision_plugin.scaler, "config", None) for s in (built.strategy, direct)]
     assert scalers[0] == scalers[1]
+    for kind in ("optimizer", "scheduler"):  # the blocks travel as ZeroStrategy(deepspeed_optimizer=..., ...)
+        assert getattr(built.strategy._deepspeed, kind, None) == getattr(ds, kind), kind
     assert built.accumulate_grad_batches == ds.trainer_kwargs().get("accumulate_grad_batches", 1)
     assert built.gradient_clip_val == ds.trainer_kwargs().get("gradient_clip_val")
     assert sum(line.startswith("# ") for line in text.splitlines()) == len(ds.notes)  # one comment per note
