@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import sys
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -298,3 +300,42 @@ def test_convert_config_output_builds_the_same_configuration(tmp_path: Path, nam
     assert built.accumulate_grad_batches == ds.trainer_kwargs().get("accumulate_grad_batches", 1)
     assert built.gradient_clip_val == ds.trainer_kwargs().get("gradient_clip_val")
     assert sum(line.startswith("# ") for line in text.splitlines()) == len(ds.notes)  # one comment per note
+
+
+def test_converted_file_trains_through_lzero_fit(tmp_path: Path, in_process_fit, monkeypatch) -> None:
+    """`lzero convert-config ds.json > strategy.yaml` then `lzero fit --config configs/demo_ddp.yaml --config
+    strategy.yaml` (shrunk to one process and two steps): Hugging Face's zero3 template, its "auto" sizes carried
+    through the YAML as "auto" and filled from the demo model's n_embd at setup."""
+    from lightning.pytorch import Callback
+
+    from lzero.cli import main
+
+    class Record(Callback):
+        trainer = None
+
+        def on_train_end(self, trainer, pl_module):  # type: ignore[no-untyped-def]
+            Record.trainer = trainer
+
+    monkeypatch.setattr("sys.argv", ["lzero"])
+    module = types.ModuleType("lzero_test_record")  # so that LightningCLI finds the callback by class path
+    module.Record = Record
+    monkeypatch.setitem(sys.modules, "lzero_test_record", module)
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(CASES["hf_auto_zero3_cpu_offload"].ds))
+    code, text = convert(path)
+    assert code == 0
+    (tmp_path / "strategy.yaml").write_text(text)
+    root = Path(__file__).resolve().parents[1]
+    assert main(["fit", "--config", str(root / "configs/demo_ddp.yaml"), "--config", str(tmp_path / "strategy.yaml"),
+                 "--trainer.devices", "1", "--trainer.max_steps", "2", "--trainer.limit_val_batches", "0",
+                 "--trainer.logger", "false", "--trainer.callbacks", "lzero_test_record.Record",
+                 "--trainer.enable_progress_bar", "false", "--trainer.precision", "bf16-mixed",
+                 "--trainer.default_root_dir", str(tmp_path), "--model.n_layer", "2", "--model.n_embd", str(WIDTH),
+                 "--model.n_head", "2", "--model.block_size", "8", "--data.block_size", "8",
+                 "--data.batch_size", "2"]) == 0
+    trainer = Record.trainer
+    config = trainer.strategy.config
+    assert trainer.global_step == 2 and config.stage == 3 and config.offload_param.device == "cpu"
+    assert (config.reduce_bucket_size, config.prefetch_bucket_size, config.param_persistence_threshold) == (
+        WIDTH * WIDTH, int(0.9 * WIDTH * WIDTH), 10 * WIDTH)
+    assert (config.max_live_parameters, config.max_reuse_distance) == (10**9, 10**9)
