@@ -358,7 +358,7 @@ def test_fp16_auto_takes_the_blocks_loss_scaling_when_the_trainer_says_16_mixed(
 
 def test_readme_migration_table_names_every_key_lzero_reads() -> None:
     """README point of issue 15: the table of DeepSpeed keys covers every key the translation knows."""
-    from lzero.deepspeed_config import FP16_KEYS, TOP_KEYS, ZERO_KEYS
+    from lzero.deepspeed_keys import FP16_KEYS, TOP_KEYS, ZERO_KEYS
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     section = readme[readme.index("## Migrating from DeepSpeed"):]

@@ -1,0 +1,86 @@
+"""The DeepSpeed configuration keys lzero knows, grouped by their fate (see [Note: reading a DeepSpeed
+configuration] in deepspeed_config.py). Keys and defaults follow DeepSpeed 0.19 (``deepspeed/runtime/zero/config.py``
+and neighbours); README's migration table names every one (tests/test_deepspeed_config.py checks it)."""
+
+from __future__ import annotations
+
+import sys
+
+LOGGING_KEYS = ("wall_clock_breakdown", "steps_per_print", "flops_profiler", "tensorboard", "comms_logger", "wandb",
+                "csv_monitor", "dump_state", "memory_breakdown", "timers", "monitor_config", "comet")
+"""Top-level keys that only configure DeepSpeed's own logging and tooling: accepted with one notice."""
+
+NOT_BUILT_TOP = {
+    "amp": "NVIDIA Apex AMP is not supported; use the `bf16` or `fp16` block",
+    "sparse_attention": "DeepSpeed's sparse attention kernels are not part of lzero",
+    "pipeline": "pipeline parallelism is not part of lzero",
+    "compression_training": "DeepSpeed's compression library is not part of lzero",
+    "data_efficiency": "DeepSpeed's data-efficiency library is not part of lzero",
+    "curriculum_learning": "DeepSpeed's curriculum learning is not part of lzero",
+    "elasticity": "DeepSpeed's elastic training is not part of lzero",
+    "autotuning": "DeepSpeed's autotuner is not part of lzero",
+    "sparse_gradients": "sparse gradients are not supported by lzero's flat units",
+    "fp32_allreduce": "not built: lzero reduces in the precision's `reduce_dtype` (fp32 under the mixed precisions)",
+}
+
+ZERO_PLUS_PLUS = {  # key -> the value that means "off"
+    "zero_hpz_partition_size": 1, "zero_quantized_weights": False, "zero_quantized_nontrainable_weights": False,
+    "zero_quantized_gradients": False, "mics_shard_size": -1, "mics_hierarchical_params_gather": False,
+    "zeropp_loco_param": None,
+}
+"""ZeRO++ and MiCS: accepted at their "off" value, refused as not built otherwise."""
+
+STAGE3_SCHEDULE = {  # DeepSpeed key -> ZeroConfig field, both in elements
+    "stage3_prefetch_bucket_size": "prefetch_bucket_size", "stage3_param_persistence_threshold":
+    "param_persistence_threshold", "stage3_max_live_parameters": "max_live_parameters",
+    "stage3_max_reuse_distance": "max_reuse_distance",
+}
+"""Stage-3 scheduling knobs: when parameters are gathered and how long they stay, never what is computed.
+Honoured by lzero's gather schedule ([Note: stage-3 gather schedule] in gather.py); stage 3 only."""
+
+ZERO_ONLY_VALUE = {  # key -> (the one value lzero runs, why)
+    "contiguous_gradients": (True, "lzero's gradients always live in contiguous flat unit buffers"),
+    "reduce_scatter": (True, "lzero always reduce-scatters gradients (an all-reduce would defeat stage 2-3)"),
+    "allgather_partitions": (True, "lzero always all-gathers the updated partitions"),
+    "load_from_fp32_weights": (True, "lzero always resumes the fp32 master weights from the checkpoint"),
+    "round_robin_gradients": (False, "round-robin gradient copies to the host are not built"),
+    "ignore_unused_parameters": (True, "lzero never fails on unused parameters (see ZeroConfig.find_unused_parameters)"),
+    "stage3_model_persistence_threshold": (sys.maxsize, "persistent small models are not built"),
+    "stage3_module_granularity_threshold": (0, "module-granularity leaf units are not built; lzero's units are"
+                                               " chosen with `unit_modules`"),
+    "stage3_use_all_reduce_for_fetch_params": (False, "lzero gathers parameters with all-gather"),
+    "stage3_allgather_sequential": (False, "lzero coalesces gathers by `allgather_bucket_size`"),
+}
+
+ZERO_NOTICE = {  # key -> what lzero does instead
+    "elastic_checkpoint": "lzero's sharded checkpoints always resume at any world size and stage",
+    "use_multi_rank_bucket_allreduce": "lzero reduce-scatters one unit per collective",
+    "memory_efficient_linear": "lzero keeps torch's own Linear autograd",
+    "stage3_gather_16bit_weights_on_model_save": "lzero has no `save_16bit_model`; consolidated weights come from"
+                                                 " `lzero consolidate` or `checkpoint_format='full'`",
+}
+
+ZERO_RENAMED = {
+    "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+}
+
+ZERO_SIZES = {"reduce_bucket_size": "reduce_bucket_size", "allgather_bucket_size": "allgather_bucket_size",
+              "sub_group_size": "sub_group_size"}
+"""Keys with the same name and unit (elements) in ZeroConfig; ``"auto"`` is kept for the hidden-size sizes (auto_sizes.py)
+and refused for the others."""
+
+ZERO_KEYS = ("stage", "overlap_comm", "offload_optimizer", "offload_param", "cpu_offload", "cpu_offload_params",
+             "cpu_offload_use_pin_memory", *ZERO_SIZES, *ZERO_PLUS_PLUS, *STAGE3_SCHEDULE, *ZERO_ONLY_VALUE,
+             *ZERO_NOTICE, *ZERO_RENAMED)
+
+FP16_KEYS = ("enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis",
+             "consecutive_hysteresis", "min_loss_scale")
+LOSS_SCALE_KEYS = FP16_KEYS[2:]
+"""The ``fp16`` keys that are :class:`lzero.LossScaleConfig` fields of the same name."""
+
+ONLY_DEFAULT_TOP = {"prescale_gradients": False, "gradient_predivide_factor": 1.0, "communication_data_type": None}
+
+TOP_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization",
+            "fp16", "bf16", "bfloat16", "gradient_clipping", "activation_checkpointing", "aio",
+            "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "optimizer", "scheduler",
+            *ONLY_DEFAULT_TOP, *LOGGING_KEYS, *NOT_BUILT_TOP)
