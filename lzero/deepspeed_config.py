@@ -2,15 +2,18 @@
 
 [Note: reading a DeepSpeed configuration]
 Each key of the configuration has one fate, and :func:`translate` records it:
-- honoured: it becomes a :class:`lzero.ZeroConfig` field, the strategy's precision (with DeepSpeed's loss-scaling
-  knobs), ``cpu_checkpointing``, or a Trainer setting (``gradient_clip_val``, ``accumulate_grad_batches``);
-- filled / renamed: an ``"auto"`` value or a deprecated spelling, honoured with a note saying what it became;
-- notice: accepted although lzero does it its own way (logging knobs, stage-3 scheduling knobs that change
-  memory and speed but not the result), with a note naming the key;
+- honoured: it becomes a :class:`lzero.ZeroConfig` field (the stage-3 scheduling knobs included), the strategy's
+  precision (with DeepSpeed's loss-scaling knobs), ``cpu_checkpointing``, the ``optimizer``/``scheduler`` blocks
+  built at setup (deepspeed_optim.py, deepspeed_schedules.py), or a Trainer setting (``gradient_clip_val``,
+  ``accumulate_grad_batches``);
+- filled / renamed: an ``"auto"`` value (from the caller's numbers, the Trainer at setup, or the model's hidden
+  size: auto_sizes.py) or a deprecated spelling, honoured with a note saying what it became;
+- notice: accepted although lzero does it its own way or it concerns only DeepSpeed's own tooling (logging
+  knobs, ``save_16bit_model``'s switch, DeepSpeed-internal bucketing), with a note naming the key;
 - refused: an unknown key (with a did-you-mean), a feature lzero does not have (ZeRO++, MiCS, the
   ``LRRangeTest`` scheduler), a value lzero cannot honour, or a contradiction. All refusals of one
   configuration are raised together in one :class:`DeepSpeedConfigError`.
-Keys and defaults follow DeepSpeed 0.19 (``deepspeed/runtime/zero/config.py`` and neighbours).
+The keys and their fates: deepspeed_keys.py.
 """
 
 from __future__ import annotations
