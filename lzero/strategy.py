@@ -232,32 +232,11 @@ class ZeroStrategy(DDPStrategy):
         the Trainer and the optimizer (see [Note: DeepSpeed's optimizer and scheduler blocks])."""
         super().setup_optimizers(trainer)
         ds = self._deepspeed
-        if ds is None or (ds.optimizer is None and ds.scheduler is None):
-            return
-        from lightning.pytorch.core.optimizer import _MockOptimizer
-        from lightning.pytorch.utilities.types import LRSchedulerConfig
+        if ds is not None and (ds.optimizer is not None or ds.scheduler is not None):
+            from lzero import deepspeed_optim
 
-        from lzero import deepspeed_optim, deepspeed_schedules
-
-        real = [o for o in self.optimizers if not isinstance(o, _MockOptimizer)]
-        hparams, steps = self.lightning_module.hparams, lambda: trainer.estimated_stepping_batches
-        if ds.optimizer is not None:
-            if real:
-                raise ZeroConfigError(
-                    "Both the DeepSpeed configuration (its `optimizer` block) and `configure_optimizers` define an"
-                    " optimizer. HINT: drop one: remove the block, or return nothing from `configure_optimizers`.")
-            trainable = [p for p in self.lightning_module.parameters() if p.requires_grad]
-            spec = deepspeed_optim.fill_auto(ds.optimizer, hparams, steps, [])
-            real = self.optimizers = [deepspeed_optim.build_optimizer(spec, trainable)]
-        if ds.scheduler is not None:
-            if len(real) != 1 or self.lr_scheduler_configs:
-                raise ZeroConfigError(
-                    "The DeepSpeed configuration's `scheduler` block needs exactly one optimizer and no scheduler from"
-                    f" `configure_optimizers` (found {len(real)} optimizer(s), {len(self.lr_scheduler_configs)}"
-                    " scheduler(s)). HINT: drop the block, or return one optimizer and no scheduler.")
-            spec = deepspeed_optim.fill_auto(ds.scheduler, hparams, steps, [g["lr"] for g in real[0].param_groups])
-            self.lr_scheduler_configs = [LRSchedulerConfig(deepspeed_schedules.build_scheduler(spec, real[0]),
-                                                           interval="step")]
+            self.optimizers, self.lr_scheduler_configs = deepspeed_optim.from_blocks(
+                ds.optimizer, ds.scheduler, self.lightning_module, self.optimizers, self.lr_scheduler_configs)
 
     def _fill_from_hidden_size(self) -> None:
         """``"auto"`` sizes filled from the model's hidden size ([Note: sizes from the hidden size] in auto_sizes.py),
