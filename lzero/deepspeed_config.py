@@ -441,12 +441,17 @@ def _mismatch(total: Any, m: Any, a: Any, world: Any) -> ZeroConfigError:
 
 
 def apply_to_trainer(translated: Translated, trainer: Any) -> None:
-    """Set the Trainer's clipping and accumulation from the configuration where the Trainer left its defaults;
-    refuse a Trainer value that differs."""
+    """Set the Trainer's clipping and accumulation from the configuration where the Trainer left its defaults (the
+    accumulation derived from ``train_batch_size`` and the micro batch at this world size when the configuration gives
+    those two); refuse a Trainer value that differs."""
     check_trainer_precision(translated, trainer)
+    b, accumulate = translated.batch, translated.batch.accumulate
+    if accumulate is None and b.train_batch_size is not None and b.micro is not None:  # given two, the third
+        world = trainer.world_size
+        accumulate = _divide(b.train_batch_size, b.micro * world, b.train_batch_size, b.micro, None, world)
     for attr, key, value, default in (
         ("gradient_clip_val", "gradient_clipping", translated.gradient_clip_val, None),
-        ("accumulate_grad_batches", "gradient_accumulation_steps", translated.batch.accumulate, 1),
+        ("accumulate_grad_batches", "gradient_accumulation_steps", accumulate, 1),
     ):
         current = getattr(trainer, attr)
         if value is None or current == value:

@@ -113,6 +113,10 @@ CASES = {
                                "stage3_max_reuse_distance": 0}},
         python=dict(stage=3, overlap_comm=False, train_batch_size=8, max_live_parameters=20000, max_reuse_distance=0),
         python_trainer=dict(accumulate_grad_batches=2), batch_size=4),
+    # DeepSpeed's rule, given two: train_batch_size 8 and micro 2 at world size 1 make accumulation 4
+    "batch_accumulation_derived": Case(
+        {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1}},
+        python=dict(stage=1, train_batch_size=8), python_trainer=dict(accumulate_grad_batches=4)),
     "stage3_nvme_offload": Case(
         {"zero_optimization": {"stage": 3, "sub_group_size": 1e8,
                                "offload_optimizer": {"device": "nvme", "nvme_path": "{nvme}", "pipeline_read": True,
