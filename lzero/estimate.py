@@ -46,9 +46,13 @@ backward to its step; between steps the gradient terms are absent, see [Note: gr
 - ddp: torch's gradient buckets, a copy of every gradient (4Ψ; ``gradient_as_bucket_view=False``, the default).
 - stages 1-2: ``max_inflight_reductions`` reduce buckets of one unit in the fp32 reduce dtype: 2 x 4U, where U
   is the largest stage-1/2 unit, max(``reduce_bucket_size``, the largest parameter), at most Ψ.
-- stage 3: the gathered root unit and ``prefetch`` + 1 gathered blocks in the compute dtype, c(R + 2B), plus
-  the reduce buckets, 2 x 4B (B: the largest block, R: the parameters outside blocks; both known only from a
-  model, otherwise taken as ``reduce_bucket_size`` each).
+- stage 3: the gathered root unit and the gathered blocks in the compute dtype, c(R + gB), plus the reduce
+  buckets, 2 x 4B (B: the largest block, R: the parameters outside blocks; both known only from a model,
+  otherwise taken as ``reduce_bucket_size`` each). g follows the gather schedule ([Note: stage-3 gather
+  schedule] in gather.py), counting every block as B: the computing block and those prefetched ahead (``prefetch``,
+  or ceil(``prefetch_bucket_size`` / B)), or the blocks kept across the forward-backward turn (ceil(
+  ``max_reuse_distance`` / 2B)), whichever is more, each within ``max_live_parameters``; every block when
+  ``param_persistence_threshold`` >= B (all persistent); 2 with the defaults.
 - an offload store: 4 staging buffers of one unit's fp32 shard, 4 x 4U/N in host memory; NVMe adds the
   ``buffer_count`` resident units (4 x (4 + O)U/N) and, when parameters are in files, 5 parameter read buffers
   (5 x c·min(``buffer_size``, U/N)).
@@ -57,12 +61,13 @@ Activations, the allocator's caching and the CUDA context are not counted.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from torch import nn
 
-from lzero.config import ZeroConfig
+from lzero.config import AUTO, ZeroConfig
 from lzero.store import KINDS
 
 GB = 1e9
@@ -239,6 +244,24 @@ def paper_bytes(stage: int, count: ModelCount, world_size: int, precision: str =
     return round(formula + c * count.frozen / (n if stage == 3 else 1))
 
 
+def gathered_blocks(config: ZeroConfig, root: float, block: float, psi: float) -> int:
+    """Stage 3: how many blocks of ``block`` elements are gathered at once (see [Note: working set])."""
+    if block <= 0:
+        return 1
+    blocks = max(1, math.ceil((psi - root) / block))
+    if config.param_persistence_threshold != AUTO and config.param_persistence_threshold >= block:
+        return blocks
+    live = config.max_live_parameters
+
+    def within_live(n: int) -> int:  # the computing block always; more only while root + n blocks fit
+        return n if live is None else max(1, min(n, int((live - root) // block)))
+
+    by_size = config.prefetch_bucket_size
+    ahead = config.prefetch if by_size in (None, AUTO) else math.ceil(by_size / block)
+    kept = math.ceil(config.max_reuse_distance / (2 * block))
+    return min(blocks, max(within_live(1 + ahead), within_live(kept) if kept else 1))
+
+
 def working_set(config: ZeroConfig, count: ModelCount, world_size: int, precision: str = "bf16-mixed",
                 optimizer_bytes: float = ADAM_BYTES) -> dict[str, int]:
     """Bytes per store that lzero's buckets, gathers and staging hold (see [Note: working set])."""
@@ -251,7 +274,8 @@ def working_set(config: ZeroConfig, count: ModelCount, world_size: int, precisio
     else:
         unit = count.largest_block if count.largest_block is not None else fallback
         root = count.root if count.root is not None else fallback
-        out = {"device": c * (root + (config.prefetch + 1) * unit) + config.max_inflight_reductions * 4 * unit}
+        blocks = gathered_blocks(config, root, unit, psi)
+        out = {"device": c * (root + blocks * unit) + config.max_inflight_reductions * 4 * unit}
     shard = unit / n
     host = 0.0
     if "cpu" in (config.offload_optimizer.device, config.offload_param.device):

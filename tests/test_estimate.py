@@ -255,3 +255,50 @@ def test_estimate_prints_deepspeed_rows_beside_lzeros(capsys: pytest.CaptureFixt
     out = capsys.readouterr().out
     assert "zero2: per GPU   11.28 | per CPU  127.45 | offload_optimizer=none" in out
     assert "zero3: per GPU    6.09 | per CPU    1.43 | offload_param=none, offload_optimizer=none, zero_init=1" in out
+
+
+B = 2448  # elements of one block of tests/_engine_cases.Deep (width 48); its root (the tied embedding) holds 3072
+SCHEDULES = {  # ZeroConfig's gather-schedule fields -> blocks gathered at once, as [Note: working set] counts them
+    "default": ({}, 2), "prefetch 0": ({"prefetch": 0}, 1), "prefetch 2": ({"prefetch": 2}, 3),
+    "bucket 1.5 blocks": ({"prefetch_bucket_size": B + B // 2}, 3), "bucket 0": ({"prefetch_bucket_size": 0}, 1),
+    "prefetch 3 within root + 2 blocks": ({"prefetch": 3, "max_live_parameters": 3072 + 2 * B}, 2),
+    "reuse 4B + 1": ({"max_reuse_distance": 4 * B + 1}, 3), "reuse 1e6": ({"max_reuse_distance": 10**6}, 6),
+    "reuse 1e6 within root + 4 blocks": ({"max_reuse_distance": 10**6, "max_live_parameters": 3072 + 4 * B}, 4),
+    "persistence B": ({"param_persistence_threshold": B}, 6),
+}
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_stage3_working_set_follows_the_gather_schedule(name: str) -> None:
+    """The blocks the estimate counts as gathered at once equal the most the Gatherer holds in two steps (world
+    size 1, six equal blocks), for each gather-schedule setting; and the working set is root + that many blocks."""
+    from _engine_cases import Deep
+
+    from lzero.estimate import gathered_blocks, working_set
+
+    knobs, blocks = SCHEDULES[name]
+    torch.manual_seed(0)
+    model = Deep(depth=6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, **knobs))
+    zopt = ZeroOptimizer(opt, engine, 0)
+    gatherer, peak, launch = engine.gatherer, [0], engine.gatherer.launch
+
+    def counted(block: str) -> None:
+        launch(block)
+        peak[0] = max(peak[0], gatherer.live_numel())
+
+    gatherer.launch = counted
+    x, y = torch.randint(0, 64, (4, 3)), torch.randint(0, 64, (4,))
+    for _ in range(2):  # the second step knows the order: reuse applies from then on
+        engine.gather_root()
+        nn.functional.cross_entropy(model(x), y).backward()
+        zopt.step()
+        zopt.zero_grad()
+    engine.remove()
+    assert gatherer.numel == {"": 3072, **{f"blocks.{i}": B for i in range(6)}}
+    assert peak[0] == 3072 + blocks * B
+    config, psi = ZeroConfig(stage=3, **knobs), 3072 + 6 * B
+    assert gathered_blocks(config, 3072, B, psi) == blocks
+    count = ModelCount(trainable=psi, largest_block=B, root=3072)
+    assert working_set(config, count, 1, "32-true")["device"] == 4 * (3072 + blocks * B) + 2 * 4 * B
