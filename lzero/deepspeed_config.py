@@ -186,9 +186,13 @@ class _Reader:
         for key, why in NOT_BUILT_TOP.items():
             if key in self.ds:
                 self.refuse(f"`{key}`: {why}. HINT: remove `{key}` from the configuration.")
-        for key, default in ONLY_DEFAULT_TOP.items():
-            if key in self.ds and self.ds[key] != default:
-                self.refuse(f"`{key}={self.ds[key]!r}` is not built in lzero (only {default!r}). HINT: remove it.")
+        for key, values in ONLY_DEFAULT_TOP.items():
+            if key in self.ds and self.ds[key] not in values:
+                runs = " or ".join(map(json.dumps, values))
+                self.refuse(f"`{key}={self.ds[key]!r}` is not built in lzero (it runs {runs}). HINT: remove `{key}`.")
+        if self.ds.get("fp32_allreduce") is False:
+            self.note("fp32_allreduce", "notice", "false accepted: lzero reduces gradients in fp32 under every precision"
+                                                  " a DeepSpeed configuration asks for")
         for kind in ("optimizer", "scheduler"):
             if kind in self.ds:
                 self.guarded(self.optim_block, kind)

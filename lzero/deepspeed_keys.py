@@ -20,7 +20,6 @@ NOT_BUILT_TOP = {
     "elasticity": "DeepSpeed's elastic training is not part of lzero",
     "autotuning": "DeepSpeed's autotuner is not part of lzero",
     "sparse_gradients": "sparse gradients are not supported by lzero's flat units",
-    "fp32_allreduce": "not built: lzero reduces in the precision's `reduce_dtype` (fp32 under the mixed precisions)",
 }
 
 ZERO_PLUS_PLUS = {  # key -> the value that means "off"
@@ -78,7 +77,12 @@ FP16_KEYS = ("enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_
 LOSS_SCALE_KEYS = FP16_KEYS[2:]
 """The ``fp16`` keys that are :class:`lzero.LossScaleConfig` fields of the same name."""
 
-ONLY_DEFAULT_TOP = {"prescale_gradients": False, "gradient_predivide_factor": 1.0, "communication_data_type": None}
+ONLY_DEFAULT_TOP = {"prescale_gradients": (False,), "gradient_predivide_factor": (1.0,),
+                    "communication_data_type": (None, "fp32"), "fp32_allreduce": (False, True)}
+"""Top-level keys lzero runs only at these values. lzero reduces gradients in fp32 under every precision a DeepSpeed
+configuration can ask for (fp32, and the fp16/bf16 mixed precisions), so ``communication_data_type: fp32`` and
+``fp32_allreduce: true`` are what it does; ``fp32_allreduce: false`` (DeepSpeed's default) is accepted with a notice.
+The rest is refused by name."""
 
 TOP_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization",
             "fp16", "bf16", "bfloat16", "gradient_clipping", "activation_checkpointing", "aio",

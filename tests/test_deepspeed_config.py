@@ -169,6 +169,11 @@ def test_contradictions_and_unbuilt_blocks_are_refused_by_name() -> None:
         translate({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
     with pytest.raises(ZeroConfigError, match=r"`scheduler.type='LRRangeTest'` is not built in lzero"):
         translate({"zero_optimization": {"stage": 2}, "scheduler": {"type": "LRRangeTest", "params": {}}})
+    with pytest.raises(ZeroConfigError, match=r"`communication_data_type='bf16'` is not built in lzero \(it runs null"
+                                              r" or \"fp32\"\)"):
+        translate({"zero_optimization": {"stage": 2}, "communication_data_type": "bf16"})
+    fp32 = translate({"zero_optimization": {"stage": 2}, "communication_data_type": "fp32", "fp32_allreduce": False})
+    assert fp32.options == {"stage": 2} and notes(fp32) == {"fp32_allreduce": "notice"}
     with pytest.raises(ZeroConfigError, match=r"`zero_optimization.contiguous_gradients=False`: lzero's gradients"):
         translate({"zero_optimization": {"stage": 2, "contiguous_gradients": False}})
 
