@@ -181,10 +181,13 @@ class _Reader:
         self.check_keys(self.ds, TOP_KEYS, "")
         logging = [k for k in LOGGING_KEYS if k in self.ds]
         if logging:
-            self.note(", ".join(logging), "notice", "logging/tooling keys of DeepSpeed; lzero logs through the"
-                      " Trainer's logger (and MemoryMonitor), so these are not used")
+            self.note(", ".join(logging), "notice", "keys of DeepSpeed's own logging and tooling (its logger,"
+                      " dataloader and checkpoint engine); lzero logs through the Trainer's logger (and"
+                      " MemoryMonitor), trains on your DataLoaders and writes its own sharded checkpoints, so these"
+                      " are not used")
         for key, why in NOT_BUILT_TOP.items():
-            if key in self.ds:
+            off = isinstance(self.ds.get(key), dict) and self.ds[key].get("enabled") is False
+            if key in self.ds and not off:
                 self.refuse(f"`{key}`: {why}. HINT: remove `{key}` from the configuration.")
         for key, values in ONLY_DEFAULT_TOP.items():
             if key in self.ds and self.ds[key] not in values:
@@ -385,7 +388,19 @@ class _Reader:
             from lzero.activation_checkpointing import from_deepspeed
 
             self.out.cpu_checkpointing = from_deepspeed(self.ds["activation_checkpointing"])["cpu_checkpointing"]
-        ZeroConfig(**self.out.options)  # every value checked by lzero's own rules, refused by name
+        try:  # every value checked by lzero's own rules, refused by name: the DeepSpeed key's, too
+            ZeroConfig(**self.out.options)
+        except ZeroConfigError as err:
+            field = next((f for f in _DEEPSPEED_NAME if f"`{f}" in str(err)), None)
+            raise ZeroConfigError(str(err) if field is None else
+                                  f"{err} (from DeepSpeed's `{_DEEPSPEED_NAME[field]}`)") from err
+
+
+_DEEPSPEED_NAME = {  # ZeroConfig field -> the DeepSpeed key it comes from
+    **{field: f"zero_optimization.{key}" for key, field in {**ZERO_SIZES, **STAGE3_SCHEDULE}.items()},
+    **{key: f"zero_optimization.{key}" for key in ("stage", "overlap_comm", "offload_optimizer", "offload_param")},
+    "allow_untested_optimizer": "zero_allow_untested_optimizer", "aio": "aio", "train_batch_size": "train_batch_size",
+}
 
 
 def _normal(precision: str) -> str:

@@ -7,8 +7,11 @@ from __future__ import annotations
 import sys
 
 LOGGING_KEYS = ("wall_clock_breakdown", "steps_per_print", "flops_profiler", "tensorboard", "comms_logger", "wandb",
-                "csv_monitor", "dump_state", "memory_breakdown", "timers", "monitor_config", "comet")
-"""Top-level keys that only configure DeepSpeed's own logging and tooling: accepted with one notice."""
+                "csv_monitor", "dump_state", "memory_breakdown", "timers", "monitor_config", "comet", "log_level",
+                "dataloader_drop_last", "checkpoint")
+"""Top-level keys that only configure DeepSpeed's own logging and tooling (its dataloader, ``deepspeed_io``; its
+checkpoint engine's tag validation and storage options, where lzero's sharded checkpoints always resume at any
+world size): accepted with one notice."""
 
 NOT_BUILT_TOP = {
     "amp": "NVIDIA Apex AMP is not supported; use the `bf16` or `fp16` block",
@@ -20,7 +23,27 @@ NOT_BUILT_TOP = {
     "elasticity": "DeepSpeed's elastic training is not part of lzero",
     "autotuning": "DeepSpeed's autotuner is not part of lzero",
     "sparse_gradients": "sparse gradients are not supported by lzero's flat units",
+    "torch_autocast": "DeepSpeed's torch-autocast mode is not built; lzero's `bf16`/`fp16` blocks autocast with 16-bit"
+                      " parameter copies and fp32 masters",
+    "hybrid_engine": "DeepSpeed's RLHF hybrid engine is not part of lzero",
+    "tensor_parallel": "tensor parallelism is not part of lzero",
+    "expert_parallel": "expert (MoE) parallelism is not part of lzero",
+    "use_data_before_expert_parallelism": "expert (MoE) parallelism is not part of lzero",
+    "sequence_parallel_size": "sequence parallelism is not part of lzero",
+    "eigenvalue": "DeepSpeed's eigenvalue-based quantization schedule is not part of lzero",
+    "progressive_layer_drop": "progressive layer drop is not part of lzero",
+    "quantize_training": "DeepSpeed's quantized training is not part of lzero",
+    "weight_quantization": "DeepSpeed's weight quantization is not part of lzero",
+    "nebula": "Azure Nebula checkpointing is not part of lzero",
+    "datastates": "DataStates checkpointing is not part of lzero",
+    "compile": "DeepSpeed's compile backend is not built; `torch.compile` the model's blocks yourself (lzero supports it)",
+    "graph_harvesting": "CUDA-graph harvesting of the optimizer is not built",
+    "disable_allgather": "lzero always all-gathers the updated partitions",
+    "managed_gradient_accumulation": "lzero accumulates through the Trainer's `accumulate_grad_batches`",
+    "gradient_allreduce_op": "lzero averages gradients (reduce-scatter of the sum, divided by the world size)",
 }
+"""Top-level keys of features lzero does not have: refused by name, except a block switched off
+(``{"enabled": false}``), which asks for nothing."""
 
 ZERO_PLUS_PLUS = {  # key -> the value that means "off"
     "zero_hpz_partition_size": 1, "zero_quantized_weights": False, "zero_quantized_nontrainable_weights": False,
@@ -78,10 +101,12 @@ LOSS_SCALE_KEYS = FP16_KEYS[2:]
 """The ``fp16`` keys that are :class:`lzero.LossScaleConfig` fields of the same name."""
 
 ONLY_DEFAULT_TOP = {"prescale_gradients": (False,), "gradient_predivide_factor": (1.0,),
-                    "communication_data_type": (None, "fp32"), "fp32_allreduce": (False, True)}
+                    "communication_data_type": (None, "fp32"), "fp32_allreduce": (False, True),
+                    "data_types": (None, {}, {"grad_accum_dtype": None}, {"grad_accum_dtype": "fp32"})}
 """Top-level keys lzero runs only at these values. lzero reduces gradients in fp32 under every precision a DeepSpeed
-configuration can ask for (fp32, and the fp16/bf16 mixed precisions), so ``communication_data_type: fp32`` and
-``fp32_allreduce: true`` are what it does; ``fp32_allreduce: false`` (DeepSpeed's default) is accepted with a notice.
+configuration can ask for (fp32, and the fp16/bf16 mixed precisions) and accumulates them in fp32, so
+``communication_data_type: fp32``, ``fp32_allreduce: true`` and ``data_types: {grad_accum_dtype: fp32}`` are what it
+does; ``fp32_allreduce: false`` (DeepSpeed's default) is accepted with a notice.
 The rest is refused by name."""
 
 TOP_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization",

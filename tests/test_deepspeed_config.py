@@ -371,3 +371,29 @@ def test_readme_migration_table_names_every_key_lzero_reads() -> None:
     table = table[:table.index("\n\n")]
     missing = [key for key in (*TOP_KEYS, *ZERO_KEYS, *FP16_KEYS) if f"`{key}`" not in table and key != "enabled"]
     assert missing == []
+
+
+DEEPSPEED_TOP_KEYS = (  # what DeepSpeed 0.19's DeepSpeedConfig._initialize_params reads at the top level
+    "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "steps_per_print",
+    "dump_state", "disable_allgather", "communication_data_type", "prescale_gradients", "gradient_predivide_factor",
+    "gradient_allreduce_op", "sparse_gradients", "zero_optimization", "activation_checkpointing", "comms_logger",
+    "tensorboard", "wandb", "csv_monitor", "comet", "gradient_clipping", "fp16", "bf16", "amp", "torch_autocast",
+    "compression_training", "graph_harvesting", "optimizer", "scheduler", "zero_allow_untested_optimizer",
+    "zero_force_ds_cpu_optimizer", "flops_profiler", "memory_breakdown", "autotuning", "eigenvalue",
+    "use_data_before_expert_parallelism", "hybrid_engine", "sparse_attention", "pipeline", "progressive_layer_drop",
+    "curriculum_learning", "data_efficiency", "aio", "dataloader_drop_last", "log_level", "nebula", "datastates",
+    "checkpoint", "data_types", "compile", "timers", "tensor_parallel", "expert_parallel", "elasticity",
+    "wall_clock_breakdown", "managed_gradient_accumulation", "fp32_allreduce", "sequence_parallel_size")
+
+
+@pytest.mark.parametrize("key", DEEPSPEED_TOP_KEYS)
+def test_every_deepspeed_top_level_key_is_known(key: str) -> None:
+    """A key DeepSpeed reads is never refused as unknown: it is honoured, noticed, or refused naming it."""
+    from lzero.deepspeed_keys import TOP_KEYS
+
+    assert key in TOP_KEYS
+    try:
+        translate({"zero_optimization": {"stage": 2}, key: {"enabled": True}} if key != "zero_optimization" else
+                  {"zero_optimization": {"stage": 2}})
+    except ZeroConfigError as err:
+        assert "Unknown DeepSpeed key" not in str(err) and key in str(err), str(err)
