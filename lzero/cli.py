@@ -98,7 +98,18 @@ def main(argv: list[str] | None = None) -> int:
                        "formatter_class": _HelpFormatter},
         args=argv,  # None: LightningCLI reads sys.argv itself
     )
+    _destroy_process_group()
     return 0
+
+
+def _destroy_process_group() -> None:
+    """After a successful run, the default process group is destroyed while the interpreter is still whole: a gloo
+    group left to interpreter finalization can abort the finished process (SIGABRT, "terminate called without an
+    active exception"; pytorch/pytorch#179291 describes the race)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

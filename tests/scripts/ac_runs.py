@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lzero import ZeroStrategy
 from lzero.demo import DemoGPT
 from lzero.demo.model import Block
+from _teardown import destroy_process_group  # a sibling: scripts run from their folder
 
 SHAPE = dict(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=32, dropout=0.1, lr=1e-2)
 STEPS = 3
@@ -131,3 +132,4 @@ if __name__ == "__main__":
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     main(out_dir)
+    destroy_process_group()

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from skip_runs import Record, Toy, data  # noqa: E402
 
 from lzero import ZeroStrategy  # noqa: E402
+from _teardown import destroy_process_group  # a sibling: scripts run from their folder
 
 
 def fit(out: Path, name: str, strategy: object, devices: int, steps: int, resume: Optional[str] = None,
@@ -137,3 +138,4 @@ if __name__ == "__main__":
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     main(sys.argv[1], out_dir)
+    destroy_process_group()

@@ -24,6 +24,7 @@ from torch._dynamo.utils import counters
 from torch.utils.data import DataLoader, TensorDataset
 
 import lzero  # noqa: F401  (registers the strategy names)
+from _teardown import destroy_process_group  # a sibling: scripts run from their folder
 
 STEPS = 4
 
@@ -111,3 +112,4 @@ if __name__ == "__main__":
         fit(out_dir, strategy, backend, "blocks")
     for strategy in ("ddp", "zero3"):
         fit(out_dir, strategy, backend, "container")
+    destroy_process_group()

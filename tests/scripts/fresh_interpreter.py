@@ -12,6 +12,7 @@ assert "lzero" not in sys.modules, "import lightning alone imported lzero"
 import torch  # noqa: E402
 from lightning.pytorch import LightningModule, Trainer  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+from _teardown import destroy_process_group  # a sibling: scripts run from their folder
 
 
 class Tiny(LightningModule):
@@ -41,3 +42,4 @@ if __name__ == "__main__":
             f.write(f"{type(strategy).__module__}.{type(strategy).__name__} stage={strategy.config.stage}"
                     f" world_size={trainer.world_size} steps={trainer.global_step}"
                     f" moved={not torch.equal(before, model.layer.weight)}\n")
+    destroy_process_group()

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from skip_runs import Toy, data, step_batch  # noqa: E402
 
 from lzero import ZeroStrategy  # noqa: E402
+from _teardown import destroy_process_group  # a sibling: scripts run from their folder
 
 CHAIN = [(2, 1), (1, 3), (2, 3), (1, 1)]  # (world size, ZeRO stage) of each leg
 
@@ -68,3 +69,4 @@ if __name__ == "__main__":
         fit("uninterrupted", ZeroStrategy(stage=3), 2, 20, out_dir)
     else:
         main(int(sys.argv[1]), sys.argv[2], Path(sys.argv[3]))
+    destroy_process_group()

@@ -18,6 +18,7 @@ from torch import nn
 
 import lzero
 from trainer_runs import TiedNet, data, fit, unseeded_init
+from _teardown import destroy_process_group  # a sibling: scripts run from their folder
 
 DDP = "ddp_find_unused_parameters_true"
 STAGES = ("zero1", "zero2", "zero3")
@@ -76,3 +77,4 @@ if __name__ == "__main__":
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     main(out_dir)
+    destroy_process_group()

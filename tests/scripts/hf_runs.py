@@ -24,6 +24,7 @@ import lzero  # noqa: F401
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared LoRA adapter
 from _lora import LoRA  # noqa: E402
+from _teardown import destroy_process_group  # a sibling: scripts run from their folder
 
 CONFIG = dict(n_layer=4, n_embd=64, n_head=4, vocab_size=256, n_positions=32, bos_token_id=0, eos_token_id=0)
 
@@ -86,3 +87,4 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     fit(out_dir, "ddp_eager", "ddp", lazy=False)
     fit(out_dir, "zero3_meta", "zero3", lazy=True)
+    destroy_process_group()

@@ -17,6 +17,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from lzero import ZeroStrategy
 from lzero.demo import DemoGPT, TextDataModule
+from _teardown import destroy_process_group  # a sibling: scripts run from their folder
 
 RUNS = {f"zero{stage}_{precision}": (stage, precision) for stage in (1, 2, 3) for precision in ("32-true", "bf16-mixed")}
 
@@ -36,3 +37,4 @@ def main(out: Path) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     main(Path(sys.argv[1]))
+    destroy_process_group()

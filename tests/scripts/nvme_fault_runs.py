@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from skip_runs import Toy, data  # noqa: E402
 
 from lzero import ZeroStrategy  # noqa: E402
+from _teardown import destroy_process_group  # a sibling: scripts run from their folder
 
 STEPS = 8
 EVERY = 4  # checkpoint interval: the fault comes after the step-4 checkpoint, before the step-8 one
@@ -133,3 +134,4 @@ if __name__ == "__main__":
             fit(out_dir, mode, swap_dir, resume=str(out_dir / source / "ckpt" / "last.ckpt"))
         else:
             fit(out_dir, mode, swap_dir, fault=None if mode == "full" else mode)
+    destroy_process_group()

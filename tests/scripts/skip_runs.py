@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import lzero
 from lzero import LossScaleConfig, ZeroPrecision, ZeroStrategy
+from _teardown import destroy_process_group  # a sibling: scripts run from their folder
 
 INJECT = {3: "inf", 4: "nan", 9: "inf"}  # global step -> what rank 1 puts into net.0.weight's gradient
 SCALING = LossScaleConfig(initial_scale_power=8, loss_scale_window=5, hysteresis=2)
@@ -164,3 +165,4 @@ if __name__ == "__main__":
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     main(out_dir)
+    destroy_process_group()

@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import lzero  # noqa: F401  (names; the "fresh interpreter" test covers the import-free path)
+from _teardown import destroy_process_group  # a sibling: scripts run from their folder
 
 STEPS = 10
 
@@ -285,3 +286,4 @@ if __name__ == "__main__":
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     {"ws2": suite_ws2, "ws1": suite_ws1}[suite](out_dir)
+    destroy_process_group()
