@@ -103,7 +103,7 @@ class AioConfig:
 AUTO = "auto"
 BY_HIDDEN_SIZE = ("reduce_bucket_size", "prefetch_bucket_size", "param_persistence_threshold")
 """The fields that may be "auto": sized from the model's hidden size at setup ([Note: sizes from the hidden size]
-in auto.py), as the Hugging Face integration sizes DeepSpeed's keys."""
+in auto_sizes.py), as the Hugging Face integration sizes DeepSpeed's keys."""
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ class ZeroConfig:
     """Elements per gradient reduce-scatter. At stages 1 and 2 this is also the size limit of a unit:
     parameters are packed, in backward order, into flat units of at most this many elements (a larger
     parameter forms a unit of its own). Counted in elements, as DeepSpeed counts them. "auto": h*h for the
-    model's hidden size h, filled at setup (see [Note: sizes from the hidden size] in auto.py)."""
+    model's hidden size h, filled at setup (see [Note: sizes from the hidden size] in auto_sizes.py)."""
 
     allgather_bucket_size: int = 5_000_000
     """Elements per parameter all-gather after the optimizer step. Consecutive units are coalesced into
@@ -353,11 +353,11 @@ def _offload_block(name: str, value: Any, cls: type) -> Any:
             f"`{name}={value!r}` must be a device name or a block. HINT: `{name}='cpu'` or"
             f" `{name}={{'device': 'cpu', 'pin_memory': True}}`."
         )
-    known = [f.name for f in fields(cls)]
     defaults = {f.name: f.default for f in fields(cls)}
+    known = list(defaults)
     device = value.get("device", "none") or "none"
     for key in value:  # a key at its default says nothing (LightningCLI writes out every key of a block)
-        if key in NVME_KEYS and key in known and device != "nvme" and value[key] != defaults[key]:
+        if key in NVME_KEYS and key in defaults and device != "nvme" and value[key] != defaults[key]:
             raise ZeroConfigError(
                 f"`{name}.{key}` only applies with `device: nvme` (ZeRO-Infinity); with device {device!r} it would"
                 f" be ignored. HINT: remove `{key}`, or use `{name}={{'device': 'nvme', '{key}': ...}}`."

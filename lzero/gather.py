@@ -70,6 +70,7 @@ import torch.distributed as dist
 
 from lzero import collectives
 from lzero.flat_unit import FlatUnit
+from lzero.units import ROOT
 
 
 class _Gathering(NamedTuple):
@@ -244,7 +245,7 @@ class Gatherer:
             return False
         if self._reused is None:
             self._reused = set()
-            after, live = 0, self.numel.get("", 0)  # the root stays gathered all step
+            after, live = 0, self.numel.get(ROOT, 0)  # the root stays gathered all step
             for block in reversed(self.order):
                 if 2 * after >= self.schedule.max_reuse_distance or not self._fits(live, self.numel[block]):
                     break
@@ -257,9 +258,9 @@ class Gatherer:
         if name not in self.order:
             return
         schedule, k = self.schedule, self.order.index(name)
+        by_size = schedule.prefetch_bucket_size
         live, ahead, count = self.live_numel(), 0, 0
         for j in range(k + step, len(self.order) if step > 0 else -1, step):
-            by_size = schedule.prefetch_bucket_size
             if (count >= schedule.prefetch) if by_size is None else (ahead >= by_size):
                 return
             nxt = self.order[j]

@@ -104,16 +104,11 @@ class ZeroStrategy(DDPStrategy):
         deepspeed_scheduler: Optional[dict] = None,
         **options: Any,
     ) -> None:
-        self._deepspeed: Optional[deepspeed_config.Translated] = None
-        if deepspeed_optimizer is not None or deepspeed_scheduler is not None:
-            blocks = {k: v for k, v in (("optimizer", deepspeed_optimizer), ("scheduler", deepspeed_scheduler))
-                      if v is not None}
-            if config is not None and not isinstance(config, ZeroConfig):
-                config = {**deepspeed_config.load(config), **blocks}  # these arguments win over the file's blocks
-            else:
-                self._deepspeed = deepspeed_config.blocks_only(blocks)
-        if config is not None and not isinstance(config, ZeroConfig):
-            self._deepspeed = deepspeed_config.translate(config)
+        blocks = {k: v for k, v in (("optimizer", deepspeed_optimizer), ("scheduler", deepspeed_scheduler))
+                  if v is not None}
+        self._deepspeed: Optional[deepspeed_config.Translated] = deepspeed_config.blocks_only(blocks) if blocks else None
+        if config is not None and not isinstance(config, ZeroConfig):  # the block arguments win over the file's
+            self._deepspeed = deepspeed_config.translate({**deepspeed_config.load(config), **blocks})
             options = {**self._deepspeed.options, **options}
             stage = stage if stage is not None else options.pop("stage", None)
             options.pop("stage", None)

@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from lzero import ZeroConfigError
+from test_deepspeed_config import TUTORIAL_BF16, TUTORIAL_ZERO3  # the two tutorial files
 
 WIDTH = 16  # the demo model's n_embd: the hidden size "auto" sizes follow (h*h = 256, 0.9*h*h = 230, 10*h = 160)
 
@@ -52,23 +53,18 @@ class Case:
     nothing, the Python model's returns the same optimizer and schedule."""
 
 
-TUTORIAL_FP16_ZERO3 = {
-    "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8,
-    "zero_optimization": {"stage": 3,
-                          "offload_optimizer": {"device": "cpu", "pin_memory": True},
-                          "offload_param": {"device": "cpu", "pin_memory": True},
-                          "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": 5e7,
-                          "stage3_prefetch_bucket_size": 5e7, "stage3_param_persistence_threshold": 1e6},
-    "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000}}
+HF_TOP = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+          "gradient_clipping": "auto", "steps_per_print": 2000, "wall_clock_breakdown": False,
+          "bf16": {"enabled": "auto"}}
+"""The top level of Hugging Face's DeepSpeed templates: batch, clipping and precision left to the Trainer."""
 
 CASES = {
     # the two tutorial configurations of ../shared/deepspeed-config-keys.md
     "tutorial_bf16_zero2": Case(
-        {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 16, "bf16": {"enabled": True},
-         "zero_optimization": {"stage": 2}},
+        TUTORIAL_BF16,
         python=dict(stage=2, precision="bf16-mixed"), python_trainer=dict(accumulate_grad_batches=16), batch_size=1),
     "tutorial_fp16_zero3_offload": Case(
-        TUTORIAL_FP16_ZERO3,
+        TUTORIAL_ZERO3,
         python=dict(stage=3, offload_optimizer={"device": "cpu", "pin_memory": True},
                     offload_param={"device": "cpu", "pin_memory": True}, overlap_comm=True, reduce_bucket_size=50_000_000,
                     prefetch_bucket_size=50_000_000, param_persistence_threshold=1_000_000, precision="16-mixed",
@@ -76,11 +72,9 @@ CASES = {
         python_trainer=dict(accumulate_grad_batches=8), batch_size=4),
     # Hugging Face's zero2 template: "auto" everywhere, filled from the Trainer, the DataLoader and the model
     "hf_auto_zero2_cpu_offload": Case(
-        {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-         "gradient_clipping": "auto", "steps_per_print": 2000, "wall_clock_breakdown": False,
+        {**HF_TOP,
          "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
                   "hysteresis": 2, "min_loss_scale": 1},
-         "bf16": {"enabled": "auto"},
          "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
                                "allgather_partitions": True, "allgather_bucket_size": 2e8, "overlap_comm": True,
                                "reduce_scatter": True, "reduce_bucket_size": "auto", "contiguous_gradients": True}},
@@ -90,11 +84,9 @@ CASES = {
     # Hugging Face's zero3 template: hidden-size "auto" sizes, DeepSpeed's 1e9 live/reuse limits (every block of
     # this small model stays gathered across the forward-backward turn), the precision chosen by the Trainer
     "hf_auto_zero3_cpu_offload": Case(
-        {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-         "gradient_clipping": "auto", "steps_per_print": 2000, "wall_clock_breakdown": False,
+        {**HF_TOP,
          "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 1000,
                   "hysteresis": 2, "min_loss_scale": 1},
-         "bf16": {"enabled": "auto"},
          "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
                                "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
                                "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": "auto",
