@@ -30,7 +30,7 @@ from lzero.mixed_precision import PrecisionPolicy
 from lzero.flat_unit import FlatUnit, GradState
 from lzero import parameters
 from lzero.gather import Block, Gatherer, GatherSchedule, full_graphs_around
-from lzero.materialize import InitFn, Materializer, apply_order, common_seed, has_meta
+from lzero.materialize import InitFn, Materializer, WeightSource, apply_order, common_seed, has_meta
 from lzero.partition import FROZEN, Partition, ParamSpec, UnitSpec, partition_by_label, partition_by_size
 from lzero.reducer import Reducer
 from lzero.placement import stores_for
@@ -49,7 +49,8 @@ class PendingGather(NamedTuple):
 class ZeroEngine:
     def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], config: ZeroConfig,
                  policy: Optional[PrecisionPolicy] = None, group: Optional[dist.ProcessGroup] = None,
-                 device: torch.device = torch.device("cpu"), init_fn: Optional[InitFn] = None) -> None:
+                 device: torch.device = torch.device("cpu"), init_fn: Optional[InitFn] = None,
+                 weights: Optional[WeightSource] = None) -> None:
         config, _ = auto_sizes.fill(config, module)  # "auto" sizes (the strategy has filled them already)
         self.config = config
         self.policy = policy if policy is not None else PrecisionPolicy()
@@ -79,7 +80,7 @@ class ZeroEngine:
         self._cast_back: list[tuple[nn.Parameter, torch.dtype]] = []  # frozen parameters cast to param_dtype
         self.policy.check_module(module)
         if config.stage >= 3 and has_meta(module):
-            self.units = self._materialize_by_unit(module, optimizers, block_modules, labels, device, init_fn)
+            self.units = self._materialize_by_unit(module, optimizers, block_modules, labels, device, init_fn, weights)
         else:
             self._broadcast_initial_state(module)  # before the units take (fp32 master) copies
             self.units = [self._unit(spec, [by_name[p.name] for p in spec.params]) for spec in self.partition.units]
@@ -117,42 +118,69 @@ class ZeroEngine:
         collectives.broadcast_([token], src=0, group=self.group)
         return bytes(token[token != 0].tolist()).decode()
 
-    def _unit(self, spec: UnitSpec, params: list[nn.Parameter]) -> FlatUnit:
+    def _unit(self, spec: UnitSpec, params: list[nn.Parameter], values: Optional[Tensor] = None) -> FlatUnit:
         store = self._stores[spec.index] if not spec.frozen else self._param_store
         return FlatUnit(spec, params, self.rank, self.config.stage, store=store, param_store=self._param_store,
-                        **self.policy.unit_dtypes(spec.keep_fp32))
+                        values=values, **self.policy.unit_dtypes(spec.keep_fp32))
 
     def _materialize_by_unit(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
                              block_modules: dict[str, nn.Module], labels: dict[str, str], device: torch.device,
-                             init_fn: Optional[InitFn]) -> list[FlatUnit]:
+                             init_fn: Optional[InitFn], weights: Optional[WeightSource]) -> list[FlatUnit]:
         """Stage 3 from the meta device: one block of full parameters at a time, the same RNG on every
-        rank, each rank keeping its shard. See [Note: meta-device initialization] in materialize.py."""
+        rank, each rank keeping its shard. See [Note: meta-device initialization] in materialize.py.
+        A block whose every parameter ``weights`` holds is read instead, each rank its own shard only ([Note:
+        reading a pretrained checkpoint into shards] in hf/weights.py); a block it holds in part is initialized,
+        then the tensors it holds are read whole."""
         materializer = Materializer(module, device, init_fn)
         seed = common_seed(lambda t: collectives.broadcast_([t], src=0, group=self.group))
         order = apply_order(module)
         in_block = {id(m): label for label, block in block_modules.items() for m in block.modules()}
         inside = {label: [(n, m) for n, m in order if in_block.get(id(m), ROOT) == label]
                   for label in [*block_modules, ROOT]}
+        read_whole = {label for label, modules in inside.items()
+                      if weights is not None and _all_held(modules, weights)}
         units, done = [], set()
 
         def run_up_to(label: str) -> None:
             # the root last of all: it holds the blocks' ancestors and the parameters tied across blocks,
             # which blocks without a unit of their own (frozen, or only tied parameters) initialize too
             for other in ([label] if label != ROOT else inside):
-                if other not in done:
+                if other in done:
+                    continue
+                if other in read_whole:
+                    materializer.allocate(inside[other])  # the units read their shards
+                else:
                     materializer.run(inside[other])
-                    done.add(other)
+                    if weights is not None:
+                        _read_whole(inside[other], weights, lambda n, own: True)
+                done.add(other)
 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             for spec in self.partition.units:  # block units, then the root's (see partition_by_label)
-                run_up_to(labels[spec.params[0].name])
-                unit = self._unit(spec, [module.get_parameter(p.name) for p in spec.params])
+                label = labels[spec.params[0].name]
+                run_up_to(label)
+                params = [module.get_parameter(p.name) for p in spec.params]
+                values = self._read_shard(spec, params[0].dtype, weights) if label in read_whole else None
+                unit = self._unit(spec, params, values)
                 unit.release()
                 units.append(unit)
             run_up_to(ROOT)  # frozen parameters and buffers outside every unit
+        if weights is not None:  # what no unit read: tensors outside the units, persistent buffers
+            in_units = {id(p) for unit in units for p in unit.params}
+            for label in read_whole:
+                _read_whole(inside[label], weights, lambda name, t: id(t) not in in_units)
+        _buffers_to(module, device)  # built on the CPU from a pretrained model (hf/pretrained.py)
         materializer.retarget(optimizers)
         return units
+
+    def _read_shard(self, spec: UnitSpec, dtype: torch.dtype, weights: WeightSource) -> Tensor:
+        """This rank's shard of ``spec``'s values (1D, shard_numel), read piece by piece; padding is zero."""
+        values = torch.zeros(spec.shard_numel, dtype=dtype)
+        with weights.reading() as read:
+            for param, start, end, at in spec.owned_pieces(self.rank):
+                values[at: at + end - start].copy_(read(param.name, start, end))
+        return values
 
     def _broadcast_initial_state(self, module: nn.Module) -> None:
         """Rank 0's parameters and buffers everywhere, as DDP does, so unseeded models agree."""
@@ -517,6 +545,36 @@ class ZeroEngine:
         if not collectives.local(self.group) and self.gatherer is None:
             self._finish_gathers([self._launch_gather(bucket)
                                   for bucket in _coalesce(self.units, self.config.allgather_bucket_size)])
+
+
+def _own_tensors(modules: Sequence[tuple[str, nn.Module]]) -> Iterator[tuple[str, Tensor]]:
+    for prefix, module in modules:
+        dot = f"{prefix}." if prefix else ""
+        for name, t in [*module._parameters.items(), *module._buffers.items()]:
+            if t is not None:
+                yield dot + name, t
+
+
+def _all_held(modules: Sequence[tuple[str, nn.Module]], weights: WeightSource) -> bool:
+    """Every meta parameter of ``modules`` is read from ``weights``."""
+    return all(weights.holds(name) for name, t in _own_tensors(modules) if isinstance(t, nn.Parameter) and t.is_meta)
+
+
+@torch.no_grad()
+def _read_whole(modules: Sequence[tuple[str, nn.Module]], weights: WeightSource,
+                wanted: Callable[[str, Tensor], bool]) -> None:
+    """The ``wanted`` tensors of ``modules`` that ``weights`` holds, read whole over their current values."""
+    with weights.reading() as read:
+        for name, t in _own_tensors(modules):
+            if not t.is_meta and weights.holds(name) and wanted(name, t):
+                t.copy_(read(name, 0, t.numel()).view(t.shape))
+
+
+def _buffers_to(module: nn.Module, device: torch.device) -> None:
+    for sub in module.modules():
+        for name, b in sub._buffers.items():
+            if b is not None and not b.is_meta and b.device != device:
+                sub._buffers[name] = b.to(device)
 
 
 def _coalesce(units: Sequence[FlatUnit], limit: int) -> Iterator[list[FlatUnit]]:

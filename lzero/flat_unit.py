@@ -56,6 +56,9 @@ class GradState(enum.Enum):
 class FlatUnit:
     """One unit's storage on this rank.
 
+    ``values`` (stage 3, 1D, shard_numel): the owned slice of the unit's values when the parameters hold none
+    yet (read from a checkpoint); the rest of the full buffer is never written.
+
     Stage 1 keeps a full flat gradient buffer and makes every ``p.grad`` a view into it, so
     micro-batches accumulate locally exactly as they would under DDP; the shard gradient is a
     view of the owned slice. Stage 2 keeps only the shard gradient: each micro-batch's full
@@ -68,7 +71,8 @@ class FlatUnit:
 
     def __init__(self, spec: UnitSpec, params: Sequence[nn.Parameter], rank: int, stage: int,
                  param_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None,
-                 store: Optional[ShardStore] = None, param_store: Optional[ShardStore] = None) -> None:
+                 store: Optional[ShardStore] = None, param_store: Optional[ShardStore] = None,
+                 values: Optional[Tensor] = None) -> None:
         self.spec = spec
         self.params = list(params)
         self.rank = rank
@@ -81,10 +85,17 @@ class FlatUnit:
         self.mixed = compute_dtype != master_dtype  # 16-bit compute with higher-precision masters
         self.reduce_dtype = reduce_dtype or master_dtype
         with torch.no_grad():
-            full = torch.zeros(spec.padded_numel, device=device, dtype=master_dtype)  # 1D, the unit's values
-            for p, (start, end) in zip(self.params, self.ranges):
-                full[start:end].copy_(p.detach().reshape(-1))
-            self.flat_param = full.to(compute_dtype) if self.mixed else full  # 1D, padded_numel
+            if values is None:
+                full = torch.zeros(spec.padded_numel, device=device, dtype=master_dtype)  # 1D, the unit's values
+                for p, (start, end) in zip(self.params, self.ranges):
+                    full[start:end].copy_(p.detach().reshape(-1))
+                self.flat_param = full.to(compute_dtype) if self.mixed else full  # 1D, padded_numel
+            else:  # only the owned slice is known (read from a checkpoint): nothing else is written
+                full = torch.empty(spec.padded_numel, device=device, dtype=master_dtype)
+                full[lo:hi].copy_(values)
+                self.flat_param = torch.empty(spec.padded_numel, device=device, dtype=compute_dtype) \
+                    if self.mixed else full
+                self.flat_param[lo:hi].copy_(values)
             if spec.frozen:  # nothing steps it: the compute-dtype shard is all a rank keeps
                 master = self.param_store.hold(self.flat_param[lo:hi], key=f"unit{spec.index}.master")
             else:  # full precision at stages 1-2: the master is the owned slice of the parameters itself

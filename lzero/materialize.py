@@ -28,12 +28,22 @@ ranks build one model; each keeps its shard and frees the rest before the next u
 from __future__ import annotations
 
 import sys
-from typing import Callable, Iterable, Iterator, Optional
+from typing import Callable, ContextManager, Iterable, Iterator, Optional, Protocol
 
 import torch
 from torch import nn
 
 InitFn = Callable[[nn.Module], None]
+
+
+class WeightSource(Protocol):
+    """Values of some of a model's tensors, read by flat range: a pretrained checkpoint (lzero/hf/pretrained.py)."""
+
+    def holds(self, name: str) -> bool:
+        """Whether the tensor called ``name`` in the root module is read from the source."""
+
+    def reading(self) -> ContextManager[Callable[[str, int, int], torch.Tensor]]:
+        """``read(name, start, end)``: elements [start, end) of the flattened tensor ``name``, in the source's dtype."""
 
 
 class UninitializedModuleError(RuntimeError):
@@ -127,18 +137,33 @@ class Materializer:
             if unwritten:
                 raise self._error(name, module, unwritten)
 
-    def _allocate(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-        """Real storage (NaN, or zero for integer/boolean tensors) for ``module``'s own meta tensors."""
+    def allocate(self, modules: Iterable[tuple[str, nn.Module]]) -> None:
+        """Storage for the meta tensors of ``modules`` left unwritten and uninitialized: values that are about to be
+        read from a checkpoint (``torch.empty``: pages nobody writes cost no memory). The modules count as run."""
+        for _, module in modules:
+            if id(module) in self._holding_meta and id(module) not in self._done:
+                self._done.add(id(module))
+                for _ in self._allocate(module, empty=True):
+                    pass
+
+    def _allocate(self, module: nn.Module, empty: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Real storage (NaN, or zero for integer/boolean tensors; ``empty``: unwritten) for ``module``'s own meta
+        tensors."""
+        def new_tensor(meta: torch.Tensor) -> torch.Tensor:
+            if empty:
+                return torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
+            return _placeholder(meta, self.device)
+
         for pname, p in list(module._parameters.items()):
             if p is not None and p.is_meta:
-                new = nn.Parameter(_placeholder(p, self.device), requires_grad=p.requires_grad)
+                new = nn.Parameter(new_tensor(p), requires_grad=p.requires_grad)
                 for holder, hname in self._holders[id(p)]:
                     holder._parameters[hname] = new
                 self.replaced[p] = new
                 yield pname, new
         for bname, b in list(module._buffers.items()):
             if b is not None and b.is_meta:
-                module._buffers[bname] = _placeholder(b, self.device)
+                module._buffers[bname] = new_tensor(b)
                 yield bname, module._buffers[bname]
 
     def _error(self, name: str, module: nn.Module, unwritten: list[str]) -> UninitializedModuleError:

@@ -7,6 +7,7 @@ wrapper, gradient hooks on the parameters, and optimizers re-targeted at the sha
 
 from __future__ import annotations
 
+import sys
 import warnings
 from contextlib import contextmanager
 from datetime import timedelta
@@ -199,7 +200,7 @@ class ZeroStrategy(DDPStrategy):
                 self._choose_configuration()
             self._checkpointed = checkpointing.apply(self.model, self._checkpoint_policy, self.config)
             self._engine = ZeroEngine(self.model, self.optimizers, self.config, self.precision_plugin.policy,
-                                      device=self.root_device, init_fn=self.init_fn)
+                                      device=self.root_device, init_fn=self.init_fn, weights=_pretrained(self.model))
             self._engine.automatic = self.lightning_module.automatic_optimization
             self.optimizers = [ZeroOptimizer(opt, self._engine, i) for i, opt in enumerate(self.optimizers)]
             if self._engine.offloaded:
@@ -264,7 +265,7 @@ class ZeroStrategy(DDPStrategy):
         """Stage 3 with ``empty_init=True``: build on the meta device; the engine materializes the model
         one unit at a time at setup, each rank keeping only its shard."""
         if self.config.stage >= 3 and empty_init:
-            with torch.device("meta"):
+            with _meta_device():
                 yield
             return
         with super().tensor_init_context(empty_init):
@@ -275,7 +276,7 @@ class ZeroStrategy(DDPStrategy):
     def model_sharded_context(self) -> Generator:
         """Stage 3: ``configure_model`` builds on the meta device (see ``tensor_init_context``)."""
         if self.config.stage >= 3:
-            with torch.device("meta"):
+            with _meta_device():
                 yield
             return
         yield
@@ -531,6 +532,26 @@ class ZeroStrategy(DDPStrategy):
         return open_checkpoint(checkpoint_path, self.global_rank, self.world_size, weights_only,
                                lambda safe: super(ZeroStrategy, self).load_checkpoint(checkpoint_path,
                                                                                      weights_only=safe))
+
+
+@contextmanager
+def _meta_device() -> Generator:
+    """Modules built inside are built on the meta device; a Hugging Face ``from_pretrained`` inside builds into
+    shards (see [Note: from_pretrained under zero3] in hf/pretrained.py)."""
+    from lzero.hf.pretrained import intercept
+
+    with torch.device("meta"), intercept():
+        yield
+
+
+def _pretrained(model: torch.nn.Module) -> Optional[Any]:
+    """The checkpoints of the pretrained models built by ``_meta_device`` inside ``model``, if any."""
+    if "lzero.hf.pretrained" not in sys.modules:
+        return None
+    from lzero.hf.pretrained import PretrainedWeights
+
+    weights = PretrainedWeights(model)
+    return weights if weights else None
 
 
 def build_preset(name: str, **init_params: Any) -> ZeroStrategy:

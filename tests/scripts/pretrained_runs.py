@@ -1,0 +1,83 @@
+"""Pretrained Hugging Face models loaded by ``from_pretrained``: DDP with the model built in ``__init__`` against
+every lzero preset with ``from_pretrained`` in ``configure_model``, world size 2, 10 steps.
+
+    python tests/scripts/pretrained_runs.py MODELS_DIR OUT_DIR RUN [RUN ...]
+
+RUN is ``MODEL:STRATEGY[:PRECISION[:eager]]`` (``gpt2:zero3``, ``llama:ddp:bf16-mixed``); ``eager`` builds the
+model in ``__init__`` under an lzero strategy too (DDP always does). Rank 0 writes
+``OUT_DIR/MODEL-STRATEGY-PRECISION.pt``: the first batch, the losses and the parameters after fit.
+tests/test_pretrained.py compares them.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.utils.data import DataLoader, TensorDataset
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+import lzero  # noqa: F401
+from _teardown import destroy_process_group  # a sibling: scripts run from their folder
+
+
+class Pretrained(LightningModule):
+    def __init__(self, path: str, lazy: bool) -> None:
+        super().__init__()
+        self.path = path
+        if not lazy:
+            self.configure_model()
+
+    def configure_model(self) -> None:
+        if hasattr(self, "model"):
+            return
+        cls = AutoModelForSeq2SeqLM if Path(self.path).name == "t5" else AutoModelForCausalLM
+        self.model = cls.from_pretrained(self.path, dtype=torch.float32)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        return self.model(input_ids=tokens, labels=tokens).loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+class Record(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.first_batch = None
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.losses.append(outputs["loss"].item())
+        if self.first_batch is None:
+            self.first_batch = batch[0].clone()
+
+
+def fit(models: Path, out: Path, run: str) -> None:
+    name, strategy, *rest = run.split(":")
+    precision = rest[0] if rest else "32-true"
+    eager = strategy == "ddp" or rest[1:] == ["eager"]
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 128, (80, 12), generator=torch.Generator().manual_seed(1))
+    record = Record()
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, precision=precision, max_steps=10,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=[record])
+    module = Pretrained(str(models / name), lazy=not eager)
+    trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=4))
+    if trainer.is_global_zero:
+        params = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+        torch.save({"losses": record.losses, "first_batch": record.first_batch, "params": params},
+                   out / f"{run.replace(':', '-')}.pt")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    models_dir, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
+    for run in sys.argv[3:]:
+        fit(models_dir, out_dir, run)
+    destroy_process_group()
