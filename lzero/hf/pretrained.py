@@ -280,7 +280,7 @@ def _match(model: nn.Module, files: CheckpointFiles, ignore_mismatched: bool) ->
     prefix = getattr(model, "base_model_prefix", "") or ""
     tensors = {name: t for name, t in model.state_dict(keep_vars=True).items()}
     keys: dict[str, str] = {}
-    missing, mismatched = [], []
+    missing, mismatched, skipped = [], [], set()
     for first, aliases in state_keys(model).items():
         found = next((c for a in aliases for c in _candidates(a, prefix) if c in files.tensors), None)
         if found is None:
@@ -295,10 +295,11 @@ def _match(model: nn.Module, files: CheckpointFiles, ignore_mismatched: bool) ->
                     " train a new head of another size, pass `ignore_mismatched_sizes=True` (that tensor is then"
                     " initialized, as transformers does).")
             mismatched.append(first)
+            skipped.add(found)  # neither loaded nor unexpected: transformers lists it as mismatched
             continue
         for alias in aliases:
             keys[alias] = found
-    used = set(keys.values())
+    used = set(keys.values()) | skipped
     unexpected = [k for k in files.tensors if k not in used]
     missing = _ignored(missing, getattr(model, "_keys_to_ignore_on_load_missing", None))
     unexpected = _ignored(unexpected, getattr(model, "_keys_to_ignore_on_load_unexpected", None))

@@ -1,0 +1,271 @@
+"""``from_pretrained`` inside a zero3 ``configure_model``: each rank reads its shards off the files.
+
+References: transformers' own ``from_pretrained`` (the parameters, bitwise) and DDP loading the same files in
+``__init__`` (losses and parameters after 10 steps). See [Note: from_pretrained under zero3] in
+lzero/hf/pretrained.py and [Note: reading a pretrained checkpoint into shards] in lzero/hf/weights.py.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from _dist import run_ranks
+from _launch import run_script
+from _pretrained_models import save_models
+
+pytest.importorskip("transformers")
+
+PRESETS = ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "zero3_offload_nvme"]
+RUNS = [f"gpt2:{p}" for p in ["ddp", *PRESETS]] + [
+    f"{m}:{p}" for m in ("llama", "llama_tied", "t5") for p in ("ddp", "zero3", "zero3_offload")] + [
+    "gpt2:zero3:bf16-mixed", "gpt2:zero3:bf16-mixed:eager"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return save_models(tmp_path_factory.mktemp("pretrained_models"))
+
+
+@pytest.fixture(scope="module")
+def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("pretrained_runs")
+    run_script("pretrained_runs.py", str(models["gpt2"].parent), str(out), *RUNS, timeout=600)
+    return out
+
+
+def _load(runs: Path, run: str) -> dict[str, Any]:
+    return torch.load(runs / f"{run.replace(':', '-')}.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("run", [r for r in RUNS if ":ddp" not in r and "bf16" not in r])
+def test_trains_like_ddp_loading_in_init(runs: Path, models: dict[str, Path], run: str) -> None:
+    name, preset = run.split(":")
+    ours, ddp = _load(runs, run), _load(runs, f"{name}:ddp")
+    # the first loss only depends on the weights read: equal to the plain model's on the same batch
+    plain = _plain(models[name], torch.float32)
+    with torch.no_grad():
+        first = plain(input_ids=ours["first_batch"], labels=ours["first_batch"]).loss.item()
+    assert ours["losses"][0] == ddp["losses"][0] == first
+    assert ours["params"].keys() == ddp["params"].keys()
+    # fused AdamW everywhere: the kernel the offloaded presets step with on the host, so all are bitwise
+    assert ours["losses"] == ddp["losses"]
+    for key, value in ddp["params"].items():
+        assert torch.equal(ours["params"][key], value), key
+
+
+def test_bf16_mixed_equals_the_model_built_in_init(runs: Path) -> None:
+    lazy, eager = _load(runs, "gpt2:zero3:bf16-mixed"), _load(runs, "gpt2:zero3:bf16-mixed:eager")
+    assert lazy["losses"] == eager["losses"]
+    for key, value in eager["params"].items():
+        assert torch.equal(lazy["params"][key], value), key
+
+
+def _plain(folder: Path, dtype: torch.dtype, **kwargs: Any) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    cls = AutoModelForSeq2SeqLM if folder.name.startswith("t5") else AutoModelForCausalLM
+    return cls.from_pretrained(folder, dtype=dtype, **kwargs)
+
+
+def _sharded(rank: int, world_size: int, folder: str, dtype: torch.dtype) -> bytes:
+    """Built under lzero's meta context and read into zero3 units; the full parameters gathered back, and the
+    bytes this rank read against the bytes of its shards."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    from lzero import ZeroConfig, ZeroEngine
+    from lzero.hf import weights
+    from lzero.hf.pretrained import PretrainedWeights, intercept
+
+    cls = AutoModelForSeq2SeqLM if Path(folder).name.startswith("t5") else AutoModelForCausalLM
+    with torch.device("meta"), intercept():
+        model, info = cls.from_pretrained(folder, dtype=dtype, output_loading_info=True)
+    read_bytes = [0]
+    read_flat = weights.OpenFiles.read_flat
+
+    def counted(self: Any, key: str, start: int, end: int) -> torch.Tensor:
+        out = read_flat(self, key, start, end)
+        info_ = self._files.tensors[key]
+        row = math.prod(info_.shape[1:])
+        read_bytes[0] += (-(-end // row) - start // row) * row * info_.dtype.itemsize
+        return out
+
+    weights.OpenFiles.read_flat = counted
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=3), weights=PretrainedWeights(model))
+    file_dtype = next(iter(PretrainedWeights(model).sources[0].files.tensors.values())).dtype
+    shard_bytes = sum(u.spec.shard_numel for u in engine.units) * file_dtype.itemsize
+    engine.unshard()
+    engine.remove()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    tied = [n for n, p in model.named_parameters(remove_duplicate=False) if any(
+        p is q for m, q in model.named_parameters() if m != n)]
+    out = io.BytesIO()  # bytes, not tensors: a tensor put on the queue dies with this process
+    torch.save({"state": state, "buffers": buffers, "read": read_bytes[0], "shard": shard_bytes, "info": info,
+                "tied": tied, "dtype": {k: v.dtype for k, v in state.items()}}, out)
+    return out.getvalue()
+
+
+def _sharded_ranks(folder: Path, dtype: torch.dtype) -> list[dict[str, Any]]:
+    return [torch.load(io.BytesIO(r), weights_only=False) for r in run_ranks(_sharded, 2, str(folder), dtype)]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "llama_tied", "t5"])
+def test_each_rank_reads_its_shard_and_gets_the_plain_weights(models: dict[str, Path], name: str) -> None:
+    results = _sharded_ranks(models[name], torch.float32)
+    plain = _plain(models[name], torch.float32)
+    expected = plain.state_dict()
+    for rank, got in enumerate(results):
+        assert got["state"].keys() == expected.keys()
+        for key, value in expected.items():
+            assert torch.equal(got["state"][key], value), (rank, key)
+        for key, value in plain.named_buffers():  # computed ones (rotary inv_freq) too, never meta
+            assert torch.equal(got["buffers"][key], value), (rank, key)
+        assert got["info"]["missing_keys"] == set() and got["info"]["unexpected_keys"] == set()
+        plain_tied = [n for n, p in plain.named_parameters(remove_duplicate=False)
+                      if any(p is q for m, q in plain.named_parameters() if m != n)]
+        assert got["tied"] == plain_tied  # one copy, as the model ties them
+        total = sum(v.numel() * v.element_size() for v in expected.values())
+        print(f"{name} rank {rank}: read {got['read']} B, shard {got['shard']} B, model {total} B")
+        assert got["read"] <= 1.1 * got["shard"] + 4 * 1024  # a row on each side of each piece: small here
+
+
+def test_bf16_files_into_fp32_parameters(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    folder = save_models(tmp_path, ["llama"])["llama"]
+    AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).save_pretrained(
+        tmp_path / "bf16", max_shard_size="20KB")
+    got = _sharded_ranks(tmp_path / "bf16", torch.float32)[0]
+    expected = _plain(tmp_path / "bf16", torch.float32).state_dict()
+    assert set(got["dtype"].values()) == {torch.float32}
+    for key, value in expected.items():
+        assert torch.equal(got["state"][key], value), key
+
+
+def _rewrite(folder: Path, edit: Any) -> None:
+    """Every safetensors file of ``folder`` rewritten with ``edit(dict of tensors) -> dict``; the index follows."""
+    from safetensors.torch import load_file, save_file
+
+    index_path = folder / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    weight_map = {}
+    for file in sorted(set(index["weight_map"].values())):
+        tensors = edit(load_file(folder / file), file)
+        save_file(tensors, folder / file, metadata={"format": "pt"})
+        weight_map.update({k: file for k in tensors})
+    index["weight_map"] = weight_map
+    index_path.write_text(json.dumps(index))
+
+
+def test_missing_and_unexpected_keys_reported_and_initialized(tmp_path: Path) -> None:
+    folder = save_models(tmp_path, ["llama"])["llama"]
+
+    def edit(tensors: dict[str, torch.Tensor], file: str) -> dict[str, torch.Tensor]:
+        tensors.pop("lm_head.weight", None)
+        if file.startswith("model-00001"):
+            tensors["extra.weight"] = torch.ones(3)
+        return tensors
+
+    _rewrite(folder, edit)
+    results = _sharded_ranks(folder, torch.float32)
+    plain, info = _plain(folder, torch.float32, output_loading_info=True)
+    for got in results:
+        assert got["info"]["missing_keys"] == info["missing_keys"] == {"lm_head.weight"}
+        assert got["info"]["unexpected_keys"] == info["unexpected_keys"] == {"extra.weight"}
+        head = got["state"]["lm_head.weight"]  # initialized as transformers' _init_weights does
+        assert abs(head.std().item() / plain.config.initializer_range - 1) < 0.1
+        for key, value in plain.state_dict().items():
+            if key != "lm_head.weight":
+                assert torch.equal(got["state"][key], value), key
+    assert torch.equal(results[0]["state"]["lm_head.weight"], results[1]["state"]["lm_head.weight"])
+
+
+def test_bin_files_read_with_weights_only(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    folder = save_models(tmp_path, ["gpt2"])["gpt2"]
+    (tmp_path / "bin").mkdir()  # transformers 5 writes safetensors only: the older layout by hand
+    (tmp_path / "bin" / "config.json").write_text((folder / "config.json").read_text())
+    torch.save(AutoModelForCausalLM.from_pretrained(folder).state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    got = _sharded_ranks(tmp_path / "bin", torch.float32)[0]
+    for key, value in _plain(folder, torch.float32).state_dict().items():
+        assert torch.equal(got["state"][key], value), key
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+
+def _from_pretrained_in_meta(folder: Path, **kwargs: Any) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    from lzero.hf.pretrained import intercept
+
+    with torch.device("meta"), intercept():
+        return AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+
+
+def _refused(folder: Path, *fragments: str, **kwargs: Any) -> str:
+    from lzero.hf.weights import PretrainedLoadError
+
+    with pytest.raises(PretrainedLoadError) as err:
+        _from_pretrained_in_meta(folder, **kwargs)
+    for fragment in fragments:
+        assert fragment in str(err.value), str(err.value)
+    assert "HINT" in str(err.value)
+    return str(err.value)
+
+
+@pytest.fixture
+def gpt2(tmp_path: Path) -> Path:
+    return save_models(tmp_path, ["gpt2"])["gpt2"]
+
+
+def test_a_folder_without_weights(gpt2: Path) -> None:
+    for file in gpt2.glob("model*"):
+        file.unlink()
+    _refused(gpt2, "No model weights in", str(gpt2), "config.json")
+
+
+def test_a_shape_mismatch_names_the_key_and_both_shapes(gpt2: Path) -> None:
+    config = json.loads((gpt2 / "config.json").read_text())
+    (gpt2 / "config.json").write_text(json.dumps({**config, "n_positions": 40}))
+    _refused(gpt2, "`transformer.wpe.weight`", "[32, 32]", "[40, 32]", "ignore_mismatched_sizes=True")
+    model = _from_pretrained_in_meta(gpt2, ignore_mismatched_sizes=True)  # then initialized, as transformers does
+    from lzero.hf.pretrained import source_of
+
+    assert source_of(model).mismatched == ["transformer.wpe.weight"]
+
+
+def test_a_truncated_safetensors_file(gpt2: Path) -> None:
+    shard = sorted(gpt2.glob("model-*.safetensors"))[1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 100])
+    _refused(gpt2, "truncated", shard.name, "fetch the file again")
+
+
+def test_a_pickle_bin_that_needs_more_than_tensors(gpt2: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "pickle"
+    folder.mkdir()
+    (folder / "config.json").write_text((gpt2 / "config.json").read_text())
+    torch.save({"transformer.wte.weight": torch.zeros(128, 32), "recipe": Path("x")}, folder / "pytorch_model.bin")
+    _refused(folder, "weights_only=True", "never unpickles", "save_pretrained")
+
+
+def test_a_quantized_base_is_refused_by_name(gpt2: Path) -> None:
+    config = json.loads((gpt2 / "config.json").read_text())
+    quant = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (gpt2 / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    _refused(gpt2, "quantized (bitsandbytes)", "QLoRA")
+
+
+def test_loader_options_lzero_cannot_honour_are_refused(gpt2: Path) -> None:
+    _refused(gpt2, "device_map", "lzero places every shard itself", device_map="auto")
+    _refused(gpt2, "weights_only=False", weights_only=False)
