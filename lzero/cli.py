@@ -31,6 +31,12 @@ def _inspect(argv: list[str]) -> int:
     return inspect_command(argv)
 
 
+def _export_hf(argv: list[str]) -> int:
+    from lzero.hf.export import export_command
+
+    return export_command(argv)
+
+
 def _estimate(argv: list[str]) -> int:
     from lzero.estimate_command import estimate_command
 
@@ -46,6 +52,7 @@ def _convert_config(argv: list[str]) -> int:
 # Extra subcommands, name -> (handler(argv after the name) returning an exit code, one line of help).
 EXTRA_COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "consolidate": (_consolidate, "write a sharded checkpoint directory as one .ckpt/.pt/.safetensors file"),
+    "export-hf": (_export_hf, "write a checkpoint as a Hugging Face folder (sharded safetensors, config, index)"),
     "inspect": (_inspect, "print a sharded checkpoint's step, stage, parameter counts and files"),
     "convert-config": (_convert_config, "print the LightningCLI strategy YAML for a DeepSpeed JSON config"),
     "estimate": (_estimate, "model-state memory per device, host and NVMe disk of each strategy (no model allocated)"),

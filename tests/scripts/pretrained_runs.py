@@ -3,8 +3,9 @@ every lzero preset with ``from_pretrained`` in ``configure_model``, world size 2
 
     python tests/scripts/pretrained_runs.py MODELS_DIR OUT_DIR RUN [RUN ...]
 
-RUN is ``MODEL:STRATEGY[:PRECISION[:eager]]`` (``gpt2:zero3``, ``llama:ddp:bf16-mixed``); ``eager`` builds the
-model in ``__init__`` under an lzero strategy too (DDP always does). Rank 0 writes
+RUN is ``MODEL:STRATEGY[:PRECISION[:FLAG]]`` (``gpt2:zero3``, ``llama:ddp:bf16-mixed``). FLAG ``eager`` builds the
+model in ``__init__`` under an lzero strategy too (DDP always does); ``ckpt`` saves ``OUT_DIR/RUN-ckpt/last.ckpt``.
+Every run also saves the logits of the trained model on ``PROBE``. Rank 0 writes
 ``OUT_DIR/MODEL-STRATEGY-PRECISION.pt``: the first batch, the losses and the parameters after fit.
 tests/test_pretrained.py compares them.
 """
@@ -17,11 +18,15 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 import lzero  # noqa: F401
 from _teardown import destroy_process_group  # a sibling: scripts run from their folder
+
+
+PROBE = torch.arange(10).reshape(1, 10)
 
 
 class Pretrained(LightningModule):
@@ -60,19 +65,24 @@ class Record(Callback):
 def fit(models: Path, out: Path, run: str) -> None:
     name, strategy, *rest = run.split(":")
     precision = rest[0] if rest else "32-true"
-    eager = strategy == "ddp" or rest[1:] == ["eager"]
+    eager = strategy == "ddp" or "eager" in rest[1:]
+    tag = run.replace(":", "-")
+    checkpoints = [ModelCheckpoint(dirpath=out / f"{tag}-ckpt", save_last=True)] if "ckpt" in rest[1:] else []
     torch.manual_seed(0)
     tokens = torch.randint(0, 128, (80, 12), generator=torch.Generator().manual_seed(1))
     record = Record()
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, precision=precision, max_steps=10,
-                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, callbacks=[record])
+                      logger=False, enable_checkpointing=bool(checkpoints), enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=[record, *checkpoints])
     module = Pretrained(str(models / name), lazy=not eager)
     trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=4))
     if trainer.is_global_zero:
         params = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
-        torch.save({"losses": record.losses, "first_batch": record.first_batch, "params": params},
-                   out / f"{run.replace(':', '-')}.pt")
+        with torch.no_grad():
+            logits = module.model(input_ids=PROBE, decoder_input_ids=PROBE).logits if "t5" in name else \
+                module.model(input_ids=PROBE).logits
+        torch.save({"losses": record.losses, "first_batch": record.first_batch, "params": params, "logits": logits},
+                   out / f"{tag}.pt")
 
 
 if __name__ == "__main__":
