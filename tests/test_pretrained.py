@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -93,13 +94,14 @@ def test_round_trip_through_export_hf(runs: Path, models: dict[str, Path], tmp_p
     finally:
         torch.set_num_threads(threads)
     # a second export into the same folder is refused without --overwrite, and nothing there changes
+    from lzero.checkpoint import CheckpointError
+    from lzero.hf import export_hf
+
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    again = subprocess.run([*lzero, "export-hf", str(ckpt), str(out)], capture_output=True, text=True)
-    assert again.returncode == 1 and "is not empty" in again.stderr and "--overwrite" in again.stderr
+    with pytest.raises(CheckpointError, match="is not empty.*--overwrite"):
+        export_hf(ckpt, out)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    bf16 = subprocess.run([*lzero, "export-hf", str(ckpt), str(out), "--overwrite", "--dtype", "bf16", "--config",
-                           str(models["llama"])], capture_output=True, text=True)
-    assert bf16.returncode == 0, bf16.stderr
+    export_hf(ckpt, out, dtype="bf16", config=models["llama"], overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
     model = _plain(out, "auto")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
@@ -114,84 +116,113 @@ def _plain(folder: Path, dtype: torch.dtype, **kwargs: Any) -> torch.nn.Module:
     return cls.from_pretrained(folder, dtype=dtype, **kwargs)
 
 
-def _sharded(rank: int, world_size: int, folder: str, dtype: torch.dtype) -> bytes:
-    """Built under lzero's meta context and read into zero3 units; the full parameters gathered back, and the
-    bytes this rank read against the bytes of its shards."""
+def _sharded(rank: int, world_size: int, folders: list[str]) -> bytes:
+    """Each folder built under lzero's meta context and read into zero3 units (fp32); the full parameters gathered
+    back, and the bytes this rank read against the bytes of its shards."""
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     from lzero import ZeroConfig, ZeroEngine
     from lzero.hf import weights
     from lzero.hf.pretrained import PretrainedWeights, intercept
 
-    cls = AutoModelForSeq2SeqLM if Path(folder).name.startswith("t5") else AutoModelForCausalLM
-    with torch.device("meta"), intercept():
-        model, info = cls.from_pretrained(folder, dtype=dtype, output_loading_info=True)
     read_bytes = [0]
     read_flat = weights.OpenFiles.read_flat
 
     def counted(self: Any, key: str, start: int, end: int) -> torch.Tensor:
-        out = read_flat(self, key, start, end)
-        info_ = self._files.tensors[key]
-        row = math.prod(info_.shape[1:])
-        read_bytes[0] += (-(-end // row) - start // row) * row * info_.dtype.itemsize
-        return out
+        info = self._files.tensors[key]
+        row = math.prod(info.shape[1:])
+        read_bytes[0] += (-(-end // row) - start // row) * row * info.dtype.itemsize
+        return read_flat(self, key, start, end)
 
     weights.OpenFiles.read_flat = counted
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    engine = ZeroEngine(model, [optimizer], ZeroConfig(stage=3), weights=PretrainedWeights(model))
-    file_dtype = next(iter(PretrainedWeights(model).sources[0].files.tensors.values())).dtype
-    shard_bytes = sum(u.spec.shard_numel for u in engine.units) * file_dtype.itemsize
-    engine.unshard()
-    engine.remove()
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    buffers = {k: v.clone() for k, v in model.named_buffers()}
-    tied = [n for n, p in model.named_parameters(remove_duplicate=False) if any(
-        p is q for m, q in model.named_parameters() if m != n)]
+    results = {}
+    for folder in folders:
+        cls = AutoModelForSeq2SeqLM if Path(folder).name.startswith("t5") else AutoModelForCausalLM
+        with torch.device("meta"), intercept():
+            model, info = cls.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+        read_bytes[0] = 0
+        pretrained = PretrainedWeights(model)
+        engine = ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.0)], ZeroConfig(stage=3),
+                            weights=pretrained)
+        file_dtype = next(iter(pretrained.sources[0].files.tensors.values())).dtype
+        shard_bytes = sum(u.spec.shard_numel for u in engine.units) * file_dtype.itemsize
+        engine.unshard()
+        engine.remove()
+        results[folder] = {
+            "state": {k: v.clone() for k, v in model.state_dict().items()},
+            "buffers": {k: v.clone() for k, v in model.named_buffers()},
+            "read": read_bytes[0], "shard": shard_bytes, "info": info, "tied": _tied(model)}
     out = io.BytesIO()  # bytes, not tensors: a tensor put on the queue dies with this process
-    torch.save({"state": state, "buffers": buffers, "read": read_bytes[0], "shard": shard_bytes, "info": info,
-                "tied": tied, "dtype": {k: v.dtype for k, v in state.items()}}, out)
+    torch.save(results, out)
     return out.getvalue()
 
 
-def _sharded_ranks(folder: Path, dtype: torch.dtype) -> list[dict[str, Any]]:
-    return [torch.load(io.BytesIO(r), weights_only=False) for r in run_ranks(_sharded, 2, str(folder), dtype)]
+def _tied(model: torch.nn.Module) -> list[str]:
+    return [n for n, p in model.named_parameters(remove_duplicate=False)
+            if any(p is q for m, q in model.named_parameters() if m != n)]
+
+
+def _edit_missing_and_unexpected(tensors: dict[str, torch.Tensor], file: str) -> dict[str, torch.Tensor]:
+    tensors.pop("lm_head.weight", None)
+    if file.startswith("model-00001"):
+        tensors["extra.weight"] = torch.ones(3)
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def sharded(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Every case read into shards at world size 2 in one launch: name -> its folder and [rank 0's result, rank 1's]."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("pretrained_cases")
+    folders = {name: models[name] for name in ("gpt2", "llama", "llama_tied", "t5")}
+    # bf16 files, loaded as fp32
+    AutoModelForCausalLM.from_pretrained(models["llama"], dtype=torch.bfloat16).save_pretrained(
+        root / "bf16", max_shard_size="20KB")
+    folders["bf16"] = root / "bf16"
+    # lm_head.weight missing, an unknown key added
+    shutil.copytree(models["llama"], root / "missing")
+    _rewrite(root / "missing", _edit_missing_and_unexpected)
+    folders["missing"] = root / "missing"
+    # one pytorch_model.bin (transformers 5 writes safetensors only: the older layout by hand)
+    (root / "bin").mkdir()
+    (root / "bin" / "config.json").write_text((models["gpt2"] / "config.json").read_text())
+    torch.save(AutoModelForCausalLM.from_pretrained(models["gpt2"]).state_dict(), root / "bin" / "pytorch_model.bin")
+    folders["bin"] = root / "bin"
+    ranks = [torch.load(io.BytesIO(r), weights_only=False)
+             for r in run_ranks(_sharded, 2, [str(f) for f in folders.values()], timeout=300)]
+    return {name: {"folder": folder, "ranks": [r[str(folder)] for r in ranks]} for name, folder in folders.items()}
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "llama_tied", "t5"])
-def test_each_rank_reads_its_shard_and_gets_the_plain_weights(models: dict[str, Path], name: str) -> None:
-    results = _sharded_ranks(models[name], torch.float32)
+def test_each_rank_reads_its_shard_and_gets_the_plain_weights(sharded: dict, models: dict[str, Path],
+                                                              name: str) -> None:
     plain = _plain(models[name], torch.float32)
     expected = plain.state_dict()
-    for rank, got in enumerate(results):
+    for rank, got in enumerate(sharded[name]["ranks"]):
         assert got["state"].keys() == expected.keys()
         for key, value in expected.items():
             assert torch.equal(got["state"][key], value), (rank, key)
         for key, value in plain.named_buffers():  # computed ones (rotary inv_freq) too, never meta
             assert torch.equal(got["buffers"][key], value), (rank, key)
         assert got["info"]["missing_keys"] == set() and got["info"]["unexpected_keys"] == set()
-        plain_tied = [n for n, p in plain.named_parameters(remove_duplicate=False)
-                      if any(p is q for m, q in plain.named_parameters() if m != n)]
-        assert got["tied"] == plain_tied  # one copy, as the model ties them
+        assert got["tied"] == _tied(plain)  # one copy, as the model ties them
         total = sum(v.numel() * v.element_size() for v in expected.values())
         print(f"{name} rank {rank}: read {got['read']} B, shard {got['shard']} B, model {total} B")
         assert got["read"] <= 1.1 * got["shard"] + 4 * 1024  # a row on each side of each piece: small here
 
 
-def test_bf16_files_into_fp32_parameters(tmp_path: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
-    folder = save_models(tmp_path, ["llama"])["llama"]
-    AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).save_pretrained(
-        tmp_path / "bf16", max_shard_size="20KB")
-    got = _sharded_ranks(tmp_path / "bf16", torch.float32)[0]
-    expected = _plain(tmp_path / "bf16", torch.float32).state_dict()
-    assert set(got["dtype"].values()) == {torch.float32}
-    for key, value in expected.items():
-        assert torch.equal(got["state"][key], value), key
+def test_bf16_files_into_fp32_parameters(sharded: dict) -> None:
+    expected = _plain(sharded["bf16"]["folder"], torch.float32).state_dict()
+    for got in sharded["bf16"]["ranks"]:
+        assert {v.dtype for v in got["state"].values()} == {torch.float32}
+        for key, value in expected.items():
+            assert torch.equal(got["state"][key], value), key
 
 
 def _rewrite(folder: Path, edit: Any) -> None:
-    """Every safetensors file of ``folder`` rewritten with ``edit(dict of tensors) -> dict``; the index follows."""
+    """Every safetensors file of ``folder`` rewritten with ``edit(dict of tensors, file name) -> dict``; the index
+    follows."""
     from safetensors.torch import load_file, save_file
 
     index_path = folder / "model.safetensors.index.json"
@@ -205,19 +236,9 @@ def _rewrite(folder: Path, edit: Any) -> None:
     index_path.write_text(json.dumps(index))
 
 
-def test_missing_and_unexpected_keys_reported_and_initialized(tmp_path: Path) -> None:
-    folder = save_models(tmp_path, ["llama"])["llama"]
-
-    def edit(tensors: dict[str, torch.Tensor], file: str) -> dict[str, torch.Tensor]:
-        tensors.pop("lm_head.weight", None)
-        if file.startswith("model-00001"):
-            tensors["extra.weight"] = torch.ones(3)
-        return tensors
-
-    _rewrite(folder, edit)
-    results = _sharded_ranks(folder, torch.float32)
-    plain, info = _plain(folder, torch.float32, output_loading_info=True)
-    for got in results:
+def test_missing_and_unexpected_keys_reported_and_initialized(sharded: dict) -> None:
+    plain, info = _plain(sharded["missing"]["folder"], torch.float32, output_loading_info=True)
+    for got in sharded["missing"]["ranks"]:
         assert got["info"]["missing_keys"] == info["missing_keys"] == {"lm_head.weight"}
         assert got["info"]["unexpected_keys"] == info["unexpected_keys"] == {"extra.weight"}
         head = got["state"]["lm_head.weight"]  # initialized as transformers' _init_weights does
@@ -225,19 +246,14 @@ def test_missing_and_unexpected_keys_reported_and_initialized(tmp_path: Path) ->
         for key, value in plain.state_dict().items():
             if key != "lm_head.weight":
                 assert torch.equal(got["state"][key], value), key
-    assert torch.equal(results[0]["state"]["lm_head.weight"], results[1]["state"]["lm_head.weight"])
+    ranks = sharded["missing"]["ranks"]
+    assert torch.equal(ranks[0]["state"]["lm_head.weight"], ranks[1]["state"]["lm_head.weight"])
 
 
-def test_bin_files_read_with_weights_only(tmp_path: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
-    folder = save_models(tmp_path, ["gpt2"])["gpt2"]
-    (tmp_path / "bin").mkdir()  # transformers 5 writes safetensors only: the older layout by hand
-    (tmp_path / "bin" / "config.json").write_text((folder / "config.json").read_text())
-    torch.save(AutoModelForCausalLM.from_pretrained(folder).state_dict(), tmp_path / "bin" / "pytorch_model.bin")
-    got = _sharded_ranks(tmp_path / "bin", torch.float32)[0]
-    for key, value in _plain(folder, torch.float32).state_dict().items():
-        assert torch.equal(got["state"][key], value), key
+def test_bin_files_read_with_weights_only(sharded: dict, models: dict[str, Path]) -> None:
+    for got in sharded["bin"]["ranks"]:
+        for key, value in _plain(models["gpt2"], torch.float32).state_dict().items():
+            assert torch.equal(got["state"][key], value), key
 
 
 # ------------------------------------------------------------------------------------------------ bad input
@@ -309,3 +325,29 @@ def test_a_quantized_base_is_refused_by_name(gpt2: Path) -> None:
 def test_loader_options_lzero_cannot_honour_are_refused(gpt2: Path) -> None:
     _refused(gpt2, "device_map", "lzero places every shard itself", device_map="auto")
     _refused(gpt2, "weights_only=False", weights_only=False)
+
+
+def test_finetune_config_trains_and_exports_at_the_end_of_fit(tmp_path: Path) -> None:
+    """The README's lines: a model written by ``lzero.demo.tiny_hf``, ``lzero fit --config configs/finetune_hf.yaml
+    --model.path ...``; ``ExportHF`` writes the folder, equal to exporting the run's last checkpoint."""
+    import subprocess
+    import sys
+
+    from lzero.hf import export_hf
+
+    repo = Path(__file__).resolve().parents[1]
+    run = lambda *cmd: subprocess.run([sys.executable, *cmd], cwd=tmp_path, capture_output=True, text=True)  # noqa
+    assert run("-m", "lzero.demo.tiny_hf", "tiny").returncode == 0
+    done = run("-m", "lzero.cli", "fit", "--config", str(repo / "configs" / "finetune_hf.yaml"), "--model.path", "tiny",
+               "--trainer.max_steps", "4", "--trainer.limit_val_batches", "1", "--trainer.enable_progress_bar", "false")
+    assert done.returncode == 0, done.stderr[-3000:]
+    exported = tmp_path / "runs" / "finetune" / "hf"
+    last = next((tmp_path / "runs" / "finetune").glob("finetune/version_*/checkpoints/last.ckpt"))
+    export_hf(last, tmp_path / "again", config=tmp_path / "tiny")
+    model, info = _plain(exported, torch.float32, output_loading_info=True)
+    assert info["missing_keys"] == set() and info["unexpected_keys"] == set()
+    again = _plain(tmp_path / "again", torch.float32).state_dict()
+    start = _plain(tmp_path / "tiny", torch.float32).state_dict()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, again[key]), key
+    assert any(not torch.equal(value, start[key]) for key, value in again.items())  # it trained

@@ -64,7 +64,7 @@ class PretrainedSource:
     """A model built by :func:`from_pretrained_into_shards` and the checkpoint its weights come from."""
 
     files: CheckpointFiles
-    keys: dict[str, str]  # the model's state-dict key -> the checkpoint key it is read from
+    by_tensor: dict[int, tuple[Tensor, str]] = field(default_factory=dict)  # id(tensor) -> (tensor, checkpoint key)
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)
@@ -279,8 +279,8 @@ def _match(model: nn.Module, files: CheckpointFiles, ignore_mismatched: bool) ->
     """Each model tensor's checkpoint key; missing, unexpected and mismatched keys as transformers reports them."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     tensors = {name: t for name, t in model.state_dict(keep_vars=True).items()}
-    keys: dict[str, str] = {}
     missing, mismatched, skipped = [], [], set()
+    by_tensor: dict[int, tuple[Tensor, str]] = {}
     for first, aliases in state_keys(model).items():
         found = next((c for a in aliases for c in _candidates(a, prefix) if c in files.tensors), None)
         if found is None:
@@ -297,13 +297,12 @@ def _match(model: nn.Module, files: CheckpointFiles, ignore_mismatched: bool) ->
             mismatched.append(first)
             skipped.add(found)  # neither loaded nor unexpected: transformers lists it as mismatched
             continue
-        for alias in aliases:
-            keys[alias] = found
-    used = set(keys.values()) | skipped
+        by_tensor[id(tensors[first])] = (tensors[first], found)
+    used = {key for _, key in by_tensor.values()} | skipped
     unexpected = [k for k in files.tensors if k not in used]
     missing = _ignored(missing, getattr(model, "_keys_to_ignore_on_load_missing", None))
     unexpected = _ignored(unexpected, getattr(model, "_keys_to_ignore_on_load_unexpected", None))
-    return PretrainedSource(files, keys, missing, unexpected, mismatched)
+    return PretrainedSource(files, by_tensor, missing, unexpected, mismatched)
 
 
 def _ignored(keys: list[str], patterns: Optional[list[str]]) -> list[str]:
@@ -334,20 +333,20 @@ def _load_generation_config(model: nn.Module, folder: Path) -> None:
 
 
 class PretrainedWeights:
-    """The engine's view of every pretrained model inside one root module: which parameter names (the root's)
-    come from a checkpoint, and their flat ranges. See [Note: reading a pretrained checkpoint into shards]."""
+    """The engine's view of every pretrained model inside one root module: which tensors (by their names in the
+    root) come from a checkpoint, and their flat ranges. See [Note: reading a pretrained checkpoint into shards].
+
+    Tensors are recognized by identity, not by name: wrappers added after ``from_pretrained`` (peft's LoRA
+    layers, activation checkpointing) rename the modules but keep the parameter objects."""
 
     def __init__(self, root: nn.Module) -> None:
         self._keys: dict[str, tuple[PretrainedSource, str]] = {}  # root name -> (its source, checkpoint key)
-        self.sources: list[PretrainedSource] = []
-        for prefix, module in root.named_modules():
-            source = _SOURCES.get(module)
-            if source is None:
-                continue
-            self.sources.append(source)
-            dot = f"{prefix}." if prefix else ""
-            for key, ckpt_key in source.keys.items():
-                self._keys[dot + key] = (source, ckpt_key)
+        self.sources: list[PretrainedSource] = [s for m in root.modules() if (s := _SOURCES.get(m)) is not None]
+        owner = {i: (source, key) for source in self.sources for i, (_, key) in source.by_tensor.items()}
+        named = [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]
+        for name, t in named:
+            if id(t) in owner:
+                self._keys[name] = owner[id(t)]
 
     def __bool__(self) -> bool:
         return bool(self._keys)

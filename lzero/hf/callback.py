@@ -1,0 +1,59 @@
+"""``ExportHF``: a Hugging Face folder written at the end of ``fit`` (see [Note: exporting to a Hugging Face folder]
+in export.py), from a checkpoint every rank writes its shards of, so no rank gathers the model."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import nn
+from typing_extensions import override
+
+
+class ExportHF(Callback):
+    """At the end of ``fit``: the trained model as a ``save_pretrained`` folder at ``out_dir``.
+
+    Args:
+        out_dir: the folder to write; replaced at the end of each fit (the old one stays until the new is complete).
+        config: the folder to copy ``config.json``, ``generation_config.json`` and tokenizer files from; by default
+            the folder the model's ``from_pretrained`` read.
+        dtype: ``fp32``, ``bf16`` or ``fp16`` for the floating tensors (default: fp32, as stored).
+        max_shard_size: the largest weight file, e.g. ``5GB``.
+        prefix: the LightningModule attribute holding the model, with its dot; by default that of the first
+            Hugging Face ``PreTrainedModel`` inside the LightningModule.
+    """
+
+    def __init__(self, out_dir: str, config: Optional[str] = None, dtype: Optional[str] = None,
+                 max_shard_size: str = "5GB", prefix: Optional[str] = None) -> None:
+        self.out_dir = Path(out_dir)
+        self.config, self.dtype, self.max_shard_size, self.prefix = config, dtype, max_shard_size, prefix
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        from lzero.hf.export import export_hf
+
+        prefix, folder = _pretrained_of(pl_module)
+        staging = self.out_dir.parent / f".{self.out_dir.name}.export.ckpt"  # the same path on every rank
+        trainer.save_checkpoint(staging, weights_only=True)  # a collective: each rank writes its own shards
+        if trainer.is_global_zero:
+            try:
+                export_hf(staging, self.out_dir, self.dtype, self.max_shard_size, self.config or folder,
+                          self.prefix if self.prefix is not None else prefix, overwrite=True)
+            finally:
+                (shutil.rmtree if staging.is_dir() else Path.unlink)(staging)
+        trainer.strategy.barrier("lzero.ExportHF")
+
+
+def _pretrained_of(module: nn.Module) -> tuple[Optional[str], Optional[str]]:
+    """(the attribute prefix, the folder its weights came from) of the first Hugging Face model inside ``module``."""
+    from lzero.hf.pretrained import source_of
+
+    for name, sub in module.named_modules():
+        config = getattr(sub, "config", None)
+        if name and hasattr(sub, "base_model_prefix") and config is not None:
+            source = source_of(sub)
+            folder = source.files.folder if source is not None else Path(getattr(config, "_name_or_path", "") or ".")
+            return f"{name}.", str(folder) if (folder / "config.json").is_file() else None
+    return None, None
