@@ -161,7 +161,7 @@ class ZeroEngine:
                 label = labels[spec.params[0].name]
                 run_up_to(label)
                 params = [module.get_parameter(p.name) for p in spec.params]
-                values = self._read_shard(spec, params[0].dtype, weights) if label in read_whole else None
+                values = self._read_shard(spec, params[0].dtype, device, weights) if label in read_whole else None
                 unit = self._unit(spec, params, values)
                 unit.release()
                 units.append(unit)
@@ -174,12 +174,15 @@ class ZeroEngine:
         materializer.retarget(optimizers)
         return units
 
-    def _read_shard(self, spec: UnitSpec, dtype: torch.dtype, weights: WeightSource) -> Tensor:
+    def _read_shard(self, spec: UnitSpec, dtype: torch.dtype, device: torch.device, weights: WeightSource) -> Tensor:
         """This rank's shard of ``spec``'s values (1D, shard_numel), read piece by piece; padding is zero."""
-        values = torch.zeros(spec.shard_numel, dtype=dtype)
+        lo, hi = spec.shard_range(self.rank)
+        values = torch.empty(spec.shard_numel, dtype=dtype, device=device)  # every element but the padding is read
+        if spec.numel < hi:
+            values[max(spec.numel - lo, 0):].zero_()
         with weights.reading() as read:
             for param, start, end, at in spec.owned_pieces(self.rank):
-                values[at: at + end - start].copy_(read(param.name, start, end))
+                read(param.name, start, end, values[at: at + end - start])
         return values
 
     def _broadcast_initial_state(self, module: nn.Module) -> None:
@@ -567,7 +570,10 @@ def _read_whole(modules: Sequence[tuple[str, nn.Module]], weights: WeightSource,
     with weights.reading() as read:
         for name, t in _own_tensors(modules):
             if not t.is_meta and weights.holds(name) and wanted(name, t):
-                t.copy_(read(name, 0, t.numel()).view(t.shape))
+                whole = t.view(-1) if t.is_contiguous() else torch.empty(t.numel(), dtype=t.dtype, device=t.device)
+                read(name, 0, t.numel(), whole)
+                if whole.data_ptr() != t.data_ptr():
+                    t.copy_(whole.view(t.shape))
 
 
 def _buffers_to(module: nn.Module, device: torch.device) -> None:

@@ -57,7 +57,8 @@ class FlatUnit:
     """One unit's storage on this rank.
 
     ``values`` (stage 3, 1D, shard_numel): the owned slice of the unit's values when the parameters hold none
-    yet (read from a checkpoint); the rest of the full buffer is never written.
+    yet (read from a checkpoint); it becomes the master where the store keeps masters in device memory, and the
+    full buffer is never written (the engine releases the unit at once).
 
     Stage 1 keeps a full flat gradient buffer and makes every ``p.grad`` a view into it, so
     micro-batches accumulate locally exactly as they would under DDP; the shard gradient is a
@@ -90,18 +91,18 @@ class FlatUnit:
                 for p, (start, end) in zip(self.params, self.ranges):
                     full[start:end].copy_(p.detach().reshape(-1))
                 self.flat_param = full.to(compute_dtype) if self.mixed else full  # 1D, padded_numel
-            else:  # only the owned slice is known (read from a checkpoint): nothing else is written
-                full = torch.empty(spec.padded_numel, device=device, dtype=master_dtype)
-                full[lo:hi].copy_(values)
-                self.flat_param = torch.empty(spec.padded_numel, device=device, dtype=compute_dtype) \
-                    if self.mixed else full
-                self.flat_param[lo:hi].copy_(values)
+                # full precision at stages 1-2: the master is the owned slice of the parameters itself
+                owned, alias_ok, compute = full[lo:hi], not self.mixed and stage < 3, self.flat_param[lo:hi]
+            else:  # stage 3, read from a checkpoint: only the owned slice is known, and is the master's own memory
+                assert stage >= 3, "a unit built from its shard's values is released at once: stage 3 only"
+                self.flat_param = torch.empty(spec.padded_numel, device=device, dtype=compute_dtype)  # never written
+                owned, alias_ok = values, True
+                compute = values.to(compute_dtype) if self.mixed else values
             if spec.frozen:  # nothing steps it: the compute-dtype shard is all a rank keeps
-                master = self.param_store.hold(self.flat_param[lo:hi], key=f"unit{spec.index}.master")
-            else:  # full precision at stages 1-2: the master is the owned slice of the parameters itself
-                master = self.store.hold_master(full[lo:hi], alias_ok=not self.mixed and stage < 3,
-                                                key=f"unit{spec.index}")
-            del full
+                master = self.param_store.hold(compute, key=f"unit{spec.index}.master")
+            else:
+                master = self.store.hold_master(owned, alias_ok=alias_ok, key=f"unit{spec.index}")
+            del owned
             for p, (start, end) in zip(self.params, self.ranges):
                 p.data = self.flat_param[start:end].view(p.shape)
         self.master_dtype = master_dtype  # the parameters' dtype, which they get back at the end of fit
@@ -115,8 +116,7 @@ class FlatUnit:
             shares = spec.frozen or (not self.mixed and self.store is self.param_store and self.store.in_memory)
             self._shares = shares  # the compute shard is the master tensor itself
             # the compute-dtype values of the shard (the master's rounding): flat_param is the unit in that dtype
-            self._compute_shard = master if shares else \
-                self.param_store.hold(self.flat_param[lo:hi], key=f"unit{spec.index}.param")
+            self._compute_shard = master if shares else self.param_store.hold(compute, key=f"unit{spec.index}.param")
         self.accumulates_locally = stage == 1  # see [Note: gradient buffers]
         self.flat_grad: Optional[Tensor] = None  # stage 1: 1D, padded_numel, while the unit has local gradients
         self.shard_grad: Optional[Tensor] = None  # 1D, shard_numel, from the first reduction until the step

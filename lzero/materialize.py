@@ -42,8 +42,9 @@ class WeightSource(Protocol):
     def holds(self, name: str) -> bool:
         """Whether the tensor called ``name`` in the root module is read from the source."""
 
-    def reading(self) -> ContextManager[Callable[[str, int, int], torch.Tensor]]:
-        """``read(name, start, end)``: elements [start, end) of the flattened tensor ``name``, in the source's dtype."""
+    def reading(self) -> ContextManager[Callable[[str, int, int, torch.Tensor], None]]:
+        """``read(name, start, end, out)``: elements [start, end) of the flattened tensor ``name`` written into ``out``
+        (1-D, converted to its dtype)."""
 
 
 class UninitializedModuleError(RuntimeError):

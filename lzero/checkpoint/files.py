@@ -294,8 +294,9 @@ class TensorFile:
         self._read_into(self._begins[name], _byte_view(out))
         return out
 
-    def read_flat_range(self, name: str, start: int, end: int) -> Tensor:
-        """Elements [start, end) of the flattened tensor, reading only their bytes."""
+    def read_flat_range(self, name: str, start: int, end: int, out: Tensor | None = None) -> Tensor:
+        """Elements [start, end) of the flattened tensor, reading only their bytes; into ``out`` (1-D, contiguous,
+        on the CPU, of the tensor's dtype) when given, else into fresh memory."""
         entry = self.entry(name)
         numel = math.prod(entry.shape)
         if not (type(start) is int and type(end) is int and 0 <= start <= end <= numel):
@@ -304,7 +305,8 @@ class TensorFile:
                 f"cannot give elements [{start}, {end}) of `{name}`, which has {numel}",
                 "ask for a range inside [0, numel); the partition metadata and this file disagree",
             )
-        out = torch.empty(end - start, dtype=entry.dtype)
+        if out is None:
+            out = torch.empty(end - start, dtype=entry.dtype)
         self._read_into(self._begins[name] + start * entry.dtype.itemsize, _byte_view(out))
         return out
 

@@ -356,16 +356,16 @@ class PretrainedWeights:
         return name in self._keys
 
     @contextlib.contextmanager
-    def reading(self) -> Iterator[Callable[[str, int, int], Tensor]]:
-        """``read(name, start, end)``: elements [start, end) of the flattened tensor ``name``, in the file's dtype.
-        Files opened inside the block are closed (unmapped) at its end."""
+    def reading(self) -> Iterator[Callable[[str, int, int, Tensor], None]]:
+        """``read(name, start, end, out)``: elements [start, end) of the flattened tensor ``name`` into ``out``
+        (converted to its dtype). Files opened inside the block are closed at its end."""
         handles: dict[int, OpenFiles] = {}
 
-        def read(name: str, start: int, end: int) -> Tensor:
+        def read(name: str, start: int, end: int, out: Tensor) -> None:
             source, key = self._keys[name]
             if id(source) not in handles:
                 handles[id(source)] = OpenFiles(source.files)
-            return handles[id(source)].read_flat(key, start, end)
+            handles[id(source)].read_flat_into(key, start, end, out)
 
         try:
             yield read

@@ -1,21 +1,22 @@
-"""A Hugging Face checkpoint folder read by flat ranges: each rank reads only the rows covering its shards.
+"""A Hugging Face checkpoint folder read by flat ranges: each rank reads only the bytes of its shards.
 
 [Note: reading a pretrained checkpoint into shards]
 A unit's flat buffer holds its parameters back to back; a rank owns one contiguous range of it
-(partition.py). For every parameter piece in that range, the rows of the tensor covering the piece are
-read from the checkpoint (``safe_open(...).get_slice(key)[row0:row1]``: only those bytes come off the
-disk), trimmed to the piece and converted to the unit's dtype. So a rank reads about 1/N of the files,
-plus at most one row on each side of each piece.
+(partition.py). For every parameter piece in that range, exactly the bytes of those elements are read
+from the checkpoint file and converted to the unit's dtype: a rank reads 1/N of the files.
 
-Files are opened per unit and closed after it: safetensors maps a file into memory, and the pages
-touched stay in the process's resident set while the file is open. Checkpoint keys are the model's own
-(``transformer.h.0.attn.c_attn.weight``): the loader maps a module's parameter names (with the
-LightningModule's prefix) to them; a tied parameter is read under any of its names that the file holds,
-and a checkpoint saved from the base model (or from a model with a head) matches by the model's
-``base_model_prefix``, as transformers does.
+safetensors files are read with lzero's own reader (``TensorFile`` in lzero/checkpoint/files.py: the
+header validated whole, a file cut short refused): ``readinto`` straight into the shard's memory when
+the dtypes agree, so every byte is touched once. The safetensors library's ``safe_open(...).get_slice``
+maps the file instead: its reads are rounded to whole rows, the mapped pages count in the process's
+resident memory while the file is open, and each byte costs a page fault on the mapping before the copy.
+On a 355M-parameter model at world size 2 the whole load took 7.6 s per rank through ``get_slice`` and
+... s through ``readinto`` (benchmarks/results_pretrained_load.md).
 
-``pytorch_model.bin`` files are read with ``torch.load(weights_only=True, mmap=True)``: slices of a mapped
-file, never an unpickled object; a file that needs more than tensors is refused.
+Checkpoint keys are the model's own (``transformer.h.0.attn.c_attn.weight``); the loader finds each
+model tensor's key when ``from_pretrained`` runs (pretrained.py), and the engine recognizes the tensors
+by identity. ``pytorch_model.bin`` files are read with ``torch.load(weights_only=True, mmap=True)``:
+slices of a mapped file, never an unpickled object; a file that needs more than tensors is refused.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
+
+from lzero.checkpoint.files import CheckpointError, TensorFile
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -93,50 +96,26 @@ def _index_files(index: Path) -> list[str]:
 
 
 def _safetensors(folder: Path, files: list[str]) -> CheckpointFiles:
-    from safetensors import safe_open
-
     found = CheckpointFiles(folder, "safetensors")
     for name in files:
-        path = folder / name
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():
-                    sl = f.get_slice(key)
-                    found.tensors[key] = TensorInfo(name, _safe_dtype(sl.get_dtype(), path, key), tuple(sl.get_shape()))
-        except FileNotFoundError:
-            raise PretrainedLoadError(f"`{path}` is named by the weight index but does not exist. HINT: copy the"
-                                      " whole folder again, or write it again with `save_pretrained`.") from None
-        except PretrainedLoadError:
-            raise
-        except Exception as err:  # safetensors raises its own error types for a bad header or a short file
-            raise PretrainedLoadError(
-                f"`{path}` is not a complete safetensors file ({type(err).__name__}: {err}). HINT: the download or"
-                " copy was probably cut short: fetch the file again.") from None
-        _check_length(path, found, name)
+        tensor_file = _tensor_file(folder / name)
+        for key in tensor_file.names:
+            entry = tensor_file.entry(key)
+            found.tensors[key] = TensorInfo(name, entry.dtype, tuple(entry.shape))
     return found
 
 
-def _check_length(path: Path, found: CheckpointFiles, name: str) -> None:
-    """A file cut short after its header: safetensors checks the header, not that the data is all there."""
-    with open(path, "rb") as f:
-        header = int.from_bytes(f.read(8), "little")
-    need = 8 + header + sum(math.prod(t.shape) * t.dtype.itemsize for t in found.tensors.values() if t.file == name)
-    size = path.stat().st_size
-    if size < need:
-        raise PretrainedLoadError(f"`{path}` is truncated: {size} bytes, its header describes {need}. HINT: the"
-                                  " download or copy was cut short: fetch the file again.")
-
-
-_SAFE_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                "BOOL": torch.bool}
-
-
-def _safe_dtype(name: str, path: Path, key: str) -> torch.dtype:
-    if name not in _SAFE_DTYPES:
-        raise PretrainedLoadError(f"`{key}` in `{path}` is stored as {name}, which lzero does not load. HINT: save"
-                                  " the model in float32, bfloat16 or float16.")
-    return _SAFE_DTYPES[name]
+def _tensor_file(path: Path) -> TensorFile:
+    """The file's header, validated whole (a short file, a bad header) by lzero's safetensors reader."""
+    if not path.is_file():
+        raise PretrainedLoadError(f"`{path}` is named by the weight index but does not exist. HINT: copy the whole"
+                                  " folder again, or write it again with `save_pretrained`.")
+    try:
+        return TensorFile(path)
+    except CheckpointError as err:
+        problem = str(err).split(". HINT:")[0]
+        raise PretrainedLoadError(f"{problem}: not a complete safetensors file. HINT: the download or copy was"
+                                  " probably cut short: fetch the file again.") from None
 
 
 def _bin(folder: Path, files: list[str]) -> CheckpointFiles:
@@ -166,7 +145,7 @@ def _load_bin(path: Path) -> dict[str, Tensor]:
 
 
 class OpenFiles:
-    """Open checkpoint files for a while (one unit); reads flat ranges of tensors. Close to unmap them."""
+    """Checkpoint files opened for a while (one unit); reads flat ranges of tensors into given memory."""
 
     def __init__(self, files: CheckpointFiles) -> None:
         self._files = files
@@ -175,32 +154,27 @@ class OpenFiles:
     def _handle(self, name: str) -> Any:
         if name not in self._open:
             path = self._files.folder / name
-            if self._files.kind == "safetensors":
-                from safetensors import safe_open
-
-                self._open[name] = safe_open(str(path), framework="pt")
-            else:
-                self._open[name] = _load_bin(path)
+            self._open[name] = _tensor_file(path) if self._files.kind == "safetensors" else _load_bin(path)
         return self._open[name]
 
-    def read_flat(self, key: str, start: int, end: int) -> Tensor:
-        """Elements [start, end) of checkpoint tensor ``key`` flattened; reads only the rows covering them."""
+    @torch.no_grad()
+    def read_flat_into(self, key: str, start: int, end: int, out: Tensor) -> None:
+        """Elements [start, end) of checkpoint tensor ``key`` flattened, into ``out`` (1-D, converted to its dtype).
+        safetensors: exactly those bytes, read straight into ``out`` where the dtypes and device allow."""
         info = self._files.tensors[key]
         handle = self._handle(info.file)
-        if len(info.shape) == 0:
-            whole = handle.get_tensor(key) if self._files.kind == "safetensors" else handle[key]
-            return whole.reshape(-1)[start:end]
-        row = math.prod(info.shape[1:])
-        first, last = start // row, -(-end // row)
-        rows = handle.get_slice(key)[first:last] if self._files.kind == "safetensors" else handle[key][first:last]
-        return rows.reshape(-1)[start - first * row: end - first * row]
+        if self._files.kind == "bin":
+            out.copy_(handle[key].reshape(-1)[start:end])  # a slice of the mapped file
+        elif out.dtype == info.dtype and out.device.type == "cpu" and out.is_contiguous():
+            handle.read_flat_range(key, start, end, out=out)
+        else:
+            out.copy_(handle.read_flat_range(key, start, end))
 
     def close(self) -> None:
-        self._open.clear()  # safetensors unmaps a file when its handle goes
+        self._open.clear()  # a mapped .bin file is unmapped when its tensors go
 
     def __enter__(self) -> "OpenFiles":
         return self
 
     def __exit__(self, *_: Any) -> None:
         self.close()
-

@@ -1,0 +1,201 @@
+"""Loading a pretrained Hugging Face model at world size 2: memory, bytes read and time per rank.
+
+    python benchmarks/bench_pretrained_load.py [--layers 24 --width 1024] [--out benchmarks/results_pretrained_load.md]
+
+A GPT-2 of about 355M parameters (24 x 1024, vocabulary 50257; fp32, 1.42 GB) is written once with
+``save_pretrained`` in 500 MB files. Each way of loading runs on 2 gloo ranks (one process each, one thread):
+
+- ``lzero zero3``: ``from_pretrained`` inside lzero's meta context, then the zero3 engine reads each rank's
+  shards ([Note: reading a pretrained checkpoint into shards] in lzero/hf/weights.py);
+- ``plain from_pretrained``: transformers' own, every rank holding the whole model (what a model built in
+  ``__init__`` costs, and what zero1/zero2 do);
+- ``safetensors load_file``: the library reading every file whole, one process (the throughput reference).
+
+Per rank: peak resident-memory growth during the load (``VmHWM`` reset through ``/proc/self/clear_refs``), bytes
+read from the disk (``/proc/self/io`` ``read_bytes``, page cache dropped first where allowed; else the bytes the
+reader asked for), and wall time. The page cache is dropped before each way where the machine allows it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _status(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _disk_read() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def drop_caches() -> bool:
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("1")
+        return True
+    except OSError:
+        return False
+
+
+def make_model(folder: Path, layers: int, width: int) -> int:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    if (folder / "model.safetensors.index.json").exists():
+        return sum(1 for _ in folder.glob("model-*.safetensors"))
+    config = GPT2Config(n_layer=layers, n_embd=width, n_head=width // 64, vocab_size=50257, n_positions=1024)
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(config)
+    model = model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    model.tie_weights()
+    model.save_pretrained(folder, max_shard_size="500MB")
+    return sum(1 for _ in folder.glob("model-*.safetensors"))
+
+
+def _rank(rank: int, world: int, port: int, way: str, folder: str, queue: object) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from transformers import GPT2LMHeadModel
+
+    import lzero  # noqa: F401
+    from lzero import ZeroConfig, ZeroEngine
+    from lzero.hf import weights
+    from lzero.hf.pretrained import PretrainedWeights, intercept
+
+    asked = [0]
+    read_flat_into = weights.OpenFiles.read_flat_into
+
+    def counted(self: object, key: str, start: int, end: int, out: torch.Tensor) -> None:
+        asked[0] += (end - start) * self._files.tensors[key].dtype.itemsize
+        read_flat_into(self, key, start, end, out)
+
+    weights.OpenFiles.read_flat_into = counted
+    dist.barrier()
+    _reset_peak()
+    rss0, disk0 = _status("VmRSS"), _disk_read()
+    start = time.perf_counter()
+    if way == "lzero zero3":
+        with torch.device("meta"), intercept():
+            model = GPT2LMHeadModel.from_pretrained(folder, dtype=torch.float32)
+        engine = ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.0)], ZeroConfig(stage=3),
+                            weights=PretrainedWeights(model))
+        held = sum(u.spec.shard_numel for u in engine.units) * 4
+        largest = max(math.prod(s.shape) for u in engine.units for s in u.spec.params) * 4
+    else:
+        model = GPT2LMHeadModel.from_pretrained(folder, dtype=torch.float32)
+        held = sum(p.numel() for p in model.parameters()) * 4
+        largest = max(p.numel() for p in model.parameters()) * 4
+        asked[0] = held
+    seconds = time.perf_counter() - start
+    dist.barrier()
+    result = {"way": way, "rank": rank, "seconds": seconds, "peak_growth": _status("VmHWM") - rss0,
+              "disk_read": _disk_read() - disk0, "asked": asked[0], "held": held, "largest": largest}
+    queue.put(result)
+    dist.destroy_process_group()
+
+
+def run_way(way: str, folder: Path) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_rank, args=(r, 2, port, way, str(folder), queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = sorted((queue.get(timeout=900) for _ in procs), key=lambda r: r["rank"])
+    for p in procs:
+        p.join()
+    return results
+
+
+def load_file_reference(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    _reset_peak()
+    rss0, disk0 = _status("VmRSS"), _disk_read()
+    start = time.perf_counter()
+    total = 0
+    for file in sorted(folder.glob("model-*.safetensors")):
+        tensors = load_file(file)
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors
+    return {"way": "safetensors load_file", "rank": "-", "seconds": time.perf_counter() - start,
+            "peak_growth": _status("VmHWM") - rss0, "disk_read": _disk_read() - disk0, "asked": total, "held": total,
+            "largest": 0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--folder", default="/tmp/lzero-bench-gpt2-355m")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results_pretrained_load.md"))
+    args = parser.parse_args()
+    folder = Path(args.folder)
+    files = make_model(folder, args.layers, args.width)
+    size = sum(f.stat().st_size for f in folder.glob("model-*.safetensors"))
+    rows = []
+    dropped = drop_caches()
+    rows.append(load_file_reference(folder))
+    for way in ("lzero zero3", "plain from_pretrained"):
+        drop_caches()
+        rows.extend(run_way(way, folder))
+    mb = lambda b: f"{b / 1e6:,.0f}"  # noqa: E731
+    lines = [
+        "# Loading a pretrained model at world size 2 (benchmarks/bench_pretrained_load.py)",
+        "",
+        f"GPT-2, {args.layers} x {args.width}, vocabulary 50257: {size / 4e6:,.0f}M parameters, fp32, {files} safetensors"
+        f" files of {size / 1e6:,.0f} MB in all. 2 gloo ranks on this machine (2 CPUs), one thread each. Page cache"
+        f" {'dropped before each way' if dropped else 'warm (dropping it is not allowed here)'}.",
+        "",
+        "| way | rank | time s | peak RSS growth MB | disk read MB | bytes asked MB | held after MB | largest tensor MB"
+        " | GB/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['way']} | {r['rank']} | {r['seconds']:.2f} | {mb(r['peak_growth'])} | {mb(r['disk_read'])} |"
+                     f" {mb(r['asked'])} | {mb(r['held'])} | {mb(r['largest'])} | {r['asked'] / r['seconds'] / 1e9:.2f} |")
+    z3 = [r for r in rows if r["way"] == "lzero zero3"]
+    ref = rows[0]
+    lz_rate = sum(r["asked"] for r in z3) / max(r["seconds"] for r in z3)
+    growth = ", ".join(f"{r['peak_growth'] / (r['held'] + r['largest']):.2f}" for r in z3)
+    asked = ", ".join(f"{r['asked'] / r['held']:.3f}" for r in z3)
+    lines += ["",
+              f"- lzero zero3, per rank: peak RSS growth / (shard + largest tensor) = {growth} (target <= 1.10);"
+              f" bytes asked / shard = {asked} (target <= 1.10).",
+              f"- Throughput: both ranks together {lz_rate / 1e9:.2f} GB/s against load_file's"
+              f" {ref['asked'] / ref['seconds'] / 1e9:.2f} GB/s = {lz_rate / (ref['asked'] / ref['seconds']):.2f}x"
+              " (target >= 0.8x).",
+              "- DeepSpeed `zero.Init` + `from_pretrained` was not run: no DeepSpeed environment on this machine this"
+              " session."]
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
