@@ -128,61 +128,61 @@ class ZeroEngine:
                              init_fn: Optional[InitFn], weights: Optional[WeightSource]) -> list[FlatUnit]:
         """Stage 3 from the meta device: one block of full parameters at a time, the same RNG on every
         rank, each rank keeping its shard. See [Note: meta-device initialization] in materialize.py.
-        A block whose every parameter ``weights`` holds is read instead, each rank its own shard only ([Note:
-        reading a pretrained checkpoint into shards] in hf/weights.py); a block it holds in part is initialized,
-        then the tensors it holds are read whole."""
-        materializer = Materializer(module, device, init_fn)
+        Tensors ``weights`` holds are not initialized: each rank reads its own pieces of them into its shards
+        ([Note: reading a pretrained checkpoint into shards] in hf/weights.py), and tensors outside every
+        unit whole."""
+        loaded = frozenset(id(t) for name, t in [*module.named_parameters(remove_duplicate=False),
+                                                *module.named_buffers(remove_duplicate=False)]
+                           if weights is not None and weights.holds(name))
+        materializer = Materializer(module, device, init_fn, loaded)
         seed = common_seed(lambda t: collectives.broadcast_([t], src=0, group=self.group))
         order = apply_order(module)
         in_block = {id(m): label for label, block in block_modules.items() for m in block.modules()}
         inside = {label: [(n, m) for n, m in order if in_block.get(id(m), ROOT) == label]
                   for label in [*block_modules, ROOT]}
-        read_whole = {label for label, modules in inside.items()
-                      if weights is not None and _all_held(modules, weights)}
         units, done = [], set()
 
         def run_up_to(label: str) -> None:
             # the root last of all: it holds the blocks' ancestors and the parameters tied across blocks,
             # which blocks without a unit of their own (frozen, or only tied parameters) initialize too
             for other in ([label] if label != ROOT else inside):
-                if other in done:
-                    continue
-                if other in read_whole:
-                    materializer.allocate(inside[other])  # the units read their shards
-                else:
+                if other not in done:
                     materializer.run(inside[other])
-                    if weights is not None:
-                        _read_whole(inside[other], weights, lambda n, own: True)
-                done.add(other)
+                    done.add(other)
 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             for spec in self.partition.units:  # block units, then the root's (see partition_by_label)
-                label = labels[spec.params[0].name]
-                run_up_to(label)
+                run_up_to(labels[spec.params[0].name])
                 params = [module.get_parameter(p.name) for p in spec.params]
-                values = self._read_shard(spec, params[0].dtype, device, weights) if label in read_whole else None
+                values = None if weights is None else self._shard_values(spec, params, device, weights)
                 unit = self._unit(spec, params, values)
                 unit.release()
                 units.append(unit)
             run_up_to(ROOT)  # frozen parameters and buffers outside every unit
-        if weights is not None:  # what no unit read: tensors outside the units, persistent buffers
+        if weights is not None:  # tensors outside the units (persistent buffers, other dtypes): read whole
             in_units = {id(p) for unit in units for p in unit.params}
-            for label in read_whole:
-                _read_whole(inside[label], weights, lambda name, t: id(t) not in in_units)
+            _read_whole(module, weights, lambda t: id(t) not in in_units)
         _buffers_to(module, device)  # built on the CPU from a pretrained model (hf/pretrained.py)
         materializer.retarget(optimizers)
         return units
 
-    def _read_shard(self, spec: UnitSpec, dtype: torch.dtype, device: torch.device, weights: WeightSource) -> Tensor:
-        """This rank's shard of ``spec``'s values (1D, shard_numel), read piece by piece; padding is zero."""
+    def _shard_values(self, spec: UnitSpec, params: list[nn.Parameter], device: torch.device,
+                      weights: WeightSource) -> Tensor:
+        """This rank's shard of ``spec``'s values (1D, shard_numel): the pieces ``weights`` holds read, the others
+        taken from the initialized parameters; the padding is zero."""
         lo, hi = spec.shard_range(self.rank)
-        values = torch.empty(spec.shard_numel, dtype=dtype, device=device)  # every element but the padding is read
+        values = torch.empty(spec.shard_numel, dtype=params[0].dtype, device=device)
         if spec.numel < hi:
             values[max(spec.numel - lo, 0):].zero_()
+        index = {p.name: i for i, p in enumerate(spec.params)}
         with weights.reading() as read:
             for param, start, end, at in spec.owned_pieces(self.rank):
-                read(param.name, start, end, values[at: at + end - start])
+                piece = values[at: at + end - start]
+                if weights.holds(param.name):
+                    read(param.name, start, end, piece)
+                else:
+                    piece.copy_(params[index[param.name]].detach().reshape(-1)[start:end])
         return values
 
     def _broadcast_initial_state(self, module: nn.Module) -> None:
@@ -550,26 +550,13 @@ class ZeroEngine:
                                   for bucket in _coalesce(self.units, self.config.allgather_bucket_size)])
 
 
-def _own_tensors(modules: Sequence[tuple[str, nn.Module]]) -> Iterator[tuple[str, Tensor]]:
-    for prefix, module in modules:
-        dot = f"{prefix}." if prefix else ""
-        for name, t in [*module._parameters.items(), *module._buffers.items()]:
-            if t is not None:
-                yield dot + name, t
-
-
-def _all_held(modules: Sequence[tuple[str, nn.Module]], weights: WeightSource) -> bool:
-    """Every meta parameter of ``modules`` is read from ``weights``."""
-    return all(weights.holds(name) for name, t in _own_tensors(modules) if isinstance(t, nn.Parameter) and t.is_meta)
-
-
 @torch.no_grad()
-def _read_whole(modules: Sequence[tuple[str, nn.Module]], weights: WeightSource,
-                wanted: Callable[[str, Tensor], bool]) -> None:
-    """The ``wanted`` tensors of ``modules`` that ``weights`` holds, read whole over their current values."""
+def _read_whole(module: nn.Module, weights: WeightSource, wanted: Callable[[Tensor], bool]) -> None:
+    """The ``wanted`` tensors of ``module`` that ``weights`` holds, read whole over their current values."""
+    named = [*module.named_parameters(), *module.named_buffers()]
     with weights.reading() as read:
-        for name, t in _own_tensors(modules):
-            if not t.is_meta and weights.holds(name) and wanted(name, t):
+        for name, t in named:
+            if weights.holds(name) and not t.is_meta and wanted(t):
                 whole = t.view(-1) if t.is_contiguous() else torch.empty(t.numel(), dtype=t.dtype, device=t.device)
                 read(name, 0, t.numel(), whole)
                 if whole.data_ptr() != t.data_ptr():

@@ -28,7 +28,8 @@ ranks build one model; each keeps its shard and frees the rest before the next u
 from __future__ import annotations
 
 import sys
-from typing import Callable, ContextManager, Iterable, Iterator, Optional, Protocol
+from functools import partial
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional, Protocol
 
 import torch
 from torch import nn
@@ -98,6 +99,37 @@ def _hf_initializers(root: nn.Module) -> dict[int, InitFn]:
     return found
 
 
+def _peft_initializers(root: nn.Module, others: dict[int, InitFn]) -> dict[int, InitFn]:
+    """``others`` with peft's LoRA layers re-initialized as peft initializes them (``reset_lora_parameters`` with the
+    adapter's ``init_lora_weights``) after any other initializer ran on them: Hugging Face's ``_init_weights`` would
+    draw a nonzero ``lora_B``. Recognized by shape (a module with ``peft_config`` above layers with
+    ``reset_lora_parameters``), so peft is never imported here."""
+    found = dict(others)
+    for top in root.modules():
+        configs = getattr(top, "peft_config", None)
+        if not isinstance(configs, dict):
+            continue
+        for module in top.modules():
+            if not callable(getattr(module, "reset_lora_parameters", None)):
+                continue
+            adapters = [a for a in getattr(module, "lora_A", {}) if a in configs]
+            found[id(module)] = partial(_reset_lora, adapters, configs, others.get(id(module)))
+    return found
+
+
+def _reset_lora(adapters: list[str], configs: dict[str, Any], before: Optional[InitFn], module: nn.Module) -> None:
+    if before is not None:
+        before(module)
+    for adapter in adapters:
+        init = getattr(configs[adapter], "init_lora_weights", True)
+        if init not in (True, False, "gaussian"):
+            raise UninitializedModuleError(
+                f"The LoRA adapter `{adapter}` uses init_lora_weights={init!r}, which computes the adapter from the"
+                " base weights; built on the meta device under zero3, the base weights are not there yet. HINT: use"
+                " init_lora_weights=True or 'gaussian', or build the adapter outside `configure_model`.")
+        module.reset_lora_parameters(adapter, init)
+
+
 class Materializer:
     """Replaces meta tensors unit by unit and initializes them; see [Note: meta-device initialization].
 
@@ -106,7 +138,8 @@ class Materializer:
     so that optimizers built on the meta model can be pointed at the real parameters.
     """
 
-    def __init__(self, root: nn.Module, device: torch.device, init_fn: Optional[InitFn]) -> None:
+    def __init__(self, root: nn.Module, device: torch.device, init_fn: Optional[InitFn],
+                 loaded: frozenset[int] = frozenset()) -> None:
         self.device = device
         self.replaced: dict[nn.Parameter, nn.Parameter] = {}
         self._holders: dict[int, list[tuple[nn.Module, str]]] = {}
@@ -116,16 +149,27 @@ class Materializer:
                     self._holders.setdefault(id(p), []).append((module, name))
         self._holding_meta = {id(m) for m in root.modules() if has_meta(m)}
         self._init_fn = init_fn
-        self._hf = {} if init_fn is not None else _hf_initializers(root)
+        self._hf = {} if init_fn is not None else _peft_initializers(root, _hf_initializers(root))
         self._done: set[int] = set()
+        self._loaded = loaded  # id of each meta tensor whose values come from a checkpoint: allocated, not initialized
+        # modules with a meta tensor to initialize at or below them (without ``loaded``: every module holding meta)
+        self._fresh_below = {id(m) for m in root.modules()
+                             if any(t.is_meta and id(t) not in loaded for t in [*m.parameters(), *m.buffers()])}
 
     @torch.no_grad()
     def run(self, modules: Iterable[tuple[str, nn.Module]]) -> None:
         """Materialize and initialize ``modules`` (one unit's, in ``apply`` order); modules already run are
-        skipped. Raises :class:`UninitializedModuleError` if a new tensor is left (partly) unwritten."""
+        skipped. Raises :class:`UninitializedModuleError` if a new tensor is left (partly) unwritten. Tensors
+        in ``loaded`` get unwritten storage (``torch.empty``: pages nobody writes cost no memory), and a module
+        whose new tensors are all loaded is not initialized."""
         todo = [(n, m) for n, m in modules if id(m) in self._holding_meta and id(m) not in self._done]
         self._done.update(id(m) for _, m in todo)
-        created = [(n, m, list(self._allocate(m))) for n, m in todo]
+        created = []
+        for n, m in todo:
+            new = list(self._allocate(m))
+            fresh = [(name, t) for name, t, old in new if id(old) not in self._loaded]
+            if fresh or (not new and id(m) in self._fresh_below):  # nothing to initialize when all is loaded
+                created.append((n, m, fresh))
         for name, module, tensors in created:
             if tensors and callable(getattr(module, "reset_parameters", None)):
                 module.reset_parameters()
@@ -138,20 +182,11 @@ class Materializer:
             if unwritten:
                 raise self._error(name, module, unwritten)
 
-    def allocate(self, modules: Iterable[tuple[str, nn.Module]]) -> None:
-        """Storage for the meta tensors of ``modules`` left unwritten and uninitialized: values that are about to be
-        read from a checkpoint (``torch.empty``: pages nobody writes cost no memory). The modules count as run."""
-        for _, module in modules:
-            if id(module) in self._holding_meta and id(module) not in self._done:
-                self._done.add(id(module))
-                for _ in self._allocate(module, empty=True):
-                    pass
-
-    def _allocate(self, module: nn.Module, empty: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-        """Real storage (NaN, or zero for integer/boolean tensors; ``empty``: unwritten) for ``module``'s own meta
-        tensors."""
+    def _allocate(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+        """Real storage (NaN, or zero for integer/boolean tensors; unwritten for loaded ones) for ``module``'s own
+        meta tensors: (name, new tensor, the meta tensor it replaces)."""
         def new_tensor(meta: torch.Tensor) -> torch.Tensor:
-            if empty:
+            if id(meta) in self._loaded:
                 return torch.empty(meta.shape, dtype=meta.dtype, device=self.device)
             return _placeholder(meta, self.device)
 
@@ -161,11 +196,11 @@ class Materializer:
                 for holder, hname in self._holders[id(p)]:
                     holder._parameters[hname] = new
                 self.replaced[p] = new
-                yield pname, new
+                yield pname, new, p
         for bname, b in list(module._buffers.items()):
             if b is not None and b.is_meta:
                 module._buffers[bname] = new_tensor(b)
-                yield bname, module._buffers[bname]
+                yield bname, module._buffers[bname], b
 
     def _error(self, name: str, module: nn.Module, unwritten: list[str]) -> UninitializedModuleError:
         full = [f"`{name}.{t}`" if name else f"`{t}`" for t in unwritten]

@@ -26,7 +26,8 @@ pytest.importorskip("transformers")
 PRESETS = ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "zero3_offload_nvme"]
 RUNS = [f"gpt2:{p}" for p in ["ddp", *PRESETS]] + [
     f"{m}:{p}" for m in ("llama", "llama_tied", "t5") for p in ("ddp", "zero3", "zero3_offload")] + [
-    "gpt2:zero3:bf16-mixed", "gpt2:zero3:bf16-mixed:eager", "llama:zero3_offload:32-true:ckpt"]
+    "gpt2:zero3:bf16-mixed", "gpt2:zero3:bf16-mixed:eager", "llama:zero3_offload:32-true:ckpt",
+    "llama:ddp:32-true:lora", "llama:zero3_offload:32-true:lora"]
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +108,36 @@ def test_round_trip_through_export_hf(runs: Path, models: dict[str, Path], tmp_p
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     for key, value in trained["params"].items():
         assert torch.equal(model.state_dict()[key], value.to(torch.bfloat16)), key
+
+
+def test_lora_on_a_pretrained_base_trains_like_ddp_and_exports_its_adapters(runs: Path, models: dict[str, Path]) -> None:
+    """peft's ``get_peft_model`` on the pretrained base in ``configure_model`` under zero3_offload: the base read into
+    frozen shards, the adapters trained as under DDP (the same initial adapters), exported by
+    ``ExportHF(adapters_only=True)`` and reopened by ``PeftModel.from_pretrained`` with the same logits."""
+    from peft import PeftModel
+
+    ours, ddp = _load(runs, "llama:zero3_offload:32-true:lora"), _load(runs, "llama:ddp:32-true:lora")
+    assert ours["losses"] == ddp["losses"]
+    assert ours["params"].keys() == ddp["params"].keys()
+    for key, value in ddp["params"].items():
+        assert torch.equal(ours["params"][key], value), key
+    plain = _plain(models["llama"], torch.float32).state_dict()
+    base = {k.removeprefix("base_model.model.").replace(".base_layer", ""): v for k, v in ours["params"].items()
+            if "lora_" not in k}
+    assert base.keys() == plain.keys() and all(torch.equal(base[k], plain[k]) for k in plain)  # frozen: the files
+    lora = [k for k in ours["params"] if "lora_B" in k]
+    assert lora and all(ours["params"][k].abs().sum() > 0 for k in lora)  # the adapters trained
+    for run, trained in (("llama-zero3_offload-32-true-lora", ours), ("llama-ddp-32-true-lora", ddp)):
+        folder = runs / f"{run}-adapters"
+        assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+        model = PeftModel.from_pretrained(_plain(models["llama"], torch.float32), folder)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as the training script: the same matmul reduction order
+        try:
+            with torch.no_grad():
+                assert torch.equal(model(input_ids=torch.arange(10).reshape(1, 10)).logits, trained["logits"]), run
+        finally:
+            torch.set_num_threads(threads)
 
 
 def _plain(folder: Path, dtype: torch.dtype, **kwargs: Any) -> torch.nn.Module:

@@ -4,6 +4,7 @@ in export.py), from a checkpoint every rank writes its shards of, so no rank gat
 from __future__ import annotations
 
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
@@ -22,35 +23,55 @@ class ExportHF(Callback):
         dtype: ``fp32``, ``bf16`` or ``fp16`` for the floating tensors (default: fp32, as stored).
         max_shard_size: the largest weight file, e.g. ``5GB``.
         prefix: the LightningModule attribute holding the model, with its dot; by default that of the first
-            Hugging Face ``PreTrainedModel`` inside the LightningModule.
+            Hugging Face ``PreTrainedModel`` (or peft model) inside the LightningModule.
+        adapters_only: a peft model's LoRA adapters alone (``adapter_model.safetensors`` and the adapter's
+            ``adapter_config.json``), for ``PeftModel.from_pretrained(base, out_dir)``.
     """
 
     def __init__(self, out_dir: str, config: Optional[str] = None, dtype: Optional[str] = None,
-                 max_shard_size: str = "5GB", prefix: Optional[str] = None) -> None:
+                 max_shard_size: str = "5GB", prefix: Optional[str] = None, adapters_only: bool = False) -> None:
         self.out_dir = Path(out_dir)
         self.config, self.dtype, self.max_shard_size, self.prefix = config, dtype, max_shard_size, prefix
+        self.adapters_only = adapters_only
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         from lzero.hf.export import export_hf
 
-        prefix, folder = _pretrained_of(pl_module)
+        prefix, folder = _pretrained_of(pl_module, self.adapters_only)
         staging = self.out_dir.parent / f".{self.out_dir.name}.export.ckpt"  # the same path on every rank
         trainer.save_checkpoint(staging, weights_only=True)  # a collective: each rank writes its own shards
         if trainer.is_global_zero:
-            try:
-                export_hf(staging, self.out_dir, self.dtype, self.max_shard_size, self.config or folder,
-                          self.prefix if self.prefix is not None else prefix, overwrite=True)
-            finally:
-                (shutil.rmtree if staging.is_dir() else Path.unlink)(staging)
+            with tempfile.TemporaryDirectory() as adapter_config:
+                if self.adapters_only and self.config is None:  # the adapter's own configuration
+                    _peft_config(pl_module).save_pretrained(adapter_config)
+                    folder = adapter_config
+                try:
+                    export_hf(staging, self.out_dir, self.dtype, self.max_shard_size, self.config or folder,
+                              self.prefix if self.prefix is not None else prefix, overwrite=True,
+                              adapters_only=self.adapters_only)
+                finally:
+                    (shutil.rmtree if staging.is_dir() else Path.unlink)(staging)
         trainer.strategy.barrier("lzero.ExportHF")
 
 
-def _pretrained_of(module: nn.Module) -> tuple[Optional[str], Optional[str]]:
-    """(the attribute prefix, the folder its weights came from) of the first Hugging Face model inside ``module``."""
+def _peft_config(module: nn.Module) -> Any:
+    for sub in module.modules():
+        configs = getattr(sub, "peft_config", None)
+        if isinstance(configs, dict) and configs:
+            return next(iter(configs.values()))
+    raise ValueError("ExportHF(adapters_only=True): the LightningModule holds no peft model. HINT: wrap the model"
+                     " with `peft.get_peft_model`, or export the whole model (adapters_only=False).")
+
+
+def _pretrained_of(module: nn.Module, peft: bool = False) -> tuple[Optional[str], Optional[str]]:
+    """(the attribute prefix, the folder its weights came from) of the first Hugging Face model inside ``module``
+    (``peft``: of the peft model wrapping it)."""
     from lzero.hf.pretrained import source_of
 
     for name, sub in module.named_modules():
+        if peft and name and isinstance(getattr(sub, "peft_config", None), dict):
+            return f"{name}.", None
         config = getattr(sub, "config", None)
         if name and hasattr(sub, "base_model_prefix") and config is not None:
             source = source_of(sub)

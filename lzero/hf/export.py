@@ -80,25 +80,38 @@ class _Source:
 
 
 def export_hf(checkpoint: Any, out_dir: Any, dtype: Optional[str] = None, max_shard_size: Any = "5GB",
-              config: Any = None, prefix: Optional[str] = None, overwrite: bool = False) -> dict[str, Any]:
+              config: Any = None, prefix: Optional[str] = None, overwrite: bool = False,
+              adapters_only: bool = False) -> dict[str, Any]:
     """Write ``checkpoint`` (an lzero checkpoint directory, or a plain Lightning/torch file) as a Hugging Face
     folder at ``out_dir``; see [Note: exporting to a Hugging Face folder]. ``dtype``: ``fp32``, ``bf16`` or
     ``fp16`` for the floating tensors (default: as stored, fp32 for lzero's masters). ``prefix``: the
     LightningModule attribute holding the model, with its dot (default: the one prefix every key shares).
+    ``adapters_only``: a peft model's LoRA adapters alone, as peft's ``save_pretrained`` writes them
+    (``adapter_model.safetensors``, keys without the adapter name, ``adapter_config.json`` from ``config``).
     Returns what was written: files, keys, the prefix and the keys left out (outside the prefix)."""
     source_path, out = Path(checkpoint), Path(out_dir)
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}. HINT: --dtype bf16, fp16 or fp32.")
     limit = parse_size(max_shard_size)
     _check_out(out, overwrite)
-    if config is not None and not (Path(config) / "config.json").is_file():
-        raise CheckpointError(f"--config `{config}` holds no config.json. HINT: pass the folder the model was loaded"
-                              " from (the pretrained model's folder).")
+    wanted = "adapter_config.json" if adapters_only else "config.json"
+    if (config is not None or adapters_only) and not (Path(config or ".") / wanted).is_file():
+        raise CheckpointError(f"--config `{config}` holds no {wanted}. HINT: pass the folder "
+                              + ("peft's `save_pretrained` wrote (or where `peft_config['default'].save_pretrained`"
+                                 " put adapter_config.json)." if adapters_only else
+                                 "the model was loaded from (the pretrained model's folder)."))
     source = _Source(source_path)
     keys = source.first_keys()
     prefix = _prefix(source.keys) if prefix is None else prefix
-    kept = [k for k in keys if k.startswith(prefix)]
+    kept = [k for k in keys if k.startswith(prefix) and (not adapters_only or _ADAPTER.search(k))]
     left_out = [k for k in keys if not k.startswith(prefix)]
+    if adapters_only:
+        _refuse_modules_to_save(keys)
+    elif any(_ADAPTER.search(k) for k in kept):
+        raise CheckpointError(
+            f"`{source_path}` holds peft LoRA adapters ({next(k for k in kept if _ADAPTER.search(k))}, ...); a merged"
+            " export is not built. HINT: pass --adapters-only (then `PeftModel.from_pretrained(base, OUT_DIR)`), and"
+            " merge with peft's `merge_and_unload()` after loading if you need one folder.")
     if not kept:
         raise CheckpointError(f"No key of `{source_path}` starts with the prefix {prefix!r}; its keys start with"
                               f" {sorted({k.split('.')[0] + '.' for k in keys})}. HINT: pass --prefix with the"
@@ -108,9 +121,13 @@ def export_hf(checkpoint: Any, out_dir: Any, dtype: Optional[str] = None, max_sh
     parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=parent))
     try:
-        files = _write_weights(source, kept, prefix, target, limit, staging)
-        if config is not None:
-            _copy_config(Path(config), staging, target)
+        if adapters_only:
+            files = _write_adapters(source, kept, prefix, target, staging)
+            shutil.copy2(Path(config) / "adapter_config.json", staging / "adapter_config.json")
+        else:
+            files = _write_weights(source, kept, prefix, target, limit, staging)
+            if config is not None:
+                _copy_config(Path(config), staging, target)
         if out.exists():
             shutil.rmtree(out)
         os.replace(staging, out)
@@ -168,6 +185,32 @@ def _write_weights(source: _Source, keys: list[str], prefix: str, target: Option
     return names
 
 
+_ADAPTER = re.compile(r"\.(lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.([^.]+)(\.|$)")
+"""A peft LoRA tensor's key: the adapter's name follows the LoRA module's (``lora_A.default.weight``)."""
+
+
+def _refuse_modules_to_save(keys: list[str]) -> None:
+    saved = [k for k in keys if ".modules_to_save." in k]
+    if saved:
+        raise CheckpointError(f"The peft model also trains whole modules (`modules_to_save`: {saved[:3]}...), which"
+                              " --adapters-only does not write. HINT: export the merged model without"
+                              " --adapters-only.")
+
+
+def _write_adapters(source: _Source, keys: list[str], prefix: str, target: Optional[torch.dtype],
+                    folder: Path) -> list[str]:
+    """``adapter_model.safetensors`` with peft's keys: the adapter's name removed (``lora_A.weight``)."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for key in keys:
+        t = source.read(key)
+        name = _ADAPTER.sub(lambda m: f".{m.group(1)}{m.group(3)}", key[len(prefix):])
+        tensors[name] = (t.to(target) if target is not None and t.is_floating_point() else t).contiguous()
+    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return ["adapter_model.safetensors"]
+
+
 def _nbytes(source: _Source, key: str, target: Optional[torch.dtype]) -> int:
     dtype, shape = source.dtype_shape(key)
     if target is not None and dtype.is_floating_point:
@@ -197,10 +240,12 @@ def export_command(argv: list[str]) -> int:
     parser.add_argument("--prefix", help="the LightningModule attribute holding the model, with its dot (default:"
                                          " the prefix every key shares, e.g. model.)")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    parser.add_argument("--adapters-only", action="store_true", help="a peft model's LoRA adapters alone"
+                        " (adapter_model.safetensors; --config names the folder holding adapter_config.json)")
     args = parser.parse_args(argv)
     try:
         done = export_hf(args.checkpoint, args.out_dir, args.dtype, args.max_shard_size, args.config, args.prefix,
-                         args.overwrite)
+                         args.overwrite, args.adapters_only)
     except CheckpointError as err:
         print(f"lzero export-hf: {err}", file=sys.stderr)
         return 1
@@ -208,7 +253,7 @@ def export_command(argv: list[str]) -> int:
           " removed")
     if done["left_out"]:
         print(f"left out (outside the prefix): {done['left_out']}")
-    if args.config is None:
+    if args.config is None and not args.adapters_only:
         print("note: no --config given, so the folder has no config.json; `from_pretrained` needs one. HINT: pass"
               " --config with the pretrained model's folder.")
     return 0

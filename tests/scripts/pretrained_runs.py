@@ -4,7 +4,10 @@ every lzero preset with ``from_pretrained`` in ``configure_model``, world size 2
     python tests/scripts/pretrained_runs.py MODELS_DIR OUT_DIR RUN [RUN ...]
 
 RUN is ``MODEL:STRATEGY[:PRECISION[:FLAG]]`` (``gpt2:zero3``, ``llama:ddp:bf16-mixed``). FLAG ``eager`` builds the
-model in ``__init__`` under an lzero strategy too (DDP always does); ``ckpt`` saves ``OUT_DIR/RUN-ckpt/last.ckpt``.
+model in ``__init__`` under an lzero strategy too (DDP always does); ``ckpt`` saves ``OUT_DIR/RUN-ckpt/last.ckpt``;
+``lora`` wraps the model with peft's LoRA adapters (their initial values set by ``LORA_A`` in ``on_fit_start``, through
+``strategy.gathered_parameters()`` under lzero, so that every run starts from the same adapters) and exports them
+with ``ExportHF(adapters_only=True)`` to ``OUT_DIR/RUN-adapters``.
 Every run also saves the logits of the trained model on ``PROBE``. Rank 0 writes
 ``OUT_DIR/MODEL-STRATEGY-PRECISION.pt``: the first batch, the losses and the parameters after fit.
 tests/test_pretrained.py compares them.
@@ -12,6 +15,7 @@ tests/test_pretrained.py compares them.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,10 +33,14 @@ from _teardown import destroy_process_group  # a sibling: scripts run from their
 PROBE = torch.arange(10).reshape(1, 10)
 
 
+def LORA_A(shape: torch.Size) -> torch.Tensor:  # noqa: N802 (a constant's role)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(7)) * 0.1
+
+
 class Pretrained(LightningModule):
-    def __init__(self, path: str, lazy: bool) -> None:
+    def __init__(self, path: str, lazy: bool, lora: bool = False) -> None:
         super().__init__()
-        self.path = path
+        self.path, self.lora = path, lora
         if not lazy:
             self.configure_model()
 
@@ -41,6 +49,22 @@ class Pretrained(LightningModule):
             return
         cls = AutoModelForSeq2SeqLM if Path(self.path).name == "t5" else AutoModelForCausalLM
         self.model = cls.from_pretrained(self.path, dtype=torch.float32)
+        if self.lora:
+            from peft import LoraConfig, get_peft_model
+
+            config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+            self.model = get_peft_model(self.model, config)
+
+    def on_fit_start(self) -> None:
+        if not self.lora:
+            return
+        strategy = self.trainer.strategy
+        gathered = strategy.gathered_parameters(self) if hasattr(strategy, "gathered_parameters") else \
+            contextlib.nullcontext()
+        with gathered, torch.no_grad():
+            for name, p in self.named_parameters():
+                if "lora_A" in name:
+                    p.copy_(LORA_A(p.shape))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         (tokens,) = batch
@@ -68,13 +92,18 @@ def fit(models: Path, out: Path, run: str) -> None:
     eager = strategy == "ddp" or "eager" in rest[1:]
     tag = run.replace(":", "-")
     checkpoints = [ModelCheckpoint(dirpath=out / f"{tag}-ckpt", save_last=True)] if "ckpt" in rest[1:] else []
+    lora = "lora" in rest[1:]
+    if lora:
+        from lzero.hf import ExportHF
+
+        checkpoints.append(ExportHF(str(out / f"{tag}-adapters"), adapters_only=True))
     torch.manual_seed(0)
     tokens = torch.randint(0, 128, (80, 12), generator=torch.Generator().manual_seed(1))
     record = Record()
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, precision=precision, max_steps=10,
-                      logger=False, enable_checkpointing=bool(checkpoints), enable_progress_bar=False,
+                      logger=False, enable_checkpointing="ckpt" in rest[1:], enable_progress_bar=False,
                       enable_model_summary=False, callbacks=[record, *checkpoints])
-    module = Pretrained(str(models / name), lazy=not eager)
+    module = Pretrained(str(models / name), lazy=not eager, lora=lora)
     trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=4))
     if trainer.is_global_zero:
         params = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
