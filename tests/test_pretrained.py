@@ -27,7 +27,7 @@ PRESETS = ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "zero3_o
 RUNS = [f"gpt2:{p}" for p in ["ddp", *PRESETS]] + [
     f"{m}:{p}" for m in ("llama", "llama_tied", "t5") for p in ("ddp", "zero3", "zero3_offload")] + [
     "gpt2:zero3:bf16-mixed", "gpt2:zero3:bf16-mixed:eager", "llama:zero3_offload:32-true:ckpt",
-    "llama:ddp:32-true:lora", "llama:zero3_offload:32-true:lora"]
+    "llama:ddp:32-true:lora", "llama:zero3_offload:32-true:lora:ckpt"]
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +116,7 @@ def test_lora_on_a_pretrained_base_trains_like_ddp_and_exports_its_adapters(runs
     ``ExportHF(adapters_only=True)`` and reopened by ``PeftModel.from_pretrained`` with the same logits."""
     from peft import PeftModel
 
-    ours, ddp = _load(runs, "llama:zero3_offload:32-true:lora"), _load(runs, "llama:ddp:32-true:lora")
+    ours, ddp = _load(runs, "llama:zero3_offload:32-true:lora:ckpt"), _load(runs, "llama:ddp:32-true:lora")
     assert ours["losses"] == ddp["losses"]
     assert ours["params"].keys() == ddp["params"].keys()
     for key, value in ddp["params"].items():
@@ -127,7 +127,7 @@ def test_lora_on_a_pretrained_base_trains_like_ddp_and_exports_its_adapters(runs
     assert base.keys() == plain.keys() and all(torch.equal(base[k], plain[k]) for k in plain)  # frozen: the files
     lora = [k for k in ours["params"] if "lora_B" in k]
     assert lora and all(ours["params"][k].abs().sum() > 0 for k in lora)  # the adapters trained
-    for run, trained in (("llama-zero3_offload-32-true-lora", ours), ("llama-ddp-32-true-lora", ddp)):
+    for run, trained in (("llama-zero3_offload-32-true-lora-ckpt", ours), ("llama-ddp-32-true-lora", ddp)):
         folder = runs / f"{run}-adapters"
         assert sorted(p.name for p in folder.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
         model = PeftModel.from_pretrained(_plain(models["llama"], torch.float32), folder)
@@ -138,6 +138,14 @@ def test_lora_on_a_pretrained_base_trains_like_ddp_and_exports_its_adapters(runs
                 assert torch.equal(model(input_ids=torch.arange(10).reshape(1, 10)).logits, trained["logits"]), run
         finally:
             torch.set_num_threads(threads)
+    # a merged export of a peft model is not built: refused, naming --adapters-only
+    from lzero.checkpoint import CheckpointError
+    from lzero.hf import export_hf
+
+    with pytest.raises(CheckpointError, match="lora_A.*--adapters-only"):
+        export_hf(runs / "llama-zero3_offload-32-true-lora-ckpt-ckpt" / "last.ckpt", runs / "merged",
+                  config=models["llama"])
+    assert not (runs / "merged").exists()
 
 
 def _plain(folder: Path, dtype: torch.dtype, **kwargs: Any) -> torch.nn.Module:

@@ -92,7 +92,7 @@ def fit(models: Path, out: Path, run: str) -> None:
     eager = strategy == "ddp" or "eager" in rest[1:]
     tag = run.replace(":", "-")
     checkpoints = [ModelCheckpoint(dirpath=out / f"{tag}-ckpt", save_last=True)] if "ckpt" in rest[1:] else []
-    lora = "lora" in rest[1:]
+    lora = "lora" in rest[1:]  # with ckpt too: "llama:zero3_offload:32-true:lora:ckpt"
     if lora:
         from lzero.hf import ExportHF
 
