@@ -30,7 +30,8 @@ from lzero.mixed_precision import PrecisionPolicy
 from lzero.flat_unit import FlatUnit, GradState
 from lzero import parameters
 from lzero.gather import Block, Gatherer, GatherSchedule, full_graphs_around
-from lzero.materialize import InitFn, Materializer, WeightSource, apply_order, common_seed, has_meta
+from lzero.materialize import (InitFn, Materializer, WeightSource, apply_order, buffers_to, common_seed, has_meta,
+                               read_whole, shard_values)
 from lzero.partition import FROZEN, Partition, ParamSpec, UnitSpec, partition_by_label, partition_by_size
 from lzero.reducer import Reducer
 from lzero.placement import stores_for
@@ -155,35 +156,17 @@ class ZeroEngine:
             for spec in self.partition.units:  # block units, then the root's (see partition_by_label)
                 run_up_to(labels[spec.params[0].name])
                 params = [module.get_parameter(p.name) for p in spec.params]
-                values = None if weights is None else self._shard_values(spec, params, device, weights)
+                values = None if weights is None else shard_values(spec, self.rank, params, device, weights)
                 unit = self._unit(spec, params, values)
                 unit.release()
                 units.append(unit)
             run_up_to(ROOT)  # frozen parameters and buffers outside every unit
         if weights is not None:  # tensors outside the units (persistent buffers, other dtypes): read whole
             in_units = {id(p) for unit in units for p in unit.params}
-            _read_whole(module, weights, lambda t: id(t) not in in_units)
-        _buffers_to(module, device)  # built on the CPU from a pretrained model (hf/pretrained.py)
+            read_whole(module, weights, lambda t: id(t) not in in_units)
+        buffers_to(module, device)  # built on the CPU from a pretrained model (hf/pretrained.py)
         materializer.retarget(optimizers)
         return units
-
-    def _shard_values(self, spec: UnitSpec, params: list[nn.Parameter], device: torch.device,
-                      weights: WeightSource) -> Tensor:
-        """This rank's shard of ``spec``'s values (1D, shard_numel): the pieces ``weights`` holds read, the others
-        taken from the initialized parameters; the padding is zero."""
-        lo, hi = spec.shard_range(self.rank)
-        values = torch.empty(spec.shard_numel, dtype=params[0].dtype, device=device)
-        if spec.numel < hi:
-            values[max(spec.numel - lo, 0):].zero_()
-        index = {p.name: i for i, p in enumerate(spec.params)}
-        with weights.reading() as read:
-            for param, start, end, at in spec.owned_pieces(self.rank):
-                piece = values[at: at + end - start]
-                if weights.holds(param.name):
-                    read(param.name, start, end, piece)
-                else:
-                    piece.copy_(params[index[param.name]].detach().reshape(-1)[start:end])
-        return values
 
     def _broadcast_initial_state(self, module: nn.Module) -> None:
         """Rank 0's parameters and buffers everywhere, as DDP does, so unseeded models agree."""
@@ -548,26 +531,6 @@ class ZeroEngine:
         if not collectives.local(self.group) and self.gatherer is None:
             self._finish_gathers([self._launch_gather(bucket)
                                   for bucket in _coalesce(self.units, self.config.allgather_bucket_size)])
-
-
-@torch.no_grad()
-def _read_whole(module: nn.Module, weights: WeightSource, wanted: Callable[[Tensor], bool]) -> None:
-    """The ``wanted`` tensors of ``module`` that ``weights`` holds, read whole over their current values."""
-    named = [*module.named_parameters(), *module.named_buffers()]
-    with weights.reading() as read:
-        for name, t in named:
-            if weights.holds(name) and not t.is_meta and wanted(t):
-                whole = t.view(-1) if t.is_contiguous() else torch.empty(t.numel(), dtype=t.dtype, device=t.device)
-                read(name, 0, t.numel(), whole)
-                if whole.data_ptr() != t.data_ptr():
-                    t.copy_(whole.view(t.shape))
-
-
-def _buffers_to(module: nn.Module, device: torch.device) -> None:
-    for sub in module.modules():
-        for name, b in sub._buffers.items():
-            if b is not None and not b.is_meta and b.device != device:
-                sub._buffers[name] = b.to(device)
 
 
 def _coalesce(units: Sequence[FlatUnit], limit: int) -> Iterator[list[FlatUnit]]:

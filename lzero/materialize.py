@@ -34,6 +34,8 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional, 
 import torch
 from torch import nn
 
+from lzero.partition import UnitSpec
+
 InitFn = Callable[[nn.Module], None]
 
 
@@ -221,6 +223,47 @@ class Materializer:
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 group["params"] = [self.replaced.get(p, p) for p in group["params"]]
+
+
+def shard_values(spec: UnitSpec, rank: int, params: list[nn.Parameter], device: torch.device,
+                 weights: WeightSource) -> torch.Tensor:
+    """``rank``'s shard of unit ``spec``'s values (1D, shard_numel): the pieces ``weights`` holds read straight into
+    it, the others taken from the materialized ``params``; the padding is zero. See [Note: reading a pretrained
+    checkpoint into shards] in hf/weights.py."""
+    lo, hi = spec.shard_range(rank)
+    values = torch.empty(spec.shard_numel, dtype=params[0].dtype, device=device)
+    if spec.numel < hi:
+        values[max(spec.numel - lo, 0):].zero_()
+    index = {p.name: i for i, p in enumerate(spec.params)}
+    with weights.reading() as read, torch.no_grad():
+        for param, start, end, at in spec.owned_pieces(rank):
+            piece = values[at: at + end - start]
+            if weights.holds(param.name):
+                read(param.name, start, end, piece)
+            else:
+                piece.copy_(params[index[param.name]].detach().reshape(-1)[start:end])
+    return values
+
+
+@torch.no_grad()
+def read_whole(module: nn.Module, weights: WeightSource, wanted: Callable[[torch.Tensor], bool]) -> None:
+    """The ``wanted`` tensors of ``module`` that ``weights`` holds, read whole over their current values."""
+    named = [*module.named_parameters(), *module.named_buffers()]
+    with weights.reading() as read:
+        for name, t in named:
+            if weights.holds(name) and not t.is_meta and wanted(t):
+                whole = t.view(-1) if t.is_contiguous() else torch.empty(t.numel(), dtype=t.dtype, device=t.device)
+                read(name, 0, t.numel(), whole)
+                if whole.data_ptr() != t.data_ptr():
+                    t.copy_(whole.view(t.shape))
+
+
+def buffers_to(module: nn.Module, device: torch.device) -> None:
+    """Real buffers not on ``device`` moved there (a pretrained model's buffers are built on the CPU)."""
+    for sub in module.modules():
+        for name, b in sub._buffers.items():
+            if b is not None and not b.is_meta and b.device != device:
+                sub._buffers[name] = b.to(device)
 
 
 def _placeholder(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
