@@ -93,6 +93,7 @@ class FlatUnit:
                 self.flat_param = full.to(compute_dtype) if self.mixed else full  # 1D, padded_numel
                 # full precision at stages 1-2: the master is the owned slice of the parameters itself
                 owned, alias_ok, compute = full[lo:hi], not self.mixed and stage < 3, self.flat_param[lo:hi]
+                del full  # under mixed precision ``owned`` alone keeps it, until the master is taken
             else:  # stage 3, read from a checkpoint: only the owned slice is known, and is the master's own memory
                 assert stage >= 3, "a unit built from its shard's values is released at once: stage 3 only"
                 self.flat_param = torch.empty(spec.padded_numel, device=device, dtype=compute_dtype)  # never written

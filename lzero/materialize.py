@@ -23,6 +23,11 @@ not (entirely) written by any initializer, and is named in an :class:`Uninitiali
 rather than trained from uninitialized memory. Integer and boolean buffers start at zero (no such
 check is possible for them). Every rank runs this with the same RNG state (``common_seed``), so the
 ranks build one model; each keeps its shard and frees the rest before the next unit.
+
+Tensors whose values come from a checkpoint (a pretrained model: lzero/hf/) are given unwritten storage and
+no initializer runs for a module whose tensors, at and below it, all come from there; each rank reads its
+pieces of them straight into its shards. peft's LoRA layers are initialized by peft's own
+``reset_lora_parameters`` after Hugging Face's ``_init_weights`` (which would draw a nonzero ``lora_B``).
 """
 
 from __future__ import annotations
@@ -116,6 +121,9 @@ def _peft_initializers(root: nn.Module, others: dict[int, InitFn]) -> dict[int, 
                 continue
             adapters = [a for a in getattr(module, "lora_A", {}) if a in configs]
             found[id(module)] = partial(_reset_lora, adapters, configs, others.get(id(module)))
+            for name in ("lora_A", "lora_B"):  # their own reset_parameters(), as peft leaves them before its reset
+                for child in getattr(module, name, {}).values():
+                    found.pop(id(child), None)
     return found
 
 
