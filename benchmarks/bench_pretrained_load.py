@@ -1,6 +1,7 @@
 """Loading a pretrained Hugging Face model at world size 2: memory, bytes read and time per rank.
 
     python benchmarks/bench_pretrained_load.py [--layers 24 --width 1024] [--out benchmarks/results_pretrained_load.md]
+        [--deepspeed-python /path/to/deepspeed-venv/bin/python]
 
 A GPT-2 of about 355M parameters (24 x 1024, vocabulary 50257; fp32, 1.42 GB) is written once with
 ``save_pretrained`` in 500 MB files. Each way of loading runs on 2 gloo ranks (one process each, one thread):
@@ -9,7 +10,9 @@ A GPT-2 of about 355M parameters (24 x 1024, vocabulary 50257; fp32, 1.42 GB) is
   shards ([Note: reading a pretrained checkpoint into shards] in lzero/hf/weights.py);
 - ``plain from_pretrained``: transformers' own, every rank holding the whole model (what a model built in
   ``__init__`` costs, and what zero1/zero2 do);
-- ``safetensors load_file``: the library reading every file whole, one process (the throughput reference).
+- ``safetensors load_file``: the library reading every file whole, one process (the throughput reference);
+- with ``--deepspeed-python``: DeepSpeed's ``zero.Init`` + ``from_pretrained`` in that environment
+  (benchmarks/peer_deepspeed_load.py; DeepSpeed is never a dependency of lzero).
 
 Per rank: peak resident-memory growth during the load (``VmHWM`` reset through ``/proc/self/clear_refs``), bytes
 read from the disk (``/proc/self/io`` ``read_bytes``, page cache dropped first where allowed; else the bytes the
@@ -19,9 +22,11 @@ reader asked for), and wall time. The page cache is dropped before each way wher
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -168,6 +173,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--folder", default="/tmp/lzero-bench-gpt2-355m")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results_pretrained_load.md"))
+    parser.add_argument("--deepspeed-python", help="a Python with DeepSpeed (and torch, transformers) installed")
     args = parser.parse_args()
     folder = Path(args.folder)
     files = make_model(folder, args.layers, args.width)
@@ -180,7 +186,14 @@ def main() -> None:
     for way in ("lzero zero3", "plain from_pretrained"):
         drop_caches()
         rows.extend(run_way(way, folder))
-    mb = lambda b: f"{b / 1e6:,.0f}"  # noqa: E731
+    if args.deepspeed_python:
+        drop_caches()
+        peer = subprocess.run([args.deepspeed_python, str(Path(__file__).parent / "peer_deepspeed_load.py"),
+                               str(folder)], capture_output=True, text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"},
+                              check=True)
+        rows.extend(json.loads(line) for line in peer.stdout.splitlines() if line.startswith("{"))
+    mb = lambda b: "-" if b is None else f"{b / 1e6:,.0f}"  # noqa: E731
+    rate = lambda r: r["asked"] / r["seconds"] if r["asked"] is not None else size / r["seconds"]  # noqa: E731
     lines = [
         "# Loading a pretrained model at world size 2 (benchmarks/bench_pretrained_load.py)",
         "",
@@ -195,11 +208,10 @@ def main() -> None:
     for r in rows:
         lines.append(f"| {r['way']} | {r['rank']} | {r['seconds']:.2f} | {mb(r['peak_growth'])} |"
                      f" {mb(r['owned_growth'])} | {mb(r['disk_read'])} |"
-                     f" {mb(r['asked'])} | {mb(r['held'])} | {mb(r['largest'])} | {r['asked'] / r['seconds'] / 1e9:.2f} |")
+                     f" {mb(r['asked'])} | {mb(r['held'])} | {mb(r['largest'])} | {rate(r) / 1e9:.2f} |")
     z3 = [r for r in rows if r["way"] == "lzero zero3"]
     mapped, owned = rows[0], rows[1]
     lz_rate = sum(r["asked"] for r in z3) / max(r["seconds"] for r in z3)
-    rate = lambda r: r["asked"] / r["seconds"]  # noqa: E731
     growth = ", ".join(f"{r['peak_growth'] / (r['held'] + r['largest']):.2f}" for r in z3)
     asked = ", ".join(f"{r['asked'] / r['held']:.3f}" for r in z3)
     lines += ["",
@@ -213,8 +225,10 @@ def main() -> None:
               " when first written (the first optimizer step); 'once owned' shows that, after a copy of each.",
               "- On this machine (a Firecracker VM) the first write to fresh memory costs about 0.5-1 GB/s: that, not"
               " the disk, bounds every way that copies into owned memory.",
-              "- DeepSpeed `zero.Init` + `from_pretrained` was not run: no DeepSpeed environment on this machine this"
-              " session."]
+              ("- DeepSpeed (its own environment, torch 2.13 CPU, DS_ACCELERATOR=cpu): rank 0 reads every file and"
+               " each tensor is gathered, written by rank 0 and re-partitioned; bytes read per rank are not counted"
+               " by the reader (GB/s: the whole model over the rank's time)." if args.deepspeed_python else
+               "- DeepSpeed `zero.Init` + `from_pretrained` was not run (no --deepspeed-python).")]
     Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
