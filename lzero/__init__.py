@@ -22,6 +22,7 @@ _LIGHTNING_EXPORTS = {
     "ZeroPrecision": "lzero.precision",
     "ZeroPrecisionError": "lzero.precision",
     "MemoryMonitor": "lzero.monitor",
+    "grad_norm": "lzero.grad_norms",
 }
 
 
@@ -52,5 +53,6 @@ __all__ = [
     "ZeroPrecision",
     "ZeroPrecisionError",
     "ZeroStrategy",
+    "grad_norm",
     "partition_by_size",
 ]

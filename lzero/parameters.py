@@ -40,7 +40,8 @@ work below Python and never see the guard.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from contextlib import contextmanager
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import Tensor, nn
@@ -51,6 +52,7 @@ _T = torch.Tensor
 _ORIGINAL_ZERO_GRAD = nn.Module.zero_grad
 _PARAM_LISTENERS: WeakIdKeyDictionary = WeakIdKeyDictionary()  # parameter -> callback(parameter)
 _MODULE_LISTENERS: list[Callable[[nn.Module, bool], None]] = []  # callback(module, set_to_none)
+_EMPTY_GRAD_READERS: list[Callable[[nn.Parameter], None]] = []  # inside reporting_empty_grad_reads: callback(p)
 
 
 class ZeroParameter(nn.Parameter):
@@ -58,7 +60,10 @@ class ZeroParameter(nn.Parameter):
 
     @property
     def grad(self) -> Optional[Tensor]:  # type: ignore[override]
-        return _RAW_GRAD.__get__(self)
+        value = _RAW_GRAD.__get__(self)
+        if value is None and _EMPTY_GRAD_READERS:
+            _EMPTY_GRAD_READERS[-1](self)
+        return value
 
     @grad.setter
     def grad(self, value: Optional[Tensor]) -> None:
@@ -162,6 +167,17 @@ def unwatch(params: Iterable[nn.Parameter], on_module_zero_grad: Callable[[nn.Mo
         _MODULE_LISTENERS.remove(on_module_zero_grad)
     if not _MODULE_LISTENERS:
         nn.Module.zero_grad = _ORIGINAL_ZERO_GRAD  # type: ignore[method-assign]
+
+
+@contextmanager
+def reporting_empty_grad_reads(callback: Callable[[nn.Parameter], None]) -> Iterator[None]:
+    """Inside the block, reading ``p.grad`` of a managed parameter that has none calls ``callback(p)``: code that
+    looks for gradients where ZeRO keeps none (they live in the shards), e.g. Lightning's ``grad_norm(self)``."""
+    _EMPTY_GRAD_READERS.append(callback)
+    try:
+        yield
+    finally:
+        _EMPTY_GRAD_READERS.remove(callback)
 
 
 def set_grad_quietly(p: Tensor, value: Optional[Tensor]) -> None:

@@ -212,6 +212,7 @@ class ZeroStrategy(DDPStrategy):
 
                 self._saver = AsyncSaver(dist.new_group(backend="gloo") if self.world_size > 1 else None)
             _guard_lr_schedulers(self.lightning_module, self.precision_plugin)
+            _watch_gradient_reads(self.lightning_module)
             if self.world_size > 1:
                 import torch.distributed as dist
 
@@ -449,6 +450,7 @@ class ZeroStrategy(DDPStrategy):
             self.precision_plugin.bind(None)
             if self.lightning_module is not None:
                 self.lightning_module.__dict__.pop("lr_scheduler_step", None)
+                self.lightning_module.__dict__.pop("on_before_optimizer_step", None)
         module = self.lightning_module
         if module is None or not has_meta(module):
             super().teardown()
@@ -617,6 +619,34 @@ def _guard_lr_schedulers(module: LightningModule, precision: ZeroPrecision) -> N
         original(scheduler, metric)
 
     module.__dict__["lr_scheduler_step"] = lr_scheduler_step
+
+
+def _watch_gradient_reads(module: LightningModule) -> None:
+    """A LightningModule whose ``on_before_optimizer_step`` reads ``p.grad`` finds None there (the gradients live in
+    the shards): warned once, naming ``lzero.grad_norm`` (see [Note: per-parameter gradient norms])."""
+    if type(module).on_before_optimizer_step is LightningModule.on_before_optimizer_step:
+        return
+    from lzero.parameters import reporting_empty_grad_reads
+
+    hook, warned = module.on_before_optimizer_step, []
+
+    def on_empty_read(param: torch.nn.Parameter) -> None:
+        if not warned and param.requires_grad:
+            warned.append(True)
+            from lightning.pytorch.utilities import rank_zero_warn
+
+            rank_zero_warn(
+                "`on_before_optimizer_step` read `p.grad` of a parameter lzero manages, and it is None: ZeRO keeps the"
+                " averaged gradients in the shards, so Lightning's `grad_norm(self, ...)` returns {} and `p.grad`"
+                " holds nothing to log. HINT: `lzero.grad_norm(self, norm_type=2)` returns Lightning's keys and"
+                " DDP's values from the shards (call it on every rank); `self.trainer.strategy.grad_norm()` gives"
+                " the global norm.")
+
+    def on_before_optimizer_step(optimizer: Optimizer) -> None:
+        with reporting_empty_grad_reads(on_empty_read):
+            hook(optimizer)
+
+    module.on_before_optimizer_step = on_before_optimizer_step
 
 
 def _refuse_weight_averaging(callbacks: list[Any]) -> None:
