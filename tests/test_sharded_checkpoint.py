@@ -102,6 +102,11 @@ def test_consolidate_loads_into_a_plain_module(runs: Path, tmp_path: Path) -> No
     consolidate(source, tmp_path / "model.ckpt")
     plain = torch.load(tmp_path / "model.ckpt", weights_only=True)
     assert plain["global_step"] == 20 and "pytorch-lightning_version" in plain
+    # the loops' progress too, as DDP's weights-only file has it
+    from lzero.checkpoint.reader import ShardedCheckpoint
+
+    assert plain["loops"] == ShardedCheckpoint(source).lightning_state()["loops"]
+    assert plain["loops"]["fit_loop"]["epoch_loop.batch_progress"]["total"]["completed"] > 0
     model = Toy.load_from_checkpoint(tmp_path / "model.ckpt", strict=True)
     reference = Toy({})
     reference.load_state_dict(saved)

@@ -24,8 +24,9 @@ from typing import Any
 from lzero.checkpoint import CheckpointError, SafetensorsStreamWriter, TensorFile, TorchStreamWriter
 from lzero.checkpoint.reader import MANIFEST, ShardedCheckpoint
 
-KEPT = ("pytorch-lightning_version", "epoch", "global_step", "hyper_parameters", "hparams_name")
-"""What a consolidated file keeps besides the state dict: what ``load_from_checkpoint`` needs."""
+KEPT = ("pytorch-lightning_version", "epoch", "global_step", "loops", "hyper_parameters", "hparams_name")
+"""What a consolidated file keeps besides the state dict: what ``load_from_checkpoint`` needs, and the loops'
+progress, as DDP's ``save_checkpoint(weights_only=True)`` has them."""
 
 SUFFIXES = (".ckpt", ".pt", ".safetensors")
 
