@@ -51,7 +51,10 @@ class ZeroEngine:
     def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], config: ZeroConfig,
                  policy: Optional[PrecisionPolicy] = None, group: Optional[dist.ProcessGroup] = None,
                  device: torch.device = torch.device("cpu"), init_fn: Optional[InitFn] = None,
-                 weights: Optional[WeightSource] = None) -> None:
+                 weights: Optional[WeightSource] = None, evaluating: bool = False) -> None:
+        """``evaluating``: validate/test/predict, no optimizer: every parameter that requires gradients goes into
+        one group, sharded and gathered as while training (stage 3: the shards, their masters, and each block
+        gathered for its forward only)."""
         config, _ = auto_sizes.fill(config, module)  # "auto" sizes (the strategy has filled them already)
         self.config = config
         self.policy = policy if policy is not None else PrecisionPolicy()
@@ -59,7 +62,7 @@ class ZeroEngine:
         self.world_size = collectives.world_size(group)
         self.rank = collectives.rank(group)
         kept = self.policy.kept_parameters(module)
-        specs, by_name = _collect_params(module, optimizers, kept, frozen_too=config.stage >= 3)
+        specs, by_name = _collect_params(module, optimizers, kept, frozen_too=config.stage >= 3, evaluating=evaluating)
         if config.stage >= 3:
             block_modules = find_blocks(module, config.unit_modules)
             _refuse_full_graphs(module, block_modules)
@@ -558,11 +561,13 @@ def _scatter_coalesced(bucket: list[FlatUnit], out: Tensor, world_size: int) -> 
 
 
 def _collect_params(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], kept: set[str] = frozenset(),
-                    frozen_too: bool = False) -> tuple[list[ParamSpec], dict[str, nn.Parameter]]:
-    """ParamSpecs, in registration order, of the trainable parameters that some optimizer holds and, with
-    ``frozen_too`` (stage 3), of the float32/bfloat16 parameters that do not require gradients (group FROZEN)."""
+                    frozen_too: bool = False, evaluating: bool = False
+                    ) -> tuple[list[ParamSpec], dict[str, nn.Parameter]]:
+    """ParamSpecs, in registration order, of the trainable parameters that some optimizer holds (``evaluating``:
+    all of them, in group (0, 0)) and, with ``frozen_too`` (stage 3), of the float32/bfloat16 parameters that do
+    not require gradients (group FROZEN)."""
     names = {p: n for n, p in module.named_parameters()}
-    group_of: dict[nn.Parameter, tuple[int, int]] = {}
+    group_of: dict[nn.Parameter, tuple[int, int]] = {p: (0, 0) for p in names if evaluating and p.requires_grad}
     for oi, optimizer in enumerate(optimizers):
         for gi, group in enumerate(optimizer.param_groups):
             for p in group["params"]:

@@ -172,7 +172,17 @@ class ZeroStrategy(DDPStrategy):
 
     @property
     def engine(self) -> Optional[ZeroEngine]:
-        """The engine of the current ``fit`` (None outside fitting)."""
+        """The engine of the current ``fit`` (or, at stage 3, of the current ``validate``/``test``/``predict``; see
+        [Note: evaluating under zero3]); None outside them.
+
+        [Note: evaluating under zero3]
+        At stage 3 ``validate``, ``test`` and ``predict`` run on an engine of their own, without optimizer:
+        every parameter is sharded as while training (its store as the preset says), each block gathered for
+        its forward and released after it, with the training prefetch schedule. A model built in
+        ``configure_model`` (on the meta device) is materialized unit by unit first: from its ``init_fn`` (or
+        Hugging Face's ``_init_weights``), or read from a pretrained checkpoint; a ``ckpt_path`` is then read
+        into the shards, each rank reading only its pieces. So no rank holds the whole model while evaluating.
+        At the end the parameters are gathered back into whole tensors, as at the end of ``fit``."""
         return self._engine
 
     # --- setup -------------------------------------------------------------------------------
@@ -218,6 +228,11 @@ class ZeroStrategy(DDPStrategy):
 
                 timeout = timedelta(seconds=self.config.exception_checkpoint_timeout_s)
                 self._exit_group = dist.new_group(backend="gloo", timeout=timeout)
+        elif self.config.stage >= 3:  # validate/test/predict sharded: see [Note: evaluating under zero3]
+            self._engine = ZeroEngine(self.model, [], self.config, self.precision_plugin.policy,
+                                      device=self.root_device, init_fn=self.init_fn, weights=_pretrained(self.model),
+                                      evaluating=True)
+            self.precision_plugin.bind(self._engine)
         else:
             _sync_module_states(self.model)
         self.setup_precision_plugin()
@@ -308,6 +323,24 @@ class ZeroStrategy(DDPStrategy):
         finally:
             if self._engine is not None:
                 self._engine.release_all()  # stage 3: no backward will release the root
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_forward()
+        try:
+            return super().test_step(*args, **kwargs)
+        finally:
+            if self._engine is not None:
+                self._engine.release_all()
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_forward()
+        try:
+            return super().predict_step(*args, **kwargs)
+        finally:
+            if self._engine is not None:
+                self._engine.release_all()
 
     def _before_forward(self) -> None:
         if self._engine is not None:
