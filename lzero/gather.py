@@ -59,8 +59,9 @@ hooks are tensor hooks that autograd's engine runs, outside any compiled frame.
 from __future__ import annotations
 
 import enum
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Iterable, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -142,6 +143,7 @@ class Gatherer:
         self._persistent = {n for n, k in self.numel.items() if k <= schedule.param_persistence_threshold}
         self._reused: Optional[set[str]] = None  # blocks kept across the turn, once the order is known
         self._block_of_unit = {id(u): b for b in blocks.values() for u in b.units}
+        self._pinned = False  # inside all_gathered(): every block stays gathered, the hooks do nothing
         self._hooks = []
         for name, module in modules.items():
             self._hooks.append(module.register_forward_pre_hook(self._pre_forward_hook(name)))
@@ -207,7 +209,7 @@ class Gatherer:
 
     def release(self, name: str) -> None:
         block = self.blocks[name]
-        if block.state is BlockState.RELEASED:
+        if block.state is BlockState.RELEASED or self._pinned:
             return
         for handle in block.handles:  # a prefetch never used: still has to land before freeing
             handle.wait()
@@ -219,6 +221,25 @@ class Gatherer:
     def release_all(self) -> None:
         for name in self.blocks:
             self.release(name)
+
+    @contextmanager
+    def all_gathered(self) -> Iterator[None]:
+        """[Note: every block gathered for generation]
+        Inside the block every unit is gathered once (a collective per block, in the same order on every rank)
+        and stays gathered until exit: the forward hooks return at once, so the many short forwards of
+        autoregressive generation run no collective at all, and ranks may run different numbers of them. Blocks
+        gathered before entering stay gathered after exit; the others are released."""
+        before = set(self.gathered_names())
+        for name in self.blocks:
+            self.gather(name)
+        self._pinned = True
+        try:
+            yield
+        finally:
+            self._pinned = False
+            for name in self.blocks:
+                if name not in before:
+                    self.release(name)
 
     def gathers_in_flight(self) -> bool:
         """Some all-gather was launched and not waited for."""
@@ -276,6 +297,8 @@ class Gatherer:
     def _pre_forward_hook(self, name: str):
         @_eager
         def hook(module: nn.Module, args: Any) -> None:
+            if self._pinned:
+                return
             if self._recording and name not in self.order:
                 self.order.append(name)
             self.gather(name)
@@ -299,6 +322,8 @@ class Gatherer:
     def _post_forward_hook(self, name: str):
         @_eager
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            if self._pinned:
+                return output
             backward = False
             if torch.is_grad_enabled():
                 for t in tree_flatten(output)[0]:

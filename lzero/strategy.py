@@ -7,6 +7,7 @@ wrapper, gradient hooks on the parameters, and optimizers re-targeted at the sha
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
 from contextlib import contextmanager
@@ -150,6 +151,7 @@ class ZeroStrategy(DDPStrategy):
         self.init_fn = init_fn
         self._checkpoint_policy = checkpointing.CheckpointPolicy(activation_checkpointing, cpu_checkpointing)
         self._checkpointed: Optional[checkpointing.Checkpointed] = None
+        self._exit_stack = contextlib.ExitStack()  # what setup changed on the module until teardown
 
     # --- plugins -----------------------------------------------------------------------------
 
@@ -223,6 +225,7 @@ class ZeroStrategy(DDPStrategy):
                 self._saver = AsyncSaver(dist.new_group(backend="gloo") if self.world_size > 1 else None)
             _guard_lr_schedulers(self.lightning_module, self.precision_plugin)
             _watch_gradient_reads(self.lightning_module)
+            self._mark_synced_generation()
             if self.world_size > 1:
                 import torch.distributed as dist
 
@@ -233,9 +236,16 @@ class ZeroStrategy(DDPStrategy):
                                       device=self.root_device, init_fn=self.init_fn, weights=_pretrained(self.model),
                                       evaluating=True)
             self.precision_plugin.bind(self._engine)
+            self._mark_synced_generation()
         else:
             _sync_module_states(self.model)
         self.setup_precision_plugin()
+
+    def _mark_synced_generation(self) -> None:
+        """Stage 3: a Hugging Face ``generate`` keeps the ranks stepping together while the engine lives (a forward
+        gathers blocks: every rank must run as many), unless inside ``generation()``."""
+        if self.config.stage >= 3 and self.world_size > 1:
+            self._exit_stack.enter_context(_synced_generation(self.lightning_module, True))
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -458,6 +468,7 @@ class ZeroStrategy(DDPStrategy):
         process then exits with the user's exception, and its peers, blocked in a collective with
         it, see the closed connection and fail within seconds, as under DDP."""
         failed, self._failure, self._ranks_together = self._failure is not None, None, None
+        self._exit_stack.close()
         if self._checkpointed is not None:  # the module leaves fit with its own forward
             self._checkpointed.remove()
             self._checkpointed = None
@@ -501,6 +512,32 @@ class ZeroStrategy(DDPStrategy):
         """Global L2 norm of the reduced gradients of one optimizer, as ``clip_grad_norm_`` would
         report it under DDP. A collective: call it on every rank, e.g. in ``on_before_optimizer_step``."""
         return _unwrap(self.optimizers[optimizer_index]).grad_norm()
+
+    @contextmanager
+    def generation(self) -> Generator:
+        """Stage 3: every block gathered once for the whole block, for ``model.generate`` (RLHF rollouts, samples):
+        the forwards inside run no hook and no collective, so ranks that stop at different lengths cannot hang
+        (see [Note: every block gathered for generation] in gather.py). A collective on entry: every rank enters
+        it. Refused, priced, when the gathered model would not fit this rank's free memory (``memory_budget_bytes``
+        when set, with ``memory_margin``). Outside it, a Hugging Face ``generate`` under zero3 gathers each block
+        per forward with the training prefetch (memory-bounded) and keeps the ranks stepping together
+        (``synced_gpus``). Stages 1-2 hold whole parameters: nothing to do."""
+        engine = self._engine
+        if engine is None or engine.gatherer is None:
+            yield
+            return
+        need = sum(u.spec.padded_numel * u.flat_param.element_size() for name in engine.gatherer.blocks
+                   if name not in engine.gatherer.gathered_names() for u in engine.gatherer.blocks[name].units)
+        free = _free_bytes(self.root_device, self.memory_budget_bytes, self.num_processes)
+        if free is not None and need > (1 - self.memory_margin) * free:
+            raise RuntimeError(
+                f"`strategy.generation()` gathers the whole model on every rank: {need / 2**30:.2f} GiB more on"
+                f" {self.root_device}, where {free / 2**30:.2f} GiB are free (x {1 - self.memory_margin:g} margin)."
+                " HINT: generate without the context (each block gathered per forward: memory-bounded, one"
+                " all-gather per block per token), or raise memory_budget_bytes / lower memory_margin if the"
+                " figure is too cautious.")
+        with engine.gatherer.all_gathered(), _synced_generation(self.lightning_module, False):
+            yield
 
     @contextmanager
     def gathered_parameters(self, module: Optional[torch.nn.Module] = None) -> Generator:
@@ -652,6 +689,36 @@ def _guard_lr_schedulers(module: LightningModule, precision: ZeroPrecision) -> N
         original(scheduler, metric)
 
     module.__dict__["lr_scheduler_step"] = lr_scheduler_step
+
+
+def _free_bytes(device: torch.device, budget: Optional[int], processes: int) -> Optional[int]:
+    if budget is not None:
+        return budget
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    from lzero.auto import host_available_bytes
+
+    host = host_available_bytes()
+    return host // max(1, processes) if host is not None else None
+
+
+@contextmanager
+def _synced_generation(module: Optional[torch.nn.Module], synced: bool) -> Generator:
+    """Inside the block, Hugging Face ``generate`` on the models inside ``module`` defaults to ``synced_gpus=synced``:
+    transformers reads it from ``_is_fsdp_managed_module``, its mark of a model whose forward runs collectives (and
+    whose layers every rank must run, so a rank that finished keeps stepping until all have)."""
+    marked = [m for m in module.modules() if callable(getattr(m, "generate", None))] if module is not None else []
+    before = [m.__dict__.get("_is_fsdp_managed_module") for m in marked]
+    for m in marked:
+        m._is_fsdp_managed_module = synced
+    try:
+        yield
+    finally:
+        for m, value in zip(marked, before):
+            if value is None:
+                m.__dict__.pop("_is_fsdp_managed_module", None)
+            else:
+                m._is_fsdp_managed_module = value
 
 
 def _watch_gradient_reads(module: LightningModule) -> None:

@@ -1,0 +1,74 @@
+"""Generation under zero3 and zero3_offload at world size 2 (see [Note: every block gathered for generation] in
+lzero/gather.py): greedy tokens equal the plain model's and DDP's, with ``strategy.generation()`` (all-gathers only
+on entry, none per token) and without it (each block gathered per forward, ranks kept stepping together); ranks
+that stop at different lengths finish; a rollout inside ``training_step`` followed by an update equals DDP."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from _launch import SCRIPTS, run_script
+from _pretrained_models import save_models
+
+pytest.importorskip("transformers")
+sys.path.insert(0, str(SCRIPTS))
+from generate_runs import EOS, NEW_TOKENS, PROMPTS  # noqa: E402
+
+MODES = [(s, m) for s in ("zero3", "zero3_offload") for m in ("gathered", "per_forward")]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path]]:
+    models = save_models(tmp_path_factory.mktemp("generate_models"), ["gpt2", "llama"])
+    out = tmp_path_factory.mktemp("generate_runs")
+    # bounded: a rank left waiting in a collective for a peer that stopped generating would hang until this timeout
+    run_script("generate_runs.py", str(models["gpt2"].parent), str(out), timeout=240)
+    return out, models
+
+
+def _load(out: Path, name: str) -> list:
+    return torch.load(out / f"{name}.pt", weights_only=False)  # written by the test's own script
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("strategy,mode", MODES)
+def test_greedy_tokens_equal_the_plain_model(runs: tuple, name: str, strategy: str, mode: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    out, models = runs
+    plain = AutoModelForCausalLM.from_pretrained(models[name], dtype=torch.float32)
+    ours, ddp = _load(out, f"{name}-{strategy}-{mode}"), _load(out, f"{name}-ddp-per_forward")
+    lengths = []
+    for rank, prompt in enumerate(PROMPTS):
+        expected = plain.generate(prompt[None], max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=EOS[name],
+                                  pad_token_id=EOS[name])
+        (got,) = ours[rank]
+        assert torch.equal(got["tokens"], expected) and torch.equal(got["tokens"], ddp[rank][0]["tokens"]), rank
+        lengths.append(got["tokens"].shape[1] - prompt.numel())
+    assert lengths[0] < lengths[1] == NEW_TOKENS  # rank 0 met EOS early; rank 1 ran on without hanging
+
+
+@pytest.mark.parametrize("name,units", [("gpt2", 3), ("llama", 2)])
+@pytest.mark.parametrize("strategy", ["zero3", "zero3_offload"])
+def test_all_gathers_per_token(runs: tuple, name: str, units: int, strategy: str) -> None:
+    out, _ = runs
+    gathered, per_forward = _load(out, f"{name}-{strategy}-gathered"), _load(out, f"{name}-{strategy}-per_forward")
+    for rank in range(2):
+        g, p = gathered[rank][0], per_forward[rank][0]
+        assert g["gathers_on_entry"] == g["gathers"] == units  # every block once, then none per token
+        assert p["gathers"] == units * NEW_TOKENS  # every block per decoding step, on both ranks (kept in step)
+        print(f"{name} {strategy} rank {rank}: all-gathers {g['gathers']} in the context vs {p['gathers']} without;"
+              f" {g['tokens'].shape[1] - 4} tokens in {g['seconds']:.3f} s vs {p['seconds']:.3f} s")
+
+
+def test_rollout_in_training_step_updates_like_ddp(runs: tuple) -> None:
+    out, _ = runs
+    ours, ddp = torch.load(out / "rollout-zero3.pt", weights_only=True), torch.load(out / "rollout-ddp.pt",
+                                                                                     weights_only=True)
+    assert ours.keys() == ddp.keys()
+    for key, value in ddp.items():
+        assert torch.equal(ours[key], value), key
