@@ -19,19 +19,8 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def _disk_read() -> int:
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("read_bytes:"):
-            return int(line.split()[1])
-    return 0
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_pretrained_load import _disk_read, _status  # noqa: E402 (torch only: no lzero in this environment)
 
 
 def _rank(rank: int, world: int, port: int, folder: str, queue: object) -> None:

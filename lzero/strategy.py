@@ -327,30 +327,23 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._before_forward()
-        try:
-            return super().validation_step(*args, **kwargs)
-        finally:
-            if self._engine is not None:
-                self._engine.release_all()  # stage 3: no backward will release the root
+        return self._forward_only(super().validation_step, *args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._before_forward()
-        try:
-            return super().test_step(*args, **kwargs)
-        finally:
-            if self._engine is not None:
-                self._engine.release_all()
+        return self._forward_only(super().test_step, *args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._forward_only(super().predict_step, *args, **kwargs)
+
+    def _forward_only(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         self._before_forward()
         try:
-            return super().predict_step(*args, **kwargs)
+            return step(*args, **kwargs)
         finally:
             if self._engine is not None:
-                self._engine.release_all()
+                self._engine.release_all()  # stage 3: no backward will release the root
 
     def _before_forward(self) -> None:
         if self._engine is not None:
