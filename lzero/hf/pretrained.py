@@ -120,7 +120,7 @@ def from_pretrained_into_shards(cls: type, pretrained_model_name_or_path: Any, *
     for key in _LOADER_ONLY:
         kwargs.pop(key, None)
     folder = _local_folder(pretrained_model_name_or_path, hub)
-    config, kwargs = _config(cls, folder, config, kwargs, hub)
+    config, kwargs = _config(cls, folder, config, kwargs)
     _refuse_quantized(config)
     files = find_files(folder, use_safetensors)
     dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype, config, files)
@@ -180,8 +180,7 @@ def _local_folder(name: Any, hub: dict[str, Any]) -> Path:
     return folder / hub["subfolder"] if hub.get("subfolder") else folder
 
 
-def _config(cls: type, folder: Path, config: Any, kwargs: dict[str, Any], hub: dict[str, Any]
-            ) -> tuple[Any, dict[str, Any]]:
+def _config(cls: type, folder: Path, config: Any, kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """The model's configuration and the keyword arguments left for its ``__init__``, as transformers splits them."""
     if config is None or isinstance(config, (str, Path)):
         config, kwargs = cls.config_class.from_pretrained(config or folder, return_unused_kwargs=True, **kwargs)

@@ -23,7 +23,6 @@ slices of a mapped file, never an unpickled object; a file that needs more than 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -59,10 +58,7 @@ class CheckpointFiles:
     folder: Path
     kind: str  # "safetensors" or "bin"
     tensors: dict[str, TensorInfo] = field(default_factory=dict)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(math.prod(t.shape) * t.dtype.itemsize for t in self.tensors.values())
+    headers: dict[str, TensorFile] = field(default_factory=dict)  # safetensors: file name -> its parsed header
 
 
 def find_files(folder: Path, use_safetensors: Optional[bool] = None) -> CheckpointFiles:
@@ -99,7 +95,7 @@ def _index_files(index: Path) -> list[str]:
 def _safetensors(folder: Path, files: list[str]) -> CheckpointFiles:
     found = CheckpointFiles(folder, "safetensors")
     for name in files:
-        tensor_file = _tensor_file(folder / name)
+        tensor_file = found.headers[name] = _tensor_file(folder / name)  # opens the file per read: no handle kept
         for key in tensor_file.names:
             entry = tensor_file.entry(key)
             found.tensors[key] = TensorInfo(name, entry.dtype, tuple(entry.shape))
@@ -146,16 +142,18 @@ def _load_bin(path: Path) -> dict[str, Tensor]:
 
 
 class OpenFiles:
-    """Checkpoint files opened for a while (one unit); reads flat ranges of tensors into given memory."""
+    """Checkpoint files in use for a while (one unit); reads flat ranges of tensors into given memory. safetensors
+    files are read through the headers parsed once by :func:`find_files`; ``.bin`` files are mapped until ``close``."""
 
     def __init__(self, files: CheckpointFiles) -> None:
         self._files = files
         self._open: dict[str, Any] = {}
 
     def _handle(self, name: str) -> Any:
+        if self._files.kind == "safetensors":
+            return self._files.headers[name]
         if name not in self._open:
-            path = self._files.folder / name
-            self._open[name] = _tensor_file(path) if self._files.kind == "safetensors" else _load_bin(path)
+            self._open[name] = _load_bin(self._files.folder / name)
         return self._open[name]
 
     @torch.no_grad()
@@ -173,9 +171,3 @@ class OpenFiles:
 
     def close(self) -> None:
         self._open.clear()  # a mapped .bin file is unmapped when its tensors go
-
-    def __enter__(self) -> "OpenFiles":
-        return self
-
-    def __exit__(self, *_: Any) -> None:
-        self.close()
