@@ -23,6 +23,7 @@ _LIGHTNING_EXPORTS = {
     "ZeroPrecisionError": "lzero.precision",
     "MemoryMonitor": "lzero.monitor",
     "grad_norm": "lzero.grad_norms",
+    "unshard": "lzero.strategy",
 }
 
 
@@ -55,4 +56,5 @@ __all__ = [
     "ZeroStrategy",
     "grad_norm",
     "partition_by_size",
+    "unshard",
 ]

@@ -193,6 +193,14 @@ class ZeroConfig:
     thread (its collectives on a process group of their own) while training continues. At most one
     save is in flight; the checkpoint a save replaces is deleted only after the new one commits."""
 
+    gather_after_fit: bool = False
+    """Stage 3: at the end of ``fit`` (and of ``validate``/``test``/``predict``) gather every parameter back into a
+    whole tensor on every rank, as DDP leaves the model: the whole model in each rank's memory (4 bytes per
+    parameter in fp32). Off (the default): the model stays sharded, only this rank's shard resident, and a later
+    ``validate``/``test``/``predict``, ``strategy.gathered_parameters()``, ``strategy.generation()`` and
+    ``trainer.save_checkpoint`` work on the shards; ``lzero.unshard(model)`` gathers it for good. See [Note: the
+    model stays sharded after fit] in strategy.py."""
+
     broadcast_buffers: bool = True
     """Before every training step, overwrite module buffers (BatchNorm running statistics...) with
     rank 0's, as DDP does by default, so evaluation sees the same buffers on every rank."""
@@ -268,6 +276,8 @@ class ZeroConfig:
             raise ZeroConfigError(
                 f"`state_dict_type={self.state_dict_type!r}` is not one of 'sharded', 'full'. HINT: use 'sharded'."
             )
+        if not isinstance(self.gather_after_fit, bool):
+            raise ZeroConfigError(f"`gather_after_fit={self.gather_after_fit!r}` must be true or false.")
         if not isinstance(self.async_save, bool):
             raise ZeroConfigError(f"`async_save={self.async_save!r}` must be true or false.")
         if self.async_save and self.checkpoint_format != "sharded":

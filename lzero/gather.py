@@ -87,6 +87,18 @@ class _Gathering(NamedTuple):
             torch.cuda.current_stream(self.source.device).wait_event(self.copied)
 
 
+class _HostCopy(NamedTuple):
+    """A block's copy from host memory onto the device, on a side stream (CUDA); see [Note: blocks streamed from
+    host memory]."""
+
+    copied: Any  # CUDA event after the copy; None: the copy was synchronous (CPU)
+    device: torch.device
+
+    def wait(self) -> None:
+        if self.copied is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.copied)
+
+
 class UnitOrderError(RuntimeError):
     """Ranks did not run the same stage-3 units in the same order."""
 
@@ -144,6 +156,8 @@ class Gatherer:
         self._reused: Optional[set[str]] = None  # blocks kept across the turn, once the order is known
         self._block_of_unit = {id(u): b for b in blocks.values() for u in b.units}
         self._pinned = False  # inside all_gathered(): every block stays gathered, the hooks do nothing
+        self._host: Optional[dict[int, torch.Tensor]] = None  # inside streamed_from_host(): unit id -> full values
+        self._copy_stream: Any = None  # CUDA: the side stream of host copies
         self._hooks = []
         for name, module in modules.items():
             self._hooks.append(module.register_forward_pre_hook(self._pre_forward_hook(name)))
@@ -159,6 +173,9 @@ class Gatherer:
     def launch(self, name: str) -> None:
         block = self.blocks[name]
         if block.state is not BlockState.RELEASED:
+            return
+        if self._host is not None:
+            self._copy_from_host(block)
             return
         self._agree_on(name)
         for unit in block.units:
@@ -240,6 +257,59 @@ class Gatherer:
             for name in self.blocks:
                 if name not in before:
                     self.release(name)
+
+    @contextmanager
+    def streamed_from_host(self, pin: bool) -> Iterator[None]:
+        """[Note: blocks streamed from host memory]
+        For generation with a model that does not fit gathered on the device (ZeRO-Inference's layout): on entry
+        every block is all-gathered once, in the same order on every rank, and its full values copied into host
+        memory (pinned with ``pin``), then released; the root stays gathered. Inside, a block's gather is a copy
+        from that host copy (on a side stream under CUDA, so a prefetch overlaps the current block's compute) and
+        its release frees the device buffer as usual: the device holds the root and the blocks the schedule keeps
+        live, the host the whole model in the compute dtype, and each forward costs one host-to-device copy per
+        block and no collective, so ranks may run different numbers of forwards. On exit the blocks gathered
+        before entering are gathered again (from the host copies) and the others released."""
+        before = set(self.gathered_names())
+        host: dict[int, torch.Tensor] = {}
+        for name, block in self.blocks.items():
+            self.gather(name)
+            for unit in block.units:
+                flat = unit.flat_param
+                host[id(unit)] = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=pin).copy_(flat)
+            if name not in before and name != ROOT:
+                self.release(name)
+        self._host = host
+        try:
+            yield
+        finally:
+            try:
+                for name in before:
+                    self.gather(name)
+                for name in self.blocks:
+                    if name not in before:
+                        self.release(name)
+            finally:
+                self._host = None
+                if self._copy_stream is not None:
+                    self._copy_stream.synchronize()  # no copy may still read the host buffers
+
+    def _copy_from_host(self, block: Block) -> None:
+        for unit in block.units:
+            unit.allocate()
+            flat, source = unit.flat_param, self._host[id(unit)]
+            if flat.device.type != "cuda":
+                flat.copy_(source)
+                block.handles.append(_HostCopy(None, flat.device))
+                continue
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(flat.device)
+            self._copy_stream.wait_stream(torch.cuda.current_stream(flat.device))  # after the buffer's allocation
+            with torch.cuda.stream(self._copy_stream):
+                flat.copy_(source, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(self._copy_stream)
+            block.handles.append(_HostCopy(copied, flat.device))
+        block.state = BlockState.GATHERING
 
     def gathers_in_flight(self) -> bool:
         """Some all-gather was launched and not waited for."""

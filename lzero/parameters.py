@@ -114,7 +114,11 @@ def _released_error(func: object, args: tuple, kwargs: Optional[dict]) -> Releas
         f"`{what}` on the ZeRO-3 parameter {', '.join(f'`{n}`' for n in dict.fromkeys(names))}, whose full value is"
         " released between uses (only this rank's shard is resident): it would read or write a placeholder."
         " HINT: wrap the access in `with trainer.strategy.gathered_parameters(module):` (a collective: enter it on"
-        " every rank), or use `zero2`, which keeps full parameters."
+        " every rank). After `fit` the model stays sharded: `trainer.save_checkpoint(path)` writes it (`lzero"
+        " consolidate` turns that into one plain state_dict, `lzero export-hf` into a Hugging Face folder),"
+        " `lzero.unshard(model)` gathers it back into whole tensors on every rank, and"
+        " `ZeroConfig(gather_after_fit=True)` does so at the end of every fit. Or use `zero2`, which keeps full"
+        " parameters."
     )
 
 

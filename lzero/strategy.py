@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
+import weakref
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Generator, Literal, Mapping, Optional, Union
@@ -184,7 +185,8 @@ class ZeroStrategy(DDPStrategy):
         ``configure_model`` (on the meta device) is materialized unit by unit first: from its ``init_fn`` (or
         Hugging Face's ``_init_weights``), or read from a pretrained checkpoint; a ``ckpt_path`` is then read
         into the shards, each rank reading only its pieces. So no rank holds the whole model while evaluating.
-        At the end the parameters are gathered back into whole tensors, as at the end of ``fit``."""
+        At the end the model stays sharded, as at the end of ``fit`` (see [Note: the model stays sharded after
+        fit]); a later run on the same world size reuses that engine."""
         return self._engine
 
     # --- setup -------------------------------------------------------------------------------
@@ -194,6 +196,15 @@ class ZeroStrategy(DDPStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        kept = _take_kept(self.lightning_module)
+        if kept is not None:  # see [Note: the model stays sharded after fit]
+            if not fitting and self.config.stage >= 3 and kept.world_size == self.world_size:
+                self._engine = kept
+                self.precision_plugin.bind(kept)
+                self._mark_synced_generation()
+                self.setup_precision_plugin()
+                return
+            gather_back(kept)
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
@@ -362,9 +373,10 @@ class ZeroStrategy(DDPStrategy):
         an empty dict (see [Note: checkpoints after an exception])."""
         if not self._all_ranks_here():
             return {}
-        if self._engine is None:
+        engine = self._live_engine
+        if engine is None:
             return super().lightning_module_state_dict()
-        return module_state_dict(self._engine, self.lightning_module, self._sharded_checkpoint,
+        return module_state_dict(engine, self.lightning_module, self._sharded_checkpoint,
                                  full=self.config.state_dict_type == "full")
 
     @property
@@ -383,20 +395,26 @@ class ZeroStrategy(DDPStrategy):
             return
         if self._sharded_checkpoint:
             optimizers = [_unwrap(o) for o in self.optimizers] if "optimizer_states" in checkpoint else []
-            save_sharded(filepath, self._engine, optimizers, checkpoint, self._saver, stage=self.config.stage,
+            save_sharded(filepath, self._live_engine, optimizers, checkpoint, self._saver, stage=self.config.stage,
                          precision=self.precision_plugin.precision,
                          **({"auto": self._auto_record} if self._auto_record else {}))
             return
         if has_sharded(checkpoint.get("state_dict", {})):
-            checkpoint = {**checkpoint, "state_dict": consolidate(self._engine, checkpoint["state_dict"])}
+            checkpoint = {**checkpoint, "state_dict": consolidate(self._live_engine, checkpoint["state_dict"])}
         if self._auto_record:
             checkpoint = {**checkpoint, "lzero/auto": self._auto_record}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @property
     def _sharded_checkpoint(self) -> bool:
-        """Checkpoints are sharded directories: while fitting with ``checkpoint_format="sharded"``."""
-        return self._engine is not None and self.config.checkpoint_format == "sharded"
+        """Checkpoints are sharded directories: while fitting with ``checkpoint_format="sharded"``, and after a stage-3
+        fit or evaluation that left the model sharded."""
+        return self._live_engine is not None and self.config.checkpoint_format == "sharded"
+
+    @property
+    def _live_engine(self) -> Optional[ZeroEngine]:
+        """The engine of the current run, or the one that keeps the model sharded after it."""
+        return self._engine if self._engine is not None else kept_engine(self.lightning_module)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -451,7 +469,8 @@ class ZeroStrategy(DDPStrategy):
     def teardown(self) -> None:
         """[Note: teardown after a failure]
         After a clean fit, teardown is a collective: the last async save commits, and the parameters
-        are gathered back into whole tensors (stage 3) or fp32 masters (16-bit). After an exception on
+        stay sharded (stage 3, see [Note: the model stays sharded after fit]) or are gathered back into
+        whole tensors (``gather_after_fit``) or fp32 masters (stages 1-2 in 16-bit). After an exception on
         one rank the other ranks are somewhere else (in a step's collectives, or failing themselves), so
         a collective here would either wait for them (up to ``unit_order_timeout_s`` or the process
         group timeout) or pair with an unrelated collective of theirs and raise an error of its own
@@ -478,21 +497,20 @@ class ZeroStrategy(DDPStrategy):
             engine, self._engine = self._engine, None
             if failed:
                 engine.remove(after_failure=True)
+            elif engine.gatherer is not None and not self.config.gather_after_fit:
+                _keep(self.lightning_module, engine)  # see [Note: the model stays sharded after fit]
             else:
-                if engine.mixed:
-                    restore_masters(engine)  # the module leaves fit with its fp32 weights, as under DDP
-                else:
-                    engine.unshard()  # stage 3: test/predict after fit see full parameters
-                engine.remove()
+                gather_back(engine)
             self.precision_plugin.bind(None)
             if self.lightning_module is not None:
                 self.lightning_module.__dict__.pop("lr_scheduler_step", None)
                 self.lightning_module.__dict__.pop("on_before_optimizer_step", None)
         module = self.lightning_module
-        if module is None or not has_meta(module):
+        if module is None or not (has_meta(module) or kept_engine(module) is not None):
             super().teardown()
             return
-        # a model whose meta-device materialization failed cannot be moved to the CPU: skip that move
+        # a model whose meta-device materialization failed cannot be moved to the CPU, nor can a sharded one (its
+        # shards stay where the engine keeps them): skip that move
         self._lightning_module = None
         try:
             super().teardown()
@@ -507,40 +525,65 @@ class ZeroStrategy(DDPStrategy):
         return _unwrap(self.optimizers[optimizer_index]).grad_norm()
 
     @contextmanager
-    def generation(self) -> Generator:
-        """Stage 3: every block gathered once for the whole block, for ``model.generate`` (RLHF rollouts, samples):
-        the forwards inside run no hook and no collective, so ranks that stop at different lengths cannot hang
-        (see [Note: every block gathered for generation] in gather.py). A collective on entry: every rank enters
-        it. Refused, priced, when the gathered model would not fit this rank's free memory (``memory_budget_bytes``
-        when set, with ``memory_margin``). Outside it, a Hugging Face ``generate`` under zero3 gathers each block
-        per forward with the training prefetch (memory-bounded) and keeps the ranks stepping together
+    def generation(self, mode: Literal["gathered", "streamed"] = "gathered") -> Generator:
+        """Stage 3, for ``model.generate`` (RLHF rollouts, samples): the forwards inside run no collective, so
+        ranks that stop at different lengths cannot hang. A collective on entry: every rank enters it.
+
+        ``mode="gathered"``: every block gathered once for the whole block and kept on the device (see [Note:
+        every block gathered for generation] in gather.py): the whole model per rank, no copy per token. Refused,
+        priced, when it would not fit this rank's free device memory (``memory_budget_bytes`` when set, with
+        ``memory_margin``).
+
+        ``mode="streamed"``: the whole model copied once into host memory, each block copied to the device for
+        its forward and released after (see [Note: blocks streamed from host memory] in gather.py): the device
+        holds the root and the blocks live at once, each token costs one host-to-device copy per block. Refused,
+        priced, when the host copy would not fit this rank's share of available host memory.
+
+        Outside it, a Hugging Face ``generate`` under zero3 gathers each block per forward with the training
+        prefetch (memory-bounded, one all-gather per block per token) and keeps the ranks stepping together
         (``synced_gpus``). Stages 1-2 hold whole parameters: nothing to do."""
-        engine = self._engine
+        if mode not in ("gathered", "streamed"):
+            raise ValueError(f"`generation(mode={mode!r})`: the modes are 'gathered' (every block on the device) and"
+                             " 'streamed' (blocks copied from host memory per forward).")
+        engine = self._live_engine
         if engine is None or engine.gatherer is None:
             yield
             return
-        need = sum(u.spec.padded_numel * u.flat_param.element_size() for name in engine.gatherer.blocks
-                   if name not in engine.gatherer.gathered_names() for u in engine.gatherer.blocks[name].units)
-        free = _free_bytes(self.root_device, self.memory_budget_bytes, self.num_processes)
+        gatherer = engine.gatherer
+        if mode == "gathered":
+            need = sum(u.spec.padded_numel * u.flat_param.element_size() for name in gatherer.blocks
+                       if name not in gatherer.gathered_names() for u in gatherer.blocks[name].units)
+            where, free = self.root_device, _free_bytes(self.root_device, self.memory_budget_bytes, self.num_processes)
+            hint = ("mode='streamed' (blocks copied from host memory per forward), or generate without the context"
+                    " (each block gathered per forward: one all-gather per block per token)")
+        else:
+            from lzero.auto import host_available_bytes
+
+            need = sum(u.spec.padded_numel * u.flat_param.element_size() for u in engine.units)
+            host = host_available_bytes()
+            where, free = "host memory", host // max(1, self.num_processes) if host is not None else None
+            hint = "generate without the context (each block gathered per forward: one all-gather per block per token)"
         if free is not None and need > (1 - self.memory_margin) * free:
             raise RuntimeError(
-                f"`strategy.generation()` gathers the whole model on every rank: {need / 2**30:.2f} GiB more on"
-                f" {self.root_device}, where {free / 2**30:.2f} GiB are free (x {1 - self.memory_margin:g} margin)."
-                " HINT: generate without the context (each block gathered per forward: memory-bounded, one"
-                " all-gather per block per token), or raise memory_budget_bytes / lower memory_margin if the"
-                " figure is too cautious.")
-        with engine.gatherer.all_gathered(), _synced_generation(self.lightning_module, False):
+                f"`strategy.generation(mode={mode!r})` holds the whole model on every rank: {need / 2**30:.2f} GiB more"
+                f" in {where}, where {free / 2**30:.2f} GiB are free (x {1 - self.memory_margin:g} margin). HINT:"
+                f" {hint}; or raise memory_budget_bytes / lower memory_margin if the figure is too cautious.")
+        held = gatherer.all_gathered() if mode == "gathered" else \
+            gatherer.streamed_from_host(pin=self.root_device.type == "cuda")
+        with held, _synced_generation(self.lightning_module, False):
             yield
 
     @contextmanager
     def gathered_parameters(self, module: Optional[torch.nn.Module] = None) -> Generator:
         """Temporary full access to ``module``'s parameters (default: the whole LightningModule) under
         stage 3, like DeepSpeed's GatheredParameters; in-place writes are carried back to the shards.
-        A collective: enter it on every rank. Outside fitting the parameters are full already."""
-        if self._engine is None:
+        A collective: enter it on every rank. After a stage-3 fit the model stays sharded, and this works on it as
+        during fit (see [Note: the model stays sharded after fit])."""
+        engine = self._live_engine
+        if engine is None:
             yield
             return
-        with self._engine.gathered(module if module is not None else self.lightning_module):
+        with engine.gathered(module if module is not None else self.lightning_module):
             yield
 
     @property
@@ -567,9 +610,10 @@ class ZeroStrategy(DDPStrategy):
 
     def partition_metadata(self) -> dict[str, Any]:
         """Where every parameter element lives: unit, offset, shape and each rank's range."""
-        if self._engine is None:
+        engine = self._live_engine
+        if engine is None:
             raise RuntimeError("The partition exists only while fitting. HINT: call it from a training hook.")
-        return self._engine.metadata()
+        return engine.metadata()
 
     # --- checkpoints: sharded directories or full DDP-format files (lzero/checkpoint/) ----------------
 
@@ -617,6 +661,63 @@ def _pretrained(model: torch.nn.Module) -> Optional[Any]:
 
     weights = PretrainedWeights(model)
     return weights if weights else None
+
+
+_KEPT = "_lzero_engine"
+
+
+def kept_engine(module: Optional[torch.nn.Module]) -> Optional[ZeroEngine]:
+    """[Note: the model stays sharded after fit]
+    At stage 3 the end of a clean ``fit`` (or ``validate``/``test``/``predict``) leaves the model as it trained:
+    each rank holds its shards (in the stores the preset names), the gather hooks stay on the blocks, and every
+    parameter outside a gather is a guarded placeholder, so no rank ever holds the whole model. The engine is kept
+    on the module (``module.__dict__``, so it lives and dies with it). A later ``validate``/``test``/``predict`` on
+    the same world size, in this Trainer or a new one, runs on that engine; ``gathered_parameters()``,
+    ``generation()`` and ``trainer.save_checkpoint`` use it too. Reading a parameter directly
+    (``model.state_dict()``, ``torch.save``, ``save_pretrained``) raises an error naming those ways out. A later
+    ``fit`` or a stage 1-2 run first gathers the model back into whole tensors (``gather_back``, the whole model
+    on every rank), as does ``lzero.unshard(model)`` and, at the end of every run, ``gather_after_fit=True``."""
+    return module.__dict__.get(_KEPT) if module is not None else None
+
+
+def _keep(module: torch.nn.Module, engine: ZeroEngine) -> None:
+    engine.wait()
+    engine.release_all()
+    module.__dict__[_KEPT] = engine
+    # the stores' files (NVMe offload) go with the module, or at exit
+    engine.__dict__["_kept_finalizer"] = weakref.finalize(module, _close_stores, list(engine.stores))
+
+
+def _take_kept(module: Optional[torch.nn.Module]) -> Optional[ZeroEngine]:
+    engine = module.__dict__.pop(_KEPT, None) if module is not None else None
+    if engine is not None:
+        engine.__dict__.pop("_kept_finalizer").detach()
+    return engine
+
+
+def _close_stores(stores: list[Any]) -> None:
+    for store in stores:
+        store.close()
+
+
+def gather_back(engine: ZeroEngine) -> None:
+    """Every parameter a standalone whole tensor again (the fp32 masters under mixed precision, as DDP leaves the
+    model), and the engine detached from the module. A collective."""
+    if engine.mixed:
+        restore_masters(engine)
+    else:
+        engine.unshard()
+    engine.remove()
+
+
+def unshard(module: torch.nn.Module) -> torch.nn.Module:
+    """Gather a model that a stage-3 run left sharded (see [Note: the model stays sharded after fit]) back into
+    whole tensors on every rank, for good: afterwards it is a plain module, as DDP leaves it, and costs the whole
+    model on every rank. A collective: call it on every rank. A model that is not sharded is returned as it is."""
+    engine = _take_kept(module)
+    if engine is not None:
+        gather_back(engine)
+    return module
 
 
 def build_preset(name: str, **init_params: Any) -> ZeroStrategy:

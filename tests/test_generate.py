@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 sys.path.insert(0, str(SCRIPTS))
 from generate_runs import EOS, NEW_TOKENS, PROMPTS  # noqa: E402
 
-MODES = [(s, m) for s in ("zero3", "zero3_offload") for m in ("gathered", "per_forward")]
+MODES = [(s, m) for s in ("zero3", "zero3_offload") for m in ("gathered", "streamed", "per_forward")]
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +63,24 @@ def test_all_gathers_per_token(runs: tuple, name: str, units: int, strategy: str
         assert p["gathers"] == units * NEW_TOKENS  # every block per decoding step, on both ranks (kept in step)
         print(f"{name} {strategy} rank {rank}: all-gathers {g['gathers']} in the context vs {p['gathers']} without;"
               f" {g['tokens'].shape[1] - 4} tokens in {g['seconds']:.3f} s vs {p['seconds']:.3f} s")
+
+
+@pytest.mark.parametrize("name,units", [("gpt2", 3), ("llama", 2)])
+@pytest.mark.parametrize("strategy", ["zero3", "zero3_offload"])
+def test_streamed_mode_copies_each_block_per_token_without_collectives(runs: tuple, name: str, units: int,
+                                                                       strategy: str) -> None:
+    """One all-gather per block on entry (for the host copy; the root is gathered for the step already), then per
+    token one host copy per block and no collective: rank 0, which stops early, copies for fewer tokens."""
+    out, _ = runs
+    streamed, gathered = _load(out, f"{name}-{strategy}-streamed"), _load(out, f"{name}-{strategy}-gathered")
+    for rank in range(2):
+        s, g = streamed[rank][0], gathered[rank][0]
+        new = s["tokens"].shape[1] - 4
+        assert s["gathers_on_entry"] == s["gathers"] == units
+        assert s["host_copies"] == units * new
+        print(f"{name} {strategy} rank {rank}: streamed {new / s['generate_seconds']:.1f} tokens/s"
+              f" ({s['host_copies']} host copies, 0 all-gathers per token) vs gathered"
+              f" {new / g['generate_seconds']:.1f} tokens/s")
 
 
 def test_rollout_in_training_step_updates_like_ddp(runs: tuple) -> None:

@@ -272,7 +272,7 @@ def test_ckpt_path_last_and_a_change_of_precision(tmp_path: Path, in_process_fit
 
 
 def test_validate_with_a_sharded_checkpoint_outside_fit(runs: Path, in_process_fit) -> None:
-    """Outside fit there are no shards: the module is whole and every parameter is read in full."""
+    """validate reads the checkpoint into shards; ``lzero.unshard`` then gives the module every parameter in full."""
     sys.path.insert(0, str(SCRIPTS))
     from lightning.pytorch import Trainer
     from skip_runs import Toy, data
@@ -287,6 +287,9 @@ def test_validate_with_a_sharded_checkpoint_outside_fit(runs: Path, in_process_f
     trainer = Trainer(strategy=ZeroStrategy(stage=3), accelerator="cpu", devices=1, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, limit_val_batches=1)
     trainer.validate(model, data(), ckpt_path=str(runs / "zero3_first" / "last.ckpt"), verbose=False)
+    import lzero
+
+    lzero.unshard(model)
     saved = load(runs, "zero3_first")["params"]
     for name, value in model.named_parameters():
         assert torch.equal(value, saved[name]), name

@@ -130,8 +130,8 @@ def master_state_dict(engine: "ZeroEngine", module: nn.Module) -> dict[str, Tens
     full: dict[int, Tensor] = {}
     for unit, flat in gathered_masters(engine):
         if keep:
-            for p, (start, end) in zip(unit.params, unit.ranges):
-                full[id(p)] = flat[start:end].view(p.shape).clone()
+            for p, (start, end) in zip(unit.params, unit.ranges):  # frozen parameters in their own dtype, as DDP's
+                full[id(p)] = flat[start:end].view(p.shape).to(dtype=unit.master_dtype, copy=True)
     if not keep:
         return {}
     return {k: full[id(v)] if id(v) in full else v.detach() for k, v in module.state_dict(keep_vars=True).items()}

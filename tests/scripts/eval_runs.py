@@ -3,9 +3,11 @@
     python tests/scripts/eval_runs.py fit OUT_DIR     # zero3 fit (model built in configure_model) + eval after fit
     python tests/scripts/eval_runs.py alone OUT_DIR   # a new process: eval alone from the checkpoint
 
-``fit`` trains 4 steps under zero3 with ``ModelCheckpoint(save_last=True)`` (a sharded directory), then runs
-validate/test/predict on the same Trainer and writes ``plain.ckpt`` with ``lzero consolidate``. ``alone`` runs
-validate/test/predict with ``ckpt_path`` under DDP (``plain.ckpt``, model built in ``__init__``) and under zero3,
+``fit`` trains 4 steps under zero3, zero3_offload (the model built in ``__init__``) and zero3_offload_nvme with
+``ModelCheckpoint(save_last=True)`` (a sharded directory), then runs validate/test/predict on the same Trainer on
+the model fit left sharded, and writes ``plain_<preset>.ckpt`` with ``lzero consolidate``; then the ways to read
+the sharded model after fit. ``alone`` runs validate/test/predict with ``ckpt_path`` under DDP (each
+``plain_<preset>.ckpt``, model built in ``__init__``) and under zero3,
 zero3_offload and zero3_offload_nvme (the sharded directory; the model built in ``configure_model`` and, for zero3,
 in ``__init__`` too), and predict without a checkpoint. Rank 0 writes ``OUT_DIR/<run>.pt``: metrics, predictions
 and the parameter bytes a rank held during predict. tests/test_eval.py compares them.
@@ -97,7 +99,7 @@ def loader(seed: int, n: int = 32) -> DataLoader:
                       batch_size=4)
 
 
-def trainer(strategy: str, **kwargs: Any) -> Trainer:
+def trainer(strategy: Any, **kwargs: Any) -> Trainer:
     return Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_progress_bar=False,
                    enable_model_summary=False, **kwargs)
 
@@ -111,22 +113,62 @@ def evaluate(out: Path, name: str, t: Trainer, model: Net, ckpt: Any) -> None:
                    out / f"{name}.pt")
 
 
-def fit(out: Path) -> None:
-    torch.manual_seed(0)
-    t = trainer("zero3", max_steps=4, callbacks=[ModelCheckpoint(dirpath=out / "ckpt", save_last=True)])
-    model = Net()
-    t.fit(model, loader(0))
-    evaluate(out, "zero3_after_fit", t, model, None)
-    if t.is_global_zero:
-        from lzero.checkpoint.consolidate import consolidate
+AFTER_FIT = {"zero3": True, "zero3_offload": False, "zero3_offload_nvme": True}  # preset -> model built lazily
 
-        consolidate(out / "ckpt" / "last.ckpt", out / "plain.ckpt")
+
+def held_by(model: Net, strategy: Any) -> dict[str, int]:
+    """Bytes behind the module's parameters (distinct storages: a released parameter shares one placeholder
+    element), and the engine's parameter shards (in memory: this model is within NVMe offload's ``max_in_cpu``)."""
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    engine = strategy._live_engine if hasattr(strategy, "_live_engine") else None
+    units = engine.units if engine is not None else []
+    assert not any(u.param_store.holds_in_file(u) for u in units)
+    shards = sum(u.compute_shard().numel() * u.compute_shard().element_size() for u in units)
+    return {"module": sum(storages.values()), "shards": shards}
+
+
+def fit(out: Path) -> None:
+    """Each preset fits 4 steps, keeps the model sharded, and evaluates on the same Trainer; zero3 then shows the
+    ways out: ``state_dict()`` refused by name, ``trainer.save_checkpoint``, ``lzero.unshard``."""
+    from lzero.checkpoint.consolidate import consolidate
+    from lzero.parameters import ReleasedParameterError
+
+    for strategy, lazy in AFTER_FIT.items():
+        torch.manual_seed(0)
+        t = trainer(strategy, max_steps=4, callbacks=[ModelCheckpoint(dirpath=out / f"ckpt_{strategy}", save_last=True)])
+        model = Net(lazy)
+        t.fit(model, loader(0))
+        held_after_fit = held_by(model, t.strategy)
+        evaluate(out, f"{strategy}_after_fit", t, model, None)
+        if t.is_global_zero:
+            consolidate(out / f"ckpt_{strategy}" / "last.ckpt", out / f"plain_{strategy}.ckpt")
+            torch.save({**torch.load(out / f"{strategy}_after_fit.pt"), "held_after_fit": held_after_fit},
+                       out / f"{strategy}_after_fit.pt")
+        t.strategy.barrier()
+    try:
+        model.state_dict()
+        refusal = ""
+    except ReleasedParameterError as err:
+        refusal = str(err)
+    t.save_checkpoint(out / "saved_after_fit.ckpt")  # the kept shards: a sharded directory
+    lzero.unshard(model)  # whole tensors on every rank, for good
+    torch.manual_seed(0)  # zero3's fit again, gathered back at its end
+    gathered = Net()
+    t = trainer(lzero.ZeroStrategy(stage=3, gather_after_fit=True), max_steps=4, enable_checkpointing=False)
+    t.fit(gathered, loader(0))
+    if t.is_global_zero:
+        consolidate(out / "saved_after_fit.ckpt", out / "saved_after_fit_plain.ckpt")
+        torch.save({"refusal": refusal, "unsharded": model.state_dict(),
+                    "module_bytes": held_by(model, t.strategy)["module"],
+                    "gather_after_fit": gathered.state_dict(),
+                    "gather_after_fit_bytes": held_by(gathered, t.strategy)["module"]}, out / "ways_out.pt")
     t.strategy.barrier()
 
 
 def alone(out: Path) -> None:
-    sharded, plain = out / "ckpt" / "last.ckpt", out / "plain.ckpt"
-    evaluate(out, "ddp", trainer("ddp"), Net(lazy=False), plain)
+    for strategy in AFTER_FIT:  # DDP on each fit's own checkpoint
+        evaluate(out, f"ddp_{strategy}", trainer("ddp"), Net(lazy=False), out / f"plain_{strategy}.ckpt")
+    sharded, plain = out / "ckpt_zero3" / "last.ckpt", out / "plain_zero3.ckpt"
     for strategy in ("zero3", "zero3_offload", "zero3_offload_nvme"):
         evaluate(out, f"{strategy}_alone", trainer(strategy), Net(), sharded)
     evaluate(out, "zero3_alone_eager", trainer("zero3"), Net(lazy=False), sharded)

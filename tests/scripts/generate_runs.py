@@ -1,13 +1,13 @@
-"""Generation under zero3 and zero3_offload, world size 2: ``strategy.generation()`` (every block gathered once) and
-without it (each block gathered per forward, ranks kept stepping together), against DDP; a PPO-style rollout inside
+"""Generation under zero3 and zero3_offload, world size 2: ``strategy.generation()`` (every block gathered once),
+``strategy.generation("streamed")`` (blocks copied from a host copy per forward) and without it (each block gathered per forward, ranks kept stepping together), against DDP; a PPO-style rollout inside
 ``training_step`` followed by an update, against DDP.
 
     python tests/scripts/generate_runs.py MODELS_DIR OUT_DIR
 
 Each rank generates up to 20 greedy tokens for its own prompt, stopping at the model's token in ``EOS``, chosen
 (from the plain models of tests/_pretrained_models.py) so that rank 0 stops after 1 (GPT-2) or 4 (Llama) tokens
-while rank 1 runs all 20. Rank 0 writes ``OUT_DIR/<model>-<strategy>-<mode>.pt``: each rank's tokens, all-gathers and
-seconds, and ``OUT_DIR/rollout-<strategy>.pt``: the parameters after 2 rollout + update steps.
+while rank 1 runs all 20. Rank 0 writes ``OUT_DIR/<model>-<strategy>-<mode>.pt``: each rank's tokens, all-gathers, host
+copies and seconds, and ``OUT_DIR/rollout-<strategy>.pt``: the parameters after 2 rollout + update steps.
 tests/test_generate.py compares them.
 """
 
@@ -34,39 +34,51 @@ NEW_TOKENS = 20
 EOS = {"gpt2": 5, "llama": 37}
 
 
-def _generation(module: LightningModule, gathered: bool) -> Any:
+def _generation(module: LightningModule, mode: str) -> Any:
+    """``mode``: "gathered" or "streamed" (``strategy.generation(mode)``), or "per_forward" (no context)."""
     strategy = module.trainer.strategy
-    return strategy.generation() if gathered and hasattr(strategy, "generation") else contextlib.nullcontext()
+    if mode == "per_forward" or not hasattr(strategy, "generation"):
+        return contextlib.nullcontext()
+    return strategy.generation(mode)
 
 
 class Generate(LightningModule):
-    def __init__(self, path: str, gathered: bool, eos: int) -> None:
+    def __init__(self, path: str, mode: str, eos: int) -> None:
         super().__init__()
-        self.path, self.gathered, self.eos = path, gathered, eos
+        self.path, self.mode, self.eos = path, mode, eos
 
     def configure_model(self) -> None:
         if not hasattr(self, "model"):
             self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32)
 
     def predict_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        calls = [0]
-        all_gather = collectives.all_gather
+        from lzero.gather import Gatherer
+
+        calls, copies = [0], [0]
+        all_gather, copy_from_host = collectives.all_gather, Gatherer._copy_from_host
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             calls[0] += 1
             return all_gather(*args, **kwargs)
 
-        collectives.all_gather = counted
+        def copy_counted(gatherer: Gatherer, block: Any) -> None:
+            copies[0] += 1
+            copy_from_host(gatherer, block)
+
+        collectives.all_gather, Gatherer._copy_from_host = counted, copy_counted
         try:
             start = time.perf_counter()
-            with _generation(self, self.gathered):
+            with _generation(self, self.mode):
                 entered = calls[0]
+                generating = time.perf_counter()
                 tokens = self.model.generate(batch[0], max_new_tokens=NEW_TOKENS, do_sample=False,
                                              eos_token_id=self.eos, pad_token_id=self.eos)
+                generated = time.perf_counter() - generating
             seconds = time.perf_counter() - start
         finally:
-            collectives.all_gather = all_gather
-        return {"tokens": tokens, "gathers_on_entry": entered, "gathers": calls[0], "seconds": seconds}
+            collectives.all_gather, Gatherer._copy_from_host = all_gather, copy_from_host
+        return {"tokens": tokens, "gathers_on_entry": entered, "gathers": calls[0], "host_copies": copies[0],
+                "seconds": seconds, "generate_seconds": generated}
 
 
 class Rollout(LightningModule):
@@ -81,7 +93,7 @@ class Rollout(LightningModule):
             self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        with _generation(self, True), torch.no_grad():
+        with _generation(self, "gathered"), torch.no_grad():
             sequences = self.model.generate(batch[0], max_new_tokens=6, do_sample=False, eos_token_id=None,
                                             pad_token_id=0)
         return self.model(input_ids=sequences, labels=sequences).loss
@@ -99,20 +111,20 @@ def main(models: Path, out: Path) -> None:
     prompts = DataLoader(TensorDataset(PROMPTS), batch_size=1)
     for name in ("gpt2", "llama"):
         for strategy in ("ddp", "zero3", "zero3_offload"):
-            for gathered in ((False,) if strategy == "ddp" else (True, False)):
+            for mode in (("per_forward",) if strategy == "ddp" else ("gathered", "streamed", "per_forward")):
                 t = trainer(strategy)
-                results = t.predict(Generate(str(models / name), gathered, EOS[name]), prompts)
+                results = t.predict(Generate(str(models / name), mode, EOS[name]), prompts)
                 mine = [{k: v for k, v in r.items()} for r in results]
                 every = [None] * dist.get_world_size()
                 dist.all_gather_object(every, mine)
                 if t.is_global_zero:
-                    mode = "gathered" if gathered else "per_forward"
                     torch.save(every, out / f"{name}-{strategy}-{mode}.pt")
     for strategy in ("ddp", "zero3"):
         torch.manual_seed(0)
         model = Rollout(str(models / "llama"))
         t = trainer(strategy, max_steps=2)
         t.fit(model, DataLoader(TensorDataset(PROMPTS.repeat(2, 1)), batch_size=1))
+        lzero.unshard(model)  # zero3 leaves the model sharded: whole tensors to compare (a no-op under DDP)
         if t.is_global_zero:
             torch.save({k: v.detach().clone() for k, v in model.model.state_dict().items()}, out / f"rollout-{strategy}.pt")
 

@@ -39,6 +39,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 sys.path.insert(0, str(Path(__file__).parent))
 from skip_runs import Toy, data  # noqa: E402
 
+import lzero
 from lzero import ZeroStrategy  # noqa: E402
 from _teardown import destroy_process_group  # a sibling: scripts run from their folder
 
@@ -117,6 +118,7 @@ def fit(out: Path, name: str, swap: Path, fault: Optional[str] = None, resume: O
 
     zero.setup = setup
     trainer.fit(model, data(), ckpt_path=resume)
+    lzero.unshard(model)  # zero3 leaves the model sharded: whole tensors to compare (a no-op otherwise)
     if trainer.is_global_zero:
         torch.save({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
                     "losses": watch.losses, "swap_at_start": watch.swap_at_start, "own_folders": folders},

@@ -105,6 +105,7 @@ def fit(models: Path, out: Path, run: str) -> None:
                       enable_model_summary=False, callbacks=[record, *checkpoints])
     module = Pretrained(str(models / name), lazy=not eager, lora=lora)
     trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=4))
+    lzero.unshard(module)  # zero3 leaves the model sharded: whole tensors to compare (a no-op otherwise)
     if trainer.is_global_zero:
         params = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
         with torch.no_grad():

@@ -212,6 +212,8 @@ def fit(out: Path, name: str, strategy: Any, model: LightningModule, devices: in
         val: DataLoader | None = None, ckpt_path: str | None = None, save: bool = False, steps: int = STEPS,
         callbacks_extra: tuple = (), **trainer_kwargs: Any) -> Trainer:
     recorder = Recorder()
+    if save and strategy == "zero3":  # after fit, save_checkpoint writes a DDP-format file (default: a directory)
+        strategy = lzero.ZeroStrategy(stage=3, checkpoint_format="full")
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[recorder, *callbacks_extra], num_sanity_val_steps=0, **trainer_kwargs)
@@ -222,6 +224,7 @@ def fit(out: Path, name: str, strategy: Any, model: LightningModule, devices: in
     if val is not None:
         trainer.test(model, val, verbose=False)
         metrics.update({k: v.item() for k, v in trainer.callback_metrics.items() if k.startswith("test")})
+    lzero.unshard(model)  # zero3 leaves the model sharded: whole tensors to compare (a no-op otherwise)
     if trainer.is_global_zero:
         torch.save({"params": {n: p.detach().clone() for n, p in model.named_parameters()},
                     "buffers": {n: b.clone() for n, b in model.named_buffers()},
