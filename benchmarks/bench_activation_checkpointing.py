@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from lzero import ZeroConfig, ZeroEngine, ZeroOptimizer
-from lzero import activation_checkpointing as ac
+from lzero.engine import activation_checkpointing as ac
 from lzero.demo.model import GPT, GPTConfig
 
 SHAPE = dict(vocab_size=256, block_size=256, n_layer=4, n_head=4, n_embd=128, dropout=0.0)

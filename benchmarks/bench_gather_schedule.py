@@ -1,4 +1,4 @@
-"""Stage 3's gather schedule (DeepSpeed's stage3_* knobs, [Note: stage-3 gather schedule] in lzero/gather.py):
+"""Stage 3's gather schedule (DeepSpeed's stage3_* knobs, [Note: stage-3 gather schedule] in lzero/engine/gather.py):
 what each setting costs in parameter all-gathers and gathered memory, and that none changes the result.
 
 The demo GPT (n_layer 8, n_head 4, n_embd 256, vocab 256, block_size 128: 8 block units of 789,760 elements, a
@@ -53,7 +53,8 @@ ROWS = {  # name -> ZeroConfig's gather-schedule fields
 def run(rank: int, world: int, port: int, queue) -> None:  # type: ignore[no-untyped-def]
     import torch.distributed as dist
 
-    from lzero import ZeroConfig, ZeroEngine, ZeroOptimizer, collectives
+    from lzero import ZeroConfig, ZeroEngine, ZeroOptimizer
+    from lzero.engine import collectives
     from lzero.demo.model import GPT, GPTConfig
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

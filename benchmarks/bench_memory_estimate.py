@@ -1,6 +1,6 @@
 """Measured against estimated model-state memory per rank: the demo GPT at each preset, fp32 and bf16-mixed, on
-2 CPU ranks; the measured side is ``lzero.memory.model_state_bytes`` after a step (what the memory monitor logs),
-the estimated side ``lzero.estimate.model_states`` between steps (what ``lzero estimate`` and ``zero_auto`` use).
+2 CPU ranks; the measured side is ``lzero.memory.accounting.model_state_bytes`` after a step (what the memory monitor logs),
+the estimated side ``lzero.memory.estimate.model_states`` between steps (what ``lzero estimate`` and ``zero_auto`` use).
 
     python benchmarks/bench_memory_estimate.py                     # table -> results_memory_estimate.md/.json
     python benchmarks/plot_memory_estimate.py benchmarks/results_memory_estimate.json docs/memory.png
@@ -33,8 +33,8 @@ class Probe(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
         if trainer.global_step != self.steps:
             return
-        from lzero.memory import model_state_bytes
-        from lzero.monitor import _expected
+        from lzero.memory.accounting import model_state_bytes
+        from lzero.memory.monitor import _expected
 
         engine = trainer.strategy.engine
         measured = model_state_bytes(engine, trainer.strategy.optimizers)

@@ -1,4 +1,4 @@
-"""Throughput of lzero's NVMe swap files (lzero/nvme.py) against a raw O_DIRECT sequential write and read of the
+"""Throughput of lzero's NVMe swap files (lzero/offload/nvme.py) against a raw O_DIRECT sequential write and read of the
 same bytes in the same folder, in the same run: the comparison of issue 13's acceptance 3.
 
     python benchmarks/bench_nvme_io.py                          # a temporary folder on the repository's disk
@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from lzero.nvme import SwapFiles, aligned_empty  # noqa: E402
-from lzero.nvme_checks import raw_throughput  # noqa: E402
+from lzero.offload.nvme import SwapFiles, aligned_empty  # noqa: E402
+from lzero.offload.nvme_checks import raw_throughput  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = Path(__file__).with_name("results_nvme_io.md")

@@ -99,13 +99,13 @@ def run(args: argparse.Namespace) -> None:
                                                "times": probe.times, "peak_rss_mb": rss, "io": ios}))
 
 
-def raw_pair(folder: str, nbytes: int, env: dict):  # -> lzero.nvme.RawThroughput
+def raw_pair(folder: str, nbytes: int, env: dict):  # -> lzero.offload.nvme.RawThroughput
     """The raw O_DIRECT reference as the run saw the disk: two processes (one per rank) each writing then reading
     ``nbytes`` of their own file in ``folder`` at the same time (1 MiB requests, 1 thread each, as the run's aio
     settings); the mean of the two."""
-    from lzero.nvme_checks import RawThroughput
+    from lzero.offload.nvme_checks import RawThroughput
 
-    code = ("import json, sys; from lzero.nvme_checks import raw_throughput;"
+    code = ("import json, sys; from lzero.offload.nvme_checks import raw_throughput;"
             f" r = raw_throughput({folder!r} + '/raw' + sys.argv[1], {nbytes}, block_size=1 << 20, threads=1);"
             " print(json.dumps([r.write_gbps, r.read_gbps, r.direct]))")
     for rank in (0, 1):

@@ -15,7 +15,7 @@ subprocess so that an out-of-memory error, a hang or a crash cannot spoil the ne
     optimizer step, taken in the runs of (a): no extra runs.
 
 ``LZERO_COLLECTIVES_AT_WORLD_SIZE_1=1`` is set before lzero is imported, so the reduce-scatters and
-all-gathers really run through NCCL at world size 1 (see lzero/collectives.py).
+all-gathers really run through NCCL at world size 1 (see lzero/engine/collectives.py).
 
     PYTHONPATH=. python3 benchmarks/bench_offload_gpu.py                 # on the GPU machine, ~7 minutes
     PYTHONPATH=. python benchmarks/bench_offload_gpu.py --small          # CPU smoke test, ~1-2 minutes
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("LZERO_COLLECTIVES_AT_WORLD_SIZE_1", "1")  # read when lzero.collectives is imported
+os.environ.setdefault("LZERO_COLLECTIVES_AT_WORLD_SIZE_1", "1")  # read when lzero.engine.collectives is imported
 
 import argparse
 import json

@@ -60,7 +60,7 @@ def main() -> None:
     import deepspeed
     from deepspeed.runtime import lr_schedules
 
-    from lzero.deepspeed_schedules import build_scheduler
+    from lzero.deepspeed.schedules import build_scheduler
 
     warnings.filterwarnings("ignore")
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("LZERO_COLLECTIVES_AT_WORLD_SIZE_1", "1")  # read when lzero.collectives is imported
+os.environ.setdefault("LZERO_COLLECTIVES_AT_WORLD_SIZE_1", "1")  # read when lzero.engine.collectives is imported
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 os.environ.setdefault("MASTER_PORT", "29517")
 
@@ -46,7 +46,7 @@ def train(stage: int, bf16: bool, offload: bool) -> Run:
     from lzero import ZeroConfig, ZeroEngine, ZeroOptimizer
     from lzero.checkpoint.state_dict import restore_masters
     from lzero.demo import GPT, GPTConfig
-    from lzero.mixed_precision import PrecisionPolicy
+    from lzero.engine.mixed_precision import PrecisionPolicy
 
     device = torch.device("cuda", 0)
     torch.manual_seed(0)

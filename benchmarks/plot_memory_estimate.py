@@ -30,7 +30,7 @@ def main(source: str, target: str) -> None:
         ax.bar([i - 0.2 for i in x], heights, 0.4, bottom=bottom, color=color, label=f"measured: {store}")
         bottom = [b + h for b, h in zip(bottom, heights)]
     ax.bar([i + 0.2 for i in x], [r["ranks"][0]["expected"] / 1e6 for r in rows], 0.4, color="#8c8c8c",
-           label="estimated (lzero.estimate)")
+           label="estimated (lzero.memory.estimate)")
     ax.set_xticks(list(x), [label.replace("_nvme", "\n_nvme") for label in labels], fontsize=7)
     ax.set_ylim(0, 1.12 * max(max(bottom), max(r["ranks"][0]["expected"] / 1e6 for r in rows)))
     ax.set_ylabel("model states per rank (MB)")

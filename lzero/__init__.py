@@ -10,10 +10,10 @@ from typing import Any
 
 import _lzero_startup
 from lzero.config import ZeroConfig, ZeroConfigError
-from lzero.engine import ZeroEngine, ZeroEngineError
-from lzero.loss_scale import LossScaleConfig, LossScaleError, LossScaler
+from lzero.engine.engine import ZeroEngine, ZeroEngineError
+from lzero.engine.loss_scale import LossScaleConfig, LossScaleError, LossScaler
 from lzero.optimizer import ZeroOptimizer, ZeroOptimizerError
-from lzero.partition import ParamSpec, Partition, UnitSpec, partition_by_size
+from lzero.engine.partition import ParamSpec, Partition, UnitSpec, partition_by_size
 
 __version__ = "0.1.0"
 
@@ -21,7 +21,7 @@ _LIGHTNING_EXPORTS = {
     "ZeroStrategy": "lzero.strategy",
     "ZeroPrecision": "lzero.precision",
     "ZeroPrecisionError": "lzero.precision",
-    "MemoryMonitor": "lzero.monitor",
+    "MemoryMonitor": "lzero.memory.monitor",
     "grad_norm": "lzero.grad_norms",
     "unshard": "lzero.strategy",
 }

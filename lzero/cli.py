@@ -38,13 +38,13 @@ def _export_hf(argv: list[str]) -> int:
 
 
 def _estimate(argv: list[str]) -> int:
-    from lzero.estimate_command import estimate_command
+    from lzero.memory.estimate_command import estimate_command
 
     return estimate_command(argv)
 
 
 def _convert_config(argv: list[str]) -> int:
-    from lzero.deepspeed_convert import convert_command
+    from lzero.deepspeed.convert import convert_command
 
     return convert_command(argv)
 

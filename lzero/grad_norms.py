@@ -18,7 +18,7 @@ from typing import Any, Union
 import torch
 from torch import Tensor, nn
 
-from lzero import collectives
+from lzero.engine import collectives
 
 
 @torch.no_grad()

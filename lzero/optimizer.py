@@ -31,8 +31,8 @@ import torch
 from torch.optim import Optimizer
 
 from lzero.checkpoint.full_state import gather_optimizer_state, load_optimizer_state
-from lzero.engine import ZeroEngine
-from lzero.flat_unit import FlatUnit
+from lzero.engine.engine import ZeroEngine
+from lzero.engine.flat_unit import FlatUnit
 
 ELEMENTWISE_OPTIMIZERS = tuple(
     getattr(torch.optim, name)

@@ -47,8 +47,8 @@ from torch import nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lzero.loss_scale import LossScaleConfig, LossScaler
-from lzero.mixed_precision import PrecisionPolicy
+from lzero.engine.loss_scale import LossScaleConfig, LossScaler
+from lzero.engine.mixed_precision import PrecisionPolicy
 
 log = logging.getLogger("lzero")
 
@@ -151,7 +151,7 @@ class ZeroPrecision(Precision):
 
     @property
     def policy(self) -> PrecisionPolicy:
-        """What the engine computes and reduces in (see lzero/mixed_precision.py)."""
+        """What the engine computes and reduces in (see lzero/engine/mixed_precision.py)."""
         return PrecisionPolicy(self.param_dtype, self.reduce_dtype, self.keep_fp32_modules)
 
     def bind(self, engine: Any) -> None:

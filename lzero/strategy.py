@@ -28,19 +28,19 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lzero import activation_checkpointing as checkpointing
-from lzero import deepspeed_config
+from lzero.engine import activation_checkpointing as checkpointing
+from lzero.deepspeed import config as deepspeed_config
 from lzero.checkpoint.full_state import gather_optimizer_state
 from lzero.checkpoint.resume import load_module_state, load_optimizer_states, open_checkpoint
 from lzero.checkpoint.sharded import AsyncSaver, save_sharded
 from lzero.checkpoint.state_dict import consolidate, has_sharded, module_state_dict, restore_masters
 from lzero.config import ZeroConfig, ZeroConfigError, optional_config
-from lzero.engine import ZeroEngine
-from lzero.loss_scale import LossScaleConfig
-from lzero.materialize import has_meta
+from lzero.engine.engine import ZeroEngine
+from lzero.engine.loss_scale import LossScaleConfig
+from lzero.engine.materialize import has_meta
 from lzero.optimizer import ZeroOptimizer, check_optimizer
 from lzero.precision import ZeroPrecision, to_zero_precision
-from lzero.store import divide_host_threads
+from lzero.offload.store import divide_host_threads
 
 
 class ZeroStrategy(DDPStrategy):
@@ -49,7 +49,7 @@ class ZeroStrategy(DDPStrategy):
     Args:
         config: the full configuration; see :class:`lzero.ZeroConfig` for every field. Or a DeepSpeed JSON
             configuration (a path or a dict), as for Lightning's ``DeepSpeedStrategy(config=...)``: translated by
-            :func:`lzero.deepspeed_config.translate`, every key honoured or refused by name; its batch keys,
+            :func:`lzero.deepspeed.config.translate`, every key honoured or refused by name; its batch keys,
             ``gradient_clipping`` and precision are checked against the Trainer's at setup. The other arguments
             given here win over it.
         stage: shortcut for ``config.stage``; ``"auto"`` (the ``zero_auto`` preset) chooses the stage and offload at
@@ -76,7 +76,7 @@ class ZeroStrategy(DDPStrategy):
         deepspeed_optimizer: a DeepSpeed ``optimizer`` block (``{"type": "AdamW", "params": {...}}``), built when
             ``configure_optimizers`` returns nothing (``lzero convert-config`` writes a file's block here).
         deepspeed_scheduler: a DeepSpeed ``scheduler`` block (``{"type": "WarmupLR", "params": {...}}``), stepped
-            every optimizer step with DeepSpeed's rates (see lzero/deepspeed_schedules.py).
+            every optimizer step with DeepSpeed's rates (see lzero/deepspeed/schedules.py).
         **options: any other :class:`lzero.ZeroConfig` field, applied over ``config``.
 
     The remaining arguments are Lightning's, as for ``DDPStrategy``.
@@ -266,7 +266,7 @@ class ZeroStrategy(DDPStrategy):
         super().setup_optimizers(trainer)
         ds = self._deepspeed
         if ds is not None and (ds.optimizer is not None or ds.scheduler is not None):
-            from lzero import deepspeed_optim
+            from lzero.deepspeed import optim as deepspeed_optim
 
             self.optimizers, self.lr_scheduler_configs = deepspeed_optim.from_blocks(
                 ds.optimizer, ds.scheduler, self.lightning_module, self.optimizers, self.lr_scheduler_configs)
@@ -287,8 +287,8 @@ class ZeroStrategy(DDPStrategy):
         """``stage="auto"``: the configuration for this model and machine, logged in one line."""
         from lightning.pytorch.utilities import rank_zero_info
 
-        from lzero import auto
-        from lzero.estimate import count_parameters
+        from lzero.memory import auto
+        from lzero.memory.estimate import count_parameters
 
         mixed = self.precision_plugin.policy.param_dtype is not None
         self.config, self._auto_record = auto.choose(
@@ -557,7 +557,7 @@ class ZeroStrategy(DDPStrategy):
             hint = ("mode='streamed' (blocks copied from host memory per forward), or generate without the context"
                     " (each block gathered per forward: one all-gather per block per token)")
         else:
-            from lzero.auto import host_available_bytes
+            from lzero.memory.auto import host_available_bytes
 
             need = sum(u.spec.padded_numel * u.flat_param.element_size() for u in engine.units)
             host = host_available_bytes()
@@ -730,7 +730,7 @@ def build_preset(name: str, **init_params: Any) -> ZeroStrategy:
 
 def _add_memory_monitor(trainer: Trainer, config: ZeroConfig) -> None:
     """``log_memory`` with a logger: a :class:`lzero.MemoryMonitor`, unless the Trainer has one already."""
-    from lzero.monitor import MemoryMonitor
+    from lzero.memory.monitor import MemoryMonitor
 
     if config.log_memory and trainer.loggers and not any(isinstance(c, MemoryMonitor) for c in trainer.callbacks):
         trainer.callbacks.append(MemoryMonitor())
@@ -790,7 +790,7 @@ def _free_bytes(device: torch.device, budget: Optional[int], processes: int) -> 
         return budget
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    from lzero.auto import host_available_bytes
+    from lzero.memory.auto import host_available_bytes
 
     host = host_available_bytes()
     return host // max(1, processes) if host is not None else None
@@ -820,7 +820,7 @@ def _watch_gradient_reads(module: LightningModule) -> None:
     the shards): warned once, naming ``lzero.grad_norm`` (see [Note: per-parameter gradient norms])."""
     if type(module).on_before_optimizer_step is LightningModule.on_before_optimizer_step:
         return
-    from lzero.parameters import reporting_empty_grad_reads
+    from lzero.engine.parameters import reporting_empty_grad_reads
 
     hook, warned = module.on_before_optimizer_step, []
 

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lzero import ZeroConfig, ZeroEngine, ZeroOptimizer
-from lzero.mixed_precision import PrecisionPolicy
+from lzero.engine.mixed_precision import PrecisionPolicy
 
 
 class Net(nn.Module):
@@ -218,7 +218,7 @@ def stage3_memory(rank: int, world_size: int, prefetch: int) -> dict:
 
 def stage3_unit_on_some_ranks(rank: int, world_size: int) -> str:
     """Rank 1 skips a sharded Linear that rank 0 runs: every rank must get an error naming it."""
-    from lzero.gather import UnitOrderError
+    from lzero.engine.gather import UnitOrderError
 
     torch.manual_seed(0)
     model = Net()
@@ -240,7 +240,7 @@ def stage3_gathered_parameters(rank: int, world_size: int) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     engine = ZeroEngine(model, [opt], ZeroConfig(stage=3))
     released_numel = model.blocks[3].fc.weight.untyped_storage().nbytes()  # the shared NaN placeholder
-    from lzero.parameters import ReleasedParameterError
+    from lzero.engine.parameters import ReleasedParameterError
 
     stray = []
     for touch in (lambda w: w.sum(), lambda w: w.add_(1.0), lambda w: copy.deepcopy(w), lambda w: w.data.clone()):
@@ -504,7 +504,7 @@ def stage3_block_states(rank: int, world_size: int, **schedule: Any) -> dict:
     """Every block's state seen from inside forward and backward of the second step (the first one
     records the order): by default the computing block gathered, the next ``prefetch`` launched, the rest
     released; ``schedule``: ZeroConfig's gather-schedule knobs. Also the parameters after the two steps."""
-    from lzero.gather import BlockState
+    from lzero.engine.gather import BlockState
 
     torch.manual_seed(0)
     model = Deep(depth=4)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lzero import ZeroConfig, ZeroEngine, ZeroOptimizer
-from lzero.mixed_precision import PrecisionPolicy
+from lzero.engine.mixed_precision import PrecisionPolicy
 from _engine_cases import Net
 
 
@@ -103,7 +103,7 @@ def memory_by_store(rank: int, world_size: int, stage: int) -> dict:
     import gc
 
     from _engine_cases import live_tensor_bytes
-    from lzero.memory import model_state_bytes
+    from lzero.memory.accounting import model_state_bytes
 
     options = {"offload_optimizer": "cpu", **({"offload_param": "cpu"} if stage == 3 else {})}
     engine, zopt = _three_steps(ZeroConfig(stage=stage, reduce_bucket_size=20_000,
@@ -131,7 +131,7 @@ def nvme_memory(rank: int, world_size: int, folder: str) -> dict:
     import os
 
     from _engine_cases import live_tensor_bytes
-    from lzero.memory import model_state_bytes
+    from lzero.memory.accounting import model_state_bytes
 
     engine, zopt = _three_steps(ZeroConfig(stage=3, unit_modules=("Linear",),
                                            offload_optimizer={"device": "nvme", "nvme_path": folder}))

@@ -1,4 +1,4 @@
-"""Activation checkpointing (lzero/activation_checkpointing.py) against the same training without it.
+"""Activation checkpointing (lzero/engine/activation_checkpointing.py) against the same training without it.
 
 The world-size-2 runs are tests/scripts/ac_runs.py (one launched script: DemoGPT with dropout 0.1, 3 steps,
 zero1/zero2/zero3 and zero3 built on the meta device, each plainly and checkpointed). The rest runs in
@@ -16,7 +16,7 @@ from torch import nn
 
 from _launch import run_script
 from lzero import ZeroConfig, ZeroConfigError
-from lzero import activation_checkpointing as ac
+from lzero.engine import activation_checkpointing as ac
 
 LAYERS = 3
 

@@ -65,7 +65,7 @@ def test_bad_checkpoint_options_are_named(kwargs: dict, match: str) -> None:
 
 def test_keep_fp32_modules_must_name_model_classes() -> None:
     from lzero import ZeroEngine, ZeroEngineError
-    from lzero.mixed_precision import PrecisionPolicy
+    from lzero.engine.mixed_precision import PrecisionPolicy
 
     model = nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3))
     with pytest.raises(ZeroEngineError, match=r"keep_fp32_modules names \['LayerNrom'\].*HINT.*LayerNorm"):
@@ -75,7 +75,7 @@ def test_keep_fp32_modules_must_name_model_classes() -> None:
 
 def test_batchnorm_under_bf16_params_is_refused_unless_kept_in_fp32() -> None:
     from lzero import ZeroEngine, ZeroEngineError
-    from lzero.mixed_precision import PrecisionPolicy
+    from lzero.engine.mixed_precision import PrecisionPolicy
 
     def engine(keep):
         model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
@@ -212,7 +212,7 @@ def test_add_param_group_after_setup_is_refused() -> None:
 
 def test_meta_module_without_reset_parameters_is_named() -> None:
     from lzero import ZeroEngine
-    from lzero.materialize import UninitializedModuleError
+    from lzero.engine.materialize import UninitializedModuleError
 
     class Scale(nn.Module):
         def __init__(self) -> None:
@@ -230,7 +230,7 @@ def test_meta_parameter_no_initializer_wrote_is_named() -> None:
     """An ``init_fn`` that skips a module without ``reset_parameters()``: the unwritten tensor is named
     instead of training from uninitialized memory (see [Note: meta-device initialization])."""
     from lzero import ZeroEngine
-    from lzero.materialize import UninitializedModuleError
+    from lzero.engine.materialize import UninitializedModuleError
 
     class Scale(nn.Module):
         def __init__(self) -> None:

@@ -14,7 +14,7 @@ def counted_against_ddp(rank: int, world_size: int) -> dict:
     """cases.against_ddp at world size 1, counting the backend calls lzero's collectives make."""
     import torch.distributed as dist
 
-    from lzero import collectives
+    from lzero.engine import collectives
 
     calls = {"all_reduce": 0, "all_gather_single": 0, "reduce_scatter_single": 0}
     for name in calls:

@@ -61,7 +61,7 @@ def test_zero3_refuses_one_full_graph_around_several_units(in_process_fit) -> No
     from torch.utils.data import DataLoader, TensorDataset
 
     from lzero import ZeroStrategy
-    from lzero.engine import ZeroEngineError
+    from lzero.engine.engine import ZeroEngineError
 
     class Net(LightningModule):
         def __init__(self) -> None:

@@ -1,4 +1,4 @@
-"""DeepSpeed JSON configurations (lzero/deepspeed_config.py): each realistic config translates to the expected
+"""DeepSpeed JSON configurations (lzero/deepspeed/config.py): each realistic config translates to the expected
 lzero arguments or is refused with the expected message. Training them against Python, and the convert-config round
 trip: test_deepspeed_migration.py."""
 
@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from lzero import ZeroConfig, ZeroConfigError
-from lzero.deepspeed_config import DeepSpeedConfigError, translate
+from lzero.deepspeed.config import DeepSpeedConfigError, translate
 
 TUTORIAL_BF16 = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 16,
                  "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}
@@ -265,8 +265,8 @@ def test_warmup_schedulers_set_deepspeeds_rates_with_its_timing() -> None:
     (benchmarks/check_deepspeed_schedules.py compares with DeepSpeed's own classes: bitwise equal.)"""
     import math
 
-    from lzero.deepspeed_optim import build_optimizer, check
-    from lzero.deepspeed_schedules import build_scheduler
+    from lzero.deepspeed.optim import build_optimizer, check
+    from lzero.deepspeed.schedules import build_scheduler
 
     def rates(kind: str, steps: int, **params: Any) -> list[float]:
         opt = build_optimizer(check("optimizer", {"type": "SGD", "params": {"lr": 0.5}}), [torch.nn.Parameter(torch.zeros(1))])
@@ -310,7 +310,7 @@ def test_hidden_size_auto_sizes_follow_the_model_or_are_refused_naming_the_keys(
     from lightning.pytorch import LightningModule
 
     from lzero import auto_sizes
-    from lzero.deepspeed_convert import to_yaml
+    from lzero.deepspeed.convert import to_yaml
 
     t = translate(HF_AUTO_ZERO3)
     assert {k: t.options[k] for k in ("reduce_bucket_size", "prefetch_bucket_size", "param_persistence_threshold")} \
@@ -363,7 +363,7 @@ def test_fp16_auto_takes_the_blocks_loss_scaling_when_the_trainer_says_16_mixed(
 
 def test_readme_migration_table_names_every_key_lzero_reads() -> None:
     """README point of issue 15: the table of DeepSpeed keys covers every key the translation knows."""
-    from lzero.deepspeed_keys import FP16_KEYS, TOP_KEYS, ZERO_KEYS
+    from lzero.deepspeed.keys import FP16_KEYS, TOP_KEYS, ZERO_KEYS
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     section = readme[readme.index("## Migrating from DeepSpeed"):]
@@ -389,7 +389,7 @@ DEEPSPEED_TOP_KEYS = (  # what DeepSpeed 0.19's DeepSpeedConfig._initialize_para
 @pytest.mark.parametrize("key", DEEPSPEED_TOP_KEYS)
 def test_every_deepspeed_top_level_key_is_known(key: str) -> None:
     """A key DeepSpeed reads is never refused as unknown: it is honoured, noticed, or refused naming it."""
-    from lzero.deepspeed_keys import TOP_KEYS
+    from lzero.deepspeed.keys import TOP_KEYS
 
     assert key in TOP_KEYS
     try:

@@ -1,4 +1,4 @@
-"""DeepSpeed's optimizer and scheduler blocks (lzero/deepspeed_optim.py): OneCycle's learning rate and momentum at
+"""DeepSpeed's optimizer and scheduler blocks (lzero/deepspeed/optim.py): OneCycle's learning rate and momentum at
 every step against DeepSpeed's formula worked by hand; ``"auto"`` values filled from the LightningModule's hparams,
 the Trainer and the optimizer, trained against the same optimizer and schedule written in Python; an ``"auto"`` with
 nothing to fill it from refused by name."""
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from lzero import ZeroConfigError
-from lzero import deepspeed_optim
-from lzero.deepspeed_config import translate
-from lzero.deepspeed_optim import build_optimizer, check, fill_auto
-from lzero.deepspeed_schedules import build_scheduler
+from lzero.deepspeed import optim as deepspeed_optim
+from lzero.deepspeed.config import translate
+from lzero.deepspeed.optim import build_optimizer, check, fill_auto
+from lzero.deepspeed.schedules import build_scheduler
 
 
 def schedule(optimizer_block: dict, scheduler_block: dict, steps: int) -> tuple[list[float], list[Any]]:
@@ -34,7 +34,7 @@ def schedule(optimizer_block: dict, scheduler_block: dict, steps: int) -> tuple[
 
 
 def test_one_cycle_rates_and_momentum_by_hand() -> None:
-    """DeepSpeed's OneCycle (see [Note: DeepSpeed's OneCycle] in lzero/deepspeed_schedules.py), the heights of the cycle written out step by step."""
+    """DeepSpeed's OneCycle (see [Note: DeepSpeed's OneCycle] in lzero/deepspeed/schedules.py), the heights of the cycle written out step by step."""
     adam = {"type": "AdamW", "params": {"lr": 0.05, "betas": [0.7, 0.99]}}
 
     # A symmetric cycle of 4 + 4 steps, then a smooth decay in units of 2 steps. The first step runs with

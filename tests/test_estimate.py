@@ -1,4 +1,4 @@
-"""``lzero.estimate`` and ``lzero estimate``: the ZeRO paper's example (Ψ = 7.5e9, N = 64, mixed-precision Adam:
+"""``lzero.memory.estimate`` and ``lzero estimate``: the ZeRO paper's example (Ψ = 7.5e9, N = 64, mixed-precision Adam:
 120 / 31.4 / 16.6 / 1.9 GB), lzero's own layout and the offload rows against hand arithmetic, a 1.5B-parameter
 demo GPT counted on the meta device without memory, the estimate against lzero's measured accounting of real
 engines, and bad input."""
@@ -17,9 +17,9 @@ from torch import nn
 
 from lzero import ZeroConfig, ZeroEngine, ZeroOptimizer
 from lzero.cli import main
-from lzero.estimate import ModelCount, count_parameters, estimate, model_states
-from lzero.memory import model_state_bytes
-from lzero.mixed_precision import PrecisionPolicy
+from lzero.memory.estimate import ModelCount, count_parameters, estimate, model_states
+from lzero.memory.accounting import model_state_bytes
+from lzero.engine.mixed_precision import PrecisionPolicy
 
 PSI, N = 7_500_000_000, 64
 PAPER_GB = {"ddp": 120.0, "zero1": 31.4, "zero2": 16.6, "zero3": 1.9}
@@ -106,8 +106,8 @@ def test_paper_example_from_the_cli(capsys: pytest.CaptureFixture) -> None:
 RSS_SCRIPT = textwrap.dedent('''
     import ctypes, gc, json, torch
     from lzero.demo import DemoGPT
-    from lzero.estimate import count_parameters
-    from lzero.estimate_command import load_model
+    from lzero.memory.estimate import count_parameters
+    from lzero.memory.estimate_command import load_model
 
     ARGS = {"n_layer": 48, "n_embd": 1600, "n_head": 25, "vocab_size": 50257, "block_size": 1024}
 
@@ -192,7 +192,7 @@ def _engine_case(preset: dict, bf16: bool) -> tuple[dict, dict, int]:
                                     {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}],
                          ids=["zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"])
 def test_estimate_equals_measured_engine(preset: dict, bf16: bool) -> None:
-    """World size 1 (no padding), after a backward: every store and kind equal to lzero.memory's accounting, but
+    """World size 1 (no padding), after a backward: every store and kind equal to lzero.memory.accounting's accounting, but
     Adam's 4-byte step counter per unit and the offload staging buffers (the working set, not model states)."""
     measured, estimated, units = _engine_case(preset, bf16)
     assert set(measured) == set(estimated)
@@ -240,7 +240,7 @@ def test_bad_params_are_refused_by_the_parser(value: str, capsys: pytest.Capture
 def test_deepspeed_estimator_figures_for_its_documented_case() -> None:
     """DeepSpeed 0.19.8's estimate_zero2/zero3_model_states_mem_needs_all_cold for its documented example (a 2851M
     parameter model, 1 node x 8 GPUs, largest layer 32M), as it printed them here (GiB, two decimals)."""
-    from lzero.estimate import deepspeed_estimator
+    from lzero.memory.estimate import deepspeed_estimator
 
     gib = lambda rows: [(round(r["per_gpu"] / 2**30, 2), round(r["per_cpu"] / 2**30, 2)) for r in rows]  # noqa: E731
     assert gib(deepspeed_estimator(2, 2851e6, 8, 1)) == [(5.31, 127.45), (11.28, 127.45)]
@@ -274,7 +274,7 @@ def test_stage3_working_set_follows_the_gather_schedule(name: str) -> None:
     size 1, six equal blocks), for each gather-schedule setting; and the working set is root + that many blocks."""
     from _engine_cases import Deep
 
-    from lzero.estimate import gathered_blocks, working_set
+    from lzero.memory.estimate import gathered_blocks, working_set
 
     knobs, blocks = SCHEDULES[name]
     torch.manual_seed(0)

@@ -57,7 +57,7 @@ def _sizes() -> tuple[int, int, int]:
 def test_predict_holds_the_shard_and_the_estimated_working_set(runs: Path, run: str) -> None:
     """A rank holds its shard of every unit plus the gathered root and blocks the estimator counts, never the model."""
     from lzero import ZeroConfig
-    from lzero.estimate import gathered_blocks
+    from lzero.memory.estimate import gathered_blocks
 
     root, block, psi = _sizes()
     expected_gathered = 4 * (root + gathered_blocks(ZeroConfig(stage=3), root, block, psi) * block)

@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from lzero.flat_unit import FlatUnit
-from lzero.partition import ParamSpec, partition_by_label
+from lzero.engine.flat_unit import FlatUnit
+from lzero.engine.partition import ParamSpec, partition_by_label
 
 
 def stage3_unit() -> tuple[FlatUnit, nn.Linear]:

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from _dist import run_ranks
 from _engine_cases import live_tensor_bytes
 from lzero import ZeroConfig, ZeroEngine, ZeroOptimizer
-from lzero.mixed_precision import PrecisionPolicy
+from lzero.engine.mixed_precision import PrecisionPolicy
 
 WIDTH, DEPTH, VOCAB, RANK = 64, 4, 128, 4
 

@@ -1,5 +1,5 @@
 """Generation under zero3 and zero3_offload at world size 2 (see [Note: every block gathered for generation] in
-lzero/gather.py): greedy tokens equal the plain model's and DDP's, with ``strategy.generation()`` (all-gathers only
+lzero/engine/gather.py): greedy tokens equal the plain model's and DDP's, with ``strategy.generation()`` (all-gathers only
 on entry, none per token) and without it (each block gathered per forward, ranks kept stepping together); ranks
 that stop at different lengths finish; a rollout inside ``training_step`` followed by an update equals DDP."""
 

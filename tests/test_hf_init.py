@@ -1,7 +1,7 @@
 """A Hugging Face GPT-2 built in ``configure_model`` under zero3 initializes as it does built eagerly.
 
 No ``init_fn``: lzero finds the ``PreTrainedModel`` and replays its ``_init_weights`` (see [Note:
-meta-device initialization] in lzero/materialize.py). Reference: DDP with the model built eagerly.
+meta-device initialization] in lzero/engine/materialize.py). Reference: DDP with the model built eagerly.
 tests/test_meta_init.py covers the same logic without transformers.
 """
 

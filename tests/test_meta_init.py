@@ -1,6 +1,6 @@
 """Stage 3 from the meta device initializes a model as building it eagerly does.
 
-See [Note: meta-device initialization] in lzero/materialize.py. Reference: the same model built eagerly
+See [Note: meta-device initialization] in lzero/engine/materialize.py. Reference: the same model built eagerly
 and initialized the Hugging Face way (each module's constructor, then an ``_init_weights``-style function
 applied children before parents), with LoRA adapters attached afterwards. Compared per parameter:
 the standard deviation (random values) or the values themselves (constants).

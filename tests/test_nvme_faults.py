@@ -21,7 +21,7 @@ import torch
 
 from _launch import SCRIPTS, run_script
 from lzero.checkpoint.reader import ShardedCheckpoint
-from lzero.nvme import _host, _start_time, _user
+from lzero.offload.nvme import _host, _start_time, _user
 from test_failure import DEADLINE_S, _gone, _last_error
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,7 +125,7 @@ def test_disk_full_mid_run(runs: SimpleNamespace) -> None:
           f" (rc {enospc.proc.returncode}); left {enospc.left}")
     assert enospc.proc.returncode == 1  # rank 0 ended through its own exception
     error = _last_error(enospc.output, 0)
-    assert error.startswith("[rank0]: lzero.nvme.NvmeError: "), enospc.output[-6000:]
+    assert error.startswith("[rank0]: lzero.offload.nvme.NvmeError: "), enospc.output[-6000:]
     assert "to swap file " in error and "/rank0/unit" in error and "No space left on device" in error, error
     assert "HINT: the file system of `nvme_path`" in error and "is full" in error, error
     assert "Connection closed by peer" in _last_error(enospc.output, 1) or "Connection reset by peer" in enospc.output
@@ -139,11 +139,11 @@ def test_disk_full_mid_run(runs: SimpleNamespace) -> None:
 def test_a_killed_rank_not_yet_reaped_is_dead_to_the_next_start(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Regression: a rank SIGKILLed while its parent (the launcher, rank 0 under Lightning) is still alive stays a
     zombie until reaped; signal 0 still reaches it, so ``cleanup_stale`` took its folder for a live run's."""
-    from lzero.nvme_checks import cleanup_stale
+    from lzero.offload.nvme_checks import cleanup_stale
 
     folder = ROOT / ".pytest_nvme" / f"{os.getpid()}_{tmp_path_factory.mktemp('z').name}"
     folder.mkdir(parents=True)
-    code = (f"import os, signal; from lzero.nvme import SwapFiles; SwapFiles({str(folder)!r}, 1);"
+    code = (f"import os, signal; from lzero.offload.nvme import SwapFiles; SwapFiles({str(folder)!r}, 1);"
             " os.kill(os.getpid(), signal.SIGKILL)")
     child = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:

@@ -1,4 +1,4 @@
-"""The NVMe file layer (lzero/nvme.py): swap files round-trip tensors bitwise through O_DIRECT, fall back to
+"""The NVMe file layer (lzero/offload/nvme.py): swap files round-trip tensors bitwise through O_DIRECT, fall back to
 buffered I/O where O_DIRECT is refused, turn I/O errors into NvmeError without ever taking a half-written
 file as complete, and their folders are owner-only and cleaned up, stale ones included, touching nothing else.
 
@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lzero.nvme import NvmeError, SwapFiles, aligned_empty, round_up
-from lzero.nvme_checks import check_buffer, check_path, check_space, cleanup_stale, raw_throughput
+from lzero.offload.nvme import NvmeError, SwapFiles, aligned_empty, round_up
+from lzero.offload.nvme_checks import check_buffer, check_path, check_space, cleanup_stale, raw_throughput
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -327,7 +327,7 @@ def test_remove_with_requests_in_flight_fails_the_queued_ones(disk: Path, monkey
 
 
 def test_cleanup_stale_removes_only_dead_runs_of_this_user(disk: Path) -> None:
-    code = ("import os, sys, torch; from lzero.nvme import SwapFiles, aligned_empty;"
+    code = ("import os, sys, torch; from lzero.offload.nvme import SwapFiles, aligned_empty;"
             "f = SwapFiles(sys.argv[1], rank=0, run_id='deadrun');"
             "f.write('m', aligned_empty(1000, torch.float32).zero_()).result();"
             "print(os.getpid(), f.run_folder, flush=True); os._exit(0)")  # killed: no remove()

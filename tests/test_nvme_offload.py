@@ -15,7 +15,7 @@ import torch
 import _offload_cases as cases
 from _dist import run_ranks
 from lzero import ZeroConfig, ZeroEngine, ZeroOptimizer
-from lzero.nvme import NvmeError
+from lzero.offload.nvme import NvmeError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -113,7 +113,7 @@ def test_a_full_disk_mid_run_is_a_clear_error_and_the_folder_is_removed(disk: Pa
 
 
 def test_a_dead_runs_folder_is_removed_at_start_and_nothing_else(disk: Path) -> None:
-    code = (f"import os, torch; from lzero.nvme import SwapFiles, aligned_empty; f = SwapFiles({str(disk)!r}, 0);"
+    code = (f"import os, torch; from lzero.offload.nvme import SwapFiles, aligned_empty; f = SwapFiles({str(disk)!r}, 0);"
             " t = aligned_empty(10, torch.float32); f.write('k', t).result(); os._exit(0)")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     dead = [p for p in disk.iterdir() if p.name.startswith("lzero-")]
@@ -130,9 +130,9 @@ def test_bad_paths_are_refused_before_the_first_step(disk: Path, monkeypatch) ->
     (disk / "file.txt").write_text("x")
     with pytest.raises(NvmeError, match=r"file\.txt/sub.*cannot be created"):
         _engine(disk / "file.txt" / "sub")
-    import lzero.nvme_checks
+    import lzero.offload.nvme_checks
 
-    monkeypatch.setattr(lzero.nvme_checks, "_free_bytes", lambda path: 1000)
+    monkeypatch.setattr(lzero.offload.nvme_checks, "_free_bytes", lambda path: 1000)
     with pytest.raises(NvmeError, match=rf"{disk}.*1,000 bytes"):
         _engine(disk)
     assert [p.name for p in disk.iterdir()] == ["file.txt"]  # nothing made

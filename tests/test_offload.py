@@ -141,7 +141,7 @@ def test_optimizer_without_a_cpu_implementation_is_refused_at_setup() -> None:
 
 
 def test_pinned_allocation_failure_falls_back_to_pageable_memory_with_one_warning(monkeypatch) -> None:
-    from lzero.store import HostStore
+    from lzero.offload.store import HostStore
 
     store = HostStore(torch.device("cpu"), pin_memory=True)
     store.pin = True  # as on CUDA; this machine has no page-locked allocator
@@ -163,7 +163,7 @@ def test_pinned_allocation_failure_falls_back_to_pageable_memory_with_one_warnin
 
 def test_staging_buffers_are_pooled_and_bounded() -> None:
     """Landings reuse the smallest free buffer that fits; the pool keeps at most max_staged buffers."""
-    from lzero.store import HostStore
+    from lzero.offload.store import HostStore
 
     store = HostStore(torch.device("cpu"), max_staged=2)
     held = [store.land_grad(None, torch.full((n,), float(n)), torch.float32) for n in (100, 50, 400, 300, 20)]

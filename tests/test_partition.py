@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lzero.partition import ParamSpec, partition_by_label, partition_by_size
+from lzero.engine.partition import ParamSpec, partition_by_label, partition_by_size
 
 
 def specs() -> list[ParamSpec]:

@@ -1,4 +1,4 @@
-"""Gradient reductions (lzero/reducer.py, [Note: reduction order]) on two gloo ranks, directly: rank 1 skips
+"""Gradient reductions (lzero/engine/reducer.py, [Note: reduction order]) on two gloo ranks, directly: rank 1 skips
 a layer that rank 0 uses."""
 
 from __future__ import annotations

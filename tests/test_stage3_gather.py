@@ -1,4 +1,4 @@
-"""Stage 3's block lifecycle (lzero/gather.py, [Note: stage-3 parameter lifecycle]) on gloo ranks: the
+"""Stage 3's block lifecycle (lzero/engine/gather.py, [Note: stage-3 parameter lifecycle]) on gloo ranks: the
 state of every block seen from inside forward and backward, ``gathered_parameters``, and a unit run on
 only some ranks."""
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from lzero import ZeroConfig, ZeroConfigError
-from lzero.auto import choose
-from lzero.estimate import ModelCount, model_states
+from lzero.memory.auto import choose
+from lzero.memory.estimate import ModelCount, model_states
 
 PSI = 1_000_000
 MODEL = ModelCount(trainable=PSI)
@@ -59,7 +59,7 @@ def test_the_chosen_configuration_trains_and_is_recorded(tmp_path: Path, in_proc
     from lightning.pytorch import Trainer
 
     from lzero import ZeroStrategy
-    from lzero.estimate import count_parameters
+    from lzero.memory.estimate import count_parameters
     from lzero.checkpoint.reader import ShardedCheckpoint
     from lzero.demo import DemoGPT, TextDataModule
 

@@ -223,12 +223,12 @@ def inspect(checkpoint_dir: Any) -> dict[str, Any]:
 
 
 def _resume_needs(reader: ShardedCheckpoint, trainable: int, frozen: int) -> dict[tuple[int, int], int]:
-    """(stage, world size) -> the model-state bytes per rank between steps (lzero.estimate), for stages 1-3 at world
+    """(stage, world size) -> the model-state bytes per rank between steps (lzero.memory.estimate), for stages 1-3 at world
     sizes 1, 2, 4, 8 and the saved one: what resuming this checkpoint at another stage or world size needs. The
     optimizer's per-element state is counted from the checkpoint (4 bytes per fp32 state tensor). Frozen parameters
     count only where the checkpoint marks them (zero3 saves); zero1/2 saves keep them with the buffers."""
     from lzero.config import ZeroConfig
-    from lzero.estimate import ModelCount, model_states
+    from lzero.memory.estimate import ModelCount, model_states
 
     m = reader.manifest
     first = next((n for n, p in m["params"].items() if not p.get("frozen")), None)
@@ -271,7 +271,7 @@ def inspect_command(argv: list[str]) -> int:
         if key not in ("files", "resume_needs"):
             print(f"{key}: {value}")
     worlds = sorted({world for _, world in info["resume_needs"]})
-    print("model states per rank between steps, by stage and world size (lzero.estimate; activations not included):")
+    print("model states per rank between steps, by stage and world size (lzero.memory.estimate; activations not included):")
     print("  " + "stage".ljust(7) + "".join(f"N={w}".rjust(14) for w in worlds))
     for stage in (1, 2, 3):
         print("  " + f"zero{stage}".ljust(7) + "".join(f"{info['resume_needs'][(stage, w)]:,}".rjust(14) for w in worlds))

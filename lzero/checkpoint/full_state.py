@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import Tensor
 
-from lzero import collectives
+from lzero.engine import collectives
 from lzero.checkpoint.rank_state import ShardedOptimizer, fill_shard, pack_param_groups, restore_param_groups
 
 if TYPE_CHECKING:
-    from lzero.flat_unit import FlatUnit
-    from lzero.partition import ParamSpec
+    from lzero.engine.flat_unit import FlatUnit
+    from lzero.engine.partition import ParamSpec
 
 
 class OptimizerStateError(ValueError):

@@ -19,9 +19,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 if TYPE_CHECKING:
-    from lzero.engine import ZeroEngine
-    from lzero.flat_unit import FlatUnit
-    from lzero.partition import ParamSpec
+    from lzero.engine.engine import ZeroEngine
+    from lzero.engine.flat_unit import FlatUnit
+    from lzero.engine.partition import ParamSpec
 
 
 class ShardedOptimizer(Protocol):

@@ -18,7 +18,7 @@ from lzero.checkpoint.sharded import load_optimizer_shards, restore_rng
 from lzero.checkpoint.state_dict import fetch_full, load_params
 
 if TYPE_CHECKING:
-    from lzero.engine import ZeroEngine
+    from lzero.engine.engine import ZeroEngine
 
 READER = "lzero/reader"
 """The checkpoint dict's key for the :class:`ShardedCheckpoint` it was opened from (sharded checkpoints only)."""

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lzero import collectives
+from lzero.engine import collectives
 from lzero.checkpoint.files import CheckpointError, write_json_atomic, write_tensors
 from lzero.checkpoint.rank_state import (ShardedOptimizer, fill_shard, pack_param_groups, restore_param_groups,
                                          shard_pieces)
@@ -49,8 +49,8 @@ from lzero.checkpoint.state_dict import ShardedTensor
 from lzero.checkpoint.tree import encode_tree
 
 if TYPE_CHECKING:
-    from lzero.engine import ZeroEngine
-    from lzero.flat_unit import FlatUnit
+    from lzero.engine.engine import ZeroEngine
+    from lzero.engine.flat_unit import FlatUnit
 
 SHARDED_ENTRIES = ("state_dict", "optimizer_states")  # written from the engine, not from the dict
 

@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from lzero import collectives
+from lzero.engine import collectives
 from lzero.checkpoint.files import CheckpointError
 from lzero.checkpoint.rank_state import fill_shard, shard_pieces
 
 if TYPE_CHECKING:
-    from lzero.engine import ZeroEngine
-    from lzero.flat_unit import FlatUnit
+    from lzero.engine.engine import ZeroEngine
+    from lzero.engine.flat_unit import FlatUnit
 
 
 class ShardedTensor:

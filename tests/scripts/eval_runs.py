@@ -131,7 +131,7 @@ def fit(out: Path) -> None:
     """Each preset fits 4 steps, keeps the model sharded, and evaluates on the same Trainer; zero3 then shows the
     ways out: ``state_dict()`` refused by name, ``trainer.save_checkpoint``, ``lzero.unshard``."""
     from lzero.checkpoint.consolidate import consolidate
-    from lzero.parameters import ReleasedParameterError
+    from lzero.engine.parameters import ReleasedParameterError
 
     for strategy, lazy in AFTER_FIT.items():
         torch.manual_seed(0)

@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoModelForCausalLM
 
 import lzero  # noqa: F401
-from lzero import collectives
+from lzero.engine import collectives
 from _teardown import destroy_process_group  # a sibling: scripts run from their folder
 
 PROMPTS = torch.tensor([[3, 17, 42, 5], [9, 88, 21, 60]])
@@ -52,7 +52,7 @@ class Generate(LightningModule):
             self.model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32)
 
     def predict_step(self, batch: Any, batch_idx: int) -> dict[str, Any]:
-        from lzero.gather import Gatherer
+        from lzero.engine.gather import Gatherer
 
         calls, copies = [0], [0]
         all_gather, copy_from_host = collectives.all_gather, Gatherer._copy_from_host

@@ -74,7 +74,7 @@ class Watch(Callback):
 
 
 def _inject(fault: str, run_dir: Path) -> None:
-    """Replace ``os.pwritev`` (the swap files' writes, lzero/nvme.py) in this process (the faulting rank's)."""
+    """Replace ``os.pwritev`` (the swap files' writes, lzero/offload/nvme.py) in this process (the faulting rank's)."""
     real, calls = os.pwritev, [0]
 
     def pwritev(fd: int, buffers: list, offset: int) -> int:

@@ -6,7 +6,7 @@ Between uses an NVMe unit's ``master_shard`` holds a placeholder of its real sha
 element, expanded), and so do the per-element tensors of its optimizer state (Adam's moments); scalars such
 as ``step`` stay in memory. Whoever reads or writes the master or the state enters ``unit.resident(write)``
 (see ``ShardStore.resident`` in store.py): entering reads the unit's files into page-aligned buffers
-(:func:`lzero.nvme.aligned_empty`) and puts them in place; leaving with ``write`` writes every per-element
+(:func:`lzero.offload.nvme.aligned_empty`) and puts them in place; leaving with ``write`` writes every per-element
 tensor back, then puts the placeholders back. Tensors the optimizer or a checkpoint load created inside the
 block (the first step's moments) are copied into aligned buffers to be written; from then on the unit has
 files for them. Nesting is allowed (the step is resident for its bucket, and a checkpoint load inside
@@ -34,12 +34,12 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor
 
-from lzero.nvme import SwapFiles, aligned_empty
-from lzero.store import HostStore
+from lzero.offload.nvme import SwapFiles, aligned_empty
+from lzero.offload.store import HostStore
 
 
 class NvmeStore(HostStore):
-    """See [Note: resident units]. Gradients and copies as :class:`lzero.store.HostStore`."""
+    """See [Note: resident units]. Gradients and copies as :class:`lzero.offload.store.HostStore`."""
 
     name = "nvme"
     in_memory = False

@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from lzero.auto_sizes import sizes_for
 from lzero.config import AUTO, BY_HIDDEN_SIZE, ZeroConfig, ZeroConfigError
-from lzero.deepspeed_config import DeepSpeedConfigError, Translated, translate
+from lzero.deepspeed.config import DeepSpeedConfigError, Translated, translate
 
 
 def to_yaml(translated: Translated, hidden_size: Optional[int] = None) -> str:

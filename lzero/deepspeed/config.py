@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Union
 
 from lzero.auto_sizes import FORMULAS
 from lzero.config import BY_HIDDEN_SIZE, ZeroConfig, ZeroConfigError
-from lzero.deepspeed_keys import (FP16_KEYS, LOGGING_KEYS, LOSS_SCALE_KEYS, NOT_BUILT_TOP, ONLY_DEFAULT_TOP, STAGE3_SCHEDULE,
+from lzero.deepspeed.keys import (FP16_KEYS, LOGGING_KEYS, LOSS_SCALE_KEYS, NOT_BUILT_TOP, ONLY_DEFAULT_TOP, STAGE3_SCHEDULE,
                                    TOP_KEYS, ZERO_KEYS, ZERO_NOTICE, ZERO_ONLY_VALUE, ZERO_PLUS_PLUS, ZERO_RENAMED,
                                    ZERO_SIZES)
 
@@ -93,7 +93,7 @@ class Translated:
     notes: list[Note] = field(default_factory=list)
 
     optimizer: Optional[dict[str, Any]] = None
-    """The ``optimizer`` block, checked (lzero/deepspeed_optim.py); built when ``configure_optimizers`` returns none."""
+    """The ``optimizer`` block, checked (lzero/deepspeed/optim.py); built when ``configure_optimizers`` returns none."""
 
     scheduler: Optional[dict[str, Any]] = None
     """The ``scheduler`` block, checked; stepped every optimizer step."""
@@ -154,7 +154,7 @@ def translate(ds: Union[dict, str, Path], *, world_size: Optional[int] = None, m
 
 def blocks_only(blocks: dict[str, Any]) -> Translated:
     """``ZeroStrategy(deepspeed_optimizer=..., deepspeed_scheduler=...)`` without a configuration: the blocks checked."""
-    from lzero import deepspeed_optim
+    from lzero.deepspeed import optim as deepspeed_optim
 
     return Translated(**{kind: deepspeed_optim.check(kind, block) for kind, block in blocks.items()})
 
@@ -205,7 +205,7 @@ class _Reader:
         self.guarded(self.misc)
 
     def optim_block(self, kind: str) -> None:
-        from lzero import deepspeed_optim
+        from lzero.deepspeed import optim as deepspeed_optim
 
         spec = deepspeed_optim.check(kind, self.ds[kind])
         setattr(self.out, kind, spec)
@@ -333,7 +333,7 @@ class _Reader:
         knobs = {k: fp16[k] for k in LOSS_SCALE_KEYS if k in fp16}
         if chosen is None and fp16.get("enabled") == AUTO:
             self.out.loss_scaling_if_fp16 = knobs
-            from lzero.loss_scale import LossScaleConfig
+            from lzero.engine.loss_scale import LossScaleConfig
 
             LossScaleConfig(**knobs)  # refuse bad values now, by name
         elif chosen == "16-mixed":
@@ -341,7 +341,7 @@ class _Reader:
             if "auto_cast" in fp16:
                 self.note("fp16.auto_cast", "notice", f"{json.dumps(fp16['auto_cast'])} accepted: lzero's 16-mixed"
                                                       " always runs forward under fp16 autocast")
-            from lzero.loss_scale import LossScaleConfig
+            from lzero.engine.loss_scale import LossScaleConfig
 
             LossScaleConfig(**self.out.loss_scaling)  # refuse bad values now, by name
         elif any(k in fp16 for k in LOSS_SCALE_KEYS):
@@ -385,7 +385,7 @@ class _Reader:
             if isinstance(self.ds["aio"], dict) and "thread_count" in self.ds["aio"]:
                 self.note("aio.thread_count", "renamed", "read as `aio.intra_op_parallelism`")
         if "activation_checkpointing" in self.ds:
-            from lzero.activation_checkpointing import from_deepspeed
+            from lzero.engine.activation_checkpointing import from_deepspeed
 
             self.out.cpu_checkpointing = from_deepspeed(self.ds["activation_checkpointing"])["cpu_checkpointing"]
         try:  # every value checked by lzero's own rules, refused by name: the DeepSpeed key's, too

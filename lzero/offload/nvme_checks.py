@@ -20,7 +20,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from lzero.nvme import (_LOCK, _RANK, _RUN_ID, NvmeError, PathLike, _byte_view, _free_bytes, _host, _move,
+from lzero.offload.nvme import (_LOCK, _RANK, _RUN_ID, NvmeError, PathLike, _byte_view, _free_bytes, _host, _move,
                         _path_error, _proc_stat, _start_time, _user, aligned_empty)
 
 

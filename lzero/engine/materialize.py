@@ -39,7 +39,7 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator, Optional, 
 import torch
 from torch import nn
 
-from lzero.partition import UnitSpec
+from lzero.engine.partition import UnitSpec
 
 InitFn = Callable[[nn.Module], None]
 

@@ -5,7 +5,7 @@ Used when ``configure_optimizers`` returns nothing (both defining one is an erro
 AdamW unless ``adam_w_mode`` (or ``torch_adam`` with ``adam_w_mode``) says otherwise, as in DeepSpeed, where
 ``Adam`` decouples weight decay by default; ``AdamW`` and ``SGD`` are torch's. The schedulers (``WarmupLR``,
 ``WarmupDecayLR``, ``WarmupCosineLR``, ``OneCycle``) set the rate DeepSpeed's would at every step, with its timing:
-lzero/deepspeed_schedules.py. ``LRRangeTest`` is not built: refused by name.
+lzero/deepspeed/schedules.py. ``LRRangeTest`` is not built: refused by name.
 
 ``"auto"`` (the Hugging Face integration's placeholder) is accepted for the keys of ``AUTO_SOURCES`` and filled when
 training starts (:func:`fill_auto`, called by ``ZeroStrategy.setup_optimizers``) from the LightningModule's
@@ -23,7 +23,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lzero.config import ZeroConfigError
-from lzero.deepspeed_schedules import OneCycle, Warmup
+from lzero.deepspeed.schedules import OneCycle, Warmup
 
 AUTO = "auto"
 OPTIMIZERS = {
@@ -157,7 +157,7 @@ def from_blocks(optimizer: Optional[dict], scheduler: Optional[dict], module: An
     from lightning.pytorch.core.optimizer import _MockOptimizer
     from lightning.pytorch.utilities.types import LRSchedulerConfig
 
-    from lzero.deepspeed_schedules import build_scheduler
+    from lzero.deepspeed.schedules import build_scheduler
 
     real = [o for o in optimizers if not isinstance(o, _MockOptimizer)]
     hparams, steps = module.hparams, lambda: module.trainer.estimated_stepping_batches

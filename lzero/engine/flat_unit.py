@@ -40,9 +40,9 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lzero.parameters import mark_gathered, mark_released, set_grad_quietly
-from lzero.partition import UnitSpec
-from lzero.store import DeviceStore, ShardStore
+from lzero.engine.parameters import mark_gathered, mark_released, set_grad_quietly
+from lzero.engine.partition import UnitSpec
+from lzero.offload.store import DeviceStore, ShardStore
 
 
 class GradState(enum.Enum):

@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 from lzero.config import ZeroConfig, ZeroConfigError
-from lzero.units import find_blocks
+from lzero.engine.units import find_blocks
 
 ModuleChoice = Union[None, bool, Sequence[Union[str, type]]]
 
@@ -53,7 +53,7 @@ class CheckpointPolicy:
     """Which modules recompute their forward in backward, and where their saved inputs live."""
 
     modules: ModuleChoice = None
-    """None or False: off. True: the stage-3 unit classes (``lzero.units.find_blocks`` with
+    """None or False: off. True: the stage-3 unit classes (``lzero.engine.units.find_blocks`` with
     ``unit_modules``), at every stage. A list: module classes (``isinstance``) or class names,
     matched against ``type(m).__name__`` or ``module.qualname``. Only the outermost chosen instances
     are checkpointed (an inner one would be recomputed twice)."""

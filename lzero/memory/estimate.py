@@ -1,5 +1,5 @@
 """Model-state memory of one rank before a run: what each strategy keeps on the device, in host memory and
-on NVMe, by kind, in the same ``{store: {kind: bytes}}`` form that :func:`lzero.memory.model_state_bytes`
+on NVMe, by kind, in the same ``{store: {kind: bytes}}`` form that :func:`lzero.memory.accounting.model_state_bytes`
 measures. Pure arithmetic: nothing is allocated.
 
 Symbols: Ψ trainable parameters, F frozen ones, N = num_gpus x num_nodes (the data-parallel world), c the
@@ -68,7 +68,7 @@ from typing import Optional, Sequence
 from torch import nn
 
 from lzero.config import AUTO, ZeroConfig
-from lzero.store import KINDS
+from lzero.offload.store import KINDS
 
 GB = 1e9
 """Bytes per GB, as the ZeRO paper counts (printed figures are GB, not GiB)."""
@@ -341,7 +341,7 @@ def _config(preset: dict, offload_ratio: float, max_in_cpu: Optional[int]) -> Ze
 
 def count_parameters(module: nn.Module, unit_modules: Optional[Sequence[str]] = None) -> ModelCount:
     """Ψ, F and the unit sizes of ``module`` (tied weights counted once); works on the meta device."""
-    from lzero.units import ROOT, find_blocks, label_parameters
+    from lzero.engine.units import ROOT, find_blocks, label_parameters
 
     params = dict(module.named_parameters())
     trainable = sum(p.numel() for p in params.values() if p.requires_grad)

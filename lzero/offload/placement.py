@@ -8,10 +8,10 @@ from typing import Any, Optional
 
 import torch
 
-from lzero.nvme import SwapFiles
-from lzero.nvme_checks import check_buffer, check_path, check_space, cleanup_stale
-from lzero.nvme_store import NvmeStore
-from lzero.store import DeviceStore, HostStore, ShardStore
+from lzero.offload.nvme import SwapFiles
+from lzero.offload.nvme_checks import check_buffer, check_path, check_space, cleanup_stale
+from lzero.offload.nvme_store import NvmeStore
+from lzero.offload.store import DeviceStore, HostStore, ShardStore
 
 
 def stores_for(config: Any, device: torch.device, numels: list[int], rank: int = 0, world_size: int = 1,

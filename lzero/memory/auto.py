@@ -3,7 +3,7 @@
 [Note: choosing a stage]
 At setup, before anything is sharded, the model's parameters are counted (trainable and frozen; a model on
 the meta device costs nothing to count) and each candidate, in order of communication, is priced with
-``lzero.estimate.model_states`` (the same formulas ``lzero estimate`` prints and the memory monitor checks):
+``lzero.memory.estimate.model_states`` (the same formulas ``lzero estimate`` prints and the memory monitor checks):
 zero1, zero2, zero3, zero3_offload, zero3_offload_nvme. The first whose per-rank bytes fit the budget, less
 ``margin`` (activations, buffers and the allocator need the rest), is chosen. The budget: on CUDA the
 device's free memory for device-resident states and the host's available memory shared by the node's ranks
@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 
 from lzero.config import ZeroConfig, ZeroConfigError
-from lzero.estimate import ModelCount, model_states
+from lzero.memory.estimate import ModelCount, model_states
 from lzero.presets import PRESET_CONFIGS
 
 CANDIDATES: tuple[tuple[str, dict[str, Any]], ...] = tuple(

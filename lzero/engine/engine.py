@@ -23,20 +23,21 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lzero import auto_sizes, collectives
+from lzero import auto_sizes
+from lzero.engine import collectives
 from lzero.config import ZeroConfig
 from lzero.errors import ZeroEngineError
-from lzero.mixed_precision import PrecisionPolicy
-from lzero.flat_unit import FlatUnit, GradState
-from lzero import parameters
-from lzero.gather import Block, Gatherer, GatherSchedule, full_graphs_around
-from lzero.materialize import (InitFn, Materializer, WeightSource, apply_order, buffers_to, common_seed, has_meta,
+from lzero.engine.mixed_precision import PrecisionPolicy
+from lzero.engine.flat_unit import FlatUnit, GradState
+from lzero.engine import parameters
+from lzero.engine.gather import Block, Gatherer, GatherSchedule, full_graphs_around
+from lzero.engine.materialize import (InitFn, Materializer, WeightSource, apply_order, buffers_to, common_seed, has_meta,
                                read_whole, shard_values)
-from lzero.partition import FROZEN, Partition, ParamSpec, UnitSpec, partition_by_label, partition_by_size
-from lzero.reducer import Reducer
-from lzero.placement import stores_for
-from lzero.store import ShardStore
-from lzero.units import ROOT, find_blocks, label_parameters
+from lzero.engine.partition import FROZEN, Partition, ParamSpec, UnitSpec, partition_by_label, partition_by_size
+from lzero.engine.reducer import Reducer
+from lzero.offload.placement import stores_for
+from lzero.offload.store import ShardStore
+from lzero.engine.units import ROOT, find_blocks, label_parameters
 
 
 class PendingGather(NamedTuple):
@@ -113,7 +114,7 @@ class ZeroEngine:
         """NVMe offload: one id for this run's swap folder, the same on every rank (rank 0's). A collective."""
         if config.offload_optimizer.device != "nvme" and config.offload_param.device != "nvme":
             return None
-        from lzero.nvme import new_run_id  # time and a random uuid: unrelated to the (seeded) torch RNG
+        from lzero.offload.nvme import new_run_id  # time and a random uuid: unrelated to the (seeded) torch RNG
 
         token = torch.zeros(64, dtype=torch.uint8)
         if self.rank == 0:

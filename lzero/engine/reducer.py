@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lzero import collectives
+from lzero.engine import collectives
 from lzero.config import ZeroConfig
-from lzero.flat_unit import FlatUnit
+from lzero.engine.flat_unit import FlatUnit
 
 
 class InflightReduction(NamedTuple):

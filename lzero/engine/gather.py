@@ -69,9 +69,9 @@ from torch.utils._pytree import tree_flatten
 
 import torch.distributed as dist
 
-from lzero import collectives
-from lzero.flat_unit import FlatUnit
-from lzero.units import ROOT
+from lzero.engine import collectives
+from lzero.engine.flat_unit import FlatUnit
+from lzero.engine.units import ROOT
 
 
 class _Gathering(NamedTuple):

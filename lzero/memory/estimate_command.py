@@ -1,6 +1,6 @@
 """``lzero estimate``: model-state memory per device, per host and per NVMe disk of every strategy, from a
 parameter count or from a model built on the meta device (no memory used). The figures come from
-:mod:`lzero.estimate`; this file reads the command line, counts a model and prints.
+:mod:`lzero.memory.estimate`; this file reads the command line, counts a model and prints.
 
 ``lzero estimate --params 7.5e9 --num-gpus 64`` prints the ZeRO paper's example beside lzero's own layout.
 """
@@ -14,7 +14,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 from lzero.config import ZeroConfigError
-from lzero.estimate import (ADAM_BYTES, COMPUTE_BYTES, GB, Estimate, EstimateError, ModelCount, count_parameters,
+from lzero.memory.estimate import (ADAM_BYTES, COMPUTE_BYTES, GB, Estimate, EstimateError, ModelCount, count_parameters,
                             estimate)
 
 PLOT_INSTALL = "pip install matplotlib  (or: pip install 'lzero[plot]')"
@@ -76,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lzero estimate", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Model-state memory of each strategy, per device, per host (node) and per NVMe disk (node),"
-                    " in GB (1e9 bytes). See lzero/estimate.py for the formulas.")
+                    " in GB (1e9 bytes). See lzero/memory/estimate.py for the formulas.")
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument("--params", type=_params, help="trainable parameters, e.g. 7.5e9")
     model.add_argument("--model", help="package.module:Class (or package.module.Class), built on the meta device")
@@ -137,7 +137,7 @@ def estimate_command(argv: Sequence[str]) -> int:
 
 
 def _deepspeed(count: ModelCount, args: argparse.Namespace) -> dict:
-    from lzero.estimate import deepspeed_estimator
+    from lzero.memory.estimate import deepspeed_estimator
 
     total = count.trainable + count.frozen
     largest = args.largest_layer if args.largest_layer is not None else (count.largest_block or count.largest_param or 0)
@@ -175,7 +175,7 @@ def table(rows: list[Estimate], count: ModelCount, args: argparse.Namespace) -> 
               f"per host and per NVMe: the {args.num_gpus} rank(s) of one node together. Every gradient is counted"
               " (from a backward to its step). ddp: Lightning's DDP (fp32 parameters, autocast).",
               "ZeRO paper: its formula with 16-bit gradients, without buffers; lzero keeps fp32 gradient shards"
-              " under mixed precision (lzero/estimate.py, [Note: lzero's layout])."]
+              " under mixed precision (lzero/memory/estimate.py, [Note: lzero's layout])."]
     if args.buffers and count.largest_block is None:
         lines.append("stage-3 blocks and root unit taken as reduce_bucket_size (5e6) elements each: pass --model"
                      " for the real sizes.")
@@ -192,7 +192,7 @@ def plot(rows: list[Estimate], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError as err:
         raise EstimateError(f"`--plot {path}` needs matplotlib, which is not installed. HINT: {PLOT_INSTALL}") from err
-    from lzero.store import KINDS
+    from lzero.offload.store import KINDS
 
     stores = [s for s in ("device", "cpu", "nvme") if any(r.store_bytes(s) for r in rows)]
     fig, axes = plt.subplots(1, len(stores), figsize=(5 * len(stores), 4), squeeze=False)

@@ -6,9 +6,9 @@ After an optimizer step (gradients freed, see [Note: gradient buffers] in flat_u
 ``log_every_n_steps``-th step, each rank measures (no communication):
 
 - ``memory/model_states_bytes/rank{r}``: parameters, gradients, fp32 masters and optimizer state this rank holds
-  (``lzero.memory.model_state_bytes``), all stores; ``memory/{store}/{kind}_bytes/rank{r}`` split by store
+  (``lzero.memory.accounting.model_state_bytes``), all stores; ``memory/{store}/{kind}_bytes/rank{r}`` split by store
   (``device``, ``cpu``, ``nvme``) and kind; ``memory/{store}/buffers_bytes`` the offload staging buffers.
-- ``memory/model_states_expected_bytes/rank{r}``: what ``lzero.estimate.model_states`` predicts for this
+- ``memory/model_states_expected_bytes/rank{r}``: what ``lzero.memory.estimate.model_states`` predicts for this
   configuration, model size and world size between steps (no gradients), for Adam-like, SGD, Adagrad and
   RMSprop optimizers (others: not logged). Flat units are padded to a multiple of N: the measured value is
   a little higher on tiny models.
@@ -33,8 +33,8 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from lzero import collectives
-from lzero.memory import KINDS, model_state_bytes
+from lzero.engine import collectives
+from lzero.memory.accounting import KINDS, model_state_bytes
 
 STATE_BYTES = {"Adam": 8, "AdamW": 8, "Adamax": 8, "NAdam": 8, "RAdam": 8, "Adagrad": 4, "RMSprop": 4, "SGD": 0}
 """Optimizer state bytes per element for the expectation (SGD and RMSprop add 4 with momentum)."""
@@ -123,7 +123,7 @@ class MemoryMonitor(Callback):
 
 def _expected(engine: Any, optimizers: list) -> float:
     """The formula's model states of this rank between steps (NaN where the optimizer's state is not known)."""
-    from lzero.estimate import ModelCount, model_states
+    from lzero.memory.estimate import ModelCount, model_states
 
     per_element = set()
     for zopt in optimizers:

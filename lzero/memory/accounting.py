@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 from torch import Tensor
 
-from lzero.store import KINDS
+from lzero.offload.store import KINDS
 
 if TYPE_CHECKING:
-    from lzero.engine import ZeroEngine
+    from lzero.engine.engine import ZeroEngine
     from lzero.optimizer import ZeroOptimizer
 
 __all__ = ["KINDS", "model_state_bytes", "total"]

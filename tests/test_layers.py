@@ -1,0 +1,77 @@
+"""The package's floors (see the README's "How it is built"): a module imports only from its own floor or the
+floors below, so the tree reads top-down. Every import counts, inside functions too (a lazy import is still a
+dependency), except those under ``if TYPE_CHECKING:``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "lzero"
+
+FLOORS = [  # bottom first: (floor, the modules and packages on it)
+    ("configuration", ["lzero.errors", "lzero.config", "lzero.presets", "lzero.auto_sizes"]),
+    ("offload", ["lzero.offload"]),
+    ("engine", ["lzero.engine"]),
+    ("memory", ["lzero.memory"]),
+    ("checkpoint", ["lzero.checkpoint", "lzero.state_dict"]),
+    ("optimizer and precision", ["lzero.optimizer", "lzero.precision", "lzero.grad_norms"]),
+    ("deepspeed", ["lzero.deepspeed"]),
+    ("hugging face", ["lzero.hf"]),
+    ("strategy", ["lzero.strategy"]),
+    ("entry points", ["lzero.cli", "lzero.demo", "lzero"]),
+]
+
+
+def floor_of(module: str) -> int:
+    best = (-1, -1)  # (length of the matching prefix, floor)
+    for i, (_, members) in enumerate(FLOORS):
+        for m in members:
+            if (module == m or module.startswith(m + ".")) and len(m) > best[0]:
+                best = (len(m), i)
+    assert best[1] >= 0, f"{module} is on no floor: add it to FLOORS"
+    return best[1]
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, imported module) of every ``lzero`` import outside ``if TYPE_CHECKING:``."""
+    found = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            found.extend((node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "lzero")
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "lzero":
+            for a in node.names:  # `from lzero.engine import gather` imports lzero.engine.gather
+                sub = f"{node.module}.{a.name}"
+                found.append((node.lineno, sub if (PACKAGE.parent / sub.replace(".", "/")).with_suffix(".py").exists()
+                              else node.module))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def test_no_module_imports_from_a_floor_above_its_own() -> None:
+    upward = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        me = module_name(path)
+        for line, target in imports(ast.parse(path.read_text())):
+            if floor_of(target) > floor_of(me):
+                upward.append(f"{path.relative_to(PACKAGE.parent)}:{line} ({FLOORS[floor_of(me)][0]}) imports"
+                              f" {target} ({FLOORS[floor_of(target)][0]})")
+    assert not upward, "imports that run up a floor:\n" + "\n".join(upward)
+
+
+def test_every_module_is_on_a_floor() -> None:
+    for path in PACKAGE.rglob("*.py"):
+        floor_of(module_name(path))
