@@ -153,6 +153,8 @@ class ZeroStrategy(DDPStrategy):
         self._checkpoint_policy = checkpointing.CheckpointPolicy(activation_checkpointing, cpu_checkpointing)
         self._checkpointed: Optional[checkpointing.Checkpointed] = None
         self._exit_stack = contextlib.ExitStack()  # what setup changed on the module until teardown
+        self._probe: Optional[Any] = None  # activations of the first step; see [Note: out-of-memory triage]
+        self._micro_batch: Optional[int] = None
 
     # --- plugins -----------------------------------------------------------------------------
 
@@ -222,6 +224,7 @@ class ZeroStrategy(DDPStrategy):
             if self._auto:
                 self._choose_configuration()
             self._checkpointed = checkpointing.apply(self.model, self._checkpoint_policy, self.config)
+            self._probe = _activation_probe(self.lightning_module, self.config)
             self._engine = ZeroEngine(self.model, self.optimizers, self.config, self.precision_plugin.policy,
                                       device=self.root_device, init_fn=self.init_fn, weights=_pretrained(self.model))
             self._engine.automatic = self.lightning_module.automatic_optimization
@@ -334,6 +337,9 @@ class ZeroStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._before_forward()
+        if self._probe is not None and not self._probe.measured:  # see [Note: out-of-memory triage]
+            with self._probe.measuring(self.lightning_module):
+                return super().training_step(*args, **kwargs)
         return super().training_step(*args, **kwargs)
 
     @override
@@ -464,6 +470,35 @@ class ZeroStrategy(DDPStrategy):
         no collective. See [Note: teardown after a failure]."""
         super().on_exception(exception)
         self._failure = exception
+        module = self.lightning_module
+        if self._engine is not None and module is not None and module._trainer is not None \
+                and module.trainer.state.fn == TrainerFn.FITTING:
+            from lzero.memory import triage
+
+            if triage.is_out_of_memory(exception):
+                try:
+                    triage.annotate(exception, *triage.explain(self._triage_situation(), self._probe))
+                except Exception as err:  # the user's error comes first: a failed triage only says so
+                    warnings.warn(f"lzero: out-of-memory triage failed ({type(err).__name__}: {err}).", stacklevel=2)
+
+    def _triage_situation(self) -> Any:
+        from lzero.memory import triage
+        from lzero.memory.accounting import model_state_bytes
+        from lzero.memory.estimate import count_parameters
+
+        engine, probe = self._engine, self._probe
+        measured = probe is not None and probe.measured
+        trainer = self.lightning_module.trainer
+        precision = self.precision_plugin.precision
+        return triage.Situation(
+            config=self.config, count=count_parameters(self.lightning_module, self.config.unit_modules),
+            world_size=self.world_size, precision=precision if precision != "16-true" else "16-mixed",
+            budget=_free_bytes(self.root_device, self.memory_budget_bytes, self.num_processes, total=True),
+            measured_states=model_state_bytes(engine, [_unwrap(o) for o in self.optimizers]),
+            activations=probe.total if measured else None,
+            checkpointed_activations=probe.checkpointed() if measured else None,
+            activation_checkpointing=self._checkpointed is not None, micro_batch=self._micro_batch,
+            accumulation=trainer.accumulate_grad_batches, on_cpu=self.root_device.type != "cuda")
 
     @override
     def teardown(self) -> None:
@@ -595,7 +630,7 @@ class ZeroStrategy(DDPStrategy):
     def on_train_start(self) -> None:
         super().on_train_start()
         trainer = self.lightning_module.trainer
-        micro = _micro_batch_size(trainer.train_dataloader)
+        micro = self._micro_batch = _micro_batch_size(trainer.train_dataloader)
         accumulation, world = trainer.accumulate_grad_batches, self.world_size
         self._global_batch = None if micro is None else micro * accumulation * world
         if self._deepspeed is not None:
@@ -764,6 +799,18 @@ def _announce_offload(engine: ZeroEngine, optimizers: list[ZeroOptimizer], threa
                    f" {places}{params}; host step: {kernels or 'none'}, {thread_note}.")
 
 
+def _activation_probe(module: LightningModule, config: ZeroConfig) -> Optional[Any]:
+    """The first step's activation measurement (see [Note: out-of-memory triage]); None for a compiled model, whose
+    graphs should not be traced with autograd's saved-tensor hooks."""
+    from lzero.engine.units import find_blocks
+    from lzero.memory.triage import ActivationProbe
+
+    if any(getattr(m, "_compiled_call_impl", None) is not None or type(m).__name__ == "OptimizedModule"
+           for m in module.modules()):
+        return None
+    return ActivationProbe(find_blocks(module, config.unit_modules))
+
+
 def _unwrap(optimizer: Any) -> ZeroOptimizer:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
@@ -785,11 +832,13 @@ def _guard_lr_schedulers(module: LightningModule, precision: ZeroPrecision) -> N
     module.__dict__["lr_scheduler_step"] = lr_scheduler_step
 
 
-def _free_bytes(device: torch.device, budget: Optional[int], processes: int) -> Optional[int]:
+def _free_bytes(device: torch.device, budget: Optional[int], processes: int, total: bool = False) -> Optional[int]:
+    """This rank's budget: ``budget`` when given, else the device's free memory (``total``: all of it), or on CPU
+    the host's available memory shared by the node's processes."""
     if budget is not None:
         return budget
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        return torch.cuda.mem_get_info(device)[1 if total else 0]
     from lzero.memory.auto import host_available_bytes
 
     host = host_available_bytes()
