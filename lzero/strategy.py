@@ -801,13 +801,14 @@ def _announce_offload(engine: ZeroEngine, optimizers: list[ZeroOptimizer], threa
 
 def _activation_probe(module: LightningModule, config: ZeroConfig) -> Optional[Any]:
     """The first step's activation measurement (see [Note: out-of-memory triage]); None for a compiled model, whose
-    graphs should not be traced with autograd's saved-tensor hooks."""
+    graphs should not be traced with autograd's saved-tensor hooks, and under manual optimization."""
     from lzero.engine.units import find_blocks
     from lzero.memory.triage import ActivationProbe
 
-    if any(getattr(m, "_compiled_call_impl", None) is not None or type(m).__name__ == "OptimizedModule"
-           for m in module.modules()):
-        return None
+    if not module.automatic_optimization or any(
+            getattr(m, "_compiled_call_impl", None) is not None or type(m).__name__ == "OptimizedModule"
+            for m in module.modules()):
+        return None  # manual optimization: a step's forwards and backwards interleave; measured, they would add up
     return ActivationProbe(find_blocks(module, config.unit_modules))
 
 

@@ -53,14 +53,18 @@ class ActivationProbe:
         current: list[str] = []
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            base = t._base if t._base is not None else t
-            if id(base) not in params and id(t) not in params and t.device.type != "meta":
+            try:
+                base = t._base if t._base is not None else t
+                if id(base) in params or id(t) in params or t.device.type == "meta":
+                    return t
                 storage = t.untyped_storage()
-                if storage.data_ptr() not in seen:
-                    seen.add(storage.data_ptr())
-                    self.total += storage.nbytes()
-                    if current:
-                        self.saved_in[current[-1]] = self.saved_in.get(current[-1], 0) + storage.nbytes()
+            except (RuntimeError, NotImplementedError):  # a tensor without plain storage (sparse, nested...)
+                return t
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                self.total += storage.nbytes()
+                if current:
+                    self.saved_in[current[-1]] = self.saved_in.get(current[-1], 0) + storage.nbytes()
             return t
 
         def enter(name: str):
