@@ -792,7 +792,8 @@ def _announce_offload(engine: ZeroEngine, optimizers: list[ZeroOptimizer], threa
             params += " (all within `offload_param.max_in_cpu`)"
     folders = {str(s.files.run_folder) for s in engine.stores if hasattr(s, "files")}
     if folders:
-        params += f"; swap folder {', '.join(sorted(folders))} (removed at the end of fit)"
+        params += f"; swap folder {', '.join(sorted(folders))} (removed at the end of fit" + (
+            ", or at stage 3 once the model it leaves sharded is gathered back or freed)" if engine.gatherer else ")")
     count = threads or torch.get_num_threads()
     thread_note = f"{count} thread{'s' if count > 1 else ''} per process" + (" (torch.set_num_threads)" if threads else "")
     rank_zero_info(f"lzero offload: fp32 masters and optimizer state of {host:,} of {total:,} shard elements per rank in"

@@ -1,4 +1,8 @@
-"""Run a function on N gloo ranks under torch.multiprocessing (no Lightning)."""
+"""Run a function on N gloo ranks under torch.multiprocessing (no Lightning).
+
+The ranks are forked from a fork server that has imported torch and lzero once per test session (0.1 s a call
+instead of about 3 s for a fresh interpreter each); it has run no OpenMP region, so the forked ranks start with
+clean thread pools. Each rank takes the caller's environment as it is at the call."""
 
 from __future__ import annotations
 
@@ -18,12 +22,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any) -> None:
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "lzero"])
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue: Any, environ: dict) -> None:
     import faulthandler
     import sys
 
     faulthandler.dump_traceback_later(110, exit=True, file=sys.stderr)  # a hung rank shows where
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.clear()
+    os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
@@ -36,10 +45,12 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120) -> list[Any]:
     """``fn(rank, world_size, *args)`` on every rank; returns the results in rank order."""
-    ctx = mp.get_context("spawn")
+    ctx = _CONTEXT
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    environ = dict(os.environ)
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, queue, environ))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

@@ -1,6 +1,6 @@
 """The package's floors (see the README's "How it is built"): a module imports only from its own floor or the
-floors below, so the tree reads top-down. Every import counts, inside functions too (a lazy import is still a
-dependency), except those under ``if TYPE_CHECKING:``."""
+floors below, so the tree reads top-down. Every import counts: inside functions (a lazy import is still a
+dependency) and under ``if TYPE_CHECKING:`` (a type named from above is a dependency of the reader too)."""
 
 from __future__ import annotations
 
@@ -39,14 +39,10 @@ def module_name(path: Path) -> str:
 
 
 def imports(tree: ast.AST) -> list[tuple[int, str]]:
-    """(line, imported module) of every ``lzero`` import outside ``if TYPE_CHECKING:``."""
+    """(line, imported module) of every ``lzero`` import."""
     found = []
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, ast.Import):
             found.extend((node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "lzero")
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "lzero":

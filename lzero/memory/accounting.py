@@ -9,7 +9,7 @@ CPU-only machine too, where both stores are host memory.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 from torch import Tensor
 
@@ -17,13 +17,13 @@ from lzero.offload.store import KINDS
 
 if TYPE_CHECKING:
     from lzero.engine.engine import ZeroEngine
-    from lzero.optimizer import ZeroOptimizer
 
 __all__ = ["KINDS", "model_state_bytes", "total"]
 
 
-def model_state_bytes(engine: "ZeroEngine", optimizers: Sequence["ZeroOptimizer"] = ()) -> dict[str, dict[str, int]]:
-    """``{store: {kind: bytes}}`` held by this rank now (no communication)."""
+def model_state_bytes(engine: "ZeroEngine", optimizers: Sequence[Any] = ()) -> dict[str, dict[str, int]]:
+    """``{store: {kind: bytes}}`` held by this rank now (no communication). ``optimizers``: the
+    :class:`lzero.optimizer.ZeroOptimizer` s whose state to count (that module sits a floor above this one)."""
     seen: set[int] = set()
     out: dict[str, dict[str, int]] = {}
     for store, kind, tensor in _tensors(engine, optimizers):
@@ -44,7 +44,7 @@ def model_state_bytes(engine: "ZeroEngine", optimizers: Sequence["ZeroOptimizer"
     return out
 
 
-def _tensors(engine: "ZeroEngine", optimizers: Sequence["ZeroOptimizer"]) -> Iterator[tuple[str, str, Tensor]]:
+def _tensors(engine: "ZeroEngine", optimizers: Sequence[Any]) -> Iterator[tuple[str, str, Tensor]]:
     for unit in engine.units:
         yield "device", "parameters", unit.flat_param
         yield unit.param_store.memory, "parameters", unit.compute_shard()

@@ -1,7 +1,7 @@
 """Sharded checkpoints of a model with a frozen layer, resumed through changes of stage and world size,
 against DDP resumed the same way (Lightning re-runs this script for the other ranks).
 
-    python tests/scripts/frozen_ckpt_runs.py LEG KIND OUT_DIR
+    python tests/scripts/frozen_ckpt_runs.py LEG KINDS OUT_DIR      # KINDS: zero, ddp or zero,ddp
     python tests/scripts/frozen_ckpt_runs.py old CHECKPOINT OUT_DIR
 
 Leg k resumes leg k-1's ``last.ckpt`` and trains 10 more steps. The chain: zero1 at world size 2 (the
@@ -56,11 +56,13 @@ def fit(name: str, strategy: Any, world_size: int, steps: int, out: Path, resume
         torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, out / f"{name}.pt")
 
 
-def main(leg: int, kind: str, out: Path) -> None:
+def main(leg: int, kinds: str, out: Path) -> None:
+    """``kinds``: "zero", "ddp" or both ("zero,ddp"), one after the other in this launch."""
     world_size, stage = CHAIN[leg]
-    resume = str(out / f"{kind}_leg{leg - 1}" / "last.ckpt") if leg else None
-    fit(f"{kind}_leg{leg}", "ddp" if kind == "ddp" else ZeroStrategy(stage=stage), world_size, 10 * (leg + 1), out,
-        resume)
+    for kind in kinds.split(","):
+        resume = str(out / f"{kind}_leg{leg - 1}" / "last.ckpt") if leg else None
+        fit(f"{kind}_leg{leg}", "ddp" if kind == "ddp" else ZeroStrategy(stage=stage), world_size, 10 * (leg + 1),
+            out, resume)
 
 
 if __name__ == "__main__":
