@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.lzero-installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test test-all bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,9 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=20
+
+test-all: $(STAMP)  # the default run and the slow fault cases it leaves out (pytest -m slow)
+	$(BIN)/python -m pytest -q --durations=20 -m ""
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_step_time.py --strategies ddp,zero1,zero2,zero3,fsdp2

@@ -24,7 +24,7 @@ LAYERS = 3
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ac_runs")
-    run_script("ac_runs.py", str(out))
+    run_script("ac_runs.py", str(out), ranks=2)
     return out
 
 

@@ -18,7 +18,7 @@ from _launch import run_script
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("compile_runs")
-    run_script("compile_runs.py", str(out), "inductor")
+    run_script("compile_runs.py", str(out), "inductor", ranks=2)
     return out
 
 

@@ -18,8 +18,8 @@ ALONE = ["zero3_alone", "zero3_offload_alone", "zero3_offload_nvme_alone", "zero
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("eval_runs")
-    run_script("eval_runs.py", "fit", str(out))
-    run_script("eval_runs.py", "alone", str(out))  # a new process: nothing of the fit left
+    run_script("eval_runs.py", "fit", str(out), ranks=2)
+    run_script("eval_runs.py", "alone", str(out), ranks=2)  # a new process: nothing of the fit left
     return out
 
 

@@ -26,7 +26,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Path
     models = save_models(tmp_path_factory.mktemp("generate_models"), ["gpt2", "llama"])
     out = tmp_path_factory.mktemp("generate_runs")
     # bounded: a rank left waiting in a collective for a peer that stopped generating would hang until this timeout
-    run_script("generate_runs.py", str(models["gpt2"].parent), str(out), timeout=240)
+    run_script("generate_runs.py", str(models["gpt2"].parent), str(out), timeout=240, ranks=2)
     return out, models
 
 

@@ -16,7 +16,7 @@ STAGES = ["zero1", "zero2", "zero3"]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("grad_runs")
-    run_script("grad_runs.py", str(out))
+    run_script("grad_runs.py", str(out), ranks=2)
     return out
 
 

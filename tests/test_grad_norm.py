@@ -16,7 +16,7 @@ from _launch import run_script
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("grad_norm_runs")
-    run_script("grad_norm_runs.py", str(out))
+    run_script("grad_norm_runs.py", str(out), ranks=2)
     return out
 
 

@@ -15,7 +15,7 @@ RUNS = [f"zero{stage}_{precision}" for stage in (1, 2, 3) for precision in ("32-
 @pytest.fixture(scope="module")
 def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("monitor_runs")
-    run_script("monitor_runs.py", str(out))
+    run_script("monitor_runs.py", str(out), ranks=2)
     return out
 
 

@@ -18,7 +18,7 @@ from oom_runs import BATCH, INJECTED, LAYERS, SEQ, WIDTH  # noqa: E402
 @pytest.fixture(scope="module")
 def oom(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("oom_runs")
-    run_script("oom_runs.py", str(out))
+    run_script("oom_runs.py", str(out), ranks=2)
     return torch.load(out / "oom.pt", weights_only=False)  # written by the test's own script
 
 

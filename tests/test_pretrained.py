@@ -37,7 +37,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def runs(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("pretrained_runs")
-    run_script("pretrained_runs.py", str(models["gpt2"].parent), str(out), *RUNS, timeout=600)
+    run_script("pretrained_runs.py", str(models["gpt2"].parent), str(out), *RUNS, timeout=600, ranks=2)
     return out
 
 

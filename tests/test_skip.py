@@ -24,7 +24,7 @@ SCALES = [256.0] * 4 + [128.0] * 5 + [64.0] * 5 + [128.0] * 5 + [256.0] * 5 + [5
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("skip_runs")
-    run_script("skip_runs.py", str(out))
+    run_script("skip_runs.py", str(out), ranks=2)
     return out
 
 
