@@ -23,8 +23,8 @@ from lzero.checkpoint.reader import MANIFEST, ShardedCheckpoint
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ckpt_runs")
-    for suite in ("ws2", "ws1", "ws3", "ws2b"):
-        run_script("ckpt_runs.py", suite, str(out))
+    for suite, ranks in (("ws2", 2), ("ws1", None), ("ws3", 3), ("ws2b", 2)):  # every Trainer of a suite: `ranks`
+        run_script("ckpt_runs.py", suite, str(out), ranks=ranks)
     return out
 
 
@@ -138,7 +138,7 @@ def test_rank_killed_while_rewriting_last_leaves_the_previous_checkpoint(runs: P
     assert ShardedCheckpoint(last).manifest["global_step"] == 5
     assert len(list(last.glob("shard-*"))) == 4  # two committed, rank 0's new one and rank 1's torn one
     assert ShardedCheckpoint(runs / "killed" / "epoch=0-step=10.ckpt").manifest["global_step"] == 10
-    run_script("ckpt_runs.py", "after_kill", str(runs))
+    run_script("ckpt_runs.py", "after_kill", str(runs), ranks=2)
     after, full = load(runs, "after_kill"), load(runs, "zero2_full")
     assert after["losses"] == full["losses"][5:15]
     names = sorted(p.name for p in last.iterdir())
@@ -298,8 +298,8 @@ def test_validate_with_a_sharded_checkpoint_outside_fit(runs: Path, in_process_f
 @pytest.fixture(scope="module")
 def offload_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("ckpt_offload_runs")
-    for suite in ("offload_ws2", "offload_ws1"):
-        run_script("ckpt_runs.py", suite, str(out))
+    for suite, ranks in (("offload_ws2", 2), ("offload_ws1", None)):
+        run_script("ckpt_runs.py", suite, str(out), ranks=ranks)
     return out
 
 
