@@ -264,8 +264,10 @@ def stage3_gathered_parameters(rank: int, world_size: int) -> dict:
 
 
 def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
+    """Resident anonymous memory (heap, tensors): not the pages of shared libraries, which a rank forked from a
+    server that loaded them faults in again as it first runs each kernel."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
 
 
 def stage3_sharded_init(rank: int, world_size: int) -> dict:
