@@ -289,7 +289,8 @@ class ZeroConfig:
                 " HINT: 'sharded' (a directory per checkpoint) or 'full' (one DDP-format file)."
             )
         if self.unit_modules is not None:
-            if isinstance(self.unit_modules, str) or not all(isinstance(n, str) for n in self.unit_modules):
+            if isinstance(self.unit_modules, str) or not isinstance(self.unit_modules, (list, tuple)) or \
+                    not all(isinstance(n, str) for n in self.unit_modules):
                 raise ZeroConfigError(
                     f"`unit_modules={self.unit_modules!r}` must be a list of class names. HINT: `unit_modules=['Block']`."
                 )
