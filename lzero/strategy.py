@@ -489,10 +489,9 @@ class ZeroStrategy(DDPStrategy):
         engine, probe = self._engine, self._probe
         measured = probe is not None and probe.measured
         trainer = self.lightning_module.trainer
-        precision = self.precision_plugin.precision
         return triage.Situation(
             config=self.config, count=count_parameters(self.lightning_module, self.config.unit_modules),
-            world_size=self.world_size, precision=precision if precision != "16-true" else "16-mixed",
+            world_size=self.world_size, precision=self.precision_plugin.precision,
             budget=_free_bytes(self.root_device, self.memory_budget_bytes, self.num_processes, total=True),
             measured_states=model_state_bytes(engine, [_unwrap(o) for o in self.optimizers]),
             activations=probe.total if measured else None,
@@ -592,11 +591,8 @@ class ZeroStrategy(DDPStrategy):
             hint = ("mode='streamed' (blocks copied from host memory per forward), or generate without the context"
                     " (each block gathered per forward: one all-gather per block per token)")
         else:
-            from lzero.memory.auto import host_available_bytes
-
             need = sum(u.spec.padded_numel * u.flat_param.element_size() for u in engine.units)
-            host = host_available_bytes()
-            where, free = "host memory", host // max(1, self.num_processes) if host is not None else None
+            where, free = "host memory", _free_bytes(torch.device("cpu"), None, self.num_processes)
             hint = "generate without the context (each block gathered per forward: one all-gather per block per token)"
         if free is not None and need > (1 - self.memory_margin) * free:
             raise RuntimeError(
