@@ -145,9 +145,8 @@ def _probe_class():
             engine.step_and_gather = self._timed(engine.step_and_gather, "step")
             for optimizer in strategy.optimizers:
                 zopt = getattr(optimizer, "_optimizer", optimizer)
-                for unit in zopt.units:
-                    if unit.store.name != "device":
-                        inner = zopt.shard_optimizer(unit)
+                for bucket, inner in zopt.buckets:  # one host optimizer per bucket of offloaded units
+                    if bucket[0].store.name != "device":
                         inner.step = self._timed(inner.step, "host")
 
         def _timed(self, method: Callable, phase: str) -> Callable:

@@ -61,13 +61,14 @@ def measure_lzero(numel: int, warmup: int, repeats: int) -> dict:
         unit.mark_reduced()
 
     def host_step() -> None:
-        for unit in engine.units:
-            zopt._step_unit(unit)
+        for bucket, inner in zopt.buckets:
+            zopt._stepper(inner)()
 
     def host_step_and_publish() -> None:
-        for unit in engine.units:
-            zopt._step_unit(unit)
-            unit.publish()
+        for bucket, inner in zopt.buckets:
+            zopt._stepper(inner)()
+            for unit in bucket:
+                unit.publish()
 
     total = sum(u.spec.shard_numel for u in engine.units)
     step_s = _time(host_step, warmup, repeats)

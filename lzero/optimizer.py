@@ -5,10 +5,15 @@
 logs, and ``param_groups`` that are the very dicts of their optimizer, listing the module's
 parameters (so ``toggle_optimizer`` works and LR schedulers bound to their optimizer keep
 steering it). Behind it, instances of the same class with the same constructor flags step this
-rank's shard tensors: one instance per unit, so that each unit's all-gather is launched as soon as
-that unit is stepped and overlaps the step of the next units. Before every step the
-hyperparameters of the user's groups are copied into the inner groups, so LR schedulers and
-manual LR changes reach the sharded step.
+rank's shard tensors: one instance per param group, holding the fp32 master shards of all of the
+group's units, so a step makes one optimizer call per param group whatever the number of units
+(torch's foreach and fused kernels take the whole list in one call; the for-loop kernel does per
+tensor exactly what it would do in a call of its own, so results are bitwise those of one call per
+unit). Offloaded units are the exception: the host steps them ``sub_group_size`` elements at a
+time, one call per such bucket, so their state can be swapped in and out (NVMe) and each bucket's
+values go back while the next one steps. Before every step the hyperparameters of the user's
+groups are copied into the inner groups, so LR schedulers and manual LR changes reach the
+sharded step.
 
 [Note: the host step]
 A unit whose state is offloaded (``offload_optimizer``) is stepped on the host, over its flat fp32
@@ -91,10 +96,15 @@ class ZeroOptimizer(Optimizer):
         self.host_kernel: Optional[str] = None  # the kernel offloaded units step with; None: none offloaded
         if any(u.store.name != "device" for u in self.units):
             self.host_kernel = _check_host_step(optimizer)
-        self._shared.inner = {u.spec.index: _build_inner(optimizer, u) for u in self.units}
-        for unit in self.units:  # a store that swaps the state in and out finds it here
-            inner = self._shared.inner[unit.spec.index]
-            unit.store.bind_state(unit, lambda inner=inner, master=unit.master_shard: inner.state[master])
+        # the units each inner optimizer steps in one call, in step order: see the Note
+        self.buckets: list[tuple[list[FlatUnit], Optimizer]] = []
+        for bucket in engine.step_buckets(self.units):
+            inner = _build_inner(optimizer, bucket)
+            self.buckets.append((bucket, inner))
+            for unit in bucket:
+                self._shared.inner[unit.spec.index] = inner
+                # a store that swaps the state in and out finds it here
+                unit.store.bind_state(unit, lambda inner=inner, master=unit.master_shard: inner.state[master])
 
     def shard_optimizer(self, unit: FlatUnit) -> Optimizer:
         """The optimizer (the user's class and flags) that steps ``unit``'s shard on this rank."""
@@ -110,15 +120,17 @@ class ZeroOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.engine.prepare_step(self.units)
-        self.engine.step_and_gather(self.units, self._step_unit)
+        self.engine.step_and_gather([(bucket, self._stepper(inner)) for bucket, inner in self.buckets])
         self.optimizer._opt_called = True  # LR schedulers check that the optimizer they wrap has stepped
         return loss
 
-    def _step_unit(self, unit: FlatUnit) -> None:
-        outer = self.param_groups[unit.spec.group[1]]
-        inner = self.shard_optimizer(unit)
-        inner.param_groups[0].update({k: v for k, v in outer.items() if k != "params" and k not in KERNEL_FLAGS})
-        inner.step()
+    def _stepper(self, inner: Optimizer) -> Callable[[], None]:
+        outer = self.param_groups[inner.lzero_group]
+
+        def step() -> None:
+            inner.param_groups[0].update({k: v for k, v in outer.items() if k != "params" and k not in KERNEL_FLAGS})
+            inner.step()
+        return step
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad(self.units, set_to_none)
@@ -145,17 +157,20 @@ class ZeroOptimizer(Optimizer):
         load_optimizer_state(self, state_dict)
 
 
-def _build_inner(optimizer: Optimizer, unit: FlatUnit) -> Optimizer:
-    """Same class, same constructor flags, the unit's group hyperparameters, the unit's shard (offloaded: the
-    host kernel of [Note: the host step])."""
-    group = {k: v for k, v in optimizer.param_groups[unit.spec.group[1]].items() if k != "params"}
+def _build_inner(optimizer: Optimizer, units: list[FlatUnit]) -> Optimizer:
+    """Same class, same constructor flags, the units' group hyperparameters, the units' shards (offloaded: the
+    host kernel of [Note: the host step]). The units share one param group and one store."""
+    index = units[0].spec.group[1]
+    group = {k: v for k, v in optimizer.param_groups[index].items() if k != "params"}
     flags = _flags(optimizer)
-    if unit.store.name != "device":
+    if units[0].store.name != "device":
         kernel = _host_kernel(optimizer)
         group.update(kernel)
         flags.update(kernel)
-    group["params"] = [unit.master_shard]
-    return type(optimizer)([group], **flags)
+    group["params"] = [unit.master_shard for unit in units]
+    inner = type(optimizer)([group], **flags)
+    inner.lzero_group = index  # the user's group whose hyperparameters it follows
+    return inner
 
 
 def _flags(optimizer: Optimizer) -> dict[str, Any]:

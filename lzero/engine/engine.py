@@ -479,31 +479,46 @@ class ZeroEngine:
 
     # --- parameters --------------------------------------------------------------------------
 
+    def step_buckets(self, units: Sequence[FlatUnit]) -> list[list[FlatUnit]]:
+        """``units`` in the buckets one optimizer call steps each: a param group's units in device memory in one
+        bucket; offloaded units, which the host steps, in buckets of at most ``sub_group_size`` elements (see
+        [Note: two faces of one optimizer] in optimizer.py)."""
+        runs: list[list[FlatUnit]] = []
+        for unit in units:
+            if runs and runs[-1][0].spec.group == unit.spec.group and runs[-1][0].store is unit.store:
+                runs[-1].append(unit)
+            else:
+                runs.append([unit])
+        buckets = []
+        for run in runs:
+            if run[0].store.name == "device":
+                buckets.append(run)
+            else:
+                buckets.extend(_coalesce(run, min(self.config.allgather_bucket_size, self.config.sub_group_size)))
+        return buckets
+
     @torch.no_grad()
-    def step_and_gather(self, units: Sequence[FlatUnit], step_unit: Callable[[FlatUnit], None]) -> None:
-        """Step every unit's shard and all-gather the updated shards into the full flat parameters.
-        Units are coalesced into buckets of about ``allgather_bucket_size`` elements (offloaded: at most
-        ``sub_group_size``); a bucket's values are published and its gather launched as soon as its units
-        are stepped, so both overlap the step of the next bucket."""
+    def step_and_gather(self, steps: Sequence[tuple[list[FlatUnit], Callable[[], None]]]) -> None:
+        """Step every bucket's shards (``step()`` steps the bucket's units that have a gradient, in one optimizer
+        call) and, at stages 1-2, all-gather the updated shards into the full flat parameters, coalesced into
+        all-gathers of about ``allgather_bucket_size`` elements. A bucket's values are published and its gathers
+        launched as soon as it is stepped, so they overlap the step of the next bucket."""
         pending = []
-        limit = self.config.allgather_bucket_size
-        if self.offloaded:  # the host steps ``sub_group_size`` elements before their values go back
-            limit = min(limit, self.config.sub_group_size)
-        buckets = list(_coalesce(units, limit))
-        for k, bucket in enumerate(buckets):
-            for unit in buckets[k + 1] if k + 1 < len(buckets) else []:  # NVMe: read ahead while this bucket steps
+        for k, (bucket, step) in enumerate(steps):
+            for unit in steps[k + 1][0] if k + 1 < len(steps) else []:  # NVMe: read ahead while this bucket steps
                 if unit.master_shard.grad is not None:
                     unit.store.prefetch(unit)
             stepped = [unit for unit in bucket if unit.master_shard.grad is not None]
-            with self.resident(stepped, write=True):
-                for unit in stepped:
-                    step_unit(unit)
-                for unit in stepped:  # the bucket's values go back (offloaded: to the device) once it has stepped
-                    unit.publish()
+            if stepped:
+                with self.resident(stepped, write=True):
+                    step()  # units without a gradient are skipped by the optimizer, as torch skips grad=None
+                    for unit in stepped:  # the bucket's values go back (offloaded: to the device) once it has stepped
+                        unit.publish()
             for unit in bucket:
                 unit.release_grads()  # consumed: see [Note: gradient buffers] in flat_unit.py
             if not collectives.local(self.group) and self.gatherer is None:  # stage 3 gathers on demand instead
-                pending.append(self._launch_gather(bucket))
+                pending.extend(self._launch_gather(part)
+                               for part in _coalesce(bucket, self.config.allgather_bucket_size))
         self._finish_gathers(pending)
 
     def _finish_gathers(self, pending: list[PendingGather]) -> None:
