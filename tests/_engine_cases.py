@@ -232,6 +232,28 @@ def stage3_unit_on_some_ranks(rank: int, world_size: int) -> str:
     return "no error"
 
 
+def stage3_unit_skipped_after_recording(rank: int, world_size: int) -> str:
+    """Three steps agree (the order is recorded, order checks start ahead), then rank 1 skips a unit: every rank
+    must get the error naming it, before a mismatched all-gather is launched."""
+    from lzero.engine.gather import UnitOrderError
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, unit_modules=("Linear",), unit_order_timeout_s=20))
+    zopt = ZeroOptimizer(opt, engine, 0)
+    x, y = torch.randn(4, 7), torch.randn(4, 5)
+    for step in range(4):
+        try:
+            engine.gather_root()
+            nn.functional.mse_loss(model(x, use_spare=rank == 0 or step < 3), y).backward()
+        except UnitOrderError as err:
+            return f"step {step}: {err}"
+        zopt.step()
+        zopt.zero_grad()
+    return "no error"
+
+
 def stage3_gathered_parameters(rank: int, world_size: int) -> dict:
     """Full access to one sharded block outside forward; a write is carried back to the shards."""
     torch.manual_seed(0)

@@ -86,3 +86,12 @@ def test_stage3_gathered_parameters_context(ranks: tuple[int, list[dict]]) -> No
     for res in results:
         assert res["gathered"] == {"released_before": True, "seen_full": True, "others_released": True,
                                    "released_after": True, "write_carried": True, "stray_access_refused": True}
+
+
+def test_a_unit_skipped_after_the_order_is_recorded_is_named_on_every_rank() -> None:
+    """From the second step the order checks run one block ahead (asynchronously); a divergence is still caught
+    before the mismatched all-gather is launched (gloo would abort the process on it)."""
+    for rank, res in enumerate(run_ranks(cases.stage3_unit_skipped_after_recording, 2, timeout=120)):
+        print(f"rank {rank}: {res}")
+        assert res.startswith("step 3: Ranks disagree on the next unit to gather"), res
+        assert "'spare'" in res and "'hidden.1.0'" in res

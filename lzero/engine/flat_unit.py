@@ -40,7 +40,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lzero.engine.parameters import mark_gathered, mark_released, set_grad_quietly
+from lzero.engine.parameters import mark_gathered, mark_released, name_param, set_grad_quietly
 from lzero.engine.partition import UnitSpec
 from lzero.offload.store import DeviceStore, ShardStore
 
@@ -123,6 +123,8 @@ class FlatUnit:
         self.shard_grad: Optional[Tensor] = None  # 1D, shard_numel, from the first reduction until the step
         self.zero_after_step = False  # set_to_none=False after a step: torch would hold a zero gradient
         self.owns_params = True  # parameters are views of (or placeholders for) this unit's buffer
+        self._views: Optional[list[Tensor]] = None  # each parameter's view of flat_param, made at the first attach
+        self._placeholders: Optional[list[Tensor]] = None  # each parameter's placeholder, made at the first release
         self.grad_state = GradState.EMPTY
         self.expected = 0  # params needing a gradient in the current backward
         self.seen = 0  # params whose gradient arrived in the current backward
@@ -304,18 +306,24 @@ class FlatUnit:
     def attach(self) -> None:
         """Point every parameter at its slice of the (gathered) full flat buffer."""
         self._require_gathered("attach")
-        for p, (start, end) in zip(self.params, self.ranges):
-            p.data = self.flat_param[start:end].view(p.shape)
-            mark_gathered(p)
+        if self._views is None:  # views of the buffer's storage stay valid while it is resized to 0 and back
+            self._views = [self.flat_param[start:end].view(p.shape) for p, (start, end) in zip(self.params, self.ranges)]
+        for p, view in zip(self.params, self._views):
+            mark_gathered(p)  # first: the guard's class would route the ``.data`` write through __torch_function__
+            p.data = view
 
     def release(self) -> None:
         """Free the full flat buffer; parameters keep their shapes on a NaN placeholder, guarded (see
         [Note: released parameters are guarded] in parameters.py)."""
         if self.owns_params:
-            placeholder = _placeholder(self.flat_param.dtype, self.flat_param.device)
-            for p, spec in zip(self.params, self.spec.params):
-                p.data = placeholder.expand(p.shape)
-                mark_released(p, spec.name)
+            if self._placeholders is None:
+                placeholder = _placeholder(self.flat_param.dtype, self.flat_param.device)
+                self._placeholders = [placeholder.expand(p.shape) for p in self.params]
+                for p, spec in zip(self.params, self.spec.params):
+                    name_param(p, spec.name)
+            for p, placeholder in zip(self.params, self._placeholders):
+                p.data = placeholder
+                mark_released(p)
         self.flat_param.untyped_storage().resize_(0)
 
     def hand_back(self, values: Optional[Tensor] = None) -> None:

@@ -125,9 +125,13 @@ def _released_error(func: object, args: tuple, kwargs: Optional[dict]) -> Releas
 _NAMES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # released parameter -> its name, for errors
 
 
-def mark_released(p: nn.Parameter, name: str) -> None:
-    """``p`` points at a placeholder now: refuse access to it. See [Note: released parameters are guarded]."""
+def name_param(p: nn.Parameter, name: str) -> None:
+    """The name errors about ``p`` give, once released."""
     _NAMES[p] = name
+
+
+def mark_released(p: nn.Parameter) -> None:
+    """``p`` points at a placeholder now: refuse access to it. See [Note: released parameters are guarded]."""
     p.__class__ = ReleasedParameter
 
 
