@@ -27,8 +27,10 @@ test: $(STAMP)
 test-all: $(STAMP)  # the default run and the slow fault cases it leaves out (pytest -m slow)
 	$(BIN)/python -m pytest -q --durations=20 -m ""
 
+# DeepSpeed rows: DEEPSPEED_PYTHON=/path/to/a/deepspeed-venv/bin/python (see benchmarks/peer_deepspeed_step.py)
+DEEPSPEED_PYTHON ?=
 bench: $(STAMP)
-	$(BIN)/python benchmarks/bench_step_time.py --strategies ddp,zero1,zero2,zero3,fsdp2
+	$(BIN)/python benchmarks/bench_speed.py --readme README.md $(if $(DEEPSPEED_PYTHON),--deepspeed-python $(DEEPSPEED_PYTHON))
 
 clean:
 	rm -rf runs lightning_logs .pytest_cache

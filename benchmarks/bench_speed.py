@@ -53,8 +53,13 @@ MODELS = {
     "wide": dict(config=dict(n_layer=8, n_embd=512, n_head=8, vocab_size=8000, n_positions=128), seq=128, batch=4),
     "deep": dict(config=dict(n_layer=24, n_embd=64, n_head=4, vocab_size=8000, n_positions=32), seq=32, batch=2),
 }
-DEFAULT_STRATEGIES = "ddp,zero1,zero2,zero3,zero2_offload,zero3_offload,fsdp2"
-WORLD_SIZE = 2
+ALIASES = {  # rows that are a preset with overrides (``preset:key=value;key=value``)
+    # DeepSpeed's own stage-3 defaults (stage3_param_persistence_threshold 1e5, stage3_prefetch_bucket_size 5e7),
+    # which the DeepSpeed rows run with
+    "zero3+ds_defaults": "zero3:param_persistence_threshold=100000;prefetch_bucket_size=50000000",
+}
+DEFAULT_STRATEGIES = "ddp,zero1,zero2,zero3,zero3+ds_defaults,zero2_offload,zero3_offload,fsdp2"
+WORLD_SIZE = int(os.environ.get("BENCH_WORLD_SIZE", "2"))  # --world-size sets it (rank 1.. inherit it)
 DEFAULT_OUT = Path(__file__).with_name("results_speed.md")
 
 
@@ -235,7 +240,8 @@ def run_one(model: str, strategy: str, args: argparse.Namespace) -> Row:
 
 
 def with_overrides(name: str):
-    """``zero3:key=value,...`` (``;`` between pairs on the command line): the preset with ZeroConfig overrides."""
+    """``zero3:key=value;key=value`` (or an alias of one): the preset with ZeroConfig overrides."""
+    name = ALIASES.get(name, name)
     if ":" not in name:
         return name
     import yaml
@@ -290,6 +296,34 @@ def format_table(rows: list[Row], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+README_START, README_END = "<!-- bench_speed:start -->", "<!-- bench_speed:end -->"
+
+
+def write_readme_table(rows: list[Row], readme: Path) -> None:
+    """The summary (ratio to DDP per model, counts) between the README's markers."""
+    models = list(dict.fromkeys(r.model for r in rows))
+    base = {m: next(statistics.mean(r.times) for r in rows if r.model == m and r.strategy == "ddp") for m in models}
+    lines = [README_START,
+             "| strategy | " + " | ".join(f"{m}: s/step, vs DDP" for m in models) + " | optimizer calls / grad hooks per step (deep) |",
+             "|---" * (len(models) + 2) + "|"]
+    for strategy in dict.fromkeys(r.strategy for r in rows):
+        cells = []
+        for m in models:
+            found = [r for r in rows if r.model == m and r.strategy == strategy]
+            t = statistics.mean(found[0].times) if found else None
+            cells.append(f"{t:.3f} s, {t / base[m]:.2f}x" if t else "-")
+        deep = [r for r in rows if r.strategy == strategy and r.counts.get("optimizer_calls") is not None]
+        counts = f"{deep[-1].counts['optimizer_calls']:.0f} / {deep[-1].counts['hook_calls']:.0f}" if deep else "-"
+        lines.append(f"| {strategy} | " + " | ".join(cells) + f" | {counts} |")
+    lines.append(README_END)
+    text = readme.read_text()
+    if README_START not in text or README_END not in text:
+        raise SystemExit(f"{readme} has no {README_START} ... {README_END} markers to write the table between")
+    head, rest = text.split(README_START, 1)
+    readme.write_text(head + "\n".join(lines) + rest.split(README_END, 1)[1])
+    print(f"wrote the summary into {readme}")
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="wide,deep")
@@ -299,8 +333,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--deepspeed-python", default=None,
                         help="python of an environment with DeepSpeed (never a dependency of lzero)")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of rank 0's timed steps per row")
+    parser.add_argument("--world-size", type=int, default=None, help="processes (default 2)")
+    parser.add_argument("--json", default=None, help="also write the rows as JSON here (scale_model.py reads it)")
+    parser.add_argument("--readme", default="none", help="README whose bench markers get the summary table")
     parser.add_argument("--out", default=str(DEFAULT_OUT), help="markdown file to write, or 'none'")
     args = parser.parse_args()
+    if args.world_size is not None and str(args.world_size) != os.environ.get("BENCH_WORLD_SIZE"):
+        os.environ["BENCH_WORLD_SIZE"] = str(args.world_size)  # Lightning's launcher re-runs this script
+        os.execv(sys.executable, [sys.executable, *sys.argv])
     args.models = [m for m in args.models.split(",") if m]
     args.strategies = [s for s in args.strategies.split(",") if s]
     return args
@@ -323,6 +363,11 @@ def main() -> None:
               f" {args.steps} timed steps (rank 0); {lzero_revision()}, torch {torch.__version__}"
               + (f", DeepSpeed {', '.join(sorted(versions))} (own environment, no Lightning)" if versions else "")
               + f", {os.cpu_count()} CPUs. wide: 8 x 512, seq 128, batch 4; deep: 24 x 64, seq 32, batch 2.")
+    if args.readme != "none":
+        write_readme_table(rows, Path(args.readme))
+    if args.json:
+        Path(args.json).write_text(json.dumps([dict(model=r.model, strategy=r.strategy, world_size=WORLD_SIZE,
+                                                    times=r.times, counts=r.counts) for r in rows], indent=1))
     table = format_table(rows, header)
     print(table)
     if args.out != "none":

@@ -1,0 +1,264 @@
+"""A scale model of lzero's step time and memory per device, from 1 to 1024 devices.
+
+Step time of one rank, data parallel over N ranks (an alpha-beta network model):
+
+    t(N) = compute + optimizer(N) + exposed communication(N)
+
+- ``compute``: forward + backward of one rank's micro-batch, which data parallelism does not change. Measured
+  (``--validate``: the N = 1 run minus the optimizer) or from FLOPs (``--table``: 6 x params x tokens / (peak x MFU)).
+- ``optimizer``: DDP steps all Ψ elements, a ZeRO stage its Ψ/N shard; offloaded: the host steps the shard and
+  the gradients and parameters cross PCIe.
+- communication per step (ring collectives; B bytes, N ranks, latency α, seconds per byte β):
+  all-reduce 2(N-1)α + 2B(N-1)/N β; reduce-scatter and all-gather (N-1)α + B(N-1)/N β each (past 8 ranks the
+  latency term takes 2 log2(N) steps instead of N-1: NCCL's trees and pipelined rings at scale).
+  DDP all-reduces Ψ in 25 MB buckets; zero1/2 reduce-scatter Ψ and all-gather Ψ in their buckets; zero3 gathers
+  every block in forward and again in backward and reduce-scatters it (3Ψ), plus one order check per gather.
+  On CPU (gloo, one thread per rank) communication is not hidden; on GPUs (NCCL on its own streams) it hides
+  behind compute, and only what exceeds the compute is exposed.
+- On CPU, ranks beyond the core count time-share the cores: compute, optimizer and communication are
+  multiplied by max(1, N / cpus).
+
+Memory per device comes from lzero's own estimator (``lzero.memory.estimate``, model states + working buffers,
+bf16-mixed Adam) plus activations with activation checkpointing.
+
+    python benchmarks/scale_model.py --validate runs.json   # against bench_speed.py --json at N = 1, 2, 4
+    python benchmarks/scale_model.py --table                # 7B and 70B on 8 ... 1024 GPUs, with a recommendation
+
+``--validate`` measures α and β of gloo on this machine (2 ranks) and the AdamW step rate, then predicts the
+N = 2 and N = 4 runs from the N = 1 run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DDP_BUCKET_BYTES = 25 * 2**20
+ZERO_BUCKET = 5_000_000  # the presets' reduce_bucket_size and allgather_bucket_size, elements
+
+
+@dataclass
+class Network:
+    alpha: float  # seconds per message hop
+    beta: float  # seconds per byte
+
+    def ring(self, kind: str, nbytes: float, n: int, messages: int = 1) -> float:
+        if n == 1:
+            return 0.0
+        hops = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}[kind]
+        # a ring's n - 1 latency steps; past one node NCCL's trees and pipelining pay about log2(n) of them
+        steps = n - 1 if n <= 8 else 2 * math.log2(n)
+        return hops * (messages * steps * self.alpha + (n - 1) * nbytes / n * self.beta)
+
+
+@dataclass
+class Model:
+    params: float  # Ψ, trainable elements
+    layers: int  # stage-3 blocks
+    bytes_per_element: int = 4  # of the communicated values (fp32 here; bf16-mixed reduces in bf16 on GPUs: 2)
+
+
+def communication(strategy: str, model: Model, n: int, net: Network) -> float:
+    """Seconds of collectives per step on one rank (see the module docstring)."""
+    b = model.params * model.bytes_per_element
+    stage = strategy.removeprefix("zero")[:1]
+    if strategy == "ddp":
+        return net.ring("all_reduce", b, n, messages=max(1, math.ceil(b / DDP_BUCKET_BYTES)))
+    buckets = max(1, math.ceil(model.params / ZERO_BUCKET))
+    flag = net.ring("all_reduce", 4, n)
+    if stage in ("1", "2"):
+        return net.ring("reduce_scatter", b, n, buckets) + net.ring("all_gather", b, n, buckets) + flag
+    blocks = model.layers + 1  # each block and the root reduce-scatter once
+    gathers = 2 * model.layers + 1  # blocks in forward and backward, the root once
+    checks = gathers * net.ring("all_gather", 8, n)  # the unit-order exchange of each gather
+    return net.ring("reduce_scatter", b, n, blocks) + net.ring("all_gather", 2 * b, n, gathers) + checks + flag
+
+
+def predict(strategy: str, model: Model, n: int, net: Network, compute: float, adam_rate: float,
+            cpus: int | None = None, hide_behind_compute: bool = False) -> float:
+    sharded = strategy != "ddp"
+    optimizer = model.params / (n if sharded else 1) / adam_rate
+    comm = communication(strategy, model, n, net)
+    share = max(1.0, n / cpus) if cpus else 1.0
+    exposed = max(0.0, comm - compute) if hide_behind_compute else comm
+    return share * (compute + optimizer + exposed)
+
+
+# --- validation on this machine -----------------------------------------------------------------------------
+
+
+def _net_rank(rank: int, world: int, port: int, queue) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    small, big = torch.zeros(1), torch.zeros(4_000_000)
+
+    def timed(t: torch.Tensor, repeats: int) -> float:
+        dist.all_reduce(t)
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            dist.all_reduce(t)
+        return (time.perf_counter() - start) / repeats
+
+    t_small, t_big = timed(small, 200), timed(big, 5)
+    if rank == 0:
+        queue.put((t_small, t_big, big.numel() * 4))
+    dist.destroy_process_group()
+
+
+def measure_network(world: int = 2) -> Network:
+    """α and β of gloo all-reduce on this machine, from a 4-byte and a 16 MB message."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_net_rank, args=(r, world, port, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    t_small, t_big, nbytes = queue.get(timeout=300)
+    for p in procs:
+        p.join()
+    hops = 2 * (world - 1)
+    alpha = t_small / hops
+    beta = (t_big - t_small) / (hops * nbytes / world)
+    return Network(alpha, beta)
+
+
+def measure_adam(numel: int) -> float:
+    """Elements per second of torch AdamW (the default kernel) on one thread."""
+    torch.set_num_threads(1)
+    p = torch.nn.Parameter(torch.zeros(numel))
+    p.grad = torch.randn(numel) * 1e-3
+    opt = torch.optim.AdamW([p], lr=1e-4)
+    opt.step()
+    start = time.perf_counter()
+    for _ in range(5):
+        opt.step()
+    return numel * 5 / (time.perf_counter() - start)
+
+
+SHAPES = {"wide": (8 * 12 * 512 * 512 + 8000 * 512 + 128 * 512, 8), "deep": (24 * 12 * 64 * 64 + 8000 * 64 + 32 * 64, 24)}
+
+
+def validate(path: Path, cpus: int) -> str:
+    rows = json.loads(path.read_text())
+    net = measure_network()
+    lines = [f"gloo on this machine: α = {net.alpha * 1e6:.0f} µs per hop, β = {1 / net.beta / 1e9:.2f} GB/s;"
+             f" {cpus} CPUs.", "",
+             "| model | strategy | N | measured s/step | predicted | error |", "|---|---|---|---|---|---|"]
+    errors = []
+    for model_name in dict.fromkeys(r["model"] for r in rows):
+        psi, layers = SHAPES[model_name]
+        model = Model(psi, layers)
+        adam = measure_adam(int(psi))
+        for strategy in dict.fromkeys(r["strategy"] for r in rows if r["model"] == model_name):
+            mine = {r["world_size"]: statistics.mean(r["times"]) for r in rows
+                    if r["model"] == model_name and r["strategy"] == strategy}
+            if 1 not in mine:
+                continue
+            compute = mine[1] - psi / adam  # the N = 1 run holds no communication
+            for n in sorted(mine):
+                t = predict(strategy, model, n, net, compute, adam, cpus=cpus)
+                err = t / mine[n] - 1
+                if n > 1:
+                    errors.append(abs(err))
+                lines.append(f"| {model_name} | {strategy} | {n} | {mine[n]:.4f} | {t:.4f} | {err:+.0%} |")
+    lines += ["", f"Largest error at N > 1: {max(errors):.0%}." if errors else ""]
+    return "\n".join(lines) + "\n"
+
+
+# --- the table for large models on GPUs -----------------------------------------------------------------------
+
+LARGE = {"7B": dict(params=6.7e9, layers=32, hidden=4096), "70B": dict(params=69e9, layers=80, hidden=8192)}
+GPU = dict(memory=80e9, flops=989e12, mfu=0.4, hbm=3.35e12, pcie=25e9, host_adam=1.0e9)
+NVLINK = Network(alpha=5e-6, beta=1 / 450e9)  # per direction, inside a node of 8
+INFINIBAND = Network(alpha=10e-6, beta=1 / 50e9)  # 400 Gb/s per GPU between nodes
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "zero2_offload", "zero3_offload")
+
+
+def gpu_step(strategy: str, spec: dict, n: int, tokens: int) -> tuple[float, float]:
+    """(seconds per step, bytes per GPU) for one GPU of ``n``."""
+    from lzero.memory.estimate import ModelCount, estimate
+
+    psi, layers, h = spec["params"], spec["layers"], spec["hidden"]
+    compute = 6 * psi * tokens / (GPU["flops"] * GPU["mfu"])
+    net = NVLINK if n <= 8 else INFINIBAND
+    model = Model(psi, layers, bytes_per_element=2)
+    comm = communication(strategy.removesuffix("_offload"), model, n, net)
+    shard = psi / (1 if strategy == "ddp" else n)
+    if strategy.endswith("_offload"):  # gradients down, parameters up over PCIe, the host steps the shard
+        optimizer = 4 * shard / GPU["pcie"] + shard / GPU["host_adam"]
+    else:
+        optimizer = 16 * shard / GPU["hbm"]  # Adam reads and writes ~16 bytes per element on the device
+    t = compute + optimizer + max(0.0, comm - compute)
+    count = ModelCount(int(psi), largest_block=int(12 * h * h), root=int(psi - layers * 12 * h * h))
+    states = estimate(count, num_gpus=min(n, 8), num_nodes=max(1, n // 8), strategies=[strategy], buffers=True)[0]
+    micro, seq = tokens // 4096, 4096
+    activations = 2 * micro * seq * h * layers + 34 * micro * seq * h  # checkpointed inputs + one live block
+    return t, states.per_device + activations
+
+
+def table(tokens: int) -> str:
+    lines = [f"Per GPU: {tokens} tokens per step (micro-batch x 4096), bf16-mixed AdamW, activation checkpointing;"
+             f" H100-like: {GPU['memory'] / 1e9:.0f} GB, {GPU['flops'] / 1e12:.0f} TFLOP/s at MFU {GPU['mfu']},"
+             " NVLink 450 GB/s and α 5 µs inside a node of 8, InfiniBand 400 Gb/s (50 GB/s) and α 10 µs between"
+             " nodes, PCIe 25 GB/s and a host step of 1e9 elements/s per GPU for offload.", ""]
+    for name, spec in LARGE.items():
+        lines += [f"**{name}**", "",
+                  "| GPUs | " + " | ".join(f"{s} s/step (GB)" for s in STRATEGIES) + " | recommended |",
+                  "|---" * (len(STRATEGIES) + 2) + "|"]
+        for n in (8, 16, 32, 64, 128, 256, 512, 1024):
+            cells, fits = [], []
+            for s in STRATEGIES:
+                t, mem = gpu_step(s, spec, n, tokens)
+                ok = mem <= 0.9 * GPU["memory"]
+                cells.append(f"{t:.2f} ({mem / 1e9:.0f}{'' if ok else ' ✗'})")
+                if ok:
+                    fits.append((t, STRATEGIES.index(s), s))
+            if fits:  # the fastest that fits; within 2% of it, the lowest stage (fewer, larger collectives)
+                fastest = min(t for t, _, _ in fits)
+                t, _, best = min((f for f in fits if f[0] <= 1.02 * fastest), key=lambda f: f[1])
+                why = f"{t:.2f} s, fits" + (f"; the fastest is {fastest:.2f} s" if t > fastest else "")
+            else:
+                best, why = "none", "no choice fits 90% of 80 GB: add GPUs, tensor or pipeline parallelism"
+            lines.append(f"| {n} | " + " | ".join(cells) + f" | {best}: {why} |")
+        lines.append("")
+    lines.append("✗: over 90% of the GPU's memory.")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--validate", type=Path, help="bench_speed.py --json output with N = 1, 2, 4 runs")
+    parser.add_argument("--cpus", type=int, default=os.cpu_count())
+    parser.add_argument("--table", action="store_true")
+    parser.add_argument("--tokens", type=int, default=4 * 4096, help="tokens per GPU per step for --table")
+    args = parser.parse_args()
+    if args.validate:
+        print(validate(args.validate, args.cpus))
+    if args.table:
+        print(table(args.tokens))
+    if not (args.validate or args.table):
+        parser.print_help()
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
