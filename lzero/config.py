@@ -162,7 +162,9 @@ class ZeroConfig:
 
     param_persistence_threshold: Union[int, Literal["auto"]] = 0
     """Stage 3: a unit of at most this many elements stays gathered from its forward to the end of its
-    backward, gathered once per step instead of twice. DeepSpeed's ``stage3_param_persistence_threshold``
+    backward, and is gathered again right after the optimizer step, with the other such units in coalesced
+    all-gathers of ``allgather_bucket_size``, so the next forward finds it gathered: many small blocks cost one
+    collective per bucket instead of two per block. DeepSpeed's ``stage3_param_persistence_threshold``
     compares each parameter; lzero gathers a unit's parameters in one collective, so it compares the unit
     (small parameters inside a large unit cost no collective of their own). 0: none. "auto": 10*h, filled
     at setup."""

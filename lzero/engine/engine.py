@@ -520,6 +520,25 @@ class ZeroEngine:
                 pending.extend(self._launch_gather(part)
                                for part in _coalesce(bucket, self.config.allgather_bucket_size))
         self._finish_gathers(pending)
+        if self.gatherer is not None:
+            self._gather_persistent([u for bucket, _ in steps for u in bucket])
+
+    def _gather_persistent(self, units: Sequence[FlatUnit]) -> None:
+        """Stage 3: the persistent blocks holding ``units``, all-gathered after the step in coalesced buckets, so
+        the next forward finds them gathered. See [Note: stage-3 gather schedule] in gather.py."""
+        blocks = self.gatherer.persistent_blocks(units)
+        if not blocks:
+            return
+        gathered = [u for block in blocks for u in block.units]
+        for unit in gathered:
+            unit.allocate()
+        if collectives.local(self.group):
+            for unit in gathered:
+                unit.flat_param.copy_(unit.compute_shard())
+        else:
+            self._finish_gathers([self._launch_gather(part)
+                                  for part in _coalesce(gathered, self.config.allgather_bucket_size)])
+        self.gatherer.mark_gathered(blocks)
 
     def _finish_gathers(self, pending: list[PendingGather]) -> None:
         for gather in pending:

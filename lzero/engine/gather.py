@@ -31,7 +31,11 @@ gathered and how long it stays; none changes what is computed:
   forward, which backward needs first, are not released at the end of their forward when their reuse
   distance (twice the elements of the blocks after them: their forward, then their backward) is below it;
 - ``param_persistence_threshold``: a block of at most that many elements is not released at the end of
-  its forward either.
+  its forward either; and after the optimizer step, every such block whose shards live in device memory is
+  gathered again at once, in all-gathers coalesced to ``allgather_bucket_size`` as at stages 1-2, so the
+  next forward finds it gathered: a model of many small blocks then pays one collective per bucket for them
+  instead of one per block in forward and another in backward (DeepSpeed's persistent parameters). Such a
+  block is released like the others at the end of backward, so it never holds stale values across the step.
 A block kept at the end of its forward is released like any other once its backward is done, and every
 block at the end of backward; a forward that no backward follows leaves kept blocks gathered until the
 next step begins, which releases them before the optimizer's update could make them stale.
@@ -165,6 +169,7 @@ class Gatherer:
         self._host: Optional[dict[int, torch.Tensor]] = None  # inside streamed_from_host(): unit id -> full values
         self._copy_stream: Any = None  # CUDA: the side stream of host copies
         self._checks: dict[str, tuple[Any, torch.Tensor, torch.Tensor]] = {}  # order checks started ahead
+        self._fresh: set[str] = set()  # persistent blocks the optimizer step gathered (kept by begin_step)
         self._direction = 1  # +1 in forward, -1 in backward: where the next block is in ``order``
         self._hooks = []
         for name, module in modules.items():
@@ -254,6 +259,7 @@ class Gatherer:
         block = self.blocks[name]
         if block.state is BlockState.RELEASED or self._pinned:
             return
+        self._fresh.discard(name)
         for handle in block.handles:  # a prefetch never used: still has to land before freeing
             handle.wait()
         block.handles = []
@@ -445,10 +451,29 @@ class Gatherer:
 
     def begin_step(self) -> None:
         """A training step starts: forget input gradients a forward without backward left pending, and release the
-        blocks it left gathered (kept for a backward that never came)."""
+        blocks it left gathered (kept for a backward that never came), except persistent blocks gathered after
+        the last optimizer step (see [Note: stage-3 gather schedule])."""
         for block in self.blocks.values():
             block.pending_inputs = 0
-        self.release_all()
+        for name in self.blocks:
+            if name not in self._fresh:
+                self.release(name)
+
+    def persistent_blocks(self, units: Sequence[FlatUnit]) -> list[Block]:
+        """The released persistent blocks holding any of ``units`` whose shards all live in device memory: what
+        the optimizer step gathers again (see [Note: stage-3 gather schedule])."""
+        wanted = {id(u) for u in units}
+        return [b for n, b in self.blocks.items()
+                if n in self._persistent and n and any(id(u) in wanted for u in b.units)
+                and all(u.param_store.name == "device" and u.spec.padded_numel > 0 for u in b.units)]
+
+    def mark_gathered(self, blocks: Sequence[Block]) -> None:
+        """``blocks`` were all-gathered by the step (their units' buffers hold the full values): attach them."""
+        for block in blocks:
+            for unit in block.units:
+                unit.attach()
+            block.state = BlockState.GATHERED
+            self._fresh.add(block.name)
 
     def start_backward(self) -> None:
         for block in self.blocks.values():
