@@ -9,6 +9,16 @@ process group tells every rank which units got a gradient on any rank; the rest 
 launched in unit order, with zeros for the gradients a rank lacks. A unit that got no gradient on
 any rank is not reduced and its shard keeps ``grad = None``, so the optimizer skips it (as DDP
 leaves ``grad = None`` for a globally unused parameter).
+
+[Note: coalesced reductions]
+A reduce-scatter costs a fixed latency whatever its size, so a model of many small units (zero3 blocks of a
+narrow model) would pay it once per unit. Units that pack their gradients (stages 2-3) and are smaller than
+``reduce_bucket_size`` are therefore held once ready and reduced together: when the held units reach
+``reduce_bucket_size`` elements, before a larger unit is launched, and at the end of backward. The bucket is
+laid out rank by rank (every unit's rank-0 slice, then every unit's rank-1 slice, ...) so one reduce-scatter
+hands each rank its slice of every unit. Grouping depends only on unit sizes and unit order, so every rank
+forms the same buckets; held gradients stay alive until their bucket launches (at most
+``reduce_bucket_size`` elements).
 """
 
 from __future__ import annotations
@@ -29,9 +39,9 @@ class InflightReduction(NamedTuple):
     """A launched reduce-scatter: what to wait on and where its result lands."""
 
     handle: collectives.Handle
-    unit: FlatUnit
-    out: Tensor  # 1D, shard_numel: this rank's shard of the averaged gradients once ``handle`` is done
-    bucket: Tensor  # 1D, padded_numel: the scaled gradients being reduced; kept alive until then
+    units: list[FlatUnit]
+    out: Tensor  # 1D, the units' shard_numel in order: this rank's shards of the averaged gradients once done
+    bucket: Tensor  # 1D, the units' padded_numel: the scaled gradients being reduced; kept alive until then
 
 
 class Reducer:
@@ -47,6 +57,8 @@ class Reducer:
         self.loss_scale = 1.0  # the fp16 loss scale of the current backward; divided out before summing
         self.next = 0  # index of the next unit to launch in this backward
         self._inflight: collections.deque[InflightReduction] = collections.deque()
+        self._held: list[FlatUnit] = []  # ready small units waiting to be reduced together: [Note: coalesced reductions]
+        self._held_numel = 0
 
     def begin_backward(self) -> None:
         self.next = 0
@@ -83,34 +95,60 @@ class Reducer:
         for unit, flag in zip(units, flags.tolist()):
             if flag and not unit.launched:
                 self.launch(unit)
+        self.flush()
         self.wait()
         for unit in units:
             unit.end_round()
 
     def launch(self, unit: FlatUnit) -> None:
+        """Reduce ``unit`` now, or hold it to reduce with the next small units: [Note: coalesced reductions]."""
         unit.mark_launched()
+        limit = self.config.reduce_bucket_size
+        if unit.accumulates_locally or unit.spec.padded_numel >= limit or self.world_size == 1:
+            self.flush()
+            self._launch([unit])
+            return
+        self._held.append(unit)
+        self._held_numel += unit.spec.padded_numel
+        if self._held_numel >= limit:
+            self.flush()
+
+    def flush(self) -> None:
+        """Launch the held units' reduction (one reduce-scatter for all of them)."""
+        if self._held:
+            held, self._held, self._held_numel = self._held, [], 0
+            self._launch(held)
+
+    def _launch(self, units: list[FlatUnit]) -> None:
         while len(self._inflight) >= self.config.max_inflight_reductions:
             self._finish_oldest()
         # multiply before summing, exactly as DDP's reducer does; the loss scale is divided out here too
         scale = 1.0 / (self.world_size * self.loss_scale)
-        if unit.accumulates_locally:
+        if len(units) == 1 and units[0].accumulates_locally:
+            unit = units[0]
             bucket = unit.local_grads().to(unit.reduce_dtype)  # the gradient buffer itself when dtypes agree
             bucket.mul_(scale)
-        else:
-            bucket = unit.pack_grads(scale)
-        out = torch.empty(unit.spec.shard_numel, dtype=bucket.dtype, device=bucket.device)
+        elif len(units) == 1:
+            bucket = units[0].pack_grads(scale)
+        else:  # rank by rank: every unit's slice of rank 0, then of rank 1, ...
+            bucket = torch.cat([u.pack_grads(scale).view(self.world_size, -1) for u in units], dim=1).view(-1)
+        out = torch.empty(sum(u.spec.shard_numel for u in units), dtype=bucket.dtype, device=bucket.device)
         handle = collectives.reduce_scatter(out, bucket, self.group, async_op=self.config.overlap_comm)
-        self._inflight.append(InflightReduction(handle, unit, out, bucket))
+        self._inflight.append(InflightReduction(handle, units, out, bucket))
         if not self.config.overlap_comm:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
         done = self._inflight.popleft()
         done.handle.wait()
-        done.unit.land_reduced(done.out)
+        offset = 0
+        for unit in done.units:
+            unit.land_reduced(done.out[offset : offset + unit.spec.shard_numel])
+            offset += unit.spec.shard_numel
 
     def wait(self) -> None:
         """Block until every launched reduction has landed in its shard."""
+        self.flush()
         while self._inflight:
             self._finish_oldest()
 
@@ -125,6 +163,7 @@ class Reducer:
         destroying it waits for no other rank; left alive, a failed fit's groups could abort the process at exit."""
         if after_failure:
             self._inflight.clear()
+            self._held, self._held_numel = [], 0
         else:
             self.wait()
         if self.flag_group is not None:
