@@ -43,6 +43,12 @@ def _run(rank: int, cfg: dict, offload: bool) -> tuple[list[torch.Tensor], list[
     acc = cfg.get("acc", 1)
     losses = []
     for step in range(cfg.get("steps", 10)):
+        if step == cfg.get("pin_fails_at"):  # from now on pinning fails, and the staging pools start empty
+            for store in engine.stores:
+                if store.name == "cpu":
+                    store.pin = True  # as on CUDA
+                    store._free.clear()
+                    store._pinned = _cannot_pin
         for micro in range(acc):
             x, y = torch.randn(4, 7, generator=gen), torch.randn(4, 5, generator=gen)
             engine.gather_root()
@@ -62,6 +68,26 @@ def _run(rank: int, cfg: dict, offload: bool) -> tuple[list[torch.Tensor], list[
         engine.unshard()
     params = [p.detach().clone() for p in model.parameters()]
     return params, losses, engine
+
+
+def _cannot_pin(nbytes: int) -> torch.Tensor:
+    raise RuntimeError(f"injected: cannot page-lock {nbytes} bytes")
+
+
+def pinned_failure_mid_run(rank: int, world_size: int, stage: int) -> dict:
+    """An offloaded run whose pinned staging allocations start failing at step 4, against the same run without
+    the failure: the store falls back to pageable buffers with one warning, and training goes on unchanged."""
+    import warnings
+
+    cfg = {"stage": stage, "steps": 8}
+    reference, ref_losses, engine = _run(rank, cfg, offload=True)
+    engine.remove()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        params, losses, engine = _run(rank, {**cfg, "pin_fails_at": 4}, offload=True)
+    engine.remove()
+    return {"bitwise": all(torch.equal(a, b) for a, b in zip(params, reference)) and losses == ref_losses,
+            "warnings": [str(w.message) for w in caught if "pinned host memory" in str(w.message)]}
 
 
 def offloaded_vs_device(rank: int, world_size: int, configs: list[dict]) -> list[dict]:

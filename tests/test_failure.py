@@ -29,9 +29,10 @@ def _gone(pid: int) -> bool:
 
 
 def _run(strategy: str, mode: str, failing_rank: int, out: Path) -> tuple[subprocess.CompletedProcess, list[float]]:
-    """Run the script; the seconds from the failure until each rank's process is gone."""
+    """Run the script (in a session of its own: ``ctrl_c`` signals its whole process group); the seconds from the
+    failure until each rank's process is gone."""
     cmd = [sys.executable, str(SCRIPTS / "failure_runs.py"), strategy, mode, str(failing_rank), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, start_new_session=True,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     ended = {0: time.time()}
     pid1 = int((out / "rank1.pid").read_text())
@@ -63,6 +64,37 @@ def test_exception_on_one_rank(tmp_path: Path, strategy: str, failing_rank: int)
     assert "UnitOrderError" not in output and "meta tensor" not in output, output[-6000:]
     assert "Connection closed by peer" in output or "Connection reset by peer" in output, output[-6000:]
     assert max(exit_s) < DEADLINE_S, exit_s
+
+
+@pytest.mark.parametrize("strategy", [pytest.param("zero2_offload", marks=pytest.mark.slow),
+                                      pytest.param("zero3_offload", marks=pytest.mark.slow), "zero3_offload_nvme"])
+def test_exception_on_one_rank_under_offload(tmp_path: Path, strategy: str) -> None:
+    """As above, under each offload preset (host stores, NVMe swap files): rank 1's error is its last, rank 0 ends
+    within the bound, and no swap folder is left behind."""
+    proc, exit_s = _run(strategy, "raise", 1, tmp_path)
+    output = proc.stdout + proc.stderr
+    print(f"{strategy}: ranks exit {exit_s[0]:.1f} s, {exit_s[1]:.1f} s after the error")
+    assert proc.returncode != 0
+    assert "RuntimeError: user error on rank 1 at step 3" in _last_error(output, 1), output[-6000:]
+    assert max(exit_s) < DEADLINE_S, exit_s
+    assert _swap_left(tmp_path) == [], _swap_left(tmp_path)
+
+
+def _swap_left(out: Path) -> list[str]:
+    swap = out / "swap"
+    return sorted(str(p.relative_to(swap)) for p in swap.rglob("*")) if swap.exists() else []
+
+
+def test_ctrl_c_under_nvme_offload_ends_every_rank_and_removes_the_swap_files(tmp_path: Path) -> None:
+    """SIGINT to the whole process group at step 3 (Ctrl+C in the terminal that runs the launcher) under
+    zero3_offload_nvme: both ranks exit within 10 s and their swap folders are gone."""
+    proc, exit_s = _run("zero3_offload_nvme", "ctrl_c", 0, tmp_path)
+    output = proc.stdout + proc.stderr
+    print(f"Ctrl+C: ranks exit {exit_s[0]:.1f} s, {exit_s[1]:.1f} s after the signal; exit code {proc.returncode}")
+    assert proc.returncode != 0, output[-4000:]
+    assert (tmp_path / "swap").exists()  # the run did use the folder
+    assert max(exit_s) < 10.0, (exit_s, output[-4000:])
+    assert _swap_left(tmp_path) == [], _swap_left(tmp_path)
 
 
 def test_uninitializable_module_error_is_last(tmp_path: Path) -> None:

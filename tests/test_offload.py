@@ -170,3 +170,14 @@ def test_staging_buffers_are_pooled_and_bounded() -> None:
     store.finish()
     assert [h[0].item() for h in held] == [100.0, 50.0, 400.0, 300.0, 20.0]
     assert store.staging_bytes() <= 4 * (400 + 300)  # the two largest, not one per size
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_pinned_allocation_failing_mid_run_goes_on_pageable_and_unchanged(stage: int) -> None:
+    """From step 4, every pinned staging allocation fails (injected; the pools emptied so new buffers are needed):
+    one warning per rank naming `pin_memory: false`, and the run's losses and parameters stay bitwise those of the
+    run without the failure."""
+    for rank, res in enumerate(run_ranks(cases.pinned_failure_mid_run, 2, stage)):
+        print(f"stage {stage} rank {rank}: {res}")
+        assert res["bitwise"], res
+        assert len(res["warnings"]) == 1 and "`pin_memory: false`" in res["warnings"][0], res["warnings"]

@@ -4,9 +4,13 @@ a defect found is kept below as an explicit ``@example``."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
@@ -222,3 +226,79 @@ def test_a_damaged_shard_file_is_refused_by_name_or_reads_as_written(files: tupl
             return
     for name, tensor in tensors.items():  # a renamed tensor parses: the manifest's coverage check refuses it
         assert tuple(tensor.shape) == tuple(file.entry(name).shape)
+
+
+CHECKPOINT = Path(__file__).parent / "data" / "stop7_zero3_frozen.ckpt"
+json_values = st.recursive(st.none() | st.booleans() | st.integers(-3, 10**6) | st.floats(allow_nan=False)
+                           | st.text(max_size=12), lambda inner: st.lists(inner, max_size=3)
+                           | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=6)
+
+
+def _paths(value: Any, prefix: tuple = ()) -> list[tuple]:
+    """Every path (keys and indices) into a JSON value."""
+    out = [prefix]
+    if isinstance(value, dict):
+        for k, v in value.items():
+            out += _paths(v, prefix + (k,))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            out += _paths(v, prefix + (i,))
+    return out
+
+
+@st.composite
+def damaged_manifests(draw: st.DrawFn) -> bytes:
+    """The committed manifest with a few values replaced by arbitrary JSON, or keys removed; or arbitrary bytes."""
+    manifest = json.loads((CHECKPOINT / "manifest.json").read_text())
+    if draw(st.integers(0, 9)) == 0:
+        return draw(st.binary(max_size=200))
+    for _ in range(draw(st.integers(1, 3))):
+        path = draw(st.sampled_from(_paths(manifest)[1:]))
+        parent = manifest
+        for key in path[:-1]:
+            parent = parent[key]
+        if isinstance(parent, dict) and draw(st.booleans()):
+            del parent[path[-1]]
+        else:
+            parent[path[-1]] = draw(json_values)
+    return json.dumps(manifest).encode()
+
+
+def _manifest_with(**changes: Any) -> bytes:
+    manifest = json.loads((CHECKPOINT / "manifest.json").read_text())
+    for key, value in changes.items():
+        if value is ...:
+            del manifest[key]
+        else:
+            manifest[key] = value
+    return json.dumps(manifest).encode()
+
+
+@BUDGET
+@given(damaged_manifests())
+# found: each met as a bare TypeError or KeyError before the reader checked the manifest's fields
+@example(_manifest_with(files=None))
+@example(_manifest_with(params={"net.0.weight": {"shape": [32, 8]}}))
+@example(_manifest_with(aliases=...))
+@example(_manifest_with(state_dict_keys=[["net.0.weight"]]))
+@example(_manifest_with(world_size="2"))
+def test_a_damaged_manifest_is_refused_by_name_or_reads_as_written(manifest: bytes) -> None:
+    """A checkpoint whose manifest.json is damaged: opening it and reading every tensor gives ``CheckpointError``
+    naming the checkpoint or one of its files, or (damage the reader does not depend on) the checkpoint's tensors;
+    never another exception."""
+    import shutil
+    import tempfile
+
+    from lzero.checkpoint.files import CheckpointError
+    from lzero.checkpoint.reader import ShardedCheckpoint
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "damaged.ckpt"
+        shutil.copytree(CHECKPOINT, path)
+        (path / "manifest.json").write_bytes(manifest)
+        try:
+            state = ShardedCheckpoint(path).full_state_dict()
+        except CheckpointError as err:
+            assert str(path) in str(err), err
+            return
+    assert state and all(isinstance(t, torch.Tensor) for t in state.values())

@@ -146,6 +146,35 @@ def test_rank_killed_while_rewriting_last_leaves_the_previous_checkpoint(runs: P
     assert len({n.split("-")[1] for n in names[1:]}) == 1  # one save id: the leftovers are gone
 
 
+@pytest.mark.parametrize("suite", ["enospc_rank1", pytest.param("enospc_both", marks=pytest.mark.slow)])
+def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path: Path, suite: str) -> None:
+    """ENOSPC inside the shard writer at step 4 (zero3, a save every 2 steps), on rank 1 or on both ranks at once:
+    every failing rank raises a CheckpointError naming its file and the disk-full error, the other rank names the
+    failing ranks, the step-2 checkpoints stay loadable, and the failed save leaves no directory behind."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "ckpt_runs.py"), suite, str(tmp_path)], capture_output=True,
+                          text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    failing = (1,) if suite == "enospc_rank1" else (0, 1)
+    for rank in (0, 1):
+        errors = [ln for ln in output.splitlines() if ln.startswith(f"[rank{rank}]: lzero.checkpoint.files.Checkpoint")]
+        assert errors, output[-4000:]
+        if rank in failing:
+            assert f"Rank {rank} could not write its shard" in errors[-1] and "No space left on device" in errors[-1]
+        else:
+            assert "Rank(s) [1] could not write their shard" in errors[-1], errors[-1]
+        assert "epoch=0-step=4.ckpt" in errors[-1] and "not committed" in errors[-1]
+    run = tmp_path / suite
+    assert sorted(p.name for p in run.iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+    for name in ("epoch=0-step=2.ckpt", "last.ckpt"):
+        checkpoint = ShardedCheckpoint(run / name)
+        assert checkpoint.manifest["global_step"] == 2
+        state = checkpoint.full_state_dict()
+        assert "net.0.weight" in state and all(t.isfinite().all() for t in state.values())
+
+
 def test_lightning_pointed_at_a_sharded_directory_says_consolidate(runs: Path) -> None:
     sys.path.insert(0, str(SCRIPTS))
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO

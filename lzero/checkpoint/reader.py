@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Optional
@@ -28,6 +29,10 @@ def is_sharded_checkpoint(path: Any) -> bool:
     return Path(path).is_dir()
 
 
+_SAVE_ID = re.compile(r"[0-9A-Za-z_]{1,64}")
+_FILE_NAME = re.compile(r"shard-[0-9A-Za-z_]{1,64}-r\d{5}-of-\d{5}\.safetensors")  # never a path elsewhere
+
+
 def shard_name(save_id: str, rank: int, world_size: int) -> str:
     return f"shard-{save_id}-r{rank:05d}-of-{world_size:05d}.safetensors"
 
@@ -45,9 +50,11 @@ class ShardedCheckpoint:
                 " HINT: resume from an earlier checkpoint; an interrupted save is cleaned up by the next one."
             )
         self.manifest = read_json(manifest_path, "checkpoint manifest")
-        if self.manifest.get("format") != FORMAT or self.manifest.get("version") != VERSION:
+        if not isinstance(self.manifest, dict) or self.manifest.get("format") != FORMAT \
+                or self.manifest.get("version") != VERSION:
             raise CheckpointError(f"`{manifest_path}` is not an {FORMAT} v{VERSION} manifest."
                                   " HINT: it was written by another tool or a newer lzero.")
+        _check_manifest(self.manifest, manifest_path)
         self.save_id = self.manifest["save_id"]
         self._common: Optional[dict[str, Any]] = None
         self.files: list[TensorFile] = []
@@ -75,7 +82,7 @@ class ShardedCheckpoint:
                 self._optimizer_keys[(parts[1], parts[2])].add(parts[3])
         self._check_coverage()
 
-    def _check_coverage(self) -> None:
+    def _check_coverage(self) -> None:  # noqa: C901 - one pass over the pieces
         """Every parameter, and every per-element optimizer state, is covered from 0 to its numel."""
         params = self.manifest["params"]
         for name in params:
@@ -157,7 +164,7 @@ class ShardedCheckpoint:
     def param_name(self, key: str) -> Optional[str]:
         """The sharded parameter a state-dict key holds (tied keys name the same one), or None for a
         tensor outside every unit (a buffer, a frozen parameter)."""
-        name = self.manifest["aliases"].get(key, key)
+        name = self.manifest.get("aliases", {}).get(key, key)
         return name if name in self.manifest["params"] else None
 
     def state_tensor(self, key: str) -> Tensor:
@@ -178,3 +185,42 @@ class ShardedCheckpoint:
                 by_name[name] = self.full_param(name)
             out[key] = by_name[name]
         return out
+
+
+def _check_manifest(m: dict, path: Path) -> None:
+    """Every field the reader and its users depend on, with its type, before any is used: a damaged or hand-edited
+    manifest is refused naming the field, never met later as a KeyError or TypeError."""
+
+    def bad(field: str, wanted: str) -> CheckpointError:
+        return CheckpointError(f"`{path}`: `{field}` must be {wanted}, found {m.get(field.split('[')[0].split('.')[0])!r:.80}."
+                               " HINT: this checkpoint's manifest is damaged; resume from an earlier checkpoint.")
+
+    def whole(value: Any, low: int = 0) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+    if not isinstance(m.get("save_id"), str) or not _SAVE_ID.fullmatch(m["save_id"]):
+        raise bad("save_id", "a save id (letters and digits)")
+    if not whole(m.get("world_size"), 1):
+        raise bad("world_size", "a whole number >= 1")
+    files = m.get("files")
+    if not isinstance(files, list) or not files or not all(
+            isinstance(f, dict) and isinstance(f.get("name"), str) and _FILE_NAME.fullmatch(f["name"])
+            and whole(f.get("rank")) and whole(f.get("bytes")) for f in files):
+        raise bad("files", "a list of {name: shard-<save id>-r<rank>-of-<world>.safetensors, rank, bytes}")
+    params = m.get("params")
+    if not isinstance(params, dict) or not all(
+            isinstance(name, str) and isinstance(p, dict) and isinstance(p.get("shape"), list)
+            and all(whole(d) for d in p["shape"]) and whole(p.get("numel")) and p["numel"] == math.prod(p["shape"])
+            for name, p in params.items()):
+        raise bad("params", "a mapping of parameter name -> {shape: [sizes], numel: their product}")
+    keys = m.get("state_dict_keys")
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise bad("state_dict_keys", "a list of names")
+    aliases = m.get("aliases", {})
+    if not isinstance(aliases, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
+        raise bad("aliases", "a mapping of name -> name")
+    for field in ("stage", "global_step", "epoch"):
+        if m.get(field) is not None and not whole(m[field]):
+            raise bad(field, "a whole number")
+    if not isinstance(m.get("weights_only", False), bool):
+        raise bad("weights_only", "true or false")

@@ -226,12 +226,18 @@ class SaveJob:
         and on rank 0 check the files, commit the manifest, remove other saves' files, then run the
         removals waiting for this commit. A collective on ``group``. Returns the save id."""
         size = 0
+        file = self.directory / shard_name(self.save_id, self.rank, self.world)
         if self.error is None:
             try:
                 self.directory.mkdir(parents=True, exist_ok=True)
-                file = self.directory / shard_name(self.save_id, self.rank, self.world)
                 write_tensors(file, self.tensors, self.metadata)
                 size = file.stat().st_size
+            except OSError as err:  # a full disk, a lost mount: name the file
+                self.error = CheckpointError(
+                    f"Rank {self.rank} could not write its shard `{file}`: {err}. The checkpoint `{self.directory}`"
+                    " was not committed; the previous checkpoint is untouched. HINT: free space on that disk, or save to"
+                    " another folder (`ModelCheckpoint(dirpath=...)`), and save again.")
+                self.error.__cause__ = err
             except BaseException as err:  # every rank must reach the status exchange, or the others hang
                 self.error = err
         self.tensors = {}
@@ -239,6 +245,11 @@ class SaveJob:
         sizes[self.rank] = -1.0 if self.error is not None else float(size)
         collectives.all_reduce(sizes, group=self.group)
         failed = [r for r in range(self.world) if sizes[r] < 0]
+        if failed:  # nothing will commit this save: its files only take space (on a disk that may be full)
+            with contextlib.suppress(OSError):
+                file.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                self.directory.rmdir()  # only if empty: another rank's file, or an older save, keeps it
         if self.error is not None:
             raise self.error
         if failed:

@@ -38,7 +38,10 @@ the run folder once it is empty; nothing is registered globally, the caller call
 and on an exception. A run killed before that leaves its folder; :func:`cleanup_stale` removes the run
 folders of the same user on the same host whose every lock names a process that no longer exists (or
 is a zombie: killed, not yet reaped), and
-leaves anything it does not fully recognise alone.
+leaves anything it does not fully recognise alone. Every rank also registers an exit handler for its run
+folder (``nvme_checks.sweep_at_exit``): Lightning's launcher, on Ctrl+C, SIGKILLs the ranks it started and
+then exits, so the launcher's own exit removes the killed ranks' files (waiting up to 3 s for their deaths)
+instead of leaving them to the next start.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ files themselves, and the notes on their life, are in nvme.py ([Note: life of th
 
 from __future__ import annotations
 
+import atexit
 import errno
 import json
 import math
@@ -47,7 +48,45 @@ def cleanup_stale(nvme_path: PathLike) -> list[Path]:
     return removed
 
 
-def _is_stale(run_folder: Path) -> bool:
+_SWEPT_AT_EXIT: set[Path] = set()
+
+
+def sweep_at_exit(run_folder: Path, wait_s: float = 3.0) -> None:
+    """At this process's exit, remove ``run_folder`` once every lock in it names a dead process, waiting up to
+    ``wait_s`` for that. A launcher interrupted by Ctrl+C kills its child ranks with SIGKILL right before it
+    exits, so their swap files would outlive the run until the next start's :func:`cleanup_stale`: the
+    launcher's exit removes them instead (see [Note: life of the swap folder] in nvme.py). A run that ended
+    normally removed its folder already, and the handler returns at once."""
+    if run_folder in _SWEPT_AT_EXIT:
+        return
+    _SWEPT_AT_EXIT.add(run_folder)
+
+    def sweep() -> None:
+        deadline = time.monotonic() + wait_s
+        while run_folder.exists():
+            if _is_stale(run_folder, exiting=os.getpid()):
+                shutil.rmtree(run_folder, ignore_errors=True)
+                return
+            # only this process's own children (ranks it launched and killed) are worth waiting for; any other
+            # live rank removes its own folder
+            if time.monotonic() > deadline or not _children_hold(run_folder):
+                return
+            time.sleep(0.05)
+
+    atexit.register(sweep)
+
+
+def _children_hold(run_folder: Path) -> bool:
+    """Some lock in ``run_folder`` names a live child of this process."""
+    for lock_file in run_folder.glob("rank*.lock"):
+        lock = _read_lock(lock_file)
+        fields = _proc_stat(lock["pid"]) if lock else None
+        if fields is not None and fields[0] not in ("Z", "X") and fields[1] == str(os.getpid()):
+            return True
+    return False
+
+
+def _is_stale(run_folder: Path, exiting: Optional[int] = None) -> bool:
     try:
         info = os.lstat(run_folder)
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
@@ -64,7 +103,8 @@ def _is_stale(run_folder: Path) -> bool:
         return False
     if not locks or None in locks.values() or not ranks <= set(locks):
         return False
-    return all(lock["host"] == _host() and not _alive(lock["pid"], lock.get("start")) for lock in locks.values())
+    return all(lock["host"] == _host() and (lock["pid"] == exiting or not _alive(lock["pid"], lock.get("start")))
+               for lock in locks.values())
 
 
 def _read_lock(path: Path) -> Optional[dict]:

@@ -9,7 +9,7 @@ from typing import Any, Optional
 import torch
 
 from lzero.offload.nvme import SwapFiles
-from lzero.offload.nvme_checks import check_buffer, check_path, check_space, cleanup_stale
+from lzero.offload.nvme_checks import check_buffer, check_path, check_space, cleanup_stale, sweep_at_exit
 from lzero.offload.nvme_store import NvmeStore
 from lzero.offload.store import DeviceStore, HostStore, ShardStore
 
@@ -63,6 +63,7 @@ def _nvme_store(config: Any, device: torch.device, need: float, initial: float, 
     check_space(path, int(need))
     files = SwapFiles(path, rank, run_id, block_size=aio.block_size, queue_depth=aio.queue_depth,
                       threads=aio.intra_op_parallelism)
+    sweep_at_exit(files.run_folder)  # ranks a launcher kills on Ctrl+C cannot remove their own files
     first = blocks[0]
     return NvmeStore(device, files, first.pin_memory, getattr(optimizer, "buffer_count", 4),
                      optimizer.pipeline_read if optimizer.device == "nvme" else False,

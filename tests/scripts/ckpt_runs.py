@@ -91,6 +91,9 @@ def main(suite: str, out: Path) -> None:
     elif suite == "kill_async":  # rank 1 dies on the writer thread during the step-10 save (save_top_k=1)
         die_while_writing(rank=1, call=3)
         fit(out, "killed_async", ZeroStrategy(stage=2, async_save=True), 2, steps=20, every=5)
+    elif suite in ("enospc_rank1", "enospc_both"):  # the disk fills while writing epoch=0-step=4.ckpt/ (3rd write)
+        disk_full_while_writing(ranks=(1,) if suite == "enospc_rank1" else (0, 1), call=3)
+        fit(out, suite, zero[3](), 2, steps=8, every=2)
     elif suite == "after_kill":  # resume from what the killed run left, saving into the same directory
         fit(out, "after_kill", zero[2](), 2, steps=15, every=5, resume=str(out / "killed" / "last.ckpt"),
             dirpath=out / "killed")
@@ -130,6 +133,33 @@ def die_while_writing(rank: int, call: int) -> None:
         if len(calls) == call and int(os.environ.get("LOCAL_RANK", 0)) == rank:
             Path(path).write_bytes(b"\x00" * 64)  # a torn shard
             os.kill(os.getpid(), signal.SIGKILL)
+        return original(path, tensors, metadata)
+
+    sharded.write_tensors = write_tensors
+
+
+def disk_full_while_writing(ranks: tuple[int, ...], call: int) -> None:
+    """On ``ranks``, the ``call``-th shard write fails with ENOSPC after its header and first tensors are written:
+    the writer's own error path runs, as when the disk fills mid-file."""
+    import errno
+    import os
+
+    import lzero.checkpoint.sharded as sharded
+
+    original, calls = sharded.write_tensors, []
+
+    class Full:
+        def __init__(self, t: torch.Tensor) -> None:
+            self.dtype, self.shape = t.dtype, t.shape
+
+        def materialize(self) -> torch.Tensor:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def write_tensors(path, tensors, metadata):  # type: ignore[no-untyped-def]
+        calls.append(path)
+        if len(calls) == call and int(os.environ.get("LOCAL_RANK", 0)) in ranks:
+            last = list(tensors)[-1]
+            tensors = {**tensors, last: Full(tensors[last])}
         return original(path, tensors, metadata)
 
     sharded.write_tensors = write_tensors

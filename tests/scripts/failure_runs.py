@@ -5,6 +5,9 @@
 MODE ``raise``: ``training_step`` raises ``RuntimeError`` on FAILING_RANK at step 3.
 MODE ``noinit``: stage 3 builds, in ``configure_model``, blocks holding a module lzero cannot initialize.
 MODE ``sigint``: FAILING_RANK sends itself SIGINT at step 3 (Ctrl+C on one rank).
+MODE ``ctrl_c``: rank 0 sends SIGINT to the whole process group at step 3, as Ctrl+C in a terminal does (the test
+starts this script in a session of its own).
+STRATEGY: a registered name; the offload presets keep their host or NVMe state under ``OUT_DIR/swap``.
 MODE ``ckpt``: as ``raise``, with ``OnExceptionCheckpoint`` (and ``exception_checkpoint_timeout_s=5``).
 MODE ``ckpt_all``: as ``ckpt``, but every rank raises at step 3 (FAILING_RANK -1).
 Every rank writes ``OUT_DIR/rank<r>.pid`` (its process id); the failing rank writes ``OUT_DIR/failed_at``
@@ -71,6 +74,9 @@ class Net(LightningModule):
             (self.out / "failed_at").write_text(repr(time.time()))
             if self.mode == "sigint":
                 os.kill(os.getpid(), signal.SIGINT)
+            elif self.mode == "ctrl_c":
+                os.killpg(os.getpgid(0), signal.SIGINT)
+                time.sleep(5)  # the signal arrives while this rank would go on
             else:
                 raise RuntimeError(f"user error on rank {self.global_rank} at step {batch_idx}")
         x, y = batch
@@ -87,6 +93,9 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     data = DataLoader(TensorDataset(torch.randn(64, 16), torch.randn(64, 1)), batch_size=4)
     callbacks = []
+    if strategy.endswith("_nvme"):  # the swap folders where the test can see them
+        swap = {"device": "nvme", "nvme_path": str(out / "swap")}
+        strategy = lzero.ZeroStrategy(stage=3, offload_optimizer=swap, offload_param=swap)
     if mode.startswith("ckpt"):
         callbacks.append(OnExceptionCheckpoint(str(out)))
         if strategy.startswith("zero"):
