@@ -12,8 +12,8 @@ leaves ``grad = None`` for a globally unused parameter).
 
 [Note: coalesced reductions]
 A reduce-scatter costs a fixed latency whatever its size, so a model of many small units (zero3 blocks of a
-narrow model) would pay it once per unit. Units that pack their gradients (stages 2-3) and are smaller than
-``reduce_bucket_size`` are therefore held once ready and reduced together: when the held units reach
+narrow model) would pay it once per unit. Units that pack their gradients (stages 2-3) and hold at most a
+quarter of ``reduce_bucket_size`` are therefore held once ready and reduced together: when the held units reach
 ``reduce_bucket_size`` elements, before a larger unit is launched, and at the end of backward. The bucket is
 laid out rank by rank (every unit's rank-0 slice, then every unit's rank-1 slice, ...) so one reduce-scatter
 hands each rank its slice of every unit. Grouping depends only on unit sizes and unit order, so every rank
@@ -104,7 +104,9 @@ class Reducer:
         """Reduce ``unit`` now, or hold it to reduce with the next small units: [Note: coalesced reductions]."""
         unit.mark_launched()
         limit = self.config.reduce_bucket_size
-        if unit.accumulates_locally or unit.spec.padded_numel >= limit or self.world_size == 1:
+        # only small units wait for others: a unit of a quarter bucket or more keeps its reduction overlapping the
+        # rest of backward, as before (stage 1-2 units are about a bucket each, wide zero3 blocks too)
+        if unit.accumulates_locally or 4 * unit.spec.padded_numel > limit or self.world_size == 1:
             self.flush()
             self._launch([unit])
             return
