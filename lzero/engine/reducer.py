@@ -18,7 +18,10 @@ quarter of ``reduce_bucket_size`` are therefore held once ready and reduced toge
 laid out rank by rank (every unit's rank-0 slice, then every unit's rank-1 slice, ...) so one reduce-scatter
 hands each rank its slice of every unit. Grouping depends only on unit sizes and unit order, so every rank
 forms the same buckets; held gradients stay alive until their bucket launches (at most
-``reduce_bucket_size`` elements).
+``reduce_bucket_size`` elements). In backward's hooks a rank launches one reduction at a time, each only when
+there is room for it without waiting: a hook that flushed the held bucket and then launched a large unit could
+block on that bucket's reduction while the peer, which had deferred it to the end of backward, waited for this
+rank in the flag exchange (a deadlock seen on the wide GPT-2 benchmark; the hooks never block).
 """
 
 from __future__ import annotations
@@ -72,10 +75,23 @@ class Reducer:
             if unit.waiting_for_grads:
                 return
             if unit.expected:
-                if not self._room_without_waiting():
+                # one launch at a time, each only with room for it: a second launch could block on a reduction
+                # the peer has not launched yet (it may have deferred it to the end of backward), while the
+                # peer waits for this rank in the flag exchange
+                if self._held and not self._small(unit):  # the held bucket goes first, on its own
+                    if not self._room_without_waiting():
+                        return
+                    self.flush()
+                stays_held = self._small(unit) and self._held_numel + unit.spec.padded_numel < self.config.reduce_bucket_size
+                if not stays_held and not self._room_without_waiting():
                     return
                 self.launch(unit)
             self.next += 1
+
+    def _small(self, unit: FlatUnit) -> bool:
+        """Whether ``unit`` waits to be reduced with others: [Note: coalesced reductions]."""
+        return not unit.accumulates_locally and 4 * unit.spec.padded_numel <= self.config.reduce_bucket_size \
+            and self.world_size > 1
 
     def _room_without_waiting(self) -> bool:
         while len(self._inflight) >= self.config.max_inflight_reductions:
@@ -103,16 +119,15 @@ class Reducer:
     def launch(self, unit: FlatUnit) -> None:
         """Reduce ``unit`` now, or hold it to reduce with the next small units: [Note: coalesced reductions]."""
         unit.mark_launched()
-        limit = self.config.reduce_bucket_size
         # only small units wait for others: a unit of a quarter bucket or more keeps its reduction overlapping the
         # rest of backward, as before (stage 1-2 units are about a bucket each, wide zero3 blocks too)
-        if unit.accumulates_locally or 4 * unit.spec.padded_numel > limit or self.world_size == 1:
+        if not self._small(unit):
             self.flush()
             self._launch([unit])
             return
         self._held.append(unit)
         self._held_numel += unit.spec.padded_numel
-        if self._held_numel >= limit:
+        if self._held_numel >= self.config.reduce_bucket_size:
             self.flush()
 
     def flush(self) -> None:
