@@ -460,8 +460,9 @@ class Gatherer:
                 self.release(name)
 
     def persistent_blocks(self, units: Sequence[FlatUnit]) -> list[Block]:
-        """The released persistent blocks holding any of ``units`` whose shards all live in device memory: what
-        the optimizer step gathers again (see [Note: stage-3 gather schedule])."""
+        """The persistent blocks holding any of ``units`` whose shards all live in device memory: what the
+        optimizer step gathers again, whether released or already gathered by an earlier optimizer's step (see
+        [Note: stage-3 gather schedule])."""
         wanted = {id(u) for u in units}
         return [b for n, b in self.blocks.items()
                 if n in self._persistent and n and any(id(u) in wanted for u in b.units)
