@@ -82,8 +82,7 @@ class Reducer:
                     if not self._room_without_waiting():
                         return
                     self.flush()
-                stays_held = self._small(unit) and self._held_numel + unit.spec.padded_numel < self.config.reduce_bucket_size
-                if not stays_held and not self._room_without_waiting():
+                if self._launches(unit) and not self._room_without_waiting():
                     return
                 self.launch(unit)
             self.next += 1
@@ -92,6 +91,11 @@ class Reducer:
         """Whether ``unit`` waits to be reduced with others: [Note: coalesced reductions]."""
         return not unit.accumulates_locally and 4 * unit.spec.padded_numel <= self.config.reduce_bucket_size \
             and self.world_size > 1
+
+    def _launches(self, unit: FlatUnit) -> bool:
+        """Whether :meth:`launch` of ``unit`` starts a reduction (a large unit, or a small one that fills the held
+        bucket) rather than only holding it."""
+        return not self._small(unit) or self._held_numel + unit.spec.padded_numel >= self.config.reduce_bucket_size
 
     def _room_without_waiting(self) -> bool:
         while len(self._inflight) >= self.config.max_inflight_reductions:
@@ -125,9 +129,10 @@ class Reducer:
             self.flush()
             self._launch([unit])
             return
+        fills = self._launches(unit)
         self._held.append(unit)
         self._held_numel += unit.spec.padded_numel
-        if self._held_numel >= self.config.reduce_bucket_size:
+        if fills:
             self.flush()
 
     def flush(self) -> None:
