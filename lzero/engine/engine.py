@@ -99,8 +99,12 @@ class ZeroEngine:
         if config.stage >= 3:
             self.gatherer = self._shard_parameters(block_modules, labels)
         self.reducer = Reducer(self.units, config, group, self.world_size)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._where
-                       if not self._where[p][0].spec.frozen]
+        # stage 3: a block's gradients are collected once its backward is done (one hook call per block, see
+        # [Note: one backward hook per block] in gather.py); other parameters report their own
+        in_blocks = set() if self.gatherer is None else {
+            id(u) for name, block in self.gatherer.blocks.items() if name != ROOT for u in block.units}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p, (unit, _) in self._where.items()
+                       if not unit.spec.frozen and id(unit) not in in_blocks]
         parameters.watch(self._where, self._on_grad_cleared, self._on_module_zero_grad)  # [Note: clearing gradients]
         self.sync = True  # False inside Lightning's block_backward_sync (accumulating micro-batches)
         self.automatic = True  # Lightning's automatic optimization
@@ -195,7 +199,7 @@ class ZeroEngine:
             timeout = datetime.timedelta(seconds=self.config.unit_order_timeout_s)
             self._check_group = dist.new_group(backend="gloo", timeout=timeout)
         return Gatherer(blocks, modules, self._gather_group, GatherSchedule.of(self.config), self._check_group,
-                        self.config.unit_order_timeout_s)
+                        self.config.unit_order_timeout_s, on_backward_done=self._on_unit_grads)
 
     def gather_root(self) -> None:
         """Stage 3: the root unit stays gathered from the start of a step to the end of its backward."""
@@ -337,8 +341,22 @@ class ZeroEngine:
                 " optimization call `optimizer.step()` only after the last backward of the step."
             )
         unit.grad_arrived(index)
-        if self.gatherer is not None:
-            self.gatherer.on_param_grad(unit)
+        if self._launch_in_hooks:
+            self.reducer.launch_ready_in_order()
+
+    def _on_unit_grads(self, block: Block) -> None:
+        """Stage 3: the backward of ``block``'s forwards is done, so its parameters' gradients are final for
+        this backward: each one present counts as arrived (a parameter without one stays waiting, as a skipped
+        parameter would, until the end of backward). A backward that accumulated nothing into them (an
+        ``autograd.grad`` call) opens no round. See [Note: one backward hook per block] in gather.py."""
+        units = [unit for unit in block.units if not unit.spec.frozen]
+        if not self._round_open:
+            if not any(unit.holds_grads() for unit in units):
+                return
+            self._open_round()
+        for unit in units:
+            for i in unit.arrivals():
+                unit.grad_arrived(i)
         if self._launch_in_hooks:
             self.reducer.launch_ready_in_order()
 
@@ -357,12 +375,14 @@ class ZeroEngine:
                     " parameter (no gradient, no optimizer state); it requires them now. HINT: set `requires_grad`"
                     " before `fit` (and give the parameter to the optimizer), or use zero2 to unfreeze during training."
                 )
-        if self.gatherer is not None:
-            self.gatherer.start_backward()
         torch.autograd.Variable._execution_engine.queue_callback(self._close_round)
 
     def _close_round(self) -> None:
         try:
+            if self.gatherer is not None:  # blocks no input hook reported (inputs without gradients)
+                for unit in self.units:
+                    for i in unit.arrivals():
+                        unit.grad_arrived(i)
             if self._reduce_in_backward:
                 self.reducer.reduce_remaining(self.units)
         finally:

@@ -40,7 +40,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lzero.engine.parameters import mark_gathered, mark_released, name_param, set_grad_quietly
+from lzero.engine.parameters import mark_gathered, mark_released, name_param, quiet_params, raw_grad, set_grad_quietly
 from lzero.engine.partition import UnitSpec
 from lzero.offload.store import DeviceStore, ShardStore
 
@@ -147,6 +147,19 @@ class FlatUnit:
         self.seen += 1
         self.cleared.discard(index)
 
+    def arrivals(self) -> list[int]:
+        """Indices of the trainable parameters holding a gradient not yet counted in this backward: stage 3
+        collects them once a block's backward is done (no per-parameter hook)."""
+        if not self.waiting_for_grads:
+            return []
+        with quiet_params():
+            return [i for i, p in enumerate(self.params) if p.requires_grad and raw_grad(p) is not None]
+
+    def holds_grads(self) -> bool:
+        """Some parameter holds a gradient autograd accumulated (not yet reduced)."""
+        with quiet_params():
+            return any(raw_grad(p) is not None for p in self.params)
+
     @property
     def waiting_for_grads(self) -> bool:
         """Some parameter expected in this backward has not reported its gradient yet."""
@@ -201,10 +214,12 @@ class FlatUnit:
         """Stage 2: a new bucket holding ``scale * p.grad`` for every param (zeros where a param
         has none); the params' full gradients are released."""
         bucket = torch.zeros(self.spec.padded_numel, device=self.flat_param.device, dtype=self.reduce_dtype)
-        for p, (start, end) in zip(self.params, self.ranges):
-            if p.grad is not None:
-                torch.mul(p.grad.reshape(-1), scale, out=bucket[start:end])
-                set_grad_quietly(p, None)
+        with quiet_params():
+            for p, (start, end) in zip(self.params, self.ranges):
+                grad = raw_grad(p)
+                if grad is not None:
+                    torch.mul(grad.reshape(-1), scale, out=bucket[start:end])
+                    set_grad_quietly(p, None)
         return bucket
 
     @torch.no_grad()
@@ -232,8 +247,10 @@ class FlatUnit:
         """Free every gradient buffer once the step consumed them (see [Note: gradient buffers]), remembering
         whether a gradient existed, for a later ``zero_grad(set_to_none=False)``."""
         self.zero_after_step = self.grad_state is not GradState.EMPTY
-        for p in self.params:
-            set_grad_quietly(p, None)
+        with quiet_params():
+            for p in self.params:
+                if raw_grad(p) is not None:
+                    set_grad_quietly(p, None)
         self.flat_grad = self.shard_grad = None
         self.master_shard.grad = None
         self.grad_state = GradState.EMPTY
@@ -259,7 +276,8 @@ class FlatUnit:
     @property
     def trainable(self) -> list[int]:
         """Indices of the parameters that take gradients."""
-        return [i for i, p in enumerate(self.params) if p.requires_grad]
+        with quiet_params():
+            return [i for i, p in enumerate(self.params) if p.requires_grad]
 
     def mark_reduced(self) -> None:
         self.grad_state = GradState.REDUCED

@@ -191,3 +191,14 @@ def reporting_empty_grad_reads(callback: Callable[[nn.Parameter], None]) -> Iter
 def set_grad_quietly(p: Tensor, value: Optional[Tensor]) -> None:
     """Set ``p.grad`` without reporting it (the engine's own bookkeeping)."""
     _RAW_GRAD.__set__(p, value)
+
+
+def raw_grad(p: Tensor) -> Optional[Tensor]:
+    """``p.grad`` as autograd holds it, without the empty-read report of ``ZeroParameter.grad``."""
+    return _RAW_GRAD.__get__(p)
+
+
+def quiet_params():  # -> ContextManager[None]
+    """Inside the block, the engine's own metadata reads and ``grad`` writes on its parameters skip the guard's
+    ``__torch_function__`` (a Python call per access on a released parameter); nothing inside may touch values."""
+    return torch._C.DisableTorchFunctionSubclass()
