@@ -38,6 +38,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 from pathlib import Path
 
 import torch
@@ -116,6 +117,7 @@ class GPT2Module(LightningModule):
 class Counters:
     optimizer_calls: int = 0
     hook_calls: int = 0
+    units: int = 0  # units of the last engine built
     comm_bytes: int = 0
     counting: bool = False
 
@@ -137,17 +139,26 @@ def install_counters() -> None:
 
     register_optimizer_step_post_hook(on_step)
 
-    for name in [n for n in dir(ZeroEngine) if n.startswith("_on_grad") or n.startswith("_on_unit_grad")]:
-        if name == "_on_grad_cleared":
-            continue
-        original = getattr(ZeroEngine, name)
+    from lzero.engine import gather
 
-        def counted(self, *args, _original=original, **kwargs):
+    # every Python call autograd makes into lzero in backward: per-parameter hooks, and stage 3's hooks on the
+    # blocks' inputs and outputs (one tensor hook each, running the block's release and the next gather)
+    for owner, name in ((ZeroEngine, "_on_grad_ready"), (gather, "_run_actions")):
+        original = getattr(owner, name)
+
+        def counted(*args, _original=original, **kwargs):
             if COUNTS.counting:
                 COUNTS.hook_calls += 1
-            return _original(self, *args, **kwargs)
+            return _original(*args, **kwargs)
 
-        setattr(ZeroEngine, name, counted)
+        setattr(owner, name, counted)
+    original_init = ZeroEngine.__init__
+
+    def remember_units(self, *args, **kwargs) -> None:
+        original_init(self, *args, **kwargs)
+        COUNTS.units = len(self.units)
+
+    ZeroEngine.__init__ = remember_units
 
     def nbytes(t) -> int:
         if isinstance(t, (list, tuple)):
@@ -207,6 +218,41 @@ class Row:
     times: list[float]
     peak_rss_mb: list[float]
     counts: dict = field(default_factory=dict)
+    passes: list[float] = field(default_factory=list)  # mean s/step of each pass (--repeat)
+    ratios: list[float] = field(default_factory=list)  # each pass's mean over DDP's mean in the same pass
+
+    @property
+    def seconds(self) -> float:
+        """s/step: the median over passes of each pass's mean."""
+        return statistics.median(self.passes) if self.passes else statistics.mean(self.times)
+
+    @property
+    def ratio(self) -> Optional[float]:
+        return statistics.median(self.ratios) if self.ratios else None
+
+    def spread(self) -> str:
+        return f" ({min(self.ratios):.2f}-{max(self.ratios):.2f})" if len(self.ratios) > 1 else ""
+
+
+def merge_passes(passes: list[list[Row]]) -> list[Row]:
+    """One row per (model, strategy) from ``--repeat`` passes: every timed step, each pass's mean, and each pass's
+    ratio to the DDP row of that pass (rows were run interleaved, so a slow minute of the machine hits a pass's
+    DDP row and its other rows alike)."""
+    merged: dict[tuple[str, str], Row] = {}
+    for rows in passes:
+        base = {r.model: statistics.mean(r.times) for r in rows if r.strategy == "ddp"}
+        for r in rows:
+            key = (r.model, r.strategy)
+            if key not in merged:
+                merged[key] = Row(r.model, r.strategy, [], r.peak_rss_mb, r.counts)
+            m = merged[key]
+            mean = statistics.mean(r.times)
+            m.times += r.times
+            m.passes.append(mean)
+            m.peak_rss_mb = [max(a, b) for a, b in zip(m.peak_rss_mb, r.peak_rss_mb)]
+            if r.model in base:
+                m.ratios.append(mean / base[r.model])
+    return list(merged.values())
 
 
 def run_one(model: str, strategy: str, args: argparse.Namespace) -> Row:
@@ -229,6 +275,7 @@ def run_one(model: str, strategy: str, args: argparse.Namespace) -> Row:
     counts = {}
     if strategy.startswith("zero") or strategy == "ddp":  # counted for lzero (and DDP's one optimizer call)
         counts = dict(optimizer_calls=COUNTS.optimizer_calls / args.steps, hook_calls=COUNTS.hook_calls / args.steps,
+                      units=COUNTS.units if strategy != "ddp" else None,
                       comm_mb=COUNTS.comm_bytes / args.steps / 1e6 if strategy != "ddp" else None)
     row = Row(model, strategy, timer.times, gather_floats(peak_rss_mb()), counts)
     if trainer.is_global_zero and args.profile:
@@ -276,22 +323,22 @@ def deepspeed_rows(args: argparse.Namespace) -> list[Row]:
 
 def format_table(rows: list[Row], header: str) -> str:
     lines = [header, "",
-             "| model | strategy | s/step (mean) | median | vs ddp | optimizer calls/step | grad-hook calls/step |"
+             "| model | strategy | s/step | median step | vs ddp | optimizer calls/step | grad-hook calls/step | units |"
              " collective MB/step (rank 0) | peak RSS MB (rank 0 / 1) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for model in dict.fromkeys(r.model for r in rows):
         mine = [r for r in rows if r.model == model]
-        base = next((statistics.mean(r.times) for r in mine if r.strategy == "ddp"), None)
         for r in mine:
-            mean = statistics.mean(r.times)
-            ratio = f"{mean / base:.2f}x" if base else "n/a"
+            mean = r.seconds
+            ratio = f"{r.ratio:.2f}x{r.spread()}" if r.ratio is not None else "n/a"
             c = r.counts
 
             def show(key: str, fmt: str = "{:.0f}") -> str:
                 return fmt.format(c[key]) if c.get(key) is not None else "-"
 
             lines.append(f"| {model} | {r.strategy} | {mean:.4f} | {statistics.median(r.times):.4f} | {ratio} |"
-                         f" {show('optimizer_calls')} | {show('hook_calls')} | {show('comm_mb', '{:.1f}')} |"
+                         f" {show('optimizer_calls')} | {show('hook_calls')} | {show('units')} |"
+                         f" {show('comm_mb', '{:.1f}')} |"
                          f" {' / '.join(f'{m:.0f}' for m in r.peak_rss_mb)} |")
     return "\n".join(lines) + "\n"
 
@@ -302,18 +349,19 @@ README_START, README_END = "<!-- bench_speed:start -->", "<!-- bench_speed:end -
 def write_readme_table(rows: list[Row], readme: Path) -> None:
     """The summary (ratio to DDP per model, counts) between the README's markers."""
     models = list(dict.fromkeys(r.model for r in rows))
-    base = {m: next(statistics.mean(r.times) for r in rows if r.model == m and r.strategy == "ddp") for m in models}
     lines = [README_START,
-             "| strategy | " + " | ".join(f"{m}: s/step, vs DDP" for m in models) + " | optimizer calls / grad hooks per step (deep) |",
+             "| strategy | " + " | ".join(f"{m}: s/step, vs DDP" for m in models)
+             + " | optimizer calls / grad hooks / units per step (deep) |",
              "|---" * (len(models) + 2) + "|"]
     for strategy in dict.fromkeys(r.strategy for r in rows):
         cells = []
         for m in models:
             found = [r for r in rows if r.model == m and r.strategy == strategy]
-            t = statistics.mean(found[0].times) if found else None
-            cells.append(f"{t:.3f} s, {t / base[m]:.2f}x" if t else "-")
+            cells.append(f"{found[0].seconds:.3f} s, {found[0].ratio:.2f}x{found[0].spread()}" if found else "-")
         deep = [r for r in rows if r.strategy == strategy and r.counts.get("optimizer_calls") is not None]
-        counts = f"{deep[-1].counts['optimizer_calls']:.0f} / {deep[-1].counts['hook_calls']:.0f}" if deep else "-"
+        c = deep[-1].counts if deep else {}
+        counts = f"{c['optimizer_calls']:.0f} / {c['hook_calls']:.0f} / {c['units'] if c.get('units') else '-'}" \
+            if deep else "-"
         lines.append(f"| {strategy} | " + " | ".join(cells) + f" | {counts} |")
     lines.append(README_END)
     text = readme.read_text()
@@ -330,6 +378,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--strategies", default=DEFAULT_STRATEGIES)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="passes over every row, interleaved; each row reports the median over passes")
     parser.add_argument("--deepspeed-python", default=None,
                         help="python of an environment with DeepSpeed (never a dependency of lzero)")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of rank 0's timed steps per row")
@@ -352,15 +402,21 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
     install_counters()
-    rows = [run_one(model, strategy, args) for model in args.models for strategy in args.strategies]
+    # passes run every row once, one pass after another, so the machine's slow and fast minutes spread over all rows
+    passes = [[run_one(model, strategy, args) for model in args.models for strategy in args.strategies]
+              for _ in range(args.repeat)]
     if dist.is_initialized() and dist.get_rank() != 0:
         return
-    if args.deepspeed_python:
-        rows += deepspeed_rows(args)
-        rows.sort(key=lambda r: args.models.index(r.model))
+    if args.deepspeed_python:  # after the lzero passes (rank 1 has returned): each pass gets one DeepSpeed run
+        for rows in passes:
+            rows += deepspeed_rows(args)
+            rows.sort(key=lambda r: args.models.index(r.model))
+    rows = merge_passes(passes)
     versions = {r.counts.get("version") for r in rows if r.strategy.startswith("deepspeed")} - {None}
     header = (f"Hugging Face GPT-2, fp32, AdamW, {WORLD_SIZE} CPU processes x 1 thread, gloo; {args.warmup} warmup +"
-              f" {args.steps} timed steps (rank 0); {lzero_revision()}, torch {torch.__version__}"
+              f" {args.steps} timed steps (rank 0) per row, {args.repeat} interleaved pass(es): s/step is the median of"
+              " the passes' means, the ratio the median of each pass's ratio to that pass's DDP (range in brackets);"
+              f" {lzero_revision()}, torch {torch.__version__}"
               + (f", DeepSpeed {', '.join(sorted(versions))} (own environment, no Lightning)" if versions else "")
               + f", {os.cpu_count()} CPUs. wide: 8 x 512, seq 128, batch 4; deep: 24 x 64, seq 32, batch 2.")
     if args.readme != "none":
