@@ -169,6 +169,14 @@ class ZeroConfig:
     (small parameters inside a large unit cost no collective of their own). 0: none. "auto": 10*h, filled
     at setup."""
 
+    gather_bucket_size: int = 0
+    """Stage 3: from the second step on (the first records the order), consecutive units of at most a quarter
+    of this many elements each are all-gathered together, in forward and again in backward: one collective (and
+    one order check) of at most this many elements per run of units instead of one per unit, which is what a
+    model of many small blocks waits on. A run counts as one unit for ``prefetch``, so up to about two runs are
+    gathered at once. Units whose parameter shards live in host memory or files, and persistent ones, are
+    gathered alone. 0: one all-gather per unit. See [Note: stage-3 gather schedule] in gather.py."""
+
     unit_order_timeout_s: float = 120.0
     """Stage 3: before each unit's all-gather the ranks check that they gather the same unit; a rank
     that does not arrive within this many seconds raises an error naming the unit (0 disables the
@@ -331,7 +339,7 @@ class ZeroConfig:
     def _check_gather_schedule(self) -> None:
         """The stage-3 knobs of [Note: stage-3 gather schedule]: whole numbers, stage 3 only, one way to prefetch."""
         optional = ("prefetch_bucket_size", "max_live_parameters")
-        for name in (*optional, "max_reuse_distance", "param_persistence_threshold"):
+        for name in (*optional, "max_reuse_distance", "param_persistence_threshold", "gather_bucket_size"):
             value = getattr(self, name)
             if isinstance(value, float) and value.is_integer():  # DeepSpeed configs write 5e7
                 object.__setattr__(self, name, value := int(value))

@@ -53,6 +53,7 @@ def against_ddp(rank: int, world_size: int, configs: list[dict]) -> list[dict]:
         engine = ZeroEngine(model, [opt], ZeroConfig(stage=cfg["stage"], reduce_bucket_size=cfg.get("bucket", 60),
                                                      overlap_comm=cfg.get("overlap", True),
                                                      prefetch=cfg.get("prefetch", 1),
+                                                     gather_bucket_size=cfg.get("gather_bucket", 0),
                                                      unit_modules=("Linear",) if cfg["stage"] == 3 else None))
         zopt = ZeroOptimizer(opt, engine, 0)
         gen = torch.Generator().manual_seed(7 + rank)
@@ -519,6 +520,7 @@ def stage3_gather(rank: int, world_size: int) -> dict:
             "reuse": dict(max_reuse_distance=2 * b + 1),  # blocks 3 (distance 0) and 2 (2b) kept
             "reuse_live": dict(max_reuse_distance=10 * b, max_live_parameters=3072 + b + b // 2),  # 3 kept, no prefetch
             "persist": dict(param_persistence_threshold=b, prefetch=0),
+            "run": dict(gather_bucket_size=4 * b),  # the four blocks: one run, one all-gather each way
         }.items()}
         result["partial"] = stage3_unit_on_some_ranks(rank, world_size)
     return result

@@ -57,6 +57,9 @@ SCHEDULES = {  # [Note: stage-3 gather schedule]: the states seen in forward and
     # every block under param_persistence_threshold: gathered again by the first step's optimizer step (in one
     # coalesced all-gather), so the whole forward finds them gathered; each is released after its backward
     "persist": ([states(set(FORWARD)) for k in FORWARD], [states(set(range(k + 1))) for k in BACKWARD]),
+    # gather_bucket_size 4 blocks: the first block's hook launches all four in one all-gather, in forward and again
+    # in backward; each block is still released after its use
+    "run": ([states({k}, set(range(k + 1, 4))) for k in FORWARD], [states({k}, set(range(k))) for k in BACKWARD]),
 }
 
 

@@ -14,9 +14,10 @@ CONFIGS = {
         {"stage": 2, "overlap": False}, {"stage": 1, "bucket": 10_000},
         {"stage": 1, "rank_skips_spare": True}, {"stage": 2, "rank_skips_spare": True},
         {"stage": 3}, {"stage": 3, "acc": 2}, {"stage": 3, "prefetch": 0}, {"stage": 3, "overlap": False},
+        {"stage": 3, "gather_bucket": 800},  # every Linear in one run of coalesced all-gathers
     ],
     3: [{"stage": 1}, {"stage": 2}, {"stage": 2, "acc": 2}, {"stage": 3}],
-    4: [{"stage": 1}, {"stage": 2, "acc": 2}, {"stage": 3, "prefetch": 2}],
+    4: [{"stage": 1}, {"stage": 2, "acc": 2}, {"stage": 3, "prefetch": 2}, {"stage": 3, "gather_bucket": 800}],
 }
 
 

@@ -22,13 +22,14 @@ from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
 
 from lzero import auto_sizes
 from lzero.engine import collectives
 from lzero.config import ZeroConfig
 from lzero.errors import ZeroEngineError
 from lzero.engine.mixed_precision import PrecisionPolicy
-from lzero.engine.flat_unit import FlatUnit, GradState
+from lzero.engine.flat_unit import FlatUnit, GradState, fill_from_gathered
 from lzero.engine import parameters
 from lzero.engine.gather import Block, Gatherer, GatherSchedule, full_graphs_around
 from lzero.engine.materialize import (InitFn, Materializer, WeightSource, apply_order, buffers_to, common_seed, has_meta,
@@ -199,7 +200,7 @@ class ZeroEngine:
             timeout = datetime.timedelta(seconds=self.config.unit_order_timeout_s)
             self._check_group = dist.new_group(backend="gloo", timeout=timeout)
         return Gatherer(blocks, modules, self._gather_group, GatherSchedule.of(self.config), self._check_group,
-                        self.config.unit_order_timeout_s, on_backward_done=self._on_unit_grads)
+                        self.config.unit_order_timeout_s, on_backward=self._on_block_backward)
 
     def gather_root(self) -> None:
         """Stage 3: the root unit stays gathered from the start of a step to the end of its backward."""
@@ -344,17 +345,18 @@ class ZeroEngine:
         if self._launch_in_hooks:
             self.reducer.launch_ready_in_order()
 
-    def _on_unit_grads(self, block: Block) -> None:
-        """Stage 3: the backward of ``block``'s forwards is done, so its parameters' gradients are final for
-        this backward: each one present counts as arrived (a parameter without one stays waiting, as a skipped
-        parameter would, until the end of backward). A backward that accumulated nothing into them (an
-        ``autograd.grad`` call) opens no round. See [Note: one backward hook per block] in gather.py."""
-        units = [unit for unit in block.units if not unit.spec.frozen]
+    def _on_block_backward(self, block: Block, done: bool) -> None:
+        """Stage 3: a backward hook of ``block`` runs. The first one in a backward that accumulates into the block's
+        parameters opens the round. ``done``: the block's backward is over, so its parameters' gradients are final:
+        each one present counts as arrived (one without stays waiting, as a skipped parameter would, until the end
+        of backward). See [Note: one backward hook per block] in gather.py."""
         if not self._round_open:
-            if not any(unit.holds_grads() for unit in units):
+            if not _accumulates(block):
                 return
             self._open_round()
-        for unit in units:
+        if not done:
+            return
+        for unit in block.units:
             for i in unit.arrivals():
                 unit.grad_arrived(i)
         if self._launch_in_hooks:
@@ -564,7 +566,7 @@ class ZeroEngine:
         for gather in pending:
             gather.handle.wait()
             if gather.out is not None:
-                _scatter_coalesced(gather.bucket, gather.out, self.world_size)
+                fill_from_gathered(gather.bucket, gather.out, self.world_size)
 
     def _launch_gather(self, bucket: list[FlatUnit]) -> PendingGather:
         if len(bucket) == 1:
@@ -591,6 +593,18 @@ class ZeroEngine:
                                   for bucket in _coalesce(self.units, self.config.allgather_bucket_size)])
 
 
+def _accumulates(block: Block) -> bool:
+    """Whether the running backward accumulates into a trainable parameter of ``block`` (a ``backward()``, not a
+    ``torch.autograd.grad`` call that leaves ``.grad`` alone)."""
+    with parameters.quiet_params():  # the block may be released (its hook before the gather)
+        for unit in block.units:
+            if not unit.spec.frozen:
+                for p in unit.params:
+                    if p.requires_grad and torch._C._will_engine_execute_node(get_gradient_edge(p).node):
+                        return True
+    return False
+
+
 def _coalesce(units: Sequence[FlatUnit], limit: int) -> Iterator[list[FlatUnit]]:
     bucket: list[FlatUnit] = []
     size = 0
@@ -602,17 +616,6 @@ def _coalesce(units: Sequence[FlatUnit], limit: int) -> Iterator[list[FlatUnit]]
         size += unit.spec.padded_numel
     if bucket:
         yield bucket
-
-
-def _scatter_coalesced(bucket: list[FlatUnit], out: Tensor, world_size: int) -> None:
-    """``out`` holds, for each rank in order, the concatenated shards of ``bucket``."""
-    per_rank = out.numel() // world_size
-    for r in range(world_size):
-        offset = r * per_rank
-        for unit in bucket:
-            lo, hi = unit.spec.shard_range(r)
-            unit.flat_param[lo:hi].copy_(out[offset : offset + unit.spec.shard_numel])
-            offset += unit.spec.shard_numel
 
 
 def _collect_params(module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], kept: set[str] = frozenset(),

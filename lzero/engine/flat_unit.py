@@ -390,3 +390,16 @@ def _placeholder(dtype: torch.dtype, device: torch.device) -> Tensor:
     if key not in _PLACEHOLDERS:
         _PLACEHOLDERS[key] = torch.full((1,), float("nan"), dtype=dtype, device=device)
     return _PLACEHOLDERS[key]
+
+
+@torch.no_grad()
+def fill_from_gathered(units: Sequence[FlatUnit], out: Tensor, world_size: int) -> None:
+    """Copy a coalesced all-gather into the units' full buffers: ``out`` (1D) holds, for each rank in order, that
+    rank's shards of ``units`` concatenated."""
+    per_rank = out.numel() // world_size
+    for r in range(world_size):
+        offset = r * per_rank
+        for unit in units:
+            lo, hi = unit.spec.shard_range(r)
+            unit.flat_param[lo:hi].copy_(out[offset : offset + unit.spec.shard_numel])
+            offset += unit.spec.shard_numel

@@ -35,7 +35,10 @@ reducer.py). That is FSDP2's scheme (a post-backward hook on the module's inputs
 - A block's output is usually the next block's input: both hooks sit on one tensor, and the next
   block's release runs before this block's gather (``_on_grad``), so a prefetch capped by
   ``max_live_parameters`` sees the room.
-- A hook counts no gradient in a backward that accumulated none (``torch.autograd.grad``), and a leaf
+- The first of a block's hooks (before its gather, or when it is done) to run in a backward that will
+  accumulate into some trainable parameter of the block opens the engine's round, whose end-of-backward
+  callback collects what no hook reported; a backward accumulating into nothing (``torch.autograd.grad``)
+  opens none (autograd's ``_will_engine_execute_node`` on the parameters' AccumulateGrad nodes). A leaf
   input's hook left by a forward of an earlier step does nothing.
 The root's parameters (few: embeddings, final norm) keep per-parameter hooks, so any backward, even one
 that reaches no block, opens the round.
@@ -45,8 +48,8 @@ also launches the all-gathers of the next blocks (reversed in backward), so thei
 overlaps the current block's compute: see [Note: stage-3 gather schedule].
 
 [Note: stage-3 gather schedule]
-Four knobs of :class:`GatherSchedule` (DeepSpeed's stage-3 knobs, in elements) decide when a block is
-gathered and how long it stays; none changes what is computed:
+Five knobs of :class:`GatherSchedule` (DeepSpeed's stage-3 knobs, in elements, and one of lzero's) decide
+when a block is gathered, with which others, and how long it stays; none changes what is computed:
 - how far to prefetch: ``prefetch`` blocks ahead, or, with ``prefetch_bucket_size``, blocks ahead until
   those gathered or launched ahead hold that many elements;
 - ``max_live_parameters``: a prefetch that would take the gathered elements past it waits for the
@@ -59,7 +62,15 @@ gathered and how long it stays; none changes what is computed:
   gathered again at once, in all-gathers coalesced to ``allgather_bucket_size`` as at stages 1-2, so the
   next forward finds it gathered: a model of many small blocks then pays one collective per bucket for them
   instead of one per block in forward and another in backward (DeepSpeed's persistent parameters). Such a
-  block is released like the others at the end of backward, so it never holds stale values across the step.
+  block is released like the others at the end of backward, so it never holds stale values across the step;
+- ``gather_bucket_size``: once the order is recorded, consecutive blocks of at most a quarter of it each
+  (shards in device memory, not persistent) form runs of at most that many elements, and a hook that
+  gathers or prefetches a block launches the released blocks of its run with it, in one all-gather into a
+  staging buffer laid out rank by rank and one order check; the first wait copies every unit's values into
+  its buffer. A run counts as one block for ``prefetch`` and ``prefetch_bucket_size``, and blocks are still
+  released one by one. Each all-gather costs a fixed latency (about 0.2 ms to launch on gloo, plus a round
+  trip), so a model of many small blocks pays it per run instead of per block, in forward and in backward,
+  for at most about two runs of extra gathered parameters.
 A block kept at the end of its forward is released like any other once its backward is done, and every
 block at the end of backward; a forward that no backward follows leaves kept blocks gathered until the
 next step begins, which releases them before the optimizer's update could make them stale.
@@ -105,7 +116,7 @@ from torch.utils._pytree import tree_flatten
 import torch.distributed as dist
 
 from lzero.engine import collectives
-from lzero.engine.flat_unit import FlatUnit
+from lzero.engine.flat_unit import FlatUnit, fill_from_gathered
 from lzero.engine.units import ROOT
 
 
@@ -120,6 +131,23 @@ class _Gathering(NamedTuple):
         self.handle.wait()  # NCCL: the compute stream waits for the all-gather
         if self.copied is not None:  # a local (world size 1) gather is a copy on the side stream
             torch.cuda.current_stream(self.source.device).wait_event(self.copied)
+
+
+class _RunGathering:
+    """One all-gather of a run of blocks (``gather_bucket_size``): every rank's shards of the run's units, rank by
+    rank. Each block of the run holds this handle; the first wait copies the result into every unit's buffer."""
+
+    def __init__(self, handle: collectives.Handle, units: list[FlatUnit], out: torch.Tensor, world_size: int) -> None:
+        self.handle = handle
+        self.units = units
+        self.out: Optional[torch.Tensor] = out  # 1D, world_size * the run's shard elements; freed once copied
+        self.world_size = world_size
+
+    def wait(self) -> None:
+        if self.out is not None:  # the run's units are allocated until then: a release waits first
+            self.handle.wait()
+            fill_from_gathered(self.units, self.out, self.world_size)
+            self.out = None
 
 
 class _HostCopy(NamedTuple):
@@ -164,6 +192,7 @@ class GatherSchedule:
     max_live_parameters: Optional[int] = None
     max_reuse_distance: int = 0
     param_persistence_threshold: int = 0
+    gather_bucket_size: int = 0
 
     @classmethod
     def of(cls, config: Any) -> "GatherSchedule":
@@ -176,12 +205,13 @@ class Gatherer:
     def __init__(self, blocks: dict[str, Block], modules: dict[str, nn.Module], group: Any,
                  schedule: GatherSchedule = GatherSchedule(), check_group: Any = None,
                  check_timeout_s: float = 0.0,
-                 on_backward_done: Optional[Callable[[Block], None]] = None) -> None:
-        """``on_backward_done(block)``: the backward of every forward of the block since the last has passed its
-        inputs, so no backward node of the block is left: the engine collects the block's gradients, and the
-        block is released after it. See [Note: one backward hook per block]."""
+                 on_backward: Optional[Callable[[Block, bool], None]] = None) -> None:
+        """``on_backward(block, done)``: a backward hook of ``block`` runs, before it is gathered for its backward
+        (``done`` False) or once the backward of every forward of the block since the last has passed its inputs
+        (``done`` True: no backward node of the block is left, the engine collects its gradients, and the block is
+        released after that). See [Note: one backward hook per block]."""
         self.blocks = blocks
-        self._on_backward_done = on_backward_done
+        self._on_backward = on_backward
         self.group = group
         self.check_group = check_group
         self.check_timeout_s = check_timeout_s
@@ -192,6 +222,7 @@ class Gatherer:
         self._recording = True
         self._persistent = {n for n, k in self.numel.items() if k <= schedule.param_persistence_threshold}
         self._reused: Optional[set[str]] = None  # blocks kept across the turn, once the order is known
+        self._runs: Optional[dict[str, tuple[str, ...]]] = None  # block -> its run (gather_bucket_size), once known
         self._block_of_unit = {id(u): b for b in blocks.values() for u in b.units}
         self._pinned = False  # inside all_gathered(): every block stays gathered, the hooks do nothing
         self._host: Optional[dict[int, torch.Tensor]] = None  # inside streamed_from_host(): unit id -> full values
@@ -212,13 +243,20 @@ class Gatherer:
 
     # --- gather / release --------------------------------------------------------------------
 
-    def launch(self, name: str) -> None:
+    def launch(self, name: str, with_run: bool = False) -> None:
+        """Start gathering ``name``; ``with_run`` (forward and backward hooks): with the released blocks of its run
+        (``gather_bucket_size``), in one collective."""
         block = self.blocks[name]
         if block.state is not BlockState.RELEASED:
             return
         if self._host is not None:
             self._copy_from_host(block)
             return
+        if with_run:
+            members = [n for n in self._run_of(name) if self.blocks[n].state is BlockState.RELEASED]
+            if len(members) > 1:
+                self._launch_run(name, members)
+                return
         self._agree_on(name)
         self._check_ahead(name)
         for unit in block.units:
@@ -230,6 +268,50 @@ class Gatherer:
                 lambda: collectives.all_gather(unit.flat_param, source, self.group, async_op=True))
             block.handles.append(_Gathering(handle, source, copied))
         block.state = BlockState.GATHERING
+
+    def _launch_run(self, name: str, members: list[str]) -> None:
+        """One all-gather for the blocks ``members`` (in forward order), launched for ``name`` among them."""
+        self._agree_on(name)
+        self._check_ahead(members[-1] if self._direction > 0 else members[0])  # the next launch is past the run
+        units = [u for n in members for u in self.blocks[n].units]
+        for unit in units:
+            unit.allocate()
+        shard = torch.cat([unit.gather_source() for unit in units])
+        world_size = collectives.world_size(self.group)
+        out = torch.empty(world_size * shard.numel(), dtype=shard.dtype, device=shard.device)
+        gathering = _RunGathering(collectives.all_gather(out, shard, self.group, async_op=True), units, out, world_size)
+        for n in members:
+            self.blocks[n].handles.append(gathering)
+            self.blocks[n].state = BlockState.GATHERING
+
+    def _run_of(self, name: str) -> tuple[str, ...]:
+        """The blocks gathered with ``name`` in forward and backward: [Note: stage-3 gather schedule]."""
+        if self.schedule.gather_bucket_size <= 0 or self._recording:
+            return (name,)
+        if self._runs is None:
+            self._runs = self._make_runs()
+        return self._runs.get(name, (name,))
+
+    def _make_runs(self) -> dict[str, tuple[str, ...]]:
+        """Consecutive blocks of the recorded order, each of at most a quarter of ``gather_bucket_size`` elements
+        and with its shards in device memory, in runs of at most ``gather_bucket_size`` elements (persistent
+        blocks and the root stay alone). Only sizes and the order decide: every rank forms the same runs."""
+        limit = self.schedule.gather_bucket_size
+        runs: dict[str, tuple[str, ...]] = {}
+        run: list[str] = []
+        size = 0
+        for name in [*self.order, None]:  # None closes the last run
+            joins = name is not None and name != ROOT and name not in self._persistent \
+                and 4 * self.numel[name] <= limit \
+                and all(u.param_store.name == "device" for u in self.blocks[name].units)
+            if not joins or size + self.numel[name] > limit:
+                if len(run) > 1:
+                    runs.update(dict.fromkeys(run, tuple(run)))
+                run, size = [], 0
+            if joins:
+                run.append(name)
+                size += self.numel[name]
+        return runs
 
     def _exchange(self, name: str, async_op: bool) -> tuple[Any, torch.Tensor, torch.Tensor]:
         mine = torch.tensor([self._names.index(name)], dtype=torch.int64)
@@ -407,21 +489,29 @@ class Gatherer:
         return name in self._reused
 
     def _prefetch_after(self, name: str, step: int) -> None:
+        """Launch the blocks after ``name`` in direction ``step`` that the schedule prefetches; a run of blocks
+        (``gather_bucket_size``) counts as one, and ``name``'s own run not at all."""
         if name not in self.order:
             return
         schedule, k = self.schedule, self.order.index(name)
         by_size = schedule.prefetch_bucket_size
         live, ahead, count = self.live_numel(), 0, 0
+        counted = set(self._run_of(name))
         for j in range(k + step, len(self.order) if step > 0 else -1, step):
+            nxt = self.order[j]
+            if nxt in counted:
+                continue
             if (count >= schedule.prefetch) if by_size is None else (ahead >= by_size):
                 return
-            nxt = self.order[j]
-            if self.blocks[nxt].state is BlockState.RELEASED:
-                if not self._fits(live, self.numel[nxt]):
+            run = self._run_of(nxt)
+            released = sum(self.numel[n] for n in run if self.blocks[n].state is BlockState.RELEASED)
+            if released:
+                if not self._fits(live, released):
                     return
-                self.launch(nxt)
-                live += self.numel[nxt]
-            ahead, count = ahead + self.numel[nxt], count + 1
+                self.launch(nxt, with_run=True)
+                live += released
+            counted.update(run)
+            ahead, count = ahead + sum(self.numel[n] for n in run), count + 1
 
     # --- hooks -------------------------------------------------------------------------------
 
@@ -433,6 +523,7 @@ class Gatherer:
             if self._recording and name not in self.order:
                 self.order.append(name)
             self._direction = 1
+            self.launch(name, with_run=True)
             self.gather(name)
             self._prefetch_after(name, +1)
             if torch.is_grad_enabled():
@@ -460,8 +551,8 @@ class Gatherer:
         block.pending_backwards -= 1
         if block.pending_backwards > 0:  # a parameter used by several forwards is final after the last backward
             return
-        if self._on_backward_done is not None:
-            self._on_backward_done(block)
+        if self._on_backward is not None:
+            self._on_backward(block, True)
         if block.name:
             self.release(block.name)
 
@@ -485,6 +576,9 @@ class Gatherer:
         def hook() -> None:
             self._recording = False
             self._direction = -1
+            if self._on_backward is not None:
+                self._on_backward(self.blocks[name], False)
+            self.launch(name, with_run=True)
             self.gather(name)
             self._prefetch_after(name, -1)
         return hook

@@ -52,7 +52,9 @@ backward to its step; between steps the gradient terms are absent, see [Note: gr
   schedule] in gather.py), counting every block as B: the computing block and those prefetched ahead (``prefetch``,
   or ceil(``prefetch_bucket_size`` / B)), or the blocks kept across the forward-backward turn (ceil(
   ``max_reuse_distance`` / 2B)), whichever is more, each within ``max_live_parameters``; every block when
-  ``param_persistence_threshold`` >= B (all persistent); 2 with the defaults.
+  ``param_persistence_threshold`` >= B (all persistent); 2 with the defaults. With ``gather_bucket_size`` >= 4B,
+  runs of floor(``gather_bucket_size`` / B) blocks are gathered together: the computing run and those prefetched
+  ahead, plus one run in the staging buffer of its all-gather.
 - an offload store: 4 staging buffers of one unit's fp32 shard, 4 x 4U/N in host memory; NVMe adds the
   ``buffer_count`` resident units (4 x (4 + O)U/N) and, when parameters are in files, 5 parameter read buffers
   (5 x c·min(``buffer_size``, U/N)).
@@ -259,6 +261,9 @@ def gathered_blocks(config: ZeroConfig, root: float, block: float, psi: float) -
     by_size = config.prefetch_bucket_size
     ahead = config.prefetch if by_size in (None, AUTO) else math.ceil(by_size / block)
     kept = math.ceil(config.max_reuse_distance / (2 * block))
+    run = int(config.gather_bucket_size // block) if 4 * block <= config.gather_bucket_size else 1
+    if run > 1:  # runs of blocks gathered together: the computing run, the runs ahead, and one run's staging buffer
+        return min(blocks, max(run + within_live(run * (1 + ahead)), within_live(kept) if kept else 1))
     return min(blocks, max(within_live(1 + ahead), within_live(kept) if kept else 1))
 
 
