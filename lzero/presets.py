@@ -12,8 +12,7 @@ from typing import Any
 PRESET_CONFIGS: dict[str, dict[str, Any]] = {
     "zero1": {"stage": 1},
     "zero2": {"stage": 2},
-    # runs of small blocks (at most 1.25M elements each) gathered together: see ZeroConfig.gather_bucket_size
-    "zero3": {"stage": 3, "gather_bucket_size": 5_000_000},
+    "zero3": {"stage": 3},
     "zero2_offload": {"stage": 2, "offload_optimizer": "cpu"},
     "zero3_offload": {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"},
     "zero3_offload_nvme": {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme"},

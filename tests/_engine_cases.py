@@ -522,7 +522,45 @@ def stage3_gather(rank: int, world_size: int) -> dict:
             "persist": dict(param_persistence_threshold=b, prefetch=0),
             "run": dict(gather_bucket_size=4 * b),  # the four blocks: one run, one all-gather each way
         }.items()}
+        result["penalty"] = stage3_gradient_penalty(rank, world_size)
         result["partial"] = stage3_unit_on_some_ranks(rank, world_size)
+    return result
+
+
+def stage3_gradient_penalty(rank: int, world_size: int) -> dict:
+    """A gradient penalty (``torch.autograd.grad`` with ``create_graph`` through the blocks, then ``backward()``)
+    at stage 3 against the plain model: every rank trains on the same batch, so the average is that batch's
+    gradient. Three steps; max |difference| of the parameters and whether they are bitwise equal."""
+    torch.manual_seed(0)
+    model = Deep(depth=4)
+    ref = copy.deepcopy(model)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, gather_bucket_size=8 * 2448))
+    zopt = ZeroOptimizer(opt, engine, 0)
+    gen = torch.Generator().manual_seed(3)
+
+    def loss_of(m: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h0 = m.embed(x).mean(1)
+        h = h0
+        for block in m.blocks:
+            h = block(h)
+        (slope,) = torch.autograd.grad(h.square().sum(), h0, create_graph=True)
+        return nn.functional.cross_entropy(m.head(h), y) + 0.1 * slope.square().mean()
+
+    for _ in range(3):
+        x, y = torch.randint(0, 64, (4, 3), generator=gen), torch.randint(0, 64, (4,), generator=gen)
+        loss_of(ref, x, y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        engine.gather_root()
+        loss_of(model, x, y).backward()
+        zopt.step()
+        zopt.zero_grad()
+    engine.unshard()
+    pairs = list(zip(model.parameters(), ref.parameters()))
+    result = {"bitwise": all(torch.equal(a, b) for a, b in pairs),
+              "max_abs": max((a - b).abs().max().item() for a, b in pairs)}
+    engine.remove()
     return result
 
 

@@ -265,6 +265,8 @@ SCHEDULES = {  # ZeroConfig's gather-schedule fields -> blocks gathered at once,
     "reuse 4B + 1": ({"max_reuse_distance": 4 * B + 1}, 3), "reuse 1e6": ({"max_reuse_distance": 10**6}, 6),
     "reuse 1e6 within root + 4 blocks": ({"max_reuse_distance": 10**6, "max_live_parameters": 3072 + 4 * B}, 4),
     "persistence B": ({"param_persistence_threshold": B}, 6),
+    # runs of 4 blocks (gather_bucket_size 4B): blocks 0-3 and 4-5; the first run computing, the second prefetched
+    "runs of 4": ({"gather_bucket_size": 4 * B}, 6),
 }
 
 
@@ -284,8 +286,8 @@ def test_stage3_working_set_follows_the_gather_schedule(name: str) -> None:
     zopt = ZeroOptimizer(opt, engine, 0)
     gatherer, peak, launch = engine.gatherer, [0], engine.gatherer.launch
 
-    def counted(block: str) -> None:
-        launch(block)
+    def counted(block: str, **kwargs) -> None:
+        launch(block, **kwargs)
         peak[0] = max(peak[0], gatherer.live_numel())
 
     gatherer.launch = counted

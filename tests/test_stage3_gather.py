@@ -78,6 +78,16 @@ def test_gather_schedule_knobs_change_when_blocks_are_gathered_not_the_result(ra
 
 
 @pytest.mark.parametrize("ranks", [2], indirect=True)
+def test_a_gradient_penalty_through_the_blocks_equals_the_plain_model(ranks: tuple[int, list[dict]]) -> None:
+    """``torch.autograd.grad(create_graph=True)`` through gathered blocks, then ``backward()``: the blocks stay
+    gathered for the second differentiation, and only the real backward reduces ([Note: one backward hook per
+    block])."""
+    for res in ranks[1]:
+        print(f"gradient penalty vs plain model: {res['penalty']}")
+        assert res["penalty"]["bitwise"], res["penalty"]
+
+
+@pytest.mark.parametrize("ranks", [2], indirect=True)
 def test_stage3_unit_run_on_some_ranks_is_a_clear_error(ranks: tuple[int, list[dict]]) -> None:
     for rank, res in enumerate(ranks[1]):
         print(f"rank {rank}: {res['partial']}")

@@ -112,6 +112,7 @@ class ZeroEngine:
         self._round_open = False
         self._reduce_in_backward = False
         self._launch_in_hooks = False
+        self._task: tuple[int, bool] = (-1, False)  # (graph task id, whether it accumulates): see accumulating()
 
     # --- setup -------------------------------------------------------------------------------
 
@@ -200,7 +201,8 @@ class ZeroEngine:
             timeout = datetime.timedelta(seconds=self.config.unit_order_timeout_s)
             self._check_group = dist.new_group(backend="gloo", timeout=timeout)
         return Gatherer(blocks, modules, self._gather_group, GatherSchedule.of(self.config), self._check_group,
-                        self.config.unit_order_timeout_s, on_backward=self._on_block_backward)
+                        self.config.unit_order_timeout_s, on_backward=self._on_block_backward,
+                        accumulating=self.accumulating)
 
     def gather_root(self) -> None:
         """Stage 3: the root unit stays gathered from the start of a step to the end of its backward."""
@@ -351,7 +353,7 @@ class ZeroEngine:
         each one present counts as arrived (one without stays waiting, as a skipped parameter would, until the end
         of backward). See [Note: one backward hook per block] in gather.py."""
         if not self._round_open:
-            if not _accumulates(block):
+            if not self.accumulating():
                 return
             self._open_round()
         if not done:
@@ -361,6 +363,22 @@ class ZeroEngine:
                 unit.grad_arrived(i)
         if self._launch_in_hooks:
             self.reducer.launch_ready_in_order()
+
+    def accumulating(self) -> bool:
+        """Inside backward: whether the running backward accumulates into some trainable parameter (a
+        ``backward()``, not a ``torch.autograd.grad`` call, which leaves ``.grad`` alone). Asked of autograd once per
+        backward (``_will_engine_execute_node`` on an AccumulateGrad node of each unit until one says yes)."""
+        task = torch._C._current_graph_task_id()
+        if task != self._task[0]:
+            found = False
+            with parameters.quiet_params():  # a released parameter answers these without its guard
+                for unit in self.units:
+                    p = next((p for p in unit.params if p.requires_grad), None) if not unit.spec.frozen else None
+                    if p is not None and torch._C._will_engine_execute_node(get_gradient_edge(p).node):
+                        found = True
+                        break
+            self._task = (task, found)
+        return self._task[1]
 
     def _open_round(self) -> None:
         self._round_open = True
@@ -591,18 +609,6 @@ class ZeroEngine:
         if not collectives.local(self.group) and self.gatherer is None:
             self._finish_gathers([self._launch_gather(bucket)
                                   for bucket in _coalesce(self.units, self.config.allgather_bucket_size)])
-
-
-def _accumulates(block: Block) -> bool:
-    """Whether the running backward accumulates into a trainable parameter of ``block`` (a ``backward()``, not a
-    ``torch.autograd.grad`` call that leaves ``.grad`` alone)."""
-    with parameters.quiet_params():  # the block may be released (its hook before the gather)
-        for unit in block.units:
-            if not unit.spec.frozen:
-                for p in unit.params:
-                    if p.requires_grad and torch._C._will_engine_execute_node(get_gradient_edge(p).node):
-                        return True
-    return False
 
 
 def _coalesce(units: Sequence[FlatUnit], limit: int) -> Iterator[list[FlatUnit]]:

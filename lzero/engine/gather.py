@@ -35,11 +35,13 @@ reducer.py). That is FSDP2's scheme (a post-backward hook on the module's inputs
 - A block's output is usually the next block's input: both hooks sit on one tensor, and the next
   block's release runs before this block's gather (``_on_grad``), so a prefetch capped by
   ``max_live_parameters`` sees the room.
-- The first of a block's hooks (before its gather, or when it is done) to run in a backward that will
-  accumulate into some trainable parameter of the block opens the engine's round, whose end-of-backward
-  callback collects what no hook reported; a backward accumulating into nothing (``torch.autograd.grad``)
-  opens none (autograd's ``_will_engine_execute_node`` on the parameters' AccumulateGrad nodes). A leaf
-  input's hook left by a forward of an earlier step does nothing.
+- The first block hook (before a gather, or when a block is done) to run in a backward that accumulates
+  into some trainable parameter opens the engine's round, whose end-of-backward callback collects what no
+  hook reported. A backward accumulating into nothing (``torch.autograd.grad``, e.g. a gradient penalty:
+  autograd's ``_will_engine_execute_node`` on the AccumulateGrad nodes says so) opens none, and the blocks it
+  passes stay gathered (``Block.sticky``) until the end of the next round: with ``create_graph`` its graph
+  is differentiated again by the real backward, whose nodes read the blocks' parameters in no order the
+  hooks could bracket. A leaf input's hook left by a forward of an earlier step does nothing.
 The root's parameters (few: embeddings, final norm) keep per-parameter hooks, so any backward, even one
 that reaches no block, opens the round.
 
@@ -181,6 +183,7 @@ class Block:
         self.state = BlockState.RELEASED
         self.handles: list[Any] = []
         self.pending_backwards = 0  # forwards run with gradients whose backward has not passed the block's inputs
+        self.sticky = False  # a torch.autograd.grad call went through the block: kept gathered until released whole
 
 
 @dataclass(frozen=True)
@@ -205,13 +208,15 @@ class Gatherer:
     def __init__(self, blocks: dict[str, Block], modules: dict[str, nn.Module], group: Any,
                  schedule: GatherSchedule = GatherSchedule(), check_group: Any = None,
                  check_timeout_s: float = 0.0,
-                 on_backward: Optional[Callable[[Block, bool], None]] = None) -> None:
+                 on_backward: Optional[Callable[[Block, bool], None]] = None,
+                 accumulating: Optional[Callable[[], bool]] = None) -> None:
         """``on_backward(block, done)``: a backward hook of ``block`` runs, before it is gathered for its backward
         (``done`` False) or once the backward of every forward of the block since the last has passed its inputs
         (``done`` True: no backward node of the block is left, the engine collects its gradients, and the block is
         released after that). See [Note: one backward hook per block]."""
         self.blocks = blocks
         self._on_backward = on_backward
+        self._accumulating = accumulating  # inside backward: whether it accumulates into parameters
         self.group = group
         self.check_group = check_group
         self.check_timeout_s = check_timeout_s
@@ -377,6 +382,7 @@ class Gatherer:
         for unit in block.units:
             unit.release()
         block.state = BlockState.RELEASED
+        block.sticky = False
 
     def release_all(self) -> None:
         for name in self.blocks:
@@ -543,6 +549,9 @@ class Gatherer:
     def _input_grad(self, block: Block, waiting: list[int]) -> None:
         if waiting[1] != self._step:  # a leaf input's hook left by a forward of an earlier step that no backward used
             return
+        if self._accumulating is not None and not self._accumulating():
+            block.sticky = True  # torch.autograd.grad: its graph may be differentiated again, reading the block
+            return
         waiting[0] -= 1
         if waiting[0] == 0:
             self._backward_done(block)
@@ -553,7 +562,7 @@ class Gatherer:
             return
         if self._on_backward is not None:
             self._on_backward(block, True)
-        if block.name:
+        if block.name and not block.sticky:
             self.release(block.name)
 
     def _post_forward_hook(self, name: str):

@@ -65,10 +65,10 @@ class GatherProbe(Callback):
         gatherer = trainer.strategy.engine.gatherer
         launch = gatherer.launch
 
-        def counted(name: str) -> None:
+        def counted(name: str, **kwargs: Any) -> None:
             if name and gatherer.blocks[name].state.name == "RELEASED":
                 self.launches[-1] += 1
-            launch(name)
+            launch(name, **kwargs)
 
         gatherer.launch = counted
         for i, block in enumerate(pl_module.model.blocks):
