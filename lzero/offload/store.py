@@ -37,8 +37,10 @@ twice its size; the pool costs a few units' worth. On CUDA:
   compute stream waits for the all-gather (and for an event after the copy) only when it gathers the unit.
 
 When the model computes on the CPU (this project's test machine) the "device" is the host: the store
-still keeps separate tensors and runs the same staging, landing, recycling and publishing logic, with
-synchronous copies and no events, so the CPU tests exercise the logic that CUDA runs with streams.
+still keeps separate tensors and runs the same staging, landing and recycling logic, with synchronous copies
+and no events, so the CPU tests exercise the logic that CUDA runs with streams. Publishing is the exception:
+there a staging buffer only adds a second copy of every stepped element, so the master is cast straight into
+the compute shard (the offloaded step's publish cost as much as the step itself through staging).
 
 A pinned staging buffer can fail to allocate. The store then goes on with pageable buffers for the rest
 of the run, with one warning naming ``pin_memory: false``: training continues with slower, synchronous
@@ -340,11 +342,9 @@ class HostStore:
     def publish(self, master: Tensor, compute: Tensor) -> None:
         if compute.device.type != "cuda":  # host to host (CPU model, or offloaded stage-3 parameter shards)
             if compute.data_ptr() != master.data_ptr():
+                # one pass, casting on the way: a staging buffer serves a copy to a GPU only (it doubled this copy)
                 self.copied["to_device"] += compute.numel() * compute.element_size()
-                staging, base = self._staging(master.numel(), compute.dtype)  # the path CUDA takes, synchronously
-                staging.copy_(master)
-                compute.copy_(staging)
-                self._recycle(base)
+                compute.copy_(master)
             return
         self._upload(compute, master, torch.cuda.current_stream(compute.device))  # the gather queues behind it
 
