@@ -221,6 +221,8 @@ class Gatherer:
         self.check_group = check_group
         self.check_timeout_s = check_timeout_s
         self._names = list(blocks)
+        self._index = {name: torch.tensor([i], dtype=torch.int64) for i, name in enumerate(self._names)}
+        self._check_world = dist.get_world_size(check_group) if check_group is not None else 1
         self.schedule = schedule
         self.numel = {name: sum(u.spec.numel for u in b.units) for name, b in blocks.items()}  # elements, unpadded
         self.order: list[str] = []  # block names in first-forward order
@@ -319,8 +321,8 @@ class Gatherer:
         return runs
 
     def _exchange(self, name: str, async_op: bool) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        mine = torch.tensor([self._names.index(name)], dtype=torch.int64)
-        every = torch.empty(dist.get_world_size(self.check_group), dtype=torch.int64)
+        mine = self._index[name]  # only read by the collective: one tensor per block, made once
+        every = torch.empty(self._check_world, dtype=torch.int64)
         return dist.all_gather_single(every, mine, group=self.check_group, async_op=async_op), every, mine
 
     def _check_ahead(self, name: str) -> None:
