@@ -30,7 +30,7 @@ test-all: $(STAMP)  # the default run and the slow fault cases it leaves out (py
 # DeepSpeed rows: DEEPSPEED_PYTHON=/path/to/a/deepspeed-venv/bin/python (see benchmarks/peer_deepspeed_step.py)
 DEEPSPEED_PYTHON ?=
 bench: $(STAMP)
-	$(BIN)/python benchmarks/bench_speed.py --readme README.md $(if $(DEEPSPEED_PYTHON),--deepspeed-python $(DEEPSPEED_PYTHON))
+	$(BIN)/python benchmarks/bench_speed.py --repeat 2 --readme README.md $(if $(DEEPSPEED_PYTHON),--deepspeed-python $(DEEPSPEED_PYTHON))
 
 clean:
 	rm -rf runs lightning_logs .pytest_cache
