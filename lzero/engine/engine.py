@@ -104,6 +104,7 @@ class ZeroEngine:
         # [Note: one backward hook per block] in gather.py); other parameters report their own
         in_blocks = set() if self.gatherer is None else {
             id(u) for name, block in self.gatherer.blocks.items() if name != ROOT for u in block.units}
+        self._block_units = [u for u in self.units if id(u) in in_blocks]  # their gradients: _on_block_backward
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p, (unit, _) in self._where.items()
                        if not unit.spec.frozen and id(unit) not in in_blocks]
         parameters.watch(self._where, self._on_grad_cleared, self._on_module_zero_grad)  # [Note: clearing gradients]
@@ -348,8 +349,8 @@ class ZeroEngine:
             self.reducer.launch_ready_in_order()
 
     def _on_block_backward(self, block: Block, done: bool) -> None:
-        """Stage 3: a backward hook of ``block`` runs. The first one in a backward that accumulates into the block's
-        parameters opens the round. ``done``: the block's backward is over, so its parameters' gradients are final:
+        """Stage 3: a backward hook of ``block`` runs. The first one in a backward that accumulates into parameters
+        (:meth:`accumulating`) opens the round. ``done``: the block's backward is over, so its parameters' gradients are final:
         each one present counts as arrived (one without stays waiting, as a skipped parameter would, until the end
         of backward). See [Note: one backward hook per block] in gather.py."""
         if not self._round_open:
@@ -400,7 +401,7 @@ class ZeroEngine:
     def _close_round(self) -> None:
         try:
             if self.gatherer is not None:  # blocks no input hook reported (inputs without gradients)
-                for unit in self.units:
+                for unit in self._block_units:
                     for i in unit.arrivals():
                         unit.grad_arrived(i)
             if self._reduce_in_backward:

@@ -155,11 +155,6 @@ class FlatUnit:
         with quiet_params():
             return [i for i, p in enumerate(self.params) if p.requires_grad and raw_grad(p) is not None]
 
-    def holds_grads(self) -> bool:
-        """Some parameter holds a gradient autograd accumulated (not yet reduced)."""
-        with quiet_params():
-            return any(raw_grad(p) is not None for p in self.params)
-
     @property
     def waiting_for_grads(self) -> bool:
         """Some parameter expected in this backward has not reported its gradient yet."""
