@@ -525,9 +525,9 @@ class Gatherer:
 
     def _pre_forward_hook(self, name: str):
         @_eager
-        def hook(module: nn.Module, args: Any, kwargs: dict) -> Optional[tuple[Any, dict]]:
+        def hook(module: nn.Module, args: Any, kwargs: dict) -> None:
             if self._pinned:
-                return None
+                return
             if self._recording and name not in self.order:
                 self.order.append(name)
             self._direction = 1
@@ -536,7 +536,6 @@ class Gatherer:
             self._prefetch_after(name, +1)
             if torch.is_grad_enabled():
                 self._watch_inputs(self.blocks[name], args, kwargs)
-            return None
         return hook
 
     def _watch_inputs(self, block: Block, args: tuple, kwargs: dict) -> None:
