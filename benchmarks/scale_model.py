@@ -12,11 +12,13 @@ Step time of one rank, data parallel over N ranks (an alpha-beta network model):
   all-reduce 2(N-1)α + 2B(N-1)/N β; reduce-scatter and all-gather (N-1)α + B(N-1)/N β each (past 8 ranks the
   latency term takes 2 log2(N) steps instead of N-1: NCCL's trees and pipelined rings at scale).
   DDP all-reduces Ψ in 25 MB buckets; zero1/2 reduce-scatter Ψ and all-gather Ψ in their buckets; zero3 gathers
-  every block in forward and again in backward and reduce-scatters it (3Ψ), plus one order check per gather.
+  every block in forward and again in backward and reduce-scatters it (3Ψ); its order checks, started a block
+  ahead, overlap the gathers and are not counted. On gloo lzero runs a reduce-scatter as an all-reduce.
   On CPU (gloo, one thread per rank) communication is not hidden; on GPUs (NCCL on its own streams) it hides
   behind compute, and only what exceeds the compute is exposed.
-- On CPU, ranks beyond the core count time-share the cores: compute, optimizer and communication are
-  multiplied by max(1, N / cpus).
+- On CPU, ranks beyond the core count time-share the cores: compute and optimizer are multiplied by
+  max(1, N / cpus); ``--validate`` measures the network with N ranks on the same cores, so its α and β hold
+  the time-sharing already.
 
 Memory per device comes from lzero's own estimator (``lzero.memory.estimate``, model states + working buffers,
 bf16-mixed Adam) plus activations with activation checkpointing.
@@ -24,8 +26,8 @@ bf16-mixed Adam) plus activations with activation checkpointing.
     python benchmarks/scale_model.py --validate runs.json   # against bench_speed.py --json at N = 1, 2, 4
     python benchmarks/scale_model.py --table                # 7B and 70B on 8 ... 1024 GPUs, with a recommendation
 
-``--validate`` measures α and β of gloo on this machine (2 ranks) and the AdamW step rate, then predicts the
-N = 2 and N = 4 runs from the N = 1 run.
+``--validate`` measures α and β of gloo's all-reduce and all-gather on this machine with N ranks (for each N
+of the runs) and the AdamW step rate, then predicts the N = 2 and N = 4 runs from the N = 1 run.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -50,14 +53,21 @@ ZERO_BUCKET = 5_000_000  # the presets' reduce_bucket_size and allgather_bucket_
 class Network:
     alpha: float  # seconds per message hop
     beta: float  # seconds per byte
+    # measured per collective kind (``measure_network``): kind -> (alpha, beta); others use the two above
+    kinds: Optional[dict] = None
+    # lzero on gloo runs a reduce-scatter as an all-reduce plus a slice (``collectives.reduces_by_all_reduce``)
+    reduce_scatter_by_all_reduce: bool = False
 
     def ring(self, kind: str, nbytes: float, n: int, messages: int = 1) -> float:
         if n == 1:
             return 0.0
+        if kind == "reduce_scatter" and self.reduce_scatter_by_all_reduce:
+            kind = "all_reduce"
+        alpha, beta = (self.kinds or {}).get(kind, (self.alpha, self.beta))
         hops = {"all_reduce": 2, "reduce_scatter": 1, "all_gather": 1}[kind]
         # a ring's n - 1 latency steps; past one node NCCL's trees and pipelining pay about log2(n) of them
         steps = n - 1 if n <= 8 else 2 * math.log2(n)
-        return hops * (messages * steps * self.alpha + (n - 1) * nbytes / n * self.beta)
+        return hops * (messages * steps * alpha + (n - 1) * nbytes / n * beta)
 
 
 @dataclass
@@ -79,21 +89,29 @@ def communication(strategy: str, model: Model, n: int, net: Network) -> float:
         return net.ring("reduce_scatter", b, n, buckets) + net.ring("all_gather", b, n, buckets) + flag
     blocks = model.layers + 1  # each block and the root reduce-scatter once
     gathers = 2 * model.layers + 1  # blocks in forward and backward, the root once
-    checks = gathers * net.ring("all_gather", 8, n)  # the unit-order exchange of each gather
-    return net.ring("reduce_scatter", b, n, blocks) + net.ring("all_gather", 2 * b, n, gathers) + checks + flag
+    # the order check of each gather (an 8-byte all-gather) is started a block ahead and runs while the previous
+    # block gathers and computes: it is not on the critical path, so it is not counted
+    return net.ring("reduce_scatter", b, n, blocks) + net.ring("all_gather", 2 * b, n, gathers) + flag
 
 
 def predict(strategy: str, model: Model, n: int, net: Network, compute: float, adam_rate: float,
-            cpus: int | None = None, hide_behind_compute: bool = False) -> float:
+            cpus: int | None = None, hide_behind_compute: bool = False, net_shares_cpus: bool = False) -> float:
+    """``net_shares_cpus``: ``net`` was measured with ``n`` ranks on these ``cpus``, so its times already hold the
+    time-sharing of the cores; only compute and the optimizer are then scaled by it."""
     sharded = strategy != "ddp"
     optimizer = model.params / (n if sharded else 1) / adam_rate
     comm = communication(strategy, model, n, net)
     share = max(1.0, n / cpus) if cpus else 1.0
     exposed = max(0.0, comm - compute) if hide_behind_compute else comm
-    return share * (compute + optimizer + exposed)
+    return share * (compute + optimizer) + (exposed if net_shares_cpus else share * exposed)
 
 
 # --- validation on this machine -----------------------------------------------------------------------------
+
+
+# the two message sizes α and β are fitted from (output elements): a block-sized message like a stage-3 gather of
+# the deep model (a 4-byte one measures gloo's fastest path, which no step takes) and a large one
+SMALL, BIG = 65_536, 4_000_000
 
 
 def _net_rank(rank: int, world: int, port: int, queue) -> None:
@@ -102,24 +120,33 @@ def _net_rank(rank: int, world: int, port: int, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    small, big = torch.zeros(1), torch.zeros(4_000_000)
 
-    def timed(t: torch.Tensor, repeats: int) -> float:
-        dist.all_reduce(t)
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(repeats):
-            dist.all_reduce(t)
-        return (time.perf_counter() - start) / repeats
+    def timed(run, repeats: int) -> float:  # the median of 5 batches' means: one slow moment moves none of them
+        run()
+        means = []
+        for _ in range(5):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(repeats):
+                run()
+            means.append((time.perf_counter() - start) / repeats)
+        return statistics.median(means)
 
-    t_small, t_big = timed(small, 200), timed(big, 5)
+    found = {}
+    for numel, repeats in ((SMALL, 50), (BIG, 2)):  # the output's elements, as lzero's collectives count them
+        flat = torch.zeros(numel - numel % world)
+        shard = torch.zeros(flat.numel() // world)
+        found[("all_reduce", numel)] = (timed(lambda: dist.all_reduce(flat), repeats), flat.numel() * 4)
+        found[("all_gather", numel)] = (timed(lambda: dist.all_gather_single(flat, shard), repeats),
+                                        flat.numel() * 4)
     if rank == 0:
-        queue.put((t_small, t_big, big.numel() * 4))
+        queue.put(found)
     dist.destroy_process_group()
 
 
 def measure_network(world: int = 2) -> Network:
-    """α and β of gloo all-reduce on this machine, from a 4-byte and a 16 MB message."""
+    """α and β of gloo's all-reduce and all-gather on this machine (the collectives lzero runs on gloo: a
+    reduce-scatter there is an all-reduce), each from a 256 KB and a 16 MB message, fitted to the ring form."""
     import socket
 
     import torch.multiprocessing as mp
@@ -132,13 +159,16 @@ def measure_network(world: int = 2) -> Network:
     procs = [ctx.Process(target=_net_rank, args=(r, world, port, queue)) for r in range(world)]
     for p in procs:
         p.start()
-    t_small, t_big, nbytes = queue.get(timeout=300)
+    found = queue.get(timeout=300)
     for p in procs:
         p.join()
-    hops = 2 * (world - 1)
-    alpha = t_small / hops
-    beta = (t_big - t_small) / (hops * nbytes / world)
-    return Network(alpha, beta)
+    kinds = {}
+    for kind, hops in (("all_reduce", 2), ("all_gather", 1)):
+        (t_small, b_small), (t_big, b_big) = found[(kind, SMALL)], found[(kind, BIG)]
+        beta = (t_big - t_small) / (hops * (b_big - b_small) * (world - 1) / world)
+        alpha = (t_small - hops * b_small * (world - 1) / world * beta) / (hops * (world - 1))
+        kinds[kind] = (alpha, beta)
+    return Network(*kinds["all_reduce"], kinds=kinds, reduce_scatter_by_all_reduce=True)
 
 
 def measure_adam(numel: int) -> float:
@@ -159,10 +189,14 @@ SHAPES = {"wide": (8 * 12 * 512 * 512 + 8000 * 512 + 128 * 512, 8), "deep": (24 
 
 def validate(path: Path, cpus: int) -> str:
     rows = json.loads(path.read_text())
-    net = measure_network()
-    lines = [f"gloo on this machine: α = {net.alpha * 1e6:.0f} µs per hop, β = {1 / net.beta / 1e9:.2f} GB/s;"
-             f" {cpus} CPUs.", "",
-             "| model | strategy | N | measured s/step | predicted | error |", "|---|---|---|---|---|---|"]
+    # the network is measured with as many ranks as each prediction has: past the core count the ranks time-share
+    # the CPUs, and the collectives' latency with them (as a different fabric would have its own α and β)
+    nets = {n: measure_network(n) for n in sorted({r["world_size"] for r in rows}) if n > 1}
+    lines = [f"gloo on this machine, {cpus} CPUs, fitted to the ring form with N ranks (a reduce-scatter runs as an"
+             " all-reduce: lzero's choice on gloo):", ""]
+    lines += [f"- N = {n}: " + "; ".join(f"{kind} α = {a * 1e6:.0f} µs per hop, β = {1 / b / 1e9:.2f} GB/s"
+                                       for kind, (a, b) in net.kinds.items()) for n, net in nets.items()]
+    lines += ["", "| model | strategy | N | measured s/step | predicted | error |", "|---|---|---|---|---|---|"]
     errors = []
     for model_name in dict.fromkeys(r["model"] for r in rows):
         psi, layers = SHAPES[model_name]
@@ -175,7 +209,8 @@ def validate(path: Path, cpus: int) -> str:
                 continue
             compute = mine[1] - psi / adam  # the N = 1 run holds no communication
             for n in sorted(mine):
-                t = predict(strategy, model, n, net, compute, adam, cpus=cpus)
+                t = predict(strategy, model, n, nets.get(n, Network(0.0, 0.0)), compute, adam, cpus=cpus,
+                            net_shares_cpus=True)
                 err = t / mine[n] - 1
                 if n > 1:
                     errors.append(abs(err))
