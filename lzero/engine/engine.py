@@ -389,6 +389,8 @@ class ZeroEngine:
         self._launch_in_hooks = self._reduce_in_backward and self.config.overlap_comm
         for u in self.units:
             u.begin_backward()
+            if u.accumulates_locally:
+                u.prelink()  # stage 1: autograd accumulates straight into the flat gradient
             if u.spec.frozen and u.trainable:
                 name = u.spec.params[u.trainable[0]].name
                 raise ZeroEngineError(
@@ -400,6 +402,9 @@ class ZeroEngine:
 
     def _close_round(self) -> None:
         try:
+            for unit in self.units:
+                if unit.accumulates_locally:
+                    unit.end_backward()
             if self.gatherer is not None:  # blocks no input hook reported (inputs without gradients)
                 for unit in self._block_units:
                     for i in unit.arrivals():

@@ -120,6 +120,8 @@ class FlatUnit:
             self._compute_shard = master if shares else self.param_store.hold(compute, key=f"unit{spec.index}.param")
         self.accumulates_locally = stage == 1  # see [Note: gradient buffers]
         self.flat_grad: Optional[Tensor] = None  # stage 1: 1D, padded_numel, while the unit has local gradients
+        self._grad_views: Optional[list[Tensor]] = None  # stage 1: each parameter's view of flat_grad
+        self._unclaimed: set[int] = set()  # stage 1: params given a zero view by prelink() and no gradient yet
         self.shard_grad: Optional[Tensor] = None  # 1D, shard_numel, from the first reduction until the step
         self.zero_after_step = False  # set_to_none=False after a step: torch would hold a zero gradient
         self.owns_params = True  # parameters are views of (or placeholders for) this unit's buffer
@@ -143,6 +145,7 @@ class FlatUnit:
         """``params[index]`` got its gradient for this backward (stage 1: linked into the flat gradient)."""
         if self.accumulates_locally:
             self.link_grad(index)
+            self._unclaimed.discard(index)
         self.grad_state = GradState.LOCAL
         self.seen += 1
         self.cleared.discard(index)
@@ -192,17 +195,44 @@ class FlatUnit:
         """Stage 1: the full flat gradient that micro-batches accumulate into (zeros when first needed)."""
         if self.flat_grad is None:
             self.flat_grad = torch.zeros_like(self.flat_param, memory_format=torch.contiguous_format)
+            self._grad_views = [self.flat_grad[start:end].view(p.shape) for p, (start, end) in zip(self.params, self.ranges)]
         return self.flat_grad
 
+    def grad_view(self, index: int) -> Tensor:
+        """Stage 1: ``params[index]``'s view of the flat gradient."""
+        self.local_grads()
+        return self._grad_views[index]
+
     def link_grad(self, index: int) -> None:
-        """Stage 1: make ``p.grad`` a view of the flat gradient (after autograd allocated its own)."""
-        p = self.params[index]
-        start, end = self.ranges[index]
-        view = self.local_grads()[start:end].view(p.shape)
-        if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-            with torch.no_grad():
-                view.copy_(p.grad)
-            p.grad = view
+        """Stage 1: make ``p.grad`` a view of the flat gradient. Nothing to do when it is one already (``prelink``,
+        or an earlier micro-batch): autograd accumulated into it in place; otherwise autograd allocated its own,
+        which is copied in."""
+        with quiet_params():
+            grad = raw_grad(self.params[index])
+            view = self.grad_view(index)
+            if grad is not None and grad is not view and grad.data_ptr() != view.data_ptr():
+                with torch.no_grad():
+                    view.copy_(grad)
+                set_grad_quietly(self.params[index], view)
+
+    def prelink(self) -> None:
+        """Stage 1, as a backward starts: every trainable parameter without a gradient gets its (zero) view of the
+        flat gradient as ``p.grad``, so autograd accumulates straight into the flat buffer instead of allocating a
+        gradient that ``link_grad`` copies (DDP's ``gradient_as_bucket_view``). A parameter that gets no gradient
+        in this backward has it taken back by ``end_backward``, so it reads None as under torch."""
+        with quiet_params():
+            for i in self.trainable:
+                if raw_grad(self.params[i]) is None:
+                    set_grad_quietly(self.params[i], self.grad_view(i))
+                    self._unclaimed.add(i)
+
+    def end_backward(self) -> None:
+        """Stage 1, at the end of a backward: take back the views ``prelink`` gave and no gradient reached."""
+        if self._unclaimed:
+            with quiet_params():
+                for i in self._unclaimed:
+                    set_grad_quietly(self.params[i], None)
+            self._unclaimed.clear()
 
     @torch.no_grad()
     def pack_grads(self, scale: float) -> Tensor:
@@ -231,7 +261,7 @@ class FlatUnit:
         if self.accumulates_locally:  # a zero local gradient, reduced and stepped at the boundary
             for i in self.trainable:
                 start, end = self.ranges[i]
-                set_grad_quietly(self.params[i], self.local_grads()[start:end].view(self.params[i].shape))
+                set_grad_quietly(self.params[i], self.grad_view(i))
             self.grad_state = GradState.LOCAL
         else:
             self.shard_grad = torch.zeros_like(self.master_shard, memory_format=torch.contiguous_format)
@@ -247,6 +277,8 @@ class FlatUnit:
                 if raw_grad(p) is not None:
                     set_grad_quietly(p, None)
         self.flat_grad = self.shard_grad = None
+        self._grad_views = None
+        self._unclaimed.clear()
         self.master_shard.grad = None
         self.grad_state = GradState.EMPTY
         self.cleared.clear()
