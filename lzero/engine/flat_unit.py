@@ -24,8 +24,8 @@ should enter ``strategy.gathered_parameters()`` first.
 [Note: gradient buffers]
 A unit holds gradient memory only between a backward and the step that consumes it, as DeepSpeed
 does: stage 2-3 shard gradients are allocated by the first reduction of a step, and stage 1's full
-flat gradient (``p.grad`` views into it, so micro-batches accumulate locally as under DDP) by the
-first gradient that arrives; after the optimizer step (or a skipped step) every gradient buffer of
+flat gradient (``p.grad`` views into it, given as each backward starts, so autograd accumulates
+micro-batches in place, as DDP's ``gradient_as_bucket_view`` does) by the first backward of a step; after the optimizer step (or a skipped step) every gradient buffer of
 the unit is freed. Between steps a rank therefore holds the ZeRO formula without its gradient term.
 The one difference from torch: a second ``step()`` with no backward and no ``zero_grad`` in between
 does not apply the previous gradients again (they were consumed); ``zero_grad(set_to_none=False)``
