@@ -219,7 +219,7 @@ def stage3_memory(rank: int, world_size: int, prefetch: int) -> dict:
 
 def stage3_unit_on_some_ranks(rank: int, world_size: int) -> str:
     """Rank 1 skips a sharded Linear that rank 0 runs: every rank must get an error naming it."""
-    from lzero.engine.gather import UnitOrderError
+    from lzero.engine.unit_order import UnitOrderError
 
     torch.manual_seed(0)
     model = Net()
@@ -236,7 +236,7 @@ def stage3_unit_on_some_ranks(rank: int, world_size: int) -> str:
 def stage3_unit_skipped_after_recording(rank: int, world_size: int) -> str:
     """Three steps agree (the order is recorded, order checks start ahead), then rank 1 skips a unit: every rank
     must get the error naming it, before a mismatched all-gather is launched."""
-    from lzero.engine.gather import UnitOrderError
+    from lzero.engine.unit_order import UnitOrderError
 
     torch.manual_seed(0)
     model = Net()
@@ -568,7 +568,7 @@ def stage3_block_states(rank: int, world_size: int, **schedule: Any) -> dict:
     """Every block's state seen from inside forward and backward of the second step (the first one
     records the order): by default the computing block gathered, the next ``prefetch`` launched, the rest
     released; ``schedule``: ZeroConfig's gather-schedule knobs. Also the parameters after the two steps."""
-    from lzero.engine.gather import BlockState
+    from lzero.engine.blocks import BlockState
 
     torch.manual_seed(0)
     model = Deep(depth=4)

@@ -1,5 +1,6 @@
 """The ZeRO engine, in plain torch (no Lightning): how a model's parameters are cut into units and shards
-(``partition``, ``units``, ``flat_unit``), gathered and released at stage 3 (``gather``, ``parameters``),
+(``partition``, ``units``, ``flat_unit``), gathered and released at stage 3 (``gather``, its ``blocks`` and
+``unit_order`` check, ``parameters``),
 reduced (``reducer``, ``collectives``), built from the meta device (``materialize``), cast (``mixed_precision``,
 ``loss_scale``), recomputed (``activation_checkpointing``), and driven step by step (``engine.ZeroEngine``).
 

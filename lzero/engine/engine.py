@@ -31,7 +31,8 @@ from lzero.errors import ZeroEngineError
 from lzero.engine.mixed_precision import PrecisionPolicy
 from lzero.engine.flat_unit import FlatUnit, GradState, fill_from_gathered
 from lzero.engine import parameters
-from lzero.engine.gather import Block, Gatherer, GatherSchedule, full_graphs_around
+from lzero.engine.blocks import Block, GatherSchedule
+from lzero.engine.gather import Gatherer, full_graphs_around
 from lzero.engine.materialize import (InitFn, Materializer, WeightSource, apply_order, buffers_to, common_seed, has_meta,
                                read_whole, shard_values)
 from lzero.engine.partition import FROZEN, Partition, ParamSpec, UnitSpec, partition_by_label, partition_by_size

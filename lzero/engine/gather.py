@@ -105,101 +105,19 @@ hooks are tensor hooks that autograd's engine runs, outside any compiled frame.
 
 from __future__ import annotations
 
-import enum
 import functools
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
-from typing import Any, Callable, Iterable, Iterator, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-import torch.distributed as dist
-
 from lzero.engine import collectives
-from lzero.engine.flat_unit import FlatUnit, fill_from_gathered
+from lzero.engine.blocks import Block, BlockState, GatherSchedule, Gathering, HostCopy, RunGathering
+from lzero.engine.flat_unit import FlatUnit
+from lzero.engine.unit_order import OrderCheck
 from lzero.engine.units import ROOT
-
-
-class _Gathering(NamedTuple):
-    """A launched all-gather of one unit and the shard it reads."""
-
-    handle: collectives.Handle
-    source: torch.Tensor
-    copied: Any  # CUDA event after the shard's copy to the device (offloaded shards), or None
-
-    def wait(self) -> None:
-        self.handle.wait()  # NCCL: the compute stream waits for the all-gather
-        if self.copied is not None:  # a local (world size 1) gather is a copy on the side stream
-            torch.cuda.current_stream(self.source.device).wait_event(self.copied)
-
-
-class _RunGathering:
-    """One all-gather of a run of blocks (``gather_bucket_size``): every rank's shards of the run's units, rank by
-    rank. Each block of the run holds this handle; the first wait copies the result into every unit's buffer."""
-
-    def __init__(self, handle: collectives.Handle, units: list[FlatUnit], out: torch.Tensor, world_size: int) -> None:
-        self.handle = handle
-        self.units = units
-        self.out: Optional[torch.Tensor] = out  # 1D, world_size * the run's shard elements; freed once copied
-        self.world_size = world_size
-
-    def wait(self) -> None:
-        if self.out is not None:  # the run's units are allocated until then: a release waits first
-            self.handle.wait()
-            fill_from_gathered(self.units, self.out, self.world_size)
-            self.out = None
-
-
-class _HostCopy(NamedTuple):
-    """A block's copy from host memory onto the device, on a side stream (CUDA); see [Note: blocks streamed from
-    host memory]."""
-
-    copied: Any  # CUDA event after the copy; None: the copy was synchronous (CPU)
-    device: torch.device
-
-    def wait(self) -> None:
-        if self.copied is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.copied)
-
-
-class UnitOrderError(RuntimeError):
-    """Ranks did not run the same stage-3 units in the same order."""
-
-
-class BlockState(enum.Enum):
-    RELEASED = "only this rank's shard is resident"
-    GATHERING = "all-gathers launched, not yet waited for"
-    GATHERED = "full parameters resident"
-
-
-class Block:
-    """The units of one module instance (or of the root), gathered and released together."""
-
-    def __init__(self, name: str, units: Sequence[FlatUnit]) -> None:
-        self.name = name
-        self.units = list(units)
-        self.state = BlockState.RELEASED
-        self.handles: list[Any] = []
-        self.pending_backwards = 0  # forwards run with gradients whose backward has not passed the block's inputs
-        self.sticky = False  # a torch.autograd.grad call went through the block: kept gathered until released whole
-
-
-@dataclass(frozen=True)
-class GatherSchedule:
-    """When blocks are gathered and how long they stay: [Note: stage-3 gather schedule]. ZeroConfig's fields."""
-
-    prefetch: int = 1
-    prefetch_bucket_size: Optional[int] = None
-    max_live_parameters: Optional[int] = None
-    max_reuse_distance: int = 0
-    param_persistence_threshold: int = 0
-    gather_bucket_size: int = 0
-
-    @classmethod
-    def of(cls, config: Any) -> "GatherSchedule":
-        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
 
 
 class Gatherer:
@@ -218,11 +136,8 @@ class Gatherer:
         self._on_backward = on_backward
         self._accumulating = accumulating  # inside backward: whether it accumulates into parameters
         self.group = group
-        self.check_group = check_group
-        self.check_timeout_s = check_timeout_s
-        self._names = list(blocks)
-        self._index = {name: torch.tensor([i], dtype=torch.int64) for i, name in enumerate(self._names)}
-        self._check_world = dist.get_world_size(check_group) if check_group is not None else 1
+        # every rank agrees on each block before its all-gather (None: a single process, nothing to agree on)
+        self.order_check = OrderCheck(list(blocks), check_group, check_timeout_s) if check_group is not None else None
         self.schedule = schedule
         self.numel = {name: sum(u.spec.numel for u in b.units) for name, b in blocks.items()}  # elements, unpadded
         self.order: list[str] = []  # block names in first-forward order
@@ -234,7 +149,6 @@ class Gatherer:
         self._pinned = False  # inside all_gathered(): every block stays gathered, the hooks do nothing
         self._host: Optional[dict[int, torch.Tensor]] = None  # inside streamed_from_host(): unit id -> full values
         self._copy_stream: Any = None  # CUDA: the side stream of host copies
-        self._checks: dict[str, tuple[Any, torch.Tensor, torch.Tensor]] = {}  # order checks started ahead
         self._fresh: set[str] = set()  # persistent blocks the optimizer step gathered (kept by begin_step)
         self._direction = 1  # +1 in forward, -1 in backward: where the next block is in ``order``
         self._step = 0  # training steps begun (begin_step): a hook of an earlier step's forward does nothing
@@ -273,7 +187,7 @@ class Gatherer:
             source = unit.gather_source()
             handle, copied = unit.param_store.gather_from_side_stream(
                 lambda: collectives.all_gather(unit.flat_param, source, self.group, async_op=True))
-            block.handles.append(_Gathering(handle, source, copied))
+            block.handles.append(Gathering(handle, source, copied))
         block.state = BlockState.GATHERING
 
     def _launch_run(self, name: str, members: list[str]) -> None:
@@ -286,7 +200,7 @@ class Gatherer:
         shard = torch.cat([unit.gather_source() for unit in units])
         world_size = collectives.world_size(self.group)
         out = torch.empty(world_size * shard.numel(), dtype=shard.dtype, device=shard.device)
-        gathering = _RunGathering(collectives.all_gather(out, shard, self.group, async_op=True), units, out, world_size)
+        gathering = RunGathering(collectives.all_gather(out, shard, self.group, async_op=True), units, out, world_size)
         for n in members:
             self.blocks[n].handles.append(gathering)
             self.blocks[n].state = BlockState.GATHERING
@@ -320,46 +234,17 @@ class Gatherer:
                 size += self.numel[name]
         return runs
 
-    def _exchange(self, name: str, async_op: bool) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        mine = self._index[name]  # only read by the collective: one tensor per block, made once
-        every = torch.empty(self._check_world, dtype=torch.int64)
-        return dist.all_gather_single(every, mine, group=self.check_group, async_op=async_op), every, mine
-
     def _check_ahead(self, name: str) -> None:
         """Start the order check of the block after ``name`` in the current direction (recorded order only)."""
-        if self.check_group is None or self._recording or name not in self.order:
+        if self.order_check is None or self._recording or name not in self.order:
             return
         j = self.order.index(name) + self._direction
-        if 0 <= j < len(self.order):
-            nxt = self.order[j]
-            if nxt not in self._checks and self.blocks[nxt].state is BlockState.RELEASED:
-                self._checks[nxt] = self._exchange(nxt, async_op=True)
+        if 0 <= j < len(self.order) and self.blocks[self.order[j]].state is BlockState.RELEASED:
+            self.order_check.start(self.order[j])
 
     def _agree_on(self, name: str) -> None:
-        if self.check_group is None:
-            return
-        try:
-            if name in self._checks:  # started ahead: see [Note: stage-3 parameter lifecycle]
-                work, every, mine = self._checks.pop(name)
-                work.wait()
-            else:
-                _, every, mine = self._exchange(name, async_op=False)
-        except RuntimeError as err:
-            if "timed out" not in str(err).lower():
-                raise  # a peer process died (its own error is the one to read), as any collective would report
-            raise UnitOrderError(
-                f"Rank {dist.get_rank()} is about to gather unit `{_show(name)}`, but not every rank reached a"
-                f" gather within {self.check_timeout_s:g} s ({err}). A unit ran on only some ranks. HINT: every"
-                " rank must run the same modules in the same order under ZeRO-3 (no rank-dependent branches"
-                " around sharded modules), or put such a module in the root unit via `unit_modules`."
-            ) from err
-        if bool((every != mine).any()):
-            seen = {r: _show(self._names[i]) for r, i in enumerate(every.tolist())}
-            raise UnitOrderError(
-                f"Ranks disagree on the next unit to gather: {seen}. A unit ran on only some ranks. HINT: every"
-                " rank must run the same modules in the same order under ZeRO-3 (no rank-dependent branches"
-                " around sharded modules), or put such a module in the root unit via `unit_modules`."
-            )
+        if self.order_check is not None:
+            self.order_check.agree_on(name)
 
     def gather(self, name: str) -> None:
         """Full parameters of ``name`` resident on return."""
@@ -450,7 +335,7 @@ class Gatherer:
             flat, source = unit.flat_param, self._host[id(unit)]
             if flat.device.type != "cuda":
                 flat.copy_(source)
-                block.handles.append(_HostCopy(None, flat.device))
+                block.handles.append(HostCopy(None, flat.device))
                 continue
             if self._copy_stream is None:
                 self._copy_stream = torch.cuda.Stream(flat.device)
@@ -459,7 +344,7 @@ class Gatherer:
                 flat.copy_(source, non_blocking=True)
                 copied = torch.cuda.Event()
                 copied.record(self._copy_stream)
-            block.handles.append(_HostCopy(copied, flat.device))
+            block.handles.append(HostCopy(copied, flat.device))
         block.state = BlockState.GATHERING
 
     def gathers_in_flight(self) -> bool:
@@ -672,6 +557,3 @@ def _eager(hook: Callable) -> Callable:
     """A module hook that dynamo runs eagerly. See [Note: hooks and torch.compile]."""
     return torch.compiler.disable(hook, recursive=True)
 
-
-def _show(name: str) -> str:
-    return name or "<root>"

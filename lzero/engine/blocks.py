@@ -1,0 +1,90 @@
+"""A stage-3 block (the units of one module instance, gathered and released together), its states, the handles
+of its gathers in flight, and the schedule that decides when it is gathered. See [Note: stage-3 parameter
+lifecycle] and [Note: stage-3 gather schedule] in gather.py, which moves blocks through these states."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, fields
+from typing import Any, NamedTuple, Optional, Sequence
+
+import torch
+
+from lzero.engine import collectives
+from lzero.engine.flat_unit import FlatUnit, fill_from_gathered
+
+
+class Gathering(NamedTuple):
+    """A launched all-gather of one unit and the shard it reads."""
+
+    handle: collectives.Handle
+    source: torch.Tensor
+    copied: Any  # CUDA event after the shard's copy to the device (offloaded shards), or None
+
+    def wait(self) -> None:
+        self.handle.wait()  # NCCL: the compute stream waits for the all-gather
+        if self.copied is not None:  # a local (world size 1) gather is a copy on the side stream
+            torch.cuda.current_stream(self.source.device).wait_event(self.copied)
+
+
+class RunGathering:
+    """One all-gather of a run of blocks (``gather_bucket_size``): every rank's shards of the run's units, rank by
+    rank. Each block of the run holds this handle; the first wait copies the result into every unit's buffer."""
+
+    def __init__(self, handle: collectives.Handle, units: list[FlatUnit], out: torch.Tensor, world_size: int) -> None:
+        self.handle = handle
+        self.units = units
+        self.out: Optional[torch.Tensor] = out  # 1D, world_size * the run's shard elements; freed once copied
+        self.world_size = world_size
+
+    def wait(self) -> None:
+        if self.out is not None:  # the run's units are allocated until then: a release waits first
+            self.handle.wait()
+            fill_from_gathered(self.units, self.out, self.world_size)
+            self.out = None
+
+
+class HostCopy(NamedTuple):
+    """A block's copy from host memory onto the device, on a side stream (CUDA); see [Note: blocks streamed from
+    host memory]."""
+
+    copied: Any  # CUDA event after the copy; None: the copy was synchronous (CPU)
+    device: torch.device
+
+    def wait(self) -> None:
+        if self.copied is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.copied)
+
+
+class BlockState(enum.Enum):
+    RELEASED = "only this rank's shard is resident"
+    GATHERING = "all-gathers launched, not yet waited for"
+    GATHERED = "full parameters resident"
+
+
+class Block:
+    """The units of one module instance (or of the root), gathered and released together."""
+
+    def __init__(self, name: str, units: Sequence[FlatUnit]) -> None:
+        self.name = name
+        self.units = list(units)
+        self.state = BlockState.RELEASED
+        self.handles: list[Any] = []
+        self.pending_backwards = 0  # forwards run with gradients whose backward has not passed the block's inputs
+        self.sticky = False  # a torch.autograd.grad call went through the block: kept gathered until released whole
+
+
+@dataclass(frozen=True)
+class GatherSchedule:
+    """When blocks are gathered and how long they stay: [Note: stage-3 gather schedule]. ZeroConfig's fields."""
+
+    prefetch: int = 1
+    prefetch_bucket_size: Optional[int] = None
+    max_live_parameters: Optional[int] = None
+    max_reuse_distance: int = 0
+    param_persistence_threshold: int = 0
+    gather_bucket_size: int = 0
+
+    @classmethod
+    def of(cls, config: Any) -> "GatherSchedule":
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
