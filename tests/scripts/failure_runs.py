@@ -89,6 +89,9 @@ class Net(LightningModule):
 if __name__ == "__main__":
     strategy, mode = sys.argv[1], sys.argv[2]
     failing_rank, out = int(sys.argv[3]), Path(sys.argv[4])
+    # Ctrl+C in a terminal: a suite started in the background (`make test &`, nohup) hands its processes SIGINT
+    # ignored, which would make the signal modes test nothing
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     (out / f"rank{os.environ.get('LOCAL_RANK', '0')}.pid").write_text(str(os.getpid()))
     torch.manual_seed(0)
     data = DataLoader(TensorDataset(torch.randn(64, 16), torch.randn(64, 1)), batch_size=4)
