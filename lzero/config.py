@@ -51,6 +51,14 @@ class OffloadOptimizer:
     pipeline_write: bool = False
     """``device: nvme``: write a stepped group back while the next one steps, instead of waiting for it."""
 
+    delayed_update: bool = False
+    """``device: cpu``: the one-step delayed parameter update of the ZeRO-Offload paper ("DPU", section 5.3; not
+    in DeepSpeed's releases). The host step of step t runs on a worker thread while the device computes the
+    forward and backward of step t+1, which therefore uses the parameters of step t-1: each step's gradients are
+    one update stale. Clipping, the non-finite check and loss scaling still see each step's own gradients. A
+    checkpoint, validation, test, predict and the end of fit first finish the step in flight. Changes the
+    training trajectory (not bitwise equal to the same run without it); see [Note: one-step delayed update]."""
+
 
 @dataclass(frozen=True)
 class OffloadParam:
@@ -401,8 +409,9 @@ def _offload_block(name: str, value: Any, cls: type) -> Any:
             f"`{name}.device={device!r}` is not an offload device: without offload the state already lives on the"
             " device the model computes on (the GPU). HINT: use 'none' (keep it there) or 'cpu' (host memory)."
         )
-    if not isinstance(block["pin_memory"], bool):
-        raise ZeroConfigError(f"`{name}.pin_memory={block['pin_memory']!r}` must be true or false.")
+    for key in ("pin_memory", "delayed_update"):
+        if key in block and not isinstance(block[key], bool):
+            raise ZeroConfigError(f"`{name}.{key}={block[key]!r}` must be true or false.")
     if "ratio" in block:
         ratio = block["ratio"]
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
@@ -411,6 +420,13 @@ def _offload_block(name: str, value: Any, cls: type) -> Any:
                 " host memory. HINT: 1.0 offloads all of it; to offload none, use `device: none`."
             )
         block["ratio"] = float(ratio)
+    if block.get("delayed_update") and (device != "cpu" or block.get("ratio", 1.0) != 1.0):
+        raise ZeroConfigError(
+            f"`{name}.delayed_update=True` with `device: {device!r}`, `ratio: {block.get('ratio', 1.0)!r}`: the"
+            " delayed update overlaps the host step of every unit with the next step's forward and backward, so"
+            " every unit must be stepped in host memory. HINT: use `{device: cpu, ratio: 1.0, delayed_update: true}`"
+            " (the 'zero2_offload' or 'zero3_offload' strategy's block), or drop `delayed_update`."
+        )
     for key in ("buffer_count", "buffer_size", "max_in_cpu"):
         if key in block:
             number = block[key]

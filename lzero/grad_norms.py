@@ -27,7 +27,7 @@ def parameter_grad_norms(engine: Any, norm_type: float) -> dict[str, Tensor]:
     parameters of units without a gradient this step are left out. One all-reduce. A collective."""
     units = [u for u in engine.units if not u.spec.frozen]
     engine.prepare_step(units)
-    stepped = [u for u in units if u.master_shard.grad is not None]
+    stepped = [u for u in units if u.has_step_grad]
     names = [p.name for u in stepped for p in u.spec.params]
     device = stepped[0].flat_param.device if stepped else torch.device("cpu")
     partial = torch.zeros(len(names), dtype=torch.float32, device=device)  # sum |g|^p (inf: max |g|) per parameter

@@ -120,17 +120,25 @@ class ZeroOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.engine.prepare_step(self.units)
-        self.engine.step_and_gather([(bucket, self._stepper(inner)) for bucket, inner in self.buckets])
+        if self.engine.delayed is not None:  # the worker thread steps: the hyperparameters are read now
+            for _, inner in self.buckets:
+                self._copy_hyperparameters(inner)
+            self.engine.step_and_gather([(bucket, inner.step) for bucket, inner in self.buckets])
+        else:
+            self.engine.step_and_gather([(bucket, self._stepper(inner)) for bucket, inner in self.buckets])
         self.optimizer._opt_called = True  # LR schedulers check that the optimizer they wrap has stepped
         return loss
 
     def _stepper(self, inner: Optimizer) -> Callable[[], None]:
-        outer = self.param_groups[inner.lzero_group]
-
         def step() -> None:
-            inner.param_groups[0].update({k: v for k, v in outer.items() if k != "params" and k not in KERNEL_FLAGS})
+            self._copy_hyperparameters(inner)
             inner.step()
         return step
+
+    def _copy_hyperparameters(self, inner: Optimizer) -> None:
+        """The user's group's current hyperparameters (an LR scheduler's, a manual change) into ``inner``."""
+        outer = self.param_groups[inner.lzero_group]
+        inner.param_groups[0].update({k: v for k, v in outer.items() if k != "params" and k not in KERNEL_FLAGS})
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.engine.zero_grad(self.units, set_to_none)
@@ -150,10 +158,12 @@ class ZeroOptimizer(Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The full per-parameter state in torch's format (a collective: call it on every rank)."""
+        self.engine.flush_delayed_update()
         return gather_optimizer_state(self, to_all=True)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full per-parameter state (from DDP or from :meth:`state_dict`) into this rank's shards."""
+        self.engine.flush_delayed_update()
         load_optimizer_state(self, state_dict)
 
 

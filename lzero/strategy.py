@@ -382,6 +382,7 @@ class ZeroStrategy(DDPStrategy):
         engine = self._live_engine
         if engine is None:
             return super().lightning_module_state_dict()
+        engine.flush_delayed_update()
         return module_state_dict(engine, self.lightning_module, self._sharded_checkpoint,
                                  full=self.config.state_dict_type == "full")
 
@@ -399,6 +400,7 @@ class ZeroStrategy(DDPStrategy):
         sharded values gathered one unit at a time."""
         if not self._all_ranks_here():
             return
+        self._flush_delayed_update()
         if self._sharded_checkpoint:
             optimizers = [_unwrap(o) for o in self.optimizers] if "optimizer_states" in checkpoint else []
             save_sharded(filepath, self._live_engine, optimizers, checkpoint, self._saver, stage=self.config.stage,
@@ -531,10 +533,12 @@ class ZeroStrategy(DDPStrategy):
             engine, self._engine = self._engine, None
             if failed:
                 engine.remove(after_failure=True)
-            elif engine.gatherer is not None and not self.config.gather_after_fit:
-                _keep(self.lightning_module, engine)  # see [Note: the model stays sharded after fit]
             else:
-                gather_back(engine)
+                engine.flush_delayed_update()  # the model leaves fit with every step applied
+                if engine.gatherer is not None and not self.config.gather_after_fit:
+                    _keep(self.lightning_module, engine)  # see [Note: the model stays sharded after fit]
+                else:
+                    gather_back(engine)
             self.precision_plugin.bind(None)
             if self.lightning_module is not None:
                 self.lightning_module.__dict__.pop("lr_scheduler_step", None)
@@ -639,6 +643,28 @@ class ZeroStrategy(DDPStrategy):
                 " `accumulate_grad_batches` so that the product matches, or drop `train_batch_size`."
             )
 
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._flush_delayed_update()
+
+    @override
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._flush_delayed_update()
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._flush_delayed_update()
+
+    def _flush_delayed_update(self) -> None:
+        """``offload_optimizer.delayed_update``: the step in flight finished and published before anything reads
+        the parameters, masters or optimizer state (see [Note: one-step delayed update]). A collective."""
+        engine = self._live_engine
+        if engine is not None:
+            engine.flush_delayed_update()
+
     def partition_metadata(self) -> dict[str, Any]:
         """Where every parameter element lives: unit, offset, shape and each rank's range."""
         engine = self._live_engine
@@ -652,6 +678,7 @@ class ZeroStrategy(DDPStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if not self._all_ranks_here():
             return {}
+        self._flush_delayed_update()
         if self._sharded_checkpoint:
             return {"lzero": "written by the sharded checkpoint"}  # the pieces come from the shards
         return gather_optimizer_state(_unwrap(optimizer))
@@ -660,6 +687,7 @@ class ZeroStrategy(DDPStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Into the shards while fitting: each rank reads only the pieces it owns, from a sharded
         checkpoint or a full (DDP/Lightning) one."""
+        self._flush_delayed_update()
         load_module_state(self._engine, self.lightning_module, checkpoint, strict)
 
     @override

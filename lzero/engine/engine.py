@@ -32,6 +32,7 @@ from lzero.engine.mixed_precision import PrecisionPolicy
 from lzero.engine.flat_unit import FlatUnit, GradState, fill_from_gathered
 from lzero.engine import parameters
 from lzero.engine.blocks import Block, GatherSchedule
+from lzero.engine.delayed_update import DelayedUpdate
 from lzero.engine.gather import Gatherer, full_graphs_around
 from lzero.engine.materialize import (InitFn, Materializer, WeightSource, apply_order, buffers_to, common_seed, has_meta,
                                read_whole, shard_values)
@@ -109,6 +110,9 @@ class ZeroEngine:
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p, (unit, _) in self._where.items()
                        if not unit.spec.frozen and id(unit) not in in_blocks]
         parameters.watch(self._where, self._on_grad_cleared, self._on_module_zero_grad)  # [Note: clearing gradients]
+        # offload_optimizer.delayed_update: the host step runs on a worker thread during the next step
+        self.delayed: Optional[DelayedUpdate] = \
+            DelayedUpdate(self.resident) if config.offload_optimizer.delayed_update else None
         self.sync = True  # False inside Lightning's block_backward_sync (accumulating micro-batches)
         self.automatic = True  # Lightning's automatic optimization
         self._round_open = False
@@ -283,6 +287,7 @@ class ZeroEngine:
     @torch.no_grad()
     def unshard(self) -> None:
         """Stage 3, at the end of fit: every parameter becomes a full standalone tensor again."""
+        self.flush_delayed_update()
         if self.gatherer is None:
             return
         for name, block in self.gatherer.blocks.items():
@@ -307,6 +312,8 @@ class ZeroEngine:
         (see [Note: teardown after a failure] in strategy.py)."""
         if not after_failure:
             self.wait()
+        if self.delayed is not None:  # a step still in flight is waited for (the strategy flushed it at fit's end)
+            self.delayed.close(after_failure)
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -492,7 +499,7 @@ class ZeroEngine:
         device = units[0].flat_param.device if units else None
         totals: dict[torch.device, Tensor] = {}
         for unit in units:
-            if unit.master_shard.grad is not None:
+            if unit.has_step_grad:
                 where = unit.shard_grad.device
                 if where not in totals:
                     totals[where] = torch.zeros((), dtype=torch.float32, device=where)
@@ -509,7 +516,7 @@ class ZeroEngine:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         coefs: dict[tuple[torch.device, torch.dtype], Tensor] = {}
         for unit in units:
-            if unit.master_shard.grad is not None:
+            if unit.has_step_grad:
                 grad = unit.shard_grad
                 key = (grad.device, grad.dtype)
                 if key not in coefs:  # one copy per store and dtype, not per unit
@@ -521,7 +528,7 @@ class ZeroEngine:
     def clip_grad_value_(self, units: Sequence[FlatUnit], clip_value: float) -> None:
         self.prepare_step(units)
         for unit in units:
-            if unit.master_shard.grad is not None:
+            if unit.has_step_grad:
                 unit.shard_grad.clamp_(min=-clip_value, max=clip_value)
 
     # --- parameters --------------------------------------------------------------------------
@@ -549,13 +556,19 @@ class ZeroEngine:
         """Step every bucket's shards (``step()`` steps the bucket's units that have a gradient, in one optimizer
         call) and, at stages 1-2, all-gather the updated shards into the full flat parameters, coalesced into
         all-gathers of about ``allgather_bucket_size`` elements. A bucket's values are published and its gathers
-        launched as soon as it is stepped, so they overlap the step of the next bucket."""
+        launched as soon as it is stepped, so they overlap the step of the next bucket. With the delayed update,
+        the step launched by the previous call is finished and published instead, and ``steps`` start on the
+        worker thread (see [Note: one-step delayed update] in delayed_update.py)."""
+        if self.delayed is not None:
+            self._publish_and_gather(*self.delayed.finish())
+            self.delayed.launch(steps)
+            return
         pending = []
         for k, (bucket, step) in enumerate(steps):
             for unit in steps[k + 1][0] if k + 1 < len(steps) else []:  # NVMe: read ahead while this bucket steps
-                if unit.master_shard.grad is not None:
+                if unit.has_step_grad:
                     unit.store.prefetch(unit)
-            stepped = [unit for unit in bucket if unit.master_shard.grad is not None]
+            stepped = [unit for unit in bucket if unit.has_step_grad]
             if stepped:
                 with self.resident(stepped, write=True):
                     step()  # units without a gradient are skipped by the optimizer, as torch skips grad=None
@@ -569,6 +582,23 @@ class ZeroEngine:
         self._finish_gathers(pending)
         if self.gatherer is not None:
             self._gather_persistent([u for bucket, _ in steps for u in bucket])
+
+    def flush_delayed_update(self) -> None:
+        """Finish the delayed update's step in flight and publish it (nothing without one). A collective at stages
+        1-2 (the all-gathers of the stepped values): every rank calls it at the same point."""
+        if self.delayed is not None and self.delayed.in_flight:
+            self._publish_and_gather(*self.delayed.finish())
+
+    def _publish_and_gather(self, buckets: list[list[FlatUnit]], stepped: list[FlatUnit]) -> None:
+        """The stepped masters of ``stepped`` into the compute shards, then (stages 1-2) every unit of ``buckets``
+        all-gathered, or (stage 3) its persistent blocks, as ``step_and_gather`` does after each bucket's step."""
+        for unit in stepped:
+            unit.publish()
+        if self.gatherer is not None:
+            self._gather_persistent([u for bucket in buckets for u in bucket])
+        elif not collectives.local(self.group):
+            self._finish_gathers([self._launch_gather(part) for bucket in buckets
+                                  for part in _coalesce(bucket, self.config.allgather_bucket_size)])
 
     def _gather_persistent(self, units: Sequence[FlatUnit]) -> None:
         """Stage 3: the persistent blocks holding ``units``, all-gathered after the step in coalesced buckets, so

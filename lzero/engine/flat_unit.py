@@ -132,6 +132,9 @@ class FlatUnit:
         self.seen = 0  # params whose gradient arrived in the current backward
         self.launched = False  # reduction launched in the current backward
         self.cleared: set[int] = set()  # params whose gradient the user set to None since they last got one
+        # the delayed update's worker thread steps the master with the gradient it was handed: until that step is
+        # finished, the master's ``.grad`` is the worker's (see [Note: one-step delayed update])
+        self.stepping = False
 
     # --- backward bookkeeping ----------------------------------------------------------------
 
@@ -279,7 +282,8 @@ class FlatUnit:
         self.flat_grad = self.shard_grad = None
         self._grad_views = None
         self._unclaimed.clear()
-        self.master_shard.grad = None
+        if not self.stepping:
+            self.master_shard.grad = None
         self.grad_state = GradState.EMPTY
         self.cleared.clear()
 
@@ -308,7 +312,19 @@ class FlatUnit:
 
     def mark_reduced(self) -> None:
         self.grad_state = GradState.REDUCED
+        if not self.stepping:
+            self.master_shard.grad = self.shard_grad
+
+    @property
+    def has_step_grad(self) -> bool:
+        """This step's reduced gradient is in ``shard_grad``: clipping and the norm read it, the step consumes it."""
+        return self.grad_state is GradState.REDUCED and self.shard_grad is not None
+
+    def hand_grad_to_step(self) -> None:
+        """The delayed update: the master's ``.grad`` takes this step's gradient for the worker thread's step, and
+        the unit's gradient buffers are free for the next backward (``release_grads`` leaves that ``.grad``)."""
         self.master_shard.grad = self.shard_grad
+        self.stepping = True
 
     # --- parameters --------------------------------------------------------------------------
 
