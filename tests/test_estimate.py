@@ -189,8 +189,9 @@ def _engine_case(preset: dict, bf16: bool) -> tuple[dict, dict, int]:
 @pytest.mark.parametrize("bf16", [False, True], ids=["32-true", "bf16-mixed"])
 @pytest.mark.parametrize("preset", [{"stage": 1}, {"stage": 2}, {"stage": 3},
                                     {"stage": 2, "offload_optimizer": "cpu"},
-                                    {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}],
-                         ids=["zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"])
+                                    {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"},
+                                    {"stage": 2, "offload_optimizer": {"device": "cpu", "delayed_update": True}}],
+                         ids=["zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero2_offload_delayed"])
 def test_estimate_equals_measured_engine(preset: dict, bf16: bool) -> None:
     """World size 1 (no padding), after a backward: every store and kind equal to lzero.memory.accounting's accounting, but
     Adam's 4-byte step counter per unit and the offload staging buffers (the working set, not model states)."""

@@ -20,9 +20,10 @@ run without the delay. lzero runs it as follows (``optimizer.step()`` of step t,
    steps every bucket, m(t+1) = step(m(t), g(t)), while ``optimizer.step()`` returns and step t+1's forward
    starts.
 
-While a unit is ``stepping`` the worker owns its master and the master's ``.grad``: the main thread's
-gradient bookkeeping (``mark_reduced``, ``release_grads``) leaves that ``.grad`` alone and reads each step's
-gradient from ``shard_grad`` (``has_step_grad``). The compute shards the forward reads are separate tensors,
+While a unit is ``stepping`` the worker owns its master and the master's ``.grad`` (the step's gradient, kept
+until ``finish`` drops it: one more fp32 gradient shard per rank in host memory, which the estimator and the
+memory log count): the main thread's gradient bookkeeping (``mark_reduced``, ``release_grads``) leaves that
+``.grad`` alone and reads each step's gradient from ``shard_grad`` (``has_step_grad``). The compute shards the forward reads are separate tensors,
 written only by ``finish`` on the main thread. Torch's kernels release the GIL, so the host step runs beside
 the main thread's work; on CUDA that work is launching kernels, so the host step is hidden behind the device's
 compute. On a CPU model (this project's test machine) both share the same cores, and the delay buys nothing.
@@ -73,14 +74,10 @@ class DelayedUpdate:
         work = [([u for u in bucket if u.stepping], step) for bucket, (_, step) in zip(buckets, steps)]
 
         def run() -> None:
-            try:
-                for units, step in work:
-                    if units:
-                        with self._resident(units, write=True):
-                            step()
-            finally:
-                for unit in stepped:  # consumed, as a step without the delay leaves it
-                    unit.master_shard.grad = None
+            for units, step in work:
+                if units:
+                    with self._resident(units, write=True):
+                        step()
 
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lzero-delayed-update")
@@ -97,7 +94,8 @@ class DelayedUpdate:
         try:
             future.result()
         finally:
-            for unit in stepped:
+            for unit in stepped:  # the gradient is consumed, as a step without the delay leaves it
+                unit.master_shard.grad = None
                 unit.stepping = False
         return buckets, stepped
 

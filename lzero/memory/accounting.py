@@ -49,8 +49,8 @@ def _tensors(engine: "ZeroEngine", optimizers: Sequence[Any]) -> Iterator[tuple[
         yield "device", "parameters", unit.flat_param
         yield unit.param_store.memory, "parameters", unit.compute_shard()
     for unit in engine.units:
-        for grad in (unit.flat_grad, unit.shard_grad):
-            if grad is not None:
+        for grad in (unit.flat_grad, unit.shard_grad, unit.master_shard.grad if unit.stepping else None):
+            if grad is not None:  # stepping: the delayed update's step in flight holds its own gradient
                 yield unit.store.memory, "gradients", grad
         for p in unit.params:
             if p.grad is not None:

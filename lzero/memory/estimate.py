@@ -200,6 +200,8 @@ def model_states(config: ZeroConfig, count: ModelCount, world_size: int, precisi
         memory = "cpu" if store == "nvme" else store  # NVMe keeps gradients in host memory
         if stage >= 2 or store != "device" or mixed:  # stage 1, fp32, device: a view of the flat gradient
             out.add(memory, "gradients", 4 * elements)
+        if store != "device" and opt.delayed_update:  # the step in flight keeps the previous step's gradient
+            out.add(memory, "gradients", 4 * elements)
         out.add(store, "optimizer_state", optimizer_bytes * elements)
         if stage < 3:
             if mixed or store != "device":  # fp32 on the device: the master is the parameters' own slice
