@@ -60,7 +60,7 @@ def test_delayed_update_refuses_what_it_cannot_delay(block: dict, match: str) ->
         ZeroConfig(stage=2, offload_optimizer=block)
 
 
-def _fit(folder: Path, steps: int, ckpt_path=None, validate: bool = True, clip: float = 0.5):
+def _fit(folder: Path, steps: int, ckpt_path=None, validate: bool = True, clip: float = 0.5, delayed: bool = True):
     """A one-process fit with the delayed update and clipping; step t trains on batch (t - 1) mod 4 whatever the
     resume. ``validate``: validation after steps 3 and 7 and a checkpoint at the end of each 4-step epoch;
     otherwise a checkpoint every 2 steps. Returns the model, the data and the steps at which validation started."""
@@ -94,7 +94,7 @@ def _fit(folder: Path, steps: int, ckpt_path=None, validate: bool = True, clip: 
     validated: list[int] = []
     data = DataLoader(TensorDataset(x, y), batch_size=4)
     model = Small()
-    strategy = ZeroStrategy(stage=2, offload_optimizer={"device": "cpu", "delayed_update": True})
+    strategy = ZeroStrategy(stage=2, offload_optimizer={"device": "cpu", "delayed_update": delayed})
     checkpoints = ModelCheckpoint(dirpath=folder, save_top_k=-1, **(
         {"every_n_epochs": 1, "save_on_train_epoch_end": True} if validate else {"every_n_train_steps": 2}))
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=1, max_steps=steps, logger=False,
@@ -105,10 +105,11 @@ def _fit(folder: Path, steps: int, ckpt_path=None, validate: bool = True, clip: 
     return model, (x, y), validated
 
 
-def _by_hand(steps: int, data: tuple, flushed: set[int], clip: float = 0.5) -> dict:
+def _by_hand(steps: int, data: tuple, flushed: set[int], clip: float = 0.5, undelayed: int = 0) -> dict:
     """The same training with the delay run by hand: each step's gradient at the published parameters, the
     published parameters are the masters before the step, and after the steps in ``flushed`` (validation, a
-    checkpoint) and at the end of fit the step in flight is published."""
+    checkpoint) and at the end of fit the step in flight is published. The first ``undelayed`` steps run without
+    the delay (each published at once)."""
     torch.manual_seed(0)
     published = nn.Linear(3, 2)
     masters = copy.deepcopy(published)
@@ -125,7 +126,7 @@ def _by_hand(steps: int, data: tuple, flushed: set[int], clip: float = 0.5) -> d
             for m, p in zip(masters.parameters(), published.parameters()):
                 p.copy_(m)  # the step of the previous call, finished and published
         opt.step()
-        if step in flushed or step == steps:
+        if step in flushed or step == steps or step <= undelayed:
             with torch.no_grad():
                 for m, p in zip(masters.parameters(), published.parameters()):
                     p.copy_(m)
@@ -154,3 +155,13 @@ def test_a_run_resumed_with_the_delay_ends_bitwise_where_the_uninterrupted_one_d
     for (name, value), (_, full) in zip(resumed.named_parameters(), model.named_parameters()):
         assert torch.equal(value, full), name
         assert torch.allclose(value, reference[name], rtol=1e-6, atol=1e-7), name
+
+
+def test_a_run_without_the_delay_resumes_with_it(tmp_path: Path, in_process_fit) -> None:
+    """The paper's recipe: the first steps without the delay, then on with it from their checkpoint (the checkpoint
+    format does not change)."""
+    _, data, _ = _fit(tmp_path / "plain", 4, validate=False, delayed=False)
+    resumed, _, _ = _fit(tmp_path / "delayed", 8, ckpt_path=tmp_path / "plain" / "epoch=0-step=4.ckpt", validate=False)
+    reference = _by_hand(8, data, {6}, undelayed=4)
+    for name, value in resumed.named_parameters():
+        assert torch.allclose(value, reference[name], rtol=1e-6, atol=1e-7), (name, value, reference[name])
