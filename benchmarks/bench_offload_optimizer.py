@@ -62,11 +62,13 @@ def measure_lzero(numel: int, warmup: int, repeats: int) -> dict:
 
     def host_step() -> None:
         for bucket, inner in zopt.buckets:
-            zopt._stepper(inner)()
+            zopt._copy_hyperparameters(inner)
+            inner.step()
 
     def host_step_and_publish() -> None:
         for bucket, inner in zopt.buckets:
-            zopt._stepper(inner)()
+            zopt._copy_hyperparameters(inner)
+            inner.step()
             for unit in bucket:
                 unit.publish()
 

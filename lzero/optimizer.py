@@ -120,20 +120,11 @@ class ZeroOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.engine.prepare_step(self.units)
-        if self.engine.delayed is not None:  # the worker thread steps: the hyperparameters are read now
-            for _, inner in self.buckets:
-                self._copy_hyperparameters(inner)
-            self.engine.step_and_gather([(bucket, inner.step) for bucket, inner in self.buckets])
-        else:
-            self.engine.step_and_gather([(bucket, self._stepper(inner)) for bucket, inner in self.buckets])
+        for _, inner in self.buckets:  # read now: with the delayed update a worker thread steps after this returns
+            self._copy_hyperparameters(inner)
+        self.engine.step_and_gather([(bucket, inner.step) for bucket, inner in self.buckets])
         self.optimizer._opt_called = True  # LR schedulers check that the optimizer they wrap has stepped
         return loss
-
-    def _stepper(self, inner: Optimizer) -> Callable[[], None]:
-        def step() -> None:
-            self._copy_hyperparameters(inner)
-            inner.step()
-        return step
 
     def _copy_hyperparameters(self, inner: Optimizer) -> None:
         """The user's group's current hyperparameters (an LR scheduler's, a manual change) into ``inner``."""

@@ -263,7 +263,6 @@ class FlatUnit:
             return
         if self.accumulates_locally:  # a zero local gradient, reduced and stepped at the boundary
             for i in self.trainable:
-                start, end = self.ranges[i]
                 set_grad_quietly(self.params[i], self.grad_view(i))
             self.grad_state = GradState.LOCAL
         else:
