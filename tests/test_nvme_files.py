@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -363,6 +364,40 @@ def test_cleanup_stale_removes_only_dead_runs_of_this_user(disk: Path) -> None:
         assert cleanup_stale(disk) == []
     finally:
         live.remove()
+
+
+def test_exit_sweep_removes_the_folder_of_a_child_that_dies_during_its_check(disk: Path, monkeypatch) -> None:
+    """The launcher's exit sweep (``sweep_at_exit``) with its killed rank dying *during* a staleness check: the
+    check saw it alive, and it is a zombie by the time the sweep asks whether a child still holds the folder.
+    The sweep must look again and remove the folder (it once gave up here: the Ctrl+C flake under load)."""
+    from lzero.offload import nvme_checks
+    from lzero.offload.nvme import _host, _start_time
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        run_folder = disk / "lzero-user-run"
+        (run_folder / "rank1").mkdir(parents=True)
+        (run_folder / "rank1" / "unit0.master").write_bytes(b"x" * 4096)
+        lock = {"lzero": 1, "pid": child.pid, "start": _start_time(child.pid), "host": _host()}
+        (run_folder / "rank1.lock").write_text(json.dumps(lock))
+        real_is_stale, checks = nvme_checks._is_stale, []
+
+        def child_dies_during_the_check(folder: Path, exiting=None) -> bool:
+            stale = real_is_stale(folder, exiting)
+            checks.append(stale)
+            if len(checks) == 1:
+                child.kill()  # SIGKILL, as Lightning's launcher sends on Ctrl+C; not reaped: a zombie
+                while nvme_checks._proc_stat(child.pid)[0] not in ("Z", "X"):
+                    time.sleep(0.01)
+            return stale
+
+        monkeypatch.setattr(nvme_checks, "_is_stale", child_dies_during_the_check)
+        nvme_checks._sweep(run_folder, wait_s=5.0)
+        assert checks == [False, True]  # alive at the first check, dead at the second
+        assert not run_folder.exists()
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_check_space(disk: Path) -> None:

@@ -60,20 +60,25 @@ def sweep_at_exit(run_folder: Path, wait_s: float = 3.0) -> None:
     if run_folder in _SWEPT_AT_EXIT:
         return
     _SWEPT_AT_EXIT.add(run_folder)
+    atexit.register(_sweep, run_folder, wait_s)
 
-    def sweep() -> None:
-        deadline = time.monotonic() + wait_s
-        while run_folder.exists():
-            if _is_stale(run_folder, exiting=os.getpid()):
-                shutil.rmtree(run_folder, ignore_errors=True)
-                return
-            # only this process's own children (ranks it launched and killed) are worth waiting for; any other
-            # live rank removes its own folder
-            if time.monotonic() > deadline or not _children_hold(run_folder):
-                return
-            time.sleep(0.05)
 
-    atexit.register(sweep)
+def _sweep(run_folder: Path, wait_s: float) -> None:
+    """Remove ``run_folder`` once it is stale, waiting up to ``wait_s`` while a lock in it names a live child of
+    this process (a rank it launched and killed; any other live rank removes its own folder).
+
+    Whether a child holds the folder is read *before* the staleness check of the same round: read after it, a
+    child that dies between the two reads would count as neither live nor checked, and the folder it leaves
+    would be given up on (seen under load, one Ctrl+C run in many)."""
+    deadline = time.monotonic() + wait_s
+    while run_folder.exists():
+        waiting = _children_hold(run_folder)
+        if _is_stale(run_folder, exiting=os.getpid()):
+            shutil.rmtree(run_folder, ignore_errors=True)
+            return
+        if not waiting or time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
 
 
 def _children_hold(run_folder: Path) -> bool:
