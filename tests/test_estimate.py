@@ -174,10 +174,12 @@ def _engine_case(preset: dict, bf16: bool) -> tuple[dict, dict, int]:
     config = ZeroConfig(**preset)
     engine = ZeroEngine(model, [opt], config, PrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else None)
     zopt = ZeroOptimizer(opt, engine, 0)
-    for step in range(2):  # the second backward: optimizer state exists and every gradient is held
+    # the third backward: optimizer state exists and every gradient is held (with the delayed update, the second
+    # step is in flight, and the state its first step created exists: the worker only updates it in place)
+    for step in range(3):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             model(torch.randn(3, 8)).float().square().mean().backward()
-        if step == 0:
+        if step < 2:
             zopt.step()
             zopt.zero_grad()
     measured = model_state_bytes(engine, [zopt])

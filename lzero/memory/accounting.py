@@ -59,7 +59,8 @@ def _tensors(engine: "ZeroEngine", optimizers: Sequence[Any]) -> Iterator[tuple[
         yield unit.store.memory, "masters", unit.master_shard.detach()
     for zopt in optimizers:
         for unit in zopt.units:
-            for value in zopt.shard_optimizer(unit).state.get(unit.master_shard, {}).values():
+            # one C-level copy of the values: the delayed update's first step may be adding state on its thread
+            for value in list(zopt.shard_optimizer(unit).state.get(unit.master_shard, {}).values()):
                 if isinstance(value, Tensor):
                     yield unit.store.memory, "optimizer_state", value
 
