@@ -23,7 +23,7 @@ _LIGHTNING_EXPORTS = {
     "ZeroPrecisionError": "lzero.precision",
     "MemoryMonitor": "lzero.memory.monitor",
     "grad_norm": "lzero.grad_norms",
-    "unshard": "lzero.strategy",
+    "unshard": "lzero.kept",
 }
 
 

@@ -8,9 +8,7 @@ wrapper, gradient hooks on the parameters, and optimizers re-targeted at the sha
 from __future__ import annotations
 
 import contextlib
-import sys
 import warnings
-import weakref
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable, Generator, Literal, Mapping, Optional, Union
@@ -18,7 +16,7 @@ from typing import Any, Callable, Generator, Literal, Mapping, Optional, Union
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.overrides.distributed import _sync_module_states
@@ -33,14 +31,19 @@ from lzero.deepspeed import config as deepspeed_config
 from lzero.checkpoint.full_state import gather_optimizer_state
 from lzero.checkpoint.resume import load_module_state, load_optimizer_states, open_checkpoint
 from lzero.checkpoint.sharded import AsyncSaver, save_sharded
-from lzero.checkpoint.state_dict import consolidate, has_sharded, module_state_dict, restore_masters
+from lzero.checkpoint.state_dict import consolidate, has_sharded, module_state_dict
 from lzero.config import ZeroConfig, ZeroConfigError, optional_config
 from lzero.engine.engine import ZeroEngine
 from lzero.engine.loss_scale import LossScaleConfig
 from lzero.engine.materialize import has_meta
 from lzero.optimizer import ZeroOptimizer, check_optimizer
 from lzero.precision import ZeroPrecision, to_zero_precision
+from lzero.kept import gather_back, keep, kept_engine, take_kept
+from lzero.memory.auto import rank_budget_bytes
+from lzero.offload.placement import announce_offload
 from lzero.offload.store import divide_host_threads
+from lzero.run_wiring import (activation_probe, add_memory_monitor, guard_lr_schedulers, meta_device, micro_batch_size,
+                              pretrained_weights, refuse_weight_averaging, synced_generation, watch_gradient_reads)
 
 
 class ZeroStrategy(DDPStrategy):
@@ -198,12 +201,12 @@ class ZeroStrategy(DDPStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        kept = _take_kept(self.lightning_module)
+        kept = take_kept(self.lightning_module)
         if kept is not None:  # see [Note: the model stays sharded after fit]
             if not fitting and self.config.stage >= 3 and kept.world_size == self.world_size:
                 self._engine = kept
                 self.precision_plugin.bind(kept)
-                self._mark_synced_generation()
+                self._marksynced_generation()
                 self.setup_precision_plugin()
                 return
             gather_back(kept)
@@ -217,29 +220,29 @@ class ZeroStrategy(DDPStrategy):
                 deepspeed_config.apply_to_trainer(self._deepspeed, trainer)
             self._fill_from_hidden_size()
             if self.config.stage >= 3:
-                _refuse_weight_averaging(trainer.callbacks)
+                refuse_weight_averaging(trainer.callbacks)
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:
                 check_optimizer(optimizer, self.config.allow_untested_optimizer)
             if self._auto:
                 self._choose_configuration()
             self._checkpointed = checkpointing.apply(self.model, self._checkpoint_policy, self.config)
-            self._probe = _activation_probe(self.lightning_module, self.config)
+            self._probe = activation_probe(self.lightning_module, self.config)
             self._engine = ZeroEngine(self.model, self.optimizers, self.config, self.precision_plugin.policy,
-                                      device=self.root_device, init_fn=self.init_fn, weights=_pretrained(self.model))
+                                      device=self.root_device, init_fn=self.init_fn, weights=pretrained_weights(self.model))
             self._engine.automatic = self.lightning_module.automatic_optimization
             self.optimizers = [ZeroOptimizer(opt, self._engine, i) for i, opt in enumerate(self.optimizers)]
             if self._engine.offloaded:
-                _announce_offload(self._engine, self.optimizers, divide_host_threads(self.num_processes))
-            _add_memory_monitor(trainer, self.config)
+                announce_offload(self._engine, self.optimizers, divide_host_threads(self.num_processes))
+            add_memory_monitor(trainer, self.config)
             self.precision_plugin.bind(self._engine)
             if self.config.async_save:
                 import torch.distributed as dist
 
                 self._saver = AsyncSaver(dist.new_group(backend="gloo") if self.world_size > 1 else None)
-            _guard_lr_schedulers(self.lightning_module, self.precision_plugin)
-            _watch_gradient_reads(self.lightning_module)
-            self._mark_synced_generation()
+            guard_lr_schedulers(self.lightning_module, self.precision_plugin)
+            watch_gradient_reads(self.lightning_module)
+            self._marksynced_generation()
             if self.world_size > 1:
                 import torch.distributed as dist
 
@@ -247,19 +250,19 @@ class ZeroStrategy(DDPStrategy):
                 self._exit_group = dist.new_group(backend="gloo", timeout=timeout)
         elif self.config.stage >= 3:  # validate/test/predict sharded: see [Note: evaluating under zero3]
             self._engine = ZeroEngine(self.model, [], self.config, self.precision_plugin.policy,
-                                      device=self.root_device, init_fn=self.init_fn, weights=_pretrained(self.model),
+                                      device=self.root_device, init_fn=self.init_fn, weights=pretrained_weights(self.model),
                                       evaluating=True)
             self.precision_plugin.bind(self._engine)
-            self._mark_synced_generation()
+            self._marksynced_generation()
         else:
             _sync_module_states(self.model)
         self.setup_precision_plugin()
 
-    def _mark_synced_generation(self) -> None:
+    def _marksynced_generation(self) -> None:
         """Stage 3: a Hugging Face ``generate`` keeps the ranks stepping together while the engine lives (a forward
         gathers blocks: every rank must run as many), unless inside ``generation()``."""
         if self.config.stage >= 3 and self.world_size > 1:
-            self._exit_stack.enter_context(_synced_generation(self.lightning_module, True))
+            self._exit_stack.enter_context(synced_generation(self.lightning_module, True))
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -305,7 +308,7 @@ class ZeroStrategy(DDPStrategy):
         """Stage 3 with ``empty_init=True``: build on the meta device; the engine materializes the model
         one unit at a time at setup, each rank keeping only its shard."""
         if self.config.stage >= 3 and empty_init:
-            with _meta_device():
+            with meta_device():
                 yield
             return
         with super().tensor_init_context(empty_init):
@@ -316,7 +319,7 @@ class ZeroStrategy(DDPStrategy):
     def model_sharded_context(self) -> Generator:
         """Stage 3: ``configure_model`` builds on the meta device (see ``tensor_init_context``)."""
         if self.config.stage >= 3:
-            with _meta_device():
+            with meta_device():
                 yield
             return
         yield
@@ -494,7 +497,7 @@ class ZeroStrategy(DDPStrategy):
         return triage.Situation(
             config=self.config, count=count_parameters(self.lightning_module, self.config.unit_modules),
             world_size=self.world_size, precision=self.precision_plugin.precision,
-            budget=_free_bytes(self.root_device, self.memory_budget_bytes, self.num_processes, total=True),
+            budget=rank_budget_bytes(self.root_device, self.memory_budget_bytes, self.num_processes, total=True),
             measured_states=model_state_bytes(engine, [_unwrap(o) for o in self.optimizers]),
             activations=probe.total if measured else None,
             checkpointed_activations=probe.checkpointed() if measured else None,
@@ -536,7 +539,7 @@ class ZeroStrategy(DDPStrategy):
             else:
                 engine.flush_delayed_update()  # the model leaves fit with every step applied
                 if engine.gatherer is not None and not self.config.gather_after_fit:
-                    _keep(self.lightning_module, engine)  # see [Note: the model stays sharded after fit]
+                    keep(self.lightning_module, engine)  # see [Note: the model stays sharded after fit]
                 else:
                     gather_back(engine)
             self.precision_plugin.bind(None)
@@ -591,12 +594,12 @@ class ZeroStrategy(DDPStrategy):
         if mode == "gathered":
             need = sum(u.spec.padded_numel * u.flat_param.element_size() for name in gatherer.blocks
                        if name not in gatherer.gathered_names() for u in gatherer.blocks[name].units)
-            where, free = self.root_device, _free_bytes(self.root_device, self.memory_budget_bytes, self.num_processes)
+            where, free = self.root_device, rank_budget_bytes(self.root_device, self.memory_budget_bytes, self.num_processes)
             hint = ("mode='streamed' (blocks copied from host memory per forward), or generate without the context"
                     " (each block gathered per forward: one all-gather per block per token)")
         else:
             need = sum(u.spec.padded_numel * u.flat_param.element_size() for u in engine.units)
-            where, free = "host memory", _free_bytes(torch.device("cpu"), None, self.num_processes)
+            where, free = "host memory", rank_budget_bytes(torch.device("cpu"), None, self.num_processes)
             hint = "generate without the context (each block gathered per forward: one all-gather per block per token)"
         if free is not None and need > (1 - self.memory_margin) * free:
             raise RuntimeError(
@@ -605,7 +608,7 @@ class ZeroStrategy(DDPStrategy):
                 f" {hint}; or raise memory_budget_bytes / lower memory_margin if the figure is too cautious.")
         held = gatherer.all_gathered() if mode == "gathered" else \
             gatherer.streamed_from_host(pin=self.root_device.type == "cuda")
-        with held, _synced_generation(self.lightning_module, False):
+        with held, synced_generation(self.lightning_module, False):
             yield
 
     @contextmanager
@@ -630,7 +633,7 @@ class ZeroStrategy(DDPStrategy):
     def on_train_start(self) -> None:
         super().on_train_start()
         trainer = self.lightning_module.trainer
-        micro = self._micro_batch = _micro_batch_size(trainer.train_dataloader)
+        micro = self._micro_batch = micro_batch_size(trainer.train_dataloader)
         accumulation, world = trainer.accumulate_grad_batches, self.world_size
         self._global_batch = None if micro is None else micro * accumulation * world
         if self._deepspeed is not None:
@@ -702,83 +705,6 @@ class ZeroStrategy(DDPStrategy):
                                                                                      weights_only=safe))
 
 
-@contextmanager
-def _meta_device() -> Generator:
-    """Modules built inside are built on the meta device; a Hugging Face ``from_pretrained`` inside builds into
-    shards (see [Note: from_pretrained under zero3] in hf/pretrained.py)."""
-    from lzero.hf.pretrained import intercept
-
-    with torch.device("meta"), intercept():
-        yield
-
-
-def _pretrained(model: torch.nn.Module) -> Optional[Any]:
-    """The checkpoints of the pretrained models built by ``_meta_device`` inside ``model``, if any."""
-    if "lzero.hf.pretrained" not in sys.modules:
-        return None
-    from lzero.hf.pretrained import PretrainedWeights
-
-    weights = PretrainedWeights(model)
-    return weights if weights else None
-
-
-_KEPT = "_lzero_engine"
-
-
-def kept_engine(module: Optional[torch.nn.Module]) -> Optional[ZeroEngine]:
-    """[Note: the model stays sharded after fit]
-    At stage 3 the end of a clean ``fit`` (or ``validate``/``test``/``predict``) leaves the model as it trained:
-    each rank holds its shards (in the stores the preset names), the gather hooks stay on the blocks, and every
-    parameter outside a gather is a guarded placeholder, so no rank ever holds the whole model. The engine is kept
-    on the module (``module.__dict__``, so it lives and dies with it). A later ``validate``/``test``/``predict`` on
-    the same world size, in this Trainer or a new one, runs on that engine; ``gathered_parameters()``,
-    ``generation()`` and ``trainer.save_checkpoint`` use it too. Reading a parameter directly
-    (``model.state_dict()``, ``torch.save``, ``save_pretrained``) raises an error naming those ways out. A later
-    ``fit`` or a stage 1-2 run first gathers the model back into whole tensors (``gather_back``, the whole model
-    on every rank), as does ``lzero.unshard(model)`` and, at the end of every run, ``gather_after_fit=True``."""
-    return module.__dict__.get(_KEPT) if module is not None else None
-
-
-def _keep(module: torch.nn.Module, engine: ZeroEngine) -> None:
-    engine.wait()
-    engine.release_all()
-    module.__dict__[_KEPT] = engine
-    # the stores' files (NVMe offload) go with the module, or at exit
-    engine.__dict__["_kept_finalizer"] = weakref.finalize(module, _close_stores, list(engine.stores))
-
-
-def _take_kept(module: Optional[torch.nn.Module]) -> Optional[ZeroEngine]:
-    engine = module.__dict__.pop(_KEPT, None) if module is not None else None
-    if engine is not None:
-        engine.__dict__.pop("_kept_finalizer").detach()
-    return engine
-
-
-def _close_stores(stores: list[Any]) -> None:
-    for store in stores:
-        store.close()
-
-
-def gather_back(engine: ZeroEngine) -> None:
-    """Every parameter a standalone whole tensor again (the fp32 masters under mixed precision, as DDP leaves the
-    model), and the engine detached from the module. A collective."""
-    if engine.mixed:
-        restore_masters(engine)
-    else:
-        engine.unshard()
-    engine.remove()
-
-
-def unshard(module: torch.nn.Module) -> torch.nn.Module:
-    """Gather a model that a stage-3 run left sharded (see [Note: the model stays sharded after fit]) back into
-    whole tensors on every rank, for good: afterwards it is a plain module, as DDP leaves it, and costs the whole
-    model on every rank. A collective: call it on every rank. A model that is not sharded is returned as it is."""
-    engine = _take_kept(module)
-    if engine is not None:
-        gather_back(engine)
-    return module
-
-
 def build_preset(name: str, **init_params: Any) -> ZeroStrategy:
     """The strategy a registered name (``lzero.presets.PRESET_CONFIGS``) stands for; Lightning builds it with no
     arguments."""
@@ -787,161 +713,7 @@ def build_preset(name: str, **init_params: Any) -> ZeroStrategy:
     return ZeroStrategy(**{**PRESET_CONFIGS[name], **init_params})
 
 
-def _add_memory_monitor(trainer: Trainer, config: ZeroConfig) -> None:
-    """``log_memory`` with a logger: a :class:`lzero.MemoryMonitor`, unless the Trainer has one already."""
-    from lzero.memory.monitor import MemoryMonitor
-
-    if config.log_memory and trainer.loggers and not any(isinstance(c, MemoryMonitor) for c in trainer.callbacks):
-        trainer.callbacks.append(MemoryMonitor())
-
-
-def _announce_offload(engine: ZeroEngine, optimizers: list[ZeroOptimizer], threads: Optional[int]) -> None:
-    """One line on rank 0: what is offloaded, the host step's kernel and its threads."""
-    from lightning.pytorch.utilities import rank_zero_info
-
-    trainable = [u for u in engine.units if not u.spec.frozen]
-    host = sum(u.spec.shard_numel for u in trainable if u.store.name != "device")
-    total = sum(u.spec.shard_numel for u in trainable)
-    kernels = ", ".join(sorted({z.host_kernel for z in optimizers if z.host_kernel}))
-    where = {u.store.name for u in trainable if u.store.name != "device"}
-    places = " and ".join("NVMe swap files" if w == "nvme" else "host memory" for w in sorted(where)) or "host memory"
-    offloaded = [u for u in engine.units if u.param_store.name != "device"]
-    in_files = sum(u.spec.shard_numel for u in offloaded if u.param_store.holds_in_file(u))
-    in_host = sum(u.spec.shard_numel for u in offloaded) - in_files
-    params = ""
-    if offloaded:
-        params = "; parameter shard elements per rank: " + ", ".join(
-            f"{n:,} in {w}" for n, w in ((in_files, "NVMe swap files"), (in_host, "host memory")) if n)
-        if in_files == 0 and any(u.param_store.name == "nvme" for u in offloaded):
-            params += " (all within `offload_param.max_in_cpu`)"
-    folders = {str(s.files.run_folder) for s in engine.stores if hasattr(s, "files")}
-    if folders:
-        params += f"; swap folder {', '.join(sorted(folders))} (removed at the end of fit" + (
-            ", or at stage 3 once the model it leaves sharded is gathered back or freed)" if engine.gatherer else ")")
-    count = threads or torch.get_num_threads()
-    thread_note = f"{count} thread{'s' if count > 1 else ''} per process" + (" (torch.set_num_threads)" if threads else "")
-    rank_zero_info(f"lzero offload: fp32 masters and optimizer state of {host:,} of {total:,} shard elements per rank in"
-                   f" {places}{params}; host step: {kernels or 'none'}, {thread_note}.")
-
-
-def _activation_probe(module: LightningModule, config: ZeroConfig) -> Optional[Any]:
-    """The first step's activation measurement (see [Note: out-of-memory triage]); None for a compiled model, whose
-    graphs should not be traced with autograd's saved-tensor hooks, and under manual optimization."""
-    from lzero.engine.units import find_blocks
-    from lzero.memory.triage import ActivationProbe
-
-    if not module.automatic_optimization or any(
-            getattr(m, "_compiled_call_impl", None) is not None or type(m).__name__ == "OptimizedModule"
-            for m in module.modules()):
-        return None  # manual optimization: a step's forwards and backwards interleave; measured, they would add up
-    return ActivationProbe(find_blocks(module, config.unit_modules))
-
-
 def _unwrap(optimizer: Any) -> ZeroOptimizer:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
-def _guard_lr_schedulers(module: LightningModule, precision: ZeroPrecision) -> None:
-    """Step-interval LR schedulers do not step after a skipped optimizer step (see [Note: skipped
-    steps] in precision.py). Lightning steps them through ``module.lr_scheduler_step``, so for this
-    fit that hook is shadowed on the instance by one that consults the precision plugin first."""
-    module.__dict__.pop("lr_scheduler_step", None)
-    original = module.lr_scheduler_step
-
-    def lr_scheduler_step(scheduler: Any, metric: Any) -> None:
-        configs = module.trainer.lr_scheduler_configs if module._trainer is not None else []
-        interval = next((c.interval for c in configs if c.scheduler is scheduler), "epoch")
-        if interval == "step" and precision.skipped_last_step(getattr(scheduler, "optimizer", None)):
-            return
-        original(scheduler, metric)
-
-    module.__dict__["lr_scheduler_step"] = lr_scheduler_step
-
-
-def _free_bytes(device: torch.device, budget: Optional[int], processes: int, total: bool = False) -> Optional[int]:
-    """This rank's budget: ``budget`` when given, else the device's free memory (``total``: all of it), or on CPU
-    the host's available memory shared by the node's processes."""
-    if budget is not None:
-        return budget
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[1 if total else 0]
-    from lzero.memory.auto import host_available_bytes
-
-    host = host_available_bytes()
-    return host // max(1, processes) if host is not None else None
-
-
-@contextmanager
-def _synced_generation(module: Optional[torch.nn.Module], synced: bool) -> Generator:
-    """Inside the block, Hugging Face ``generate`` on the models inside ``module`` defaults to ``synced_gpus=synced``:
-    transformers reads it from ``_is_fsdp_managed_module``, its mark of a model whose forward runs collectives (and
-    whose layers every rank must run, so a rank that finished keeps stepping until all have)."""
-    marked = [m for m in module.modules() if callable(getattr(m, "generate", None))] if module is not None else []
-    before = [m.__dict__.get("_is_fsdp_managed_module") for m in marked]
-    for m in marked:
-        m._is_fsdp_managed_module = synced
-    try:
-        yield
-    finally:
-        for m, value in zip(marked, before):
-            if value is None:
-                m.__dict__.pop("_is_fsdp_managed_module", None)
-            else:
-                m._is_fsdp_managed_module = value
-
-
-def _watch_gradient_reads(module: LightningModule) -> None:
-    """A LightningModule whose ``on_before_optimizer_step`` reads ``p.grad`` finds None there (the gradients live in
-    the shards): warned once, naming ``lzero.grad_norm`` (see [Note: per-parameter gradient norms])."""
-    if type(module).on_before_optimizer_step is LightningModule.on_before_optimizer_step:
-        return
-    from lzero.engine.parameters import reporting_empty_grad_reads
-
-    hook, warned = module.on_before_optimizer_step, []
-
-    def on_empty_read(param: torch.nn.Parameter) -> None:
-        if not warned and param.requires_grad:
-            warned.append(True)
-            from lightning.pytorch.utilities import rank_zero_warn
-
-            rank_zero_warn(
-                "`on_before_optimizer_step` read `p.grad` of a parameter lzero manages, and it is None: ZeRO keeps the"
-                " averaged gradients in the shards, so Lightning's `grad_norm(self, ...)` returns {} and `p.grad`"
-                " holds nothing to log. HINT: `lzero.grad_norm(self, norm_type=2)` returns Lightning's keys and"
-                " DDP's values from the shards (call it on every rank); `self.trainer.strategy.grad_norm()` gives"
-                " the global norm.")
-
-    def on_before_optimizer_step(optimizer: Optimizer) -> None:
-        with reporting_empty_grad_reads(on_empty_read):
-            hook(optimizer)
-
-    module.on_before_optimizer_step = on_before_optimizer_step
-
-
-def _refuse_weight_averaging(callbacks: list[Any]) -> None:
-    """Callbacks that read and write every parameter between steps meet released parameters at
-    stage 3 (see [Note: released parameters] in flat_unit.py); Lightning refuses them under FSDP and
-    DeepSpeed for the same reason."""
-    from lightning.pytorch import callbacks as known
-
-    averaging = tuple(getattr(known, n) for n in ("StochasticWeightAveraging", "WeightAveraging") if hasattr(known, n))
-    for callback in callbacks:
-        if isinstance(callback, averaging):
-            raise ZeroConfigError(
-                f"`{type(callback).__name__}` reads and writes every parameter between training steps, but under"
-                " zero3 a parameter is whole only while its block runs; weight averaging does not currently"
-                " support sharded models. HINT: use strategy='zero2' (every rank keeps whole parameters), or"
-                " average the weights in your own callback inside `trainer.strategy.gathered_parameters()`."
-            )
-
-
-def _micro_batch_size(loader: Any) -> Optional[int]:
-    """The per-rank batch size of a DataLoader (or of the first of several), if it states one."""
-    if isinstance(loader, (list, tuple)):
-        loader = loader[0] if loader else None
-    if isinstance(loader, dict):
-        loader = next(iter(loader.values()), None)
-    size = getattr(loader, "batch_size", None)
-    if size is None:
-        size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
-    return size

@@ -93,3 +93,14 @@ def summary(record: dict) -> str:
 
 def _size(nbytes: float) -> str:
     return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.2f} MB"
+
+
+def rank_budget_bytes(device: torch.device, budget: Optional[int], processes: int, total: bool = False) -> Optional[int]:
+    """This rank's budget: ``budget`` when given, else the device's free memory (``total``: all of it), or on CPU
+    the host's available memory shared by the node's processes."""
+    if budget is not None:
+        return budget
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1 if total else 0]
+    host = host_available_bytes()
+    return host // max(1, processes) if host is not None else None

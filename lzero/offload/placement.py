@@ -69,3 +69,33 @@ def _nvme_store(config: Any, device: torch.device, need: float, initial: float, 
                      optimizer.pipeline_read if optimizer.device == "nvme" else False,
                      optimizer.pipeline_write if optimizer.device == "nvme" else False,
                      max_in_cpu=param.max_in_cpu if param.device == "nvme" else 0, initial_bytes=int(initial))
+
+
+def announce_offload(engine: Any, optimizers: list[Any], threads: Optional[int]) -> None:
+    """One line on rank 0: what is offloaded, the host step's kernel and its threads (``engine``: a ZeroEngine;
+    ``optimizers``: its ZeroOptimizers)."""
+    from lightning.pytorch.utilities import rank_zero_info
+
+    trainable = [u for u in engine.units if not u.spec.frozen]
+    host = sum(u.spec.shard_numel for u in trainable if u.store.name != "device")
+    total = sum(u.spec.shard_numel for u in trainable)
+    kernels = ", ".join(sorted({z.host_kernel for z in optimizers if z.host_kernel}))
+    where = {u.store.name for u in trainable if u.store.name != "device"}
+    places = " and ".join("NVMe swap files" if w == "nvme" else "host memory" for w in sorted(where)) or "host memory"
+    offloaded = [u for u in engine.units if u.param_store.name != "device"]
+    in_files = sum(u.spec.shard_numel for u in offloaded if u.param_store.holds_in_file(u))
+    in_host = sum(u.spec.shard_numel for u in offloaded) - in_files
+    params = ""
+    if offloaded:
+        params = "; parameter shard elements per rank: " + ", ".join(
+            f"{n:,} in {w}" for n, w in ((in_files, "NVMe swap files"), (in_host, "host memory")) if n)
+        if in_files == 0 and any(u.param_store.name == "nvme" for u in offloaded):
+            params += " (all within `offload_param.max_in_cpu`)"
+    folders = {str(s.files.run_folder) for s in engine.stores if hasattr(s, "files")}
+    if folders:
+        params += f"; swap folder {', '.join(sorted(folders))} (removed at the end of fit" + (
+            ", or at stage 3 once the model it leaves sharded is gathered back or freed)" if engine.gatherer else ")")
+    count = threads or torch.get_num_threads()
+    thread_note = f"{count} thread{'s' if count > 1 else ''} per process" + (" (torch.set_num_threads)" if threads else "")
+    rank_zero_info(f"lzero offload: fp32 masters and optimizer state of {host:,} of {total:,} shard elements per rank in"
+                   f" {places}{params}; host step: {kernels or 'none'}, {thread_note}.")
