@@ -1,7 +1,7 @@
 """Run a function on N gloo ranks under torch.multiprocessing (no Lightning).
 
-The ranks are forked from a fork server that has imported torch and lzero once per test session (0.1 s a call
-instead of about 3 s for a fresh interpreter each); it has run no OpenMP region, so the forked ranks start with
+The ranks are forked from a fork server that has imported torch, Lightning and lzero once per test session (0.1 s
+a call instead of about 8 s for a fresh interpreter each; tests/_launch.py forks launched scripts' ranks from it too); it has run no OpenMP region, so the forked ranks start with
 clean thread pools. Each rank takes the caller's environment as it is at the call; lzero reads its ``LZERO_*``
 variables when it is imported, which a forked rank did before the call, so a call whose ``LZERO_*`` variables
 differ from the fork server's starts fresh interpreters instead."""
@@ -25,7 +25,7 @@ def _free_port() -> int:
 
 
 _CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "lzero"])
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "lightning.pytorch", "lzero", "lzero.strategy"])
 _SERVER_ENV: dict = {}  # the LZERO_* variables the fork server started with
 
 
@@ -33,7 +33,8 @@ def _lzero_env() -> dict:
     return {k: v for k, v in os.environ.items() if k.startswith("LZERO_")}
 
 
-def _context() -> Any:
+def context() -> Any:
+    """The fork server's context, or spawn where this call's ``LZERO_*`` variables differ from the server's."""
     global _SERVER_ENV
     if not _SERVER_ENV:
         _SERVER_ENV = {"started": True, **_lzero_env()}
@@ -59,7 +60,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, que
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 120) -> list[Any]:
     """``fn(rank, world_size, *args)`` on every rank; returns the results in rank order."""
-    ctx = _context()
+    ctx = context()
     queue = ctx.Queue()
     port = _free_port()
     environ = dict(os.environ)

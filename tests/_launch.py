@@ -2,17 +2,25 @@
 
 By default the script runs as a user runs it: one process, and Lightning starts the other ranks by re-running it
 (each after the first has imported torch and Lightning, about 6 s here). ``ranks=N`` starts all N ranks at once,
-as torchrun does (Lightning then finds a TorchElastic environment and starts nothing), so their imports overlap:
-for scripts whose every Trainer uses ``devices=N``."""
+as torchrun does (Lightning then finds a TorchElastic environment and starts nothing): for scripts whose every
+Trainer uses ``devices=N``. Those ranks are forked from the test session's fork server (tests/_dist.py), which has
+imported torch, Lightning and lzero once, so a launch no longer costs each rank those imports (about 8 s of CPU here):
+the script then runs as ``__main__`` in the forked process, with the environment, ``sys.argv`` and ``sys.path[0]``
+a fresh ``python script.py`` would have, and its output in files read back. Where the ``LZERO_*`` variables differ
+from the fork server's (lzero reads them at import), fresh interpreters are started instead."""
 
 from __future__ import annotations
 
 import os
+import runpy
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Optional
+
+import _dist
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -34,10 +42,24 @@ def run_script(name: str, *args: str, timeout: float = 600, env: dict | None = N
                                  f"\n--- stderr\n{proc.stderr[-8000:]}")
         return proc
     port = str(_free_port())
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={
-        **full_env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(ranks), "RANK": str(r),
-        "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(ranks), "GROUP_RANK": "0", "NODE_RANK": "0",
-        "TORCHELASTIC_RUN_ID": "lzero-tests"}) for r in range(ranks)]
+    envs = [{**full_env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(ranks), "RANK": str(r),
+             "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(ranks), "GROUP_RANK": "0", "NODE_RANK": "0",
+             "TORCHELASTIC_RUN_ID": "lzero-tests"} for r in range(ranks)]
+    ctx = _dist.context()
+    if ctx.get_start_method() == "forkserver":
+        codes, outputs = _forked(ctx, str(SCRIPTS / name), list(args), envs, timeout)
+    else:
+        codes, outputs = _fresh(cmd, envs, timeout)
+    failed = [(r, code) for r, code in enumerate(codes) if code != 0]
+    if failed:
+        report = "\n".join(f"--- rank {r} stdout\n{out[-3000:]}\n--- rank {r} stderr\n{err[-6000:]}"
+                           for r, (out, err) in enumerate(outputs))
+        raise AssertionError(f"{' '.join(cmd)}: ranks {failed} exited with an error\n{report}")
+    return subprocess.CompletedProcess(cmd, 0, outputs[0][0], outputs[0][1])
+
+
+def _fresh(cmd: list[str], envs: list[dict], timeout: float) -> tuple[list[int], list[tuple[str, str]]]:
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for env in envs]
     outputs = []
     try:
         for p in procs:
@@ -47,9 +69,44 @@ def run_script(name: str, *args: str, timeout: float = 600, env: dict | None = N
             if p.poll() is None:
                 p.kill()
                 p.communicate()
-    failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
-    if failed:
-        report = "\n".join(f"--- rank {r} stdout\n{out[-3000:]}\n--- rank {r} stderr\n{err[-6000:]}"
-                           for r, (out, err) in enumerate(outputs))
-        raise AssertionError(f"{' '.join(cmd)}: ranks {failed} exited with an error\n{report}")
-    return subprocess.CompletedProcess(cmd, 0, outputs[0][0], outputs[0][1])
+    return [p.returncode for p in procs], outputs
+
+
+def _forked(ctx, path: str, args: list[str], envs: list[dict], timeout: float
+            ) -> tuple[list[int], list[tuple[str, str]]]:
+    with tempfile.TemporaryDirectory(prefix="lzero-launch-") as folder:
+        files = [(os.path.join(folder, f"rank{r}.out"), os.path.join(folder, f"rank{r}.err")) for r in range(len(envs))]
+        procs = [ctx.Process(target=_run_as_main, args=(path, args, env, out, err)) for env, (out, err) in zip(envs, files)]
+        for p in procs:
+            p.start()
+        try:
+            for p in procs:
+                p.join(timeout=timeout)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        outputs = []
+        for out, err in files:
+            texts = []
+            for name in (out, err):
+                with open(name, errors="replace") as f:
+                    texts.append(f.read())
+            outputs.append((texts[0], texts[1]))
+    return [p.exitcode for p in procs], outputs
+
+
+def _run_as_main(path: str, args: list[str], environ: dict, out: str, err: str) -> None:
+    """In the forked rank: what ``python PATH ARGS`` with ``environ`` would run, its stdout and stderr into the
+    files ``out`` and ``err``. An exception or ``sys.exit`` ends the process as it would end the interpreter
+    (multiprocessing prints the traceback and sets the exit code)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    for fd, name in ((1, out), (2, err)):
+        target = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.argv = [path, *args]
+    sys.path.insert(0, os.path.dirname(path))
+    runpy.run_path(path, run_name="__main__")
