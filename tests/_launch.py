@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -79,21 +80,16 @@ def _forked(ctx, path: str, args: list[str], envs: list[dict], timeout: float
         procs = [ctx.Process(target=_run_as_main, args=(path, args, env, out, err)) for env, (out, err) in zip(envs, files)]
         for p in procs:
             p.start()
+        deadline = time.monotonic() + timeout  # one bound for the whole launch
         try:
             for p in procs:
-                p.join(timeout=timeout)
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
         finally:
             for p in procs:
                 if p.is_alive():
                     p.kill()
                     p.join()
-        outputs = []
-        for out, err in files:
-            texts = []
-            for name in (out, err):
-                with open(name, errors="replace") as f:
-                    texts.append(f.read())
-            outputs.append((texts[0], texts[1]))
+        outputs = [(Path(out).read_text(errors="replace"), Path(err).read_text(errors="replace")) for out, err in files]
     return [p.exitcode for p in procs], outputs
 
 
