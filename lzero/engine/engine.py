@@ -29,8 +29,8 @@ from lzero.engine import collectives
 from lzero.config import ZeroConfig
 from lzero.errors import ZeroEngineError
 from lzero.engine.mixed_precision import PrecisionPolicy
-from lzero.engine.flat_unit import FlatUnit, GradState, fill_from_gathered
-from lzero.engine import parameters
+from lzero.engine.flat_unit import FlatUnit, GradState, fill_from_gathered, shard_bytes
+from lzero.engine import packed, parameters
 from lzero.engine.blocks import Block, GatherSchedule
 from lzero.engine.delayed_update import DelayedUpdate
 from lzero.engine.gather import Gatherer, full_graphs_around
@@ -66,6 +66,7 @@ class ZeroEngine:
         self.world_size = collectives.world_size(group)
         self.rank = collectives.rank(group)
         kept = self.policy.kept_parameters(module)
+        self._owners = packed.owners(module)  # the modules of packed (quantized) parameters
         specs, by_name = _collect_params(module, optimizers, kept, frozen_too=config.stage >= 3, evaluating=evaluating)
         if config.stage >= 3:
             block_modules = find_blocks(module, config.unit_modules)
@@ -137,8 +138,11 @@ class ZeroEngine:
 
     def _unit(self, spec: UnitSpec, params: list[nn.Parameter], values: Optional[Tensor] = None) -> FlatUnit:
         store = self._stores[spec.index] if not spec.frozen else self._param_store
+        # packed codes keep their storage dtype: no policy casts them (see [Note: packed parameters])
+        dtypes = self.policy.unit_dtypes(spec.keep_fp32) if not spec.storage else {}
+        bindings = [packed.Binding(p, self._owners.get(id(p))) for p in params] if spec.storage else None
         return FlatUnit(spec, params, self.rank, self.config.stage, store=store, param_store=self._param_store,
-                        values=values, **self.policy.unit_dtypes(spec.keep_fp32))
+                        values=values, bindings=bindings, **dtypes)
 
     def _materialize_by_unit(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
                              block_modules: dict[str, nn.Module], labels: dict[str, str], device: torch.device,
@@ -628,7 +632,7 @@ class ZeroEngine:
             unit = bucket[0]
             shard = unit.compute_shard().clone()  # the owned slice aliases the output
             return PendingGather(collectives.all_gather(unit.flat_param, shard, self.group, async_op=True), bucket, None)
-        shard = torch.cat([u.compute_shard() for u in bucket])
+        shard = shard_bytes([u.compute_shard() for u in bucket])
         out = torch.empty(shard.numel() * self.world_size, dtype=shard.dtype, device=shard.device)
         return PendingGather(collectives.all_gather(out, shard, self.group, async_op=True), bucket, out)
 
@@ -666,7 +670,7 @@ def _collect_params(module: nn.Module, optimizers: Sequence[torch.optim.Optimize
                     ) -> tuple[list[ParamSpec], dict[str, nn.Parameter]]:
     """ParamSpecs, in registration order, of the trainable parameters that some optimizer holds (``evaluating``:
     all of them, in group (0, 0)) and, with ``frozen_too`` (stage 3), of the float32/bfloat16 parameters that do
-    not require gradients (group FROZEN)."""
+    not require gradients and of the packed (quantized) ones (group FROZEN)."""
     names = {p: n for n, p in module.named_parameters()}
     group_of: dict[nn.Parameter, tuple[int, int]] = {p: (0, 0) for p in names if evaluating and p.requires_grad}
     for oi, optimizer in enumerate(optimizers):
@@ -686,7 +690,11 @@ def _collect_params(module: nn.Module, optimizers: Sequence[torch.optim.Optimize
                 group_of[p] = (oi, gi)
     specs, by_name = [], {}
     for name, p in module.named_parameters():
-        if p in group_of and p.requires_grad:
+        packed.check_frozen(name, p)
+        if frozen_too and not p.requires_grad and packed.is_packed(p):  # see [Note: packed parameters]
+            specs.append(ParamSpec(name, tuple(p.shape), FROZEN, storage=str(p.dtype).removeprefix("torch.")))
+            by_name[name] = p
+        elif p in group_of and p.requires_grad:
             if p.dtype not in (torch.float32, torch.bfloat16):
                 raise ZeroEngineError(
                     f"Parameter `{name}` is {p.dtype}; lzero shards float32 (and, under bf16-true, bfloat16)"

@@ -40,6 +40,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from lzero.engine.packed import Binding
 from lzero.engine.parameters import mark_gathered, mark_released, name_param, quiet_params, raw_grad, set_grad_quietly
 from lzero.engine.partition import UnitSpec
 from lzero.offload.store import DeviceStore, ShardStore
@@ -73,9 +74,11 @@ class FlatUnit:
     def __init__(self, spec: UnitSpec, params: Sequence[nn.Parameter], rank: int, stage: int,
                  param_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None,
                  store: Optional[ShardStore] = None, param_store: Optional[ShardStore] = None,
-                 values: Optional[Tensor] = None) -> None:
+                 values: Optional[Tensor] = None, bindings: Optional[Sequence[Binding]] = None) -> None:
         self.spec = spec
         self.params = list(params)
+        # packed (quantized) codes: each parameter's state, bound at every gather (see [Note: packed parameters])
+        self.bindings = list(bindings) if bindings is not None else None
         self.rank = rank
         self.store: ShardStore = store if store is not None else DeviceStore()  # master, gradient, optimizer state
         self.param_store: ShardStore = param_store if param_store is not None else self.store  # stage-3 shard
@@ -371,10 +374,16 @@ class FlatUnit:
         for p, view in zip(self.params, self._views):
             mark_gathered(p)  # first: the guard's class would route the ``.data`` write through __torch_function__
             p.data = view
+        if self.bindings is not None:
+            for p, binding in zip(self.params, self.bindings):
+                binding.attach(p)
 
     def release(self) -> None:
         """Free the full flat buffer; parameters keep their shapes on a NaN placeholder, guarded (see
         [Note: released parameters are guarded] in parameters.py)."""
+        if self.bindings is not None:
+            for binding in self.bindings:
+                binding.release()
         if self.owns_params:
             if self._placeholders is None:
                 placeholder = _placeholder(self.flat_param.dtype, self.flat_param.device)
@@ -397,6 +406,9 @@ class FlatUnit:
                 if values is not None \
                 else p.detach().clone()
             mark_gathered(p)
+        if self.bindings is not None:
+            for p, binding in zip(self.params, self.bindings):
+                binding.attach(p)
         self.owns_params = False
 
     @torch.no_grad()
@@ -427,21 +439,29 @@ _PLACEHOLDERS: dict[tuple[torch.dtype, torch.device], Tensor] = {}
 
 
 def _placeholder(dtype: torch.dtype, device: torch.device) -> Tensor:
-    """One NaN element per dtype and device, shared by every released parameter."""
+    """One NaN element per dtype and device (zero for packed integer codes), shared by every released parameter."""
     key = (dtype, device)
     if key not in _PLACEHOLDERS:
-        _PLACEHOLDERS[key] = torch.full((1,), float("nan"), dtype=dtype, device=device)
+        fill = float("nan") if dtype.is_floating_point or dtype.is_complex else 0
+        _PLACEHOLDERS[key] = torch.full((1,), fill, dtype=dtype, device=device)
     return _PLACEHOLDERS[key]
+
+
+def shard_bytes(shards: Sequence[Tensor]) -> Tensor:
+    """The send buffer of a coalesced all-gather: the shards' bytes back to back (1D, uint8). Units of several
+    dtypes (packed codes among numbers) then share one collective without a cast: [Note: packed parameters]."""
+    return torch.cat([shard.reshape(-1).view(torch.uint8) for shard in shards])
 
 
 @torch.no_grad()
 def fill_from_gathered(units: Sequence[FlatUnit], out: Tensor, world_size: int) -> None:
-    """Copy a coalesced all-gather into the units' full buffers: ``out`` (1D) holds, for each rank in order, that
-    rank's shards of ``units`` concatenated."""
+    """Copy a coalesced all-gather into the units' full buffers: ``out`` (1D, uint8, see :func:`shard_bytes`) holds,
+    for each rank in order, that rank's shards of ``units`` concatenated."""
     per_rank = out.numel() // world_size
     for r in range(world_size):
         offset = r * per_rank
         for unit in units:
             lo, hi = unit.spec.shard_range(r)
-            unit.flat_param[lo:hi].copy_(out[offset : offset + unit.spec.shard_numel])
-            offset += unit.spec.shard_numel
+            nbytes = unit.spec.shard_numel * unit.flat_param.element_size()
+            unit.flat_param[lo:hi].view(torch.uint8).copy_(out[offset : offset + nbytes])
+            offset += nbytes

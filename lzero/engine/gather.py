@@ -115,7 +115,7 @@ from torch.utils._pytree import tree_flatten
 
 from lzero.engine import collectives
 from lzero.engine.blocks import Block, BlockState, GatherSchedule, Gathering, HostCopy, RunGathering
-from lzero.engine.flat_unit import FlatUnit
+from lzero.engine.flat_unit import FlatUnit, shard_bytes
 from lzero.engine.unit_order import OrderCheck
 from lzero.engine.units import ROOT
 
@@ -197,7 +197,7 @@ class Gatherer:
         units = [u for n in members for u in self.blocks[n].units]
         for unit in units:
             unit.allocate()
-        shard = torch.cat([unit.gather_source() for unit in units])
+        shard = shard_bytes([unit.gather_source() for unit in units])
         world_size = collectives.world_size(self.group)
         out = torch.empty(world_size * shard.numel(), dtype=shard.dtype, device=shard.device)
         gathering = RunGathering(collectives.all_gather(out, shard, self.group, async_op=True), units, out, world_size)

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from lzero.engine import packed
 from lzero.errors import ZeroEngineError
 
 
@@ -83,7 +84,8 @@ class PrecisionPolicy:
         if not self.casts:
             return cast
         for name, p in module.named_parameters():
-            if p not in managed and name not in kept and p.is_floating_point() and p.dtype != self.param_dtype:
+            if p not in managed and name not in kept and p.is_floating_point() and p.dtype != self.param_dtype \
+                    and not packed.is_packed(p):  # codes in a float view: never cast (packed.py)
                 cast.append((p, p.dtype))
                 p.data = p.data.to(self.param_dtype)
         return cast

@@ -130,15 +130,21 @@ def name_param(p: nn.Parameter, name: str) -> None:
     _NAMES[p] = name
 
 
+_OWN_CLASSES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # released parameter -> its own subclass of Parameter
+
+
 def mark_released(p: nn.Parameter) -> None:
-    """``p`` points at a placeholder now: refuse access to it. See [Note: released parameters are guarded]."""
+    """``p`` points at a placeholder now: refuse access to it. See [Note: released parameters are guarded].
+    A parameter of a class of its own (bitsandbytes' ``Params4bit``) gets that class back when gathered."""
+    if type(p) not in (ZeroParameter, ReleasedParameter, nn.Parameter):
+        _OWN_CLASSES[p] = type(p)
     p.__class__ = ReleasedParameter
 
 
 def mark_gathered(p: nn.Parameter) -> None:
     """``p`` holds its full value again."""
     if type(p) is ReleasedParameter:
-        p.__class__ = ZeroParameter
+        p.__class__ = _OWN_CLASSES.pop(p, ZeroParameter)
 
 
 _INSIDE_MODULE_ZERO_GRAD = [0]  # depth of wrapped ``nn.Module.zero_grad`` calls running now
@@ -170,7 +176,7 @@ def unwatch(params: Iterable[nn.Parameter], on_module_zero_grad: Callable[[nn.Mo
     for p in params:
         _PARAM_LISTENERS.pop(p, None)
         if type(p) in (ZeroParameter, ReleasedParameter):
-            p.__class__ = nn.Parameter
+            p.__class__ = _OWN_CLASSES.pop(p, nn.Parameter)
     if on_module_zero_grad in _MODULE_LISTENERS:
         _MODULE_LISTENERS.remove(on_module_zero_grad)
     if not _MODULE_LISTENERS:

@@ -8,7 +8,8 @@ checkpoint written at one world size or stage can be re-sliced for another.
 A unit is a flat 1-D buffer holding its parameters back to back, padded at the end to a multiple
 of the world size N. Rank r owns the contiguous slice [r * S, (r + 1) * S) with S = padded / N.
 A unit never mixes param groups (its shard is one tensor in exactly one optimizer param group) nor
-compute dtypes (mixed precision may keep some module types in fp32).
+compute dtypes (mixed precision may keep some module types in fp32), nor numbers with packed codes
+(quantized weights, one storage dtype per unit: see [Note: packed parameters] in packed.py).
 At stages 1 and 2 units are formed in backward order (reverse registration order) up to
 ``max_unit_numel`` elements, so the first units to complete in backward are the first reduced.
 """
@@ -34,6 +35,7 @@ class ParamSpec:
     shape: tuple[int, ...]
     group: GroupKey
     keep_fp32: bool = False  # mixed precision: computes in fp32 (a module type kept out of 16-bit)
+    storage: str = ""  # a packed (quantized) frozen weight: its storage dtype, e.g. "uint8" (see packed.py)
 
     @property
     def numel(self) -> int:
@@ -44,9 +46,9 @@ class ParamSpec:
         return self.group == FROZEN
 
     @property
-    def kind(self) -> tuple[GroupKey, bool]:
-        """What a unit never mixes: param group and compute dtype."""
-        return self.group, self.keep_fp32
+    def kind(self) -> tuple[GroupKey, bool, str]:
+        """What a unit never mixes: param group, compute dtype, and packed storage."""
+        return self.group, self.keep_fp32, self.storage
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,11 @@ class UnitSpec:
     @property
     def keep_fp32(self) -> bool:
         return self.params[0].keep_fp32
+
+    @property
+    def storage(self) -> str:
+        """Packed (quantized) codes in this storage dtype, moved raw and never cast; "" for numbers."""
+        return self.params[0].storage
 
     @property
     def padded_numel(self) -> int:

@@ -1,0 +1,145 @@
+"""Packed parameters: the frozen, quantized weights of a QLoRA base, whose bytes only ever move raw.
+
+[Note: packed parameters]
+A quantized base (bitsandbytes' ``Params4bit`` and ``Int8Params``) holds codes, not numbers of its dtype: two
+4-bit codes per byte, viewed as ``quant_storage`` (uint8, or bfloat16 as transformers' ``bnb_4bit_quant_storage``
+sets it), or one int8 code per weight. Beside them a quantization state scales the codes back: ``quant_state``
+(absmax per 64-weight block, the code book, the nested state of double quantization) or the int8 row scales
+``SCB``. lzero shards such a parameter as frozen unit content, and what differs from other frozen content is
+decided in one place, the unit (flat_unit.py), with the pieces it needs here:
+- A packed parameter's unit holds one storage dtype and nothing else (``ParamSpec.storage``), and is never cast:
+  no compute dtype and no master apply to it, and precision policies skip it (a bfloat16 view of 4-bit codes
+  cast to fp16 would be garbage). Coalesced all-gathers move every unit as bytes (``fill_from_gathered``), so
+  no collective ever reads a code as a number (bitsandbytes#1945: FSDP2 rewrote codes that look like NaNs).
+- The quantization state is replicated: every rank keeps it whole. It is small beside the codes (4-bit: one fp32
+  absmax per 64 weights, 1/16 byte per weight against the codes' 1/2; with double quantization one byte per 64
+  weights, 1/64; 8-bit: one fp32 per row), the forward needs it whole at once, and gathering it per block would
+  add a collective per block for a few percent of the bytes.
+- A gather binds the state back to the gathered codes (``Binding.attach``), from a snapshot taken when the unit
+  took the parameter. bitsandbytes' forward may rewrite both: its CPU kernels repack a 4-bit weight in eval mode
+  without gradients (``weight.data`` replaced, ``quant_state`` rewritten in place for the new layout), and its
+  8-bit layer keeps the codes it computes with on the module (``state.CB``). Under zero3 the repacked data is
+  dropped at the release while the rewritten state stayed, so the next gather paired the canonical codes with
+  the repacked layout's state and trained on wrong weights from the second step on. Each gather now hands the
+  forward a fresh copy of the canonical state, and what a forward makes of it lives until the release.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from lzero.errors import ZeroEngineError
+
+FOUR_BIT = "bitsandbytes 4-bit"
+EIGHT_BIT = "bitsandbytes 8-bit"
+
+
+def method(p: torch.Tensor) -> Optional[str]:
+    """The quantization a parameter carries (by its class, so bitsandbytes is never imported here), or None."""
+    for cls in type(p).__mro__:
+        if cls.__module__.startswith("bitsandbytes"):
+            if cls.__name__ == "Params4bit":
+                return FOUR_BIT
+            if cls.__name__ == "Int8Params":
+                return EIGHT_BIT
+    return None
+
+
+def is_packed(p: torch.Tensor) -> bool:
+    """Content ZeRO must move as raw bytes: a quantized weight, or any frozen parameter that holds no floats."""
+    return method(p) is not None or not (p.is_floating_point() or p.is_complex())
+
+
+def check_frozen(name: str, p: torch.Tensor) -> None:
+    """A packed parameter cannot train: its gradient would be a gradient of codes."""
+    if p.requires_grad and is_packed(p):
+        what = method(p) or f"{p.dtype} (not floating point)"
+        raise ZeroEngineError(
+            f"Parameter `{name}` is a {what} weight with requires_grad=True. Its elements are packed codes: a"
+            " gradient of them means nothing, and ZeRO cannot average or step them. HINT: freeze the quantized"
+            " base (`p.requires_grad_(False)`; peft's `get_peft_model` does) and train adapters beside it (LoRA).")
+
+
+def owners(module: nn.Module) -> dict[int, nn.Module]:
+    """id(parameter) -> the module that holds it directly, for the packed parameters of ``module``."""
+    return {id(p): m for m in module.modules() for p in m._parameters.values() if p is not None and is_packed(p)}
+
+
+class Binding:
+    """What a packed parameter's module needs beside the gathered codes, snapshot once and bound at every gather.
+    See [Note: packed parameters]."""
+
+    def __init__(self, p: nn.Parameter, owner: Optional[nn.Module]) -> None:
+        self.method = method(p)
+        self.owner = owner
+        self.quant_state = None  # 4-bit: the canonical QuantState
+        self.scales: Optional[torch.Tensor] = None  # 8-bit: the canonical row scales (SCB)
+        if self.method == FOUR_BIT:
+            state = p.quant_state if getattr(p, "quant_state", None) is not None else getattr(owner, "quant_state", None)
+            if state is None:
+                raise ZeroEngineError(
+                    f"A 4-bit weight of shape {tuple(p.shape)} has no quantization state yet: it was never quantized."
+                    " HINT: quantize the base before training (`from_pretrained(..., quantization_config=...)`, or"
+                    " `model.to(device)` on bitsandbytes layers), then hand the model to the Trainer.")
+            if getattr(state, "packing_format_for_cpu", False):
+                raise ZeroEngineError(
+                    "A 4-bit weight is in bitsandbytes' CPU inference layout (repacked by a forward in eval mode"
+                    " without gradients) before setup. HINT: let lzero take the model before running it, or call"
+                    " `model.state_dict()` once first, which restores bitsandbytes' canonical layout.")
+            self.quant_state = _copy_state(state)
+        elif self.method == EIGHT_BIT:
+            lt_state = getattr(owner, "state", None)
+            scales = getattr(p, "SCB", None)
+            if scales is None and lt_state is not None:
+                scales = lt_state.SCB
+            if scales is None:
+                raise ZeroEngineError(
+                    f"An 8-bit weight of shape {tuple(p.shape)} has no row scales (SCB): it was never quantized."
+                    " HINT: quantize the base before training (`from_pretrained(..., quantization_config=...)`).")
+            self.scales = scales
+            p.CB = p.SCB = None  # the module's own references to the whole codes: the unit holds them now
+            if lt_state is not None:
+                lt_state.CB = None
+
+    def attach(self, p: nn.Parameter) -> None:
+        """``p.data`` is the gathered codes: give the forward its state."""
+        if self.method == FOUR_BIT:
+            p.quant_state = _copy_state(self.quant_state)
+            if self.owner is not None and hasattr(self.owner, "quant_state"):
+                self.owner.quant_state = p.quant_state
+        elif self.method == EIGHT_BIT and self.owner is not None:
+            self.owner.state.CB, self.owner.state.SCB = p.data, self.scales
+
+    def release(self) -> None:
+        """The codes are released: drop the module's reference to them."""
+        if self.method == EIGHT_BIT and self.owner is not None:
+            self.owner.state.CB = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the replicated state every rank keeps."""
+        if self.quant_state is not None:
+            return _state_nbytes(self.quant_state)
+        return 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
+
+
+def _copy_state(state: Any) -> Any:
+    """A QuantState whose attributes can be rewritten without touching ``state`` (tensors shared: read only)."""
+    out = copy.copy(state)
+    if getattr(state, "state2", None) is not None:
+        out.state2 = copy.copy(state.state2)
+    return out
+
+
+def _state_nbytes(state: Any) -> int:
+    total = 0
+    for value in (getattr(state, "absmax", None), getattr(state, "code", None), getattr(state, "offset", None)):
+        if isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size()
+    if getattr(state, "state2", None) is not None:
+        total += _state_nbytes(state.state2)
+    return total
