@@ -136,13 +136,18 @@ class ZeroEngine:
         collectives.broadcast_([token], src=0, group=self.group)
         return bytes(token[token != 0].tolist()).decode()
 
-    def _unit(self, spec: UnitSpec, params: list[nn.Parameter], values: Optional[Tensor] = None) -> FlatUnit:
+    def _unit(self, spec: UnitSpec, params: list[nn.Parameter], values: Optional[Tensor] = None,
+              bind: bool = True) -> FlatUnit:
+        """``bind=False``: a packed unit whose quantization state comes later (read into shards: ``_bind``)."""
         store = self._stores[spec.index] if not spec.frozen else self._param_store
         # packed codes keep their storage dtype: no policy casts them (see [Note: packed parameters])
         dtypes = self.policy.unit_dtypes(spec.keep_fp32) if not spec.storage else {}
-        bindings = [packed.Binding(p, self._owners.get(id(p))) for p in params] if spec.storage else None
+        bindings = self._bindings(params) if spec.storage and bind else None
         return FlatUnit(spec, params, self.rank, self.config.stage, store=store, param_store=self._param_store,
                         values=values, bindings=bindings, **dtypes)
+
+    def _bindings(self, params: Sequence[nn.Parameter]) -> list[packed.Binding]:
+        return [packed.Binding(p, self._owners.get(id(p))) for p in params]
 
     def _materialize_by_unit(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
                              block_modules: dict[str, nn.Module], labels: dict[str, str], device: torch.device,
@@ -177,13 +182,18 @@ class ZeroEngine:
                 run_up_to(labels[spec.params[0].name])
                 params = [module.get_parameter(p.name) for p in spec.params]
                 values = None if weights is None else shard_values(spec, self.rank, params, device, weights)
-                unit = self._unit(spec, params, values)
+                unit = self._unit(spec, params, values, bind=weights is None)
                 unit.release()
                 units.append(unit)
             run_up_to(ROOT)  # frozen parameters and buffers outside every unit
         if weights is not None:  # tensors outside the units (persistent buffers, other dtypes): read whole
             in_units = {id(p) for unit in units for p in unit.params}
             read_whole(module, weights, lambda t: id(t) not in in_units)
+            weights.finish(module, lambda t: collectives.all_reduce(t, dist.ReduceOp.MAX, self.group), device)
+            self._owners = packed.owners(module)  # of the materialized parameters
+            for unit in units:
+                if unit.spec.storage:  # quantized on read: the state is whole now ([Note: quantize on read])
+                    unit.bindings = self._bindings(unit.params)
         buffers_to(module, device)  # built on the CPU from a pretrained model (hf/pretrained.py)
         materializer.retarget(optimizers)
         return units

@@ -54,6 +54,10 @@ class WeightSource(Protocol):
         """``read(name, start, end, out)``: elements [start, end) of the flattened tensor ``name`` written into ``out``
         (1-D, converted to its dtype)."""
 
+    def finish(self, root: nn.Module, all_reduce_max: Callable[[torch.Tensor], None], device: torch.device) -> None:
+        """Every rank has read its shards; what the pieces alone cannot give (a quantized weight's whole scales) is
+        completed. A collective."""
+
 
 class UninitializedModuleError(RuntimeError):
     """A module built on the meta device that lzero cannot initialize."""
@@ -202,7 +206,7 @@ class Materializer:
 
         for pname, p in list(module._parameters.items()):
             if p is not None and p.is_meta:
-                new = nn.Parameter(new_tensor(p), requires_grad=p.requires_grad)
+                new = _like(p, new_tensor(p))
                 for holder, hname in self._holders[id(p)]:
                     holder._parameters[hname] = new
                 self.replaced[p] = new
@@ -231,6 +235,16 @@ class Materializer:
         for optimizer in optimizers:
             for group in optimizer.param_groups:
                 group["params"] = [self.replaced.get(p, p) for p in group["params"]]
+
+
+def _like(meta: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
+    """A parameter holding ``data`` of the meta parameter's own class and attributes (bitsandbytes' ``Params4bit``
+    keeps its quantization settings and module)."""
+    if type(meta) is nn.Parameter:
+        return nn.Parameter(data, requires_grad=meta.requires_grad)
+    new = torch.Tensor._make_subclass(type(meta), data, meta.requires_grad)
+    new.__dict__.update(meta.__dict__)
+    return new
 
 
 def shard_values(spec: UnitSpec, rank: int, params: list[nn.Parameter], device: torch.device,

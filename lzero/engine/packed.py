@@ -32,6 +32,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from lzero.engine.parameters import own_class
 from lzero.errors import ZeroEngineError
 
 FOUR_BIT = "bitsandbytes 4-bit"
@@ -40,7 +41,7 @@ EIGHT_BIT = "bitsandbytes 8-bit"
 
 def method(p: torch.Tensor) -> Optional[str]:
     """The quantization a parameter carries (by its class, so bitsandbytes is never imported here), or None."""
-    for cls in type(p).__mro__:
+    for cls in own_class(p).__mro__:
         if cls.__module__.startswith("bitsandbytes"):
             if cls.__name__ == "Params4bit":
                 return FOUR_BIT

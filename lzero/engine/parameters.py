@@ -141,6 +141,11 @@ def mark_released(p: nn.Parameter) -> None:
     p.__class__ = ReleasedParameter
 
 
+def own_class(p: torch.Tensor) -> type:
+    """``p``'s class, or while it is released, the class of its own it gets back when gathered."""
+    return _OWN_CLASSES.get(p, type(p)) if type(p) is ReleasedParameter else type(p)
+
+
 def mark_gathered(p: nn.Parameter) -> None:
     """``p`` holds its full value again."""
     if type(p) is ReleasedParameter:

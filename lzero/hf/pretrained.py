@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
+from lzero.hf import quantized
 from lzero.hf.weights import CheckpointFiles, OpenFiles, PretrainedLoadError, find_files
 
 # from_pretrained arguments that change only where files come from: handed to the Hub download
@@ -54,8 +55,8 @@ _REFUSED = {
     "from_flax": "convert the checkpoint to safetensors first",
     "adapter_name": "load the base model, then add adapters with peft",
     "key_mapping": "rename the checkpoint's keys with `save_pretrained` first",
-    "load_in_8bit": "quantized weights cannot be sharded and trained by ZeRO",
-    "load_in_4bit": "quantized weights cannot be sharded and trained by ZeRO",
+    "load_in_8bit": "pass `quantization_config=BitsAndBytesConfig(load_in_8bit=True)` instead",
+    "load_in_4bit": "pass `quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...)` instead",
 }
 
 
@@ -68,6 +69,7 @@ class PretrainedSource:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)
+    quantized: dict[int, Any] = field(default_factory=dict)  # id(weight) -> its QuantizedRead (hf/quantized.py)
 
 
 _SOURCES: "weakref.WeakKeyDictionary[nn.Module, PretrainedSource]" = weakref.WeakKeyDictionary()
@@ -115,17 +117,23 @@ def from_pretrained_into_shards(cls: type, pretrained_model_name_or_path: Any, *
                                 **kwargs: Any) -> Any:
     """``cls.from_pretrained(...)`` with the parameters on the meta device and the checkpoint remembered for the
     engine, which reads each rank's shards at setup. See [Note: from_pretrained under zero3]."""
+    quantization_config = kwargs.pop("quantization_config", None)
     _refuse(cls, kwargs, weights_only)
     hub = {k: kwargs.pop(k) for k in _HUB_KWARGS if k in kwargs}
     for key in _LOADER_ONLY:
         kwargs.pop(key, None)
     folder = _local_folder(pretrained_model_name_or_path, hub)
     config, kwargs = _config(cls, folder, config, kwargs)
-    _refuse_quantized(config)
     files = find_files(folder, use_safetensors)
     dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype, config, files)
+    quantizer = quantized.quantizer_for(config, quantization_config, dtype)  # [Note: quantize on read]
     model = _build(cls, config, dtype, model_args, kwargs)
-    source = _match(model, files, ignore_mismatched_sizes)
+    reads = quantized.lay_out(model, quantizer, dtype) if quantizer is not None else {}
+    source = _match(model, files, ignore_mismatched_sizes, {i: r.shape for i, r in reads.items()})
+    source.quantized = reads
+    if quantizer is not None:
+        model.hf_quantizer = quantizer
+        quantizer.postprocess_model(model)  # is_loaded_in_4bit/8bit, config.quantization_config: what peft reads
     _report(model, folder, source)
     _SOURCES[model] = source
     _load_generation_config(model, folder)
@@ -148,20 +156,6 @@ def _refuse(cls: type, kwargs: dict[str, Any], weights_only: bool) -> None:
             f"`{cls.__name__}.from_pretrained(..., weights_only=False)`: lzero reads checkpoints with"
             " `weights_only=True` only. HINT: remove the argument; a .bin file that needs more than tensors must be"
             " converted to safetensors first.")
-    if kwargs.get("quantization_config") is not None:
-        _refuse_quantized(kwargs)
-
-
-def _refuse_quantized(config: Any) -> None:
-    quantization = config.get("quantization_config") if isinstance(config, dict) else \
-        getattr(config, "quantization_config", None)
-    if quantization is not None:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else \
-            getattr(quantization, "quant_method", type(quantization).__name__)
-        raise PretrainedLoadError(
-            f"The model is quantized ({method}): its weights are packed integers that ZeRO cannot shard as flat"
-            " ranges, average or step. HINT: load the unquantized model (bf16 files) under zero3, or train a"
-            " quantized base with LoRA under zero2 or DDP (QLoRA), where every rank holds the whole base.")
 
 
 def _local_folder(name: Any, hub: dict[str, Any]) -> Path:
@@ -274,8 +268,10 @@ def _candidates(key: str, prefix: str) -> list[str]:
     return out
 
 
-def _match(model: nn.Module, files: CheckpointFiles, ignore_mismatched: bool) -> PretrainedSource:
-    """Each model tensor's checkpoint key; missing, unexpected and mismatched keys as transformers reports them."""
+def _match(model: nn.Module, files: CheckpointFiles, ignore_mismatched: bool,
+           shapes: Optional[dict[int, tuple[int, ...]]] = None) -> PretrainedSource:
+    """Each model tensor's checkpoint key; missing, unexpected and mismatched keys as transformers reports them.
+    ``shapes``: id(tensor) -> the shape its checkpoint tensor has (a quantized weight's unquantized shape)."""
     prefix = getattr(model, "base_model_prefix", "") or ""
     tensors = {name: t for name, t in model.state_dict(keep_vars=True).items()}
     missing, mismatched, skipped = [], [], set()
@@ -285,7 +281,7 @@ def _match(model: nn.Module, files: CheckpointFiles, ignore_mismatched: bool) ->
         if found is None:
             missing.append(first)
             continue
-        want, have = tuple(tensors[first].shape), files.tensors[found].shape
+        want, have = (shapes or {}).get(id(tensors[first]), tuple(tensors[first].shape)), files.tensors[found].shape
         if want != have:
             if not ignore_mismatched:
                 raise PretrainedLoadError(
@@ -343,12 +339,20 @@ class PretrainedWeights:
         self.sources: list[PretrainedSource] = [s for m in root.modules() if (s := _SOURCES.get(m)) is not None]
         owner = {i: (source, key) for source in self.sources for i, (_, key) in source.by_tensor.items()}
         named = [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]
+        self._quantized: dict[str, quantized.QuantizedRead] = {}  # root name -> how to quantize it on read
         for name, t in named:
             if id(t) in owner:
                 self._keys[name] = owner[id(t)]
+                read = owner[id(t)][0].quantized.get(id(t))
+                if read is not None:
+                    self._quantized[name] = read
 
     def __bool__(self) -> bool:
         return bool(self._keys)
+
+    def finish(self, root: nn.Module, all_reduce_max: Callable[[Tensor], None], device: torch.device) -> None:
+        """Every rank has read its shards: the quantized weights get their whole quantization state (a collective)."""
+        quantized.finish(root, self._quantized, all_reduce_max, device)
 
     def holds(self, name: str) -> bool:
         """Whether the root's tensor ``name`` is read from a checkpoint."""
@@ -364,7 +368,12 @@ class PretrainedWeights:
             source, key = self._keys[name]
             if id(source) not in handles:
                 handles[id(source)] = OpenFiles(source.files)
-            handles[id(source)].read_flat_into(key, start, end, out)
+            files = handles[id(source)]
+            quantizing = self._quantized.get(name)
+            if quantizing is None:
+                files.read_flat_into(key, start, end, out)
+            else:  # packed elements: their weights read and quantized ([Note: quantize on read])
+                quantizing.read(lambda a, b, values: files.read_flat_into(key, a, b, values), start, end, out)
 
         try:
             yield read
