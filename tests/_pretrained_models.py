@@ -41,3 +41,24 @@ def save_models(root: Path, names: list[str] | None = None, shard_size: str = "2
         assert len(shards) >= 3, (name, shards)
         out[name] = folder
     return out
+
+
+QUANTIZABLE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, tie_word_embeddings=False)
+"""Shapes bitsandbytes' CPU kernels take (its 4-bit inference layout needs output sizes divisible by 32)."""
+
+
+def save_quantizable(root: Path, names: tuple[str, ...] = ("llama", "qwen2")) -> dict[str, Path]:
+    """A tiny Llama and Qwen2 (seed 0) saved in bfloat16 in 3+ safetensors files, the QLoRA bases; name -> folder."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config}
+    out = {}
+    for name in names:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(classes[name](**QUANTIZABLE)).to(torch.bfloat16)
+        folder = root / name
+        model.save_pretrained(folder, max_shard_size="40KB")
+        assert len(list(folder.glob("model-*.safetensors"))) >= 3, folder
+        out[name] = folder
+    return out

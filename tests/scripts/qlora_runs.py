@@ -1,0 +1,128 @@
+"""QLoRA: a bitsandbytes-quantized pretrained base with peft LoRA adapters, world size 2, 10 steps, bf16-true.
+
+    python tests/scripts/qlora_runs.py MODELS_DIR OUT_DIR RUN [RUN ...]
+
+RUN is ``MODEL:QUANT:STRATEGY:BUILD[:eval]``. QUANT: ``nf4`` (nf4, bf16 quant storage, double quantization, as
+QLoRA's paper and DeepSpeed need), ``fp4`` (fp4, uint8 storage, no double quantization) or ``int8`` (LLM.int8).
+BUILD: ``init`` (``from_pretrained`` in ``__init__``) or ``configure`` (in ``configure_model``: under zero3 each
+rank reads and quantizes its own shard). The adapters start from fixed values (``on_fit_start``, through
+``strategy.gathered_parameters()`` under lzero). ``eval`` adds, after fit, the validation loss and 4 greedy tokens
+generated inside ``strategy.generation()`` on the quantized shards.
+Rank 0 writes ``OUT_DIR/RUN.pt`` (``:`` as ``-``): losses, adapter weights after fit, and with ``eval`` the
+validation loss and the generated tokens. tests/test_qlora.py compares them with DDP's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.utils.data import DataLoader, TensorDataset
+
+import lzero
+from _teardown import destroy_process_group  # a sibling: scripts run from their folder
+
+PROBE = torch.tensor([[3, 17, 42, 5, 9]])
+
+
+def quantization(quant: str) -> Any:
+    from transformers import BitsAndBytesConfig
+
+    if quant == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    if quant == "nf4":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                  bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_compute_dtype=torch.bfloat16)
+
+
+class QLoRA(LightningModule):
+    def __init__(self, path: str, quant: str, lazy: bool) -> None:
+        super().__init__()
+        self.path, self.quant = path, quant
+        if not lazy:
+            self.configure_model()
+
+    def configure_model(self) -> None:
+        if hasattr(self, "model"):
+            return
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(self.path, quantization_config=quantization(self.quant),
+                                                    dtype=torch.bfloat16)
+        self.model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                     lora_dropout=0.0))
+
+    def on_fit_start(self) -> None:
+        strategy = self.trainer.strategy
+        gathered = strategy.gathered_parameters(self) if hasattr(strategy, "gathered_parameters") else \
+            contextlib.nullcontext()
+        generator = torch.Generator().manual_seed(7)
+        self.start = {}
+        with gathered, torch.no_grad():
+            for name, p in sorted(self.named_parameters()):
+                if "lora_" in name:
+                    p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
+                    self.start[name] = p.detach().clone()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        return self.model(input_ids=tokens, labels=tokens).loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        (tokens,) = batch
+        self.log("val_loss", self.model(input_ids=tokens, labels=tokens).loss, sync_dist=True)
+
+    def configure_optimizers(self) -> Any:
+        # fused: the kernel an offloaded step runs, so that DDP is the bitwise reference of every strategy
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3, fused=True)
+
+
+class Record(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.losses.append(outputs["loss"].item())
+
+
+def _trainer(strategy: str, steps: int, callbacks: list) -> Trainer:
+    return Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="bf16-true", max_steps=steps,
+                   logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                   callbacks=callbacks, num_sanity_val_steps=0)
+
+
+def fit(models: Path, out: Path, run: str) -> None:
+    name, quant, strategy, build, *flags = run.split(":")
+    tokens = torch.randint(0, 128, (80, 12), generator=torch.Generator().manual_seed(1))
+    record = Record()
+    trainer = _trainer(strategy, 10, [record])
+    module = QLoRA(str(models / name), quant, lazy=build == "configure")
+    trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=4))
+    result: dict[str, Any] = {"losses": record.losses}
+    if "eval" in flags:
+        val = trainer.validate(module, DataLoader(TensorDataset(tokens[:16]), batch_size=4), verbose=False)
+        result["val_loss"] = val[0]["val_loss"]
+        strategy_obj = trainer.strategy
+        generation = strategy_obj.generation() if hasattr(strategy_obj, "generation") else contextlib.nullcontext()
+        with generation, torch.no_grad():
+            result["generated"] = module.model.generate(input_ids=PROBE, max_new_tokens=4, do_sample=False)
+    lzero.unshard(module)  # zero3 leaves the model sharded: whole adapters to compare (a no-op otherwise)
+    if trainer.is_global_zero:
+        result["adapters"] = {k: v.detach().clone() for k, v in module.named_parameters() if "lora_" in k}
+        result["start"] = module.start
+        torch.save(result, out / f"{run.replace(':', '-')}.pt")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    models_dir, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
+    for run in sys.argv[3:]:
+        fit(models_dir, out_dir, run)
+    destroy_process_group()
