@@ -2,12 +2,15 @@
 
     python tests/scripts/qlora_runs.py MODELS_DIR OUT_DIR RUN [RUN ...]
 
-RUN is ``MODEL:QUANT:STRATEGY:BUILD[:eval]``. QUANT: ``nf4`` (nf4, bf16 quant storage, double quantization, as
+RUN is ``MODEL:QUANT:STRATEGY:BUILD[:FLAG...]``. QUANT: ``nf4`` (nf4, bf16 quant storage, double quantization, as
 QLoRA's paper and DeepSpeed need), ``fp4`` (fp4, uint8 storage, no double quantization) or ``int8`` (LLM.int8).
 BUILD: ``init`` (``from_pretrained`` in ``__init__``) or ``configure`` (in ``configure_model``: under zero3 each
 rank reads and quantizes its own shard). The adapters start from fixed values (``on_fit_start``, through
 ``strategy.gathered_parameters()`` under lzero). ``eval`` adds, after fit, the validation loss and 4 greedy tokens
-generated inside ``strategy.generation()`` on the quantized shards.
+generated inside ``strategy.generation()`` on the quantized shards. ``ckpt`` saves checkpoints every 5 steps to
+``OUT_DIR/RUN-ckpt/``, the adapters' ``adapter_config.json`` to ``OUT_DIR/RUN-adapter-config/`` and the logits of the trained model on ``PROBE``. ``resume`` runs on one process, batches of 8
+(the 2 ranks' batches of 4 together), from the step-5 checkpoint of the same run with ``ckpt`` (the same RUN with
+``resume`` in place of ``ckpt``).
 Rank 0 writes ``OUT_DIR/RUN.pt`` (``:`` as ``-``): losses, adapter weights after fit, and with ``eval`` the
 validation loss and the generated tokens. tests/test_qlora.py compares them with DDP's.
 """
@@ -86,26 +89,39 @@ class QLoRA(LightningModule):
 class Record(Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
+        self.mean_losses: list[float] = []  # over the ranks (a collective): what one rank with every batch sees
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self.losses.append(outputs["loss"].item())
+        self.mean_losses.append(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean").item())
 
 
-def _trainer(strategy: str, steps: int, callbacks: list) -> Trainer:
-    return Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="bf16-true", max_steps=steps,
-                   logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+def _trainer(strategy: str, steps: int, callbacks: list, devices: int = 2) -> Trainer:
+    checkpointing = any(type(c).__name__ == "ModelCheckpoint" for c in callbacks)
+    return Trainer(enable_checkpointing=checkpointing, accelerator="cpu", devices=devices, strategy=strategy, precision="bf16-true", max_steps=steps,
+                   logger=False, enable_progress_bar=False, enable_model_summary=False,
                    callbacks=callbacks, num_sanity_val_steps=0)
 
 
 def fit(models: Path, out: Path, run: str) -> None:
     name, quant, strategy, build, *flags = run.split(":")
-    tokens = torch.randint(0, 128, (80, 12), generator=torch.Generator().manual_seed(1))
+    # 40 samples: 5 steps an epoch on 2 ranks, so the step-5 checkpoint ends an epoch and a resume sees the same batches
+    tokens = torch.randint(0, 128, (40, 12), generator=torch.Generator().manual_seed(1))
     record = Record()
-    trainer = _trainer(strategy, 10, [record])
+    tag = run.replace(":", "-")
+    callbacks: list = [record]
+    if "ckpt" in flags:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(ModelCheckpoint(dirpath=out / f"{tag}-ckpt", every_n_train_steps=5, save_top_k=-1,
+                                         save_last=True))
+    resume = "resume" in flags
+    trainer = _trainer(strategy, 10, callbacks, devices=1 if resume else 2)
     module = QLoRA(str(models / name), quant, lazy=build == "configure")
-    trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=4))
-    result: dict[str, Any] = {"losses": record.losses}
+    checkpoint = out / f"{tag.replace('-resume', '-ckpt')}-ckpt" / "epoch=0-step=5.ckpt" if resume else None
+    trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=8 if resume else 4), ckpt_path=checkpoint)
+    result: dict[str, Any] = {"losses": record.losses, "mean_losses": record.mean_losses}
     if "eval" in flags:
         val = trainer.validate(module, DataLoader(TensorDataset(tokens[:16]), batch_size=4), verbose=False)
         result["val_loss"] = val[0]["val_loss"]
@@ -114,10 +130,16 @@ def fit(models: Path, out: Path, run: str) -> None:
         with generation, torch.no_grad():
             result["generated"] = module.model.generate(input_ids=PROBE, max_new_tokens=4, do_sample=False)
     lzero.unshard(module)  # zero3 leaves the model sharded: whole adapters to compare (a no-op otherwise)
+    if "ckpt" in flags:
+        module.model.eval()  # as PeftModel.from_pretrained returns the model
+        with torch.no_grad():
+            result["logits"] = module.model(input_ids=PROBE).logits
     if trainer.is_global_zero:
         result["adapters"] = {k: v.detach().clone() for k, v in module.named_parameters() if "lora_" in k}
         result["start"] = module.start
-        torch.save(result, out / f"{run.replace(':', '-')}.pt")
+        if "ckpt" in flags:  # what `lzero export-hf --adapters-only --config` needs beside the checkpoint
+            module.model.peft_config["default"].save_pretrained(out / f"{tag}-adapter-config")
+        torch.save(result, out / f"{tag}.pt")
 
 
 if __name__ == "__main__":

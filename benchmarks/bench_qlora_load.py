@@ -1,0 +1,329 @@
+"""Loading a QLoRA base (4-bit NF4) at world size 2 under lzero zero3: memory, bytes read and bytes held per rank.
+
+    python benchmarks/bench_qlora_load.py [--layers 24] [--folder /tmp/lzero-bench-llama-349m]
+        [--out benchmarks/results_qlora_load.md]
+
+A Llama of about 349M parameters (24 x 1024, MLP 2816, 16 heads / 8 KV heads, vocabulary 32000, lm_head untied),
+random weights from a fixed seed, is written once in bf16 with ``save_pretrained`` in 200 MB files (kept in
+``--folder``, so a rerun skips it). Each way of loading it with ``BitsAndBytesConfig(load_in_4bit=True, nf4,
+double quantization, bf16 compute and quant storage)``:
+
+- ``lzero zero3``: ``Trainer(strategy="zero3", devices=2)`` on 2 gloo ranks, ``configure_model`` calling
+  ``from_pretrained(..., quantization_config=...)`` and peft's ``get_peft_model`` (LoRA r=8 on q_proj, v_proj);
+  each rank reads and quantizes its own shard ([Note: quantize on read] in lzero/hf/quantized.py); one step runs;
+- ``transformers 4-bit``: transformers' own quantized load of the whole model in one process: what each DDP rank
+  of a QLoRA run holds (DDP QLoRA and transformers' quantized load are the same measurement);
+- ``transformers bf16``: the unquantized load, for scale.
+
+Per process (one thread each): peak resident-memory growth during the load (``VmHWM`` reset through
+``/proc/self/clear_refs`` just before, minus ``VmRSS`` then; for lzero from the end of ``configure_model`` to
+``on_fit_start``, i.e. the strategy's setup that builds the engine), the bytes lzero's reader asked for
+(``OpenFiles.read_flat_into`` counted) beside ``/proc/self/io`` ``rchar``, and the bytes held by the frozen base
+(the engine's units: packed shards, replicated quantization state, bf16 shards). Lightning launches rank 1 by
+re-running this script with the same arguments.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import argparse
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_pretrained_load import _reset_peak, _status  # noqa: E402
+
+WORLD_SIZE = 2
+SEED = 1234
+
+
+def _io(field: str) -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def quantization_config() -> object:
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
+
+
+def checkpoint_tensors(folder: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Every tensor of the checkpoint: its dtype and shape, from the file headers (lzero's reader; nothing read)."""
+    from lzero.hf.weights import find_files
+
+    return {k: (t.dtype, t.shape) for k, t in find_files(folder).tensors.items()}
+
+
+def make_model(folder: Path, layers: int) -> None:
+    """The bf16 Llama written with ``save_pretrained`` in 200 MB files, once."""
+    if (folder / "model.safetensors.index.json").exists():
+        return
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=layers, num_attention_heads=16,
+                         num_key_value_heads=8, vocab_size=32000, tie_word_embeddings=False)
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(folder, max_shard_size="200MB")
+
+
+# --- lzero zero3: the ranks Lightning launches ------------------------------------------------------------------
+
+def _count_reads() -> list[int]:
+    """Bytes lzero's checkpoint reader asks for, in the checkpoint's dtype: [total]."""
+    from lzero.hf import weights
+
+    asked = [0]
+    read_flat_into = weights.OpenFiles.read_flat_into
+
+    def counted(self: object, key: str, start: int, end: int, out: torch.Tensor) -> None:
+        asked[0] += (end - start) * self._files.tensors[key].dtype.itemsize
+        read_flat_into(self, key, start, end, out)
+
+    weights.OpenFiles.read_flat_into = counted
+    return asked
+
+
+def held_by_engine(engine: object) -> dict[str, int]:
+    """Bytes of this rank's shards by kind: packed codes, their replicated quantization state, bf16 frozen, trainable."""
+    held = {"packed": 0, "state": 0, "frozen": 0, "trainable": 0}
+    for unit in engine.units:
+        shard = unit.spec.shard_numel * unit.flat_param.element_size()
+        if unit.spec.storage:
+            held["packed"] += shard
+            held["state"] += sum(b.nbytes for b in unit.bindings or ())
+        else:
+            held["frozen" if unit.spec.frozen else "trainable"] += shard
+    return held
+
+
+def run_rank(folder: str, results: Path) -> None:
+    """This rank's part of ``Trainer(strategy="zero3").fit``: one JSON line of measures in ``results``."""
+    import lightning as L
+    from lightning.pytorch import Callback
+    from peft import LoraConfig, get_peft_model
+    from torch.utils.data import DataLoader
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    import lzero  # noqa: F401  registers zero3
+
+    torch.set_num_threads(1)
+    hf_logging.disable_progress_bar()
+    asked = _count_reads()
+    before: dict[str, float] = {}
+
+    class QLoRA(L.LightningModule):
+        def configure_model(self) -> None:
+            model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quantization_config(),
+                                                         dtype=torch.bfloat16)
+            self.model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+            _reset_peak()  # the engine's setup starts next (strategy.setup)
+            before.update(rss=_status("VmRSS"), rchar=_io("rchar"), disk=_io("read_bytes"), asked=asked[0],
+                          start=time.perf_counter())
+
+        def training_step(self, batch: list[torch.Tensor], _: int) -> torch.Tensor:
+            loss = self.model(input_ids=batch[0], labels=batch[0]).loss
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-4)
+
+    class Measure(Callback):
+        def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+            seconds = time.perf_counter() - before["start"]
+            peak = _status("VmHWM") - before["rss"]
+            module.result = {"way": "lzero zero3", "rank": trainer.global_rank, "seconds": seconds,
+                             "peak_growth": peak, "owned_growth": peak, "end_growth": _status("VmRSS") - before["rss"],
+                             "asked": asked[0] - before["asked"], "rchar": _io("rchar") - before["rchar"],
+                             "disk": _io("read_bytes") - before["disk"], **held_by_engine(trainer.strategy.engine)}
+
+    module = QLoRA()
+    module.losses = []
+    data = DataLoader(torch.utils.data.TensorDataset(torch.randint(0, 32000, (4, 32),
+                                                                   generator=torch.Generator().manual_seed(SEED))))
+    trainer = L.Trainer(accelerator="cpu", devices=WORLD_SIZE, strategy="zero3", precision="bf16-true", max_steps=1,
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[Measure()])
+    trainer.fit(module, data)
+    (results / f"rank{trainer.global_rank}.json").write_text(json.dumps({**module.result, "loss": module.losses}))
+
+
+def run_lzero(folder: Path, results: Path) -> list[dict]:
+    results.mkdir(parents=True, exist_ok=True)
+    for old in results.glob("rank*.json"):
+        old.unlink()
+    done = subprocess.run([sys.executable, __file__, "--folder", str(folder), "--rank-run", str(results)],
+                          capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        sys.exit(f"lzero zero3 ranks failed ({done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}")
+    return [json.loads((results / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+
+
+# --- transformers: one process holding the whole model -----------------------------------------------------------
+
+def _reference(way: str, folder: str, queue: object) -> None:
+    import bitsandbytes as bnb
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    torch.set_num_threads(1)
+    hf_logging.disable_progress_bar()
+    _reset_peak()
+    rss0, rchar0, disk0 = _status("VmRSS"), _io("rchar"), _io("read_bytes")
+    start = time.perf_counter()
+    quantization = {"quantization_config": quantization_config()} if way == "transformers 4-bit" else {}
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, **quantization)
+    seconds = time.perf_counter() - start
+    at_load = _status("VmHWM") - rss0
+    held = {"packed": 0, "state": 0, "frozen": 0, "trainable": 0, "quantized_params": 0}
+    for p in model.parameters():
+        if isinstance(p, bnb.nn.Params4bit):
+            held["packed"] += p.numel() * p.element_size()
+            held["state"] += _state_nbytes(p.quant_state)
+            held["quantized_params"] += math.prod(p.quant_state.shape)
+        else:
+            held["frozen"] += p.numel() * p.element_size()
+    with torch.no_grad():  # unquantized parameters map the files: they become this process's memory once written
+        for p in model.parameters():
+            if not isinstance(p, bnb.nn.Params4bit):
+                p.data = p.data.clone()
+    queue.put({"way": way, "rank": "-", "seconds": seconds, "peak_growth": at_load,
+               "owned_growth": _status("VmHWM") - rss0, "end_growth": _status("VmRSS") - rss0,
+               "asked": sum(math.prod(s) * d.itemsize for d, s in checkpoint_tensors(Path(folder)).values()),
+               "rchar": _io("rchar") - rchar0, "disk": _io("read_bytes") - disk0, **held})
+
+
+def _state_nbytes(state: object) -> int:
+    """Bytes of a bitsandbytes QuantState's tensors (absmax, code book, offset, and the nested state's)."""
+    total = sum(v.numel() * v.element_size() for v in (state.absmax, state.code, state.offset)
+                if isinstance(v, torch.Tensor))
+    return total + (_state_nbytes(state.state2) if getattr(state, "state2", None) is not None else 0)
+
+
+def run_reference(way: str, folder: Path) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_reference, args=(way, str(folder), queue))
+    proc.start()
+    result = queue.get(timeout=600)
+    proc.join()
+    return result
+
+
+# --- the table ---------------------------------------------------------------------------------------------------
+
+def write_table(rows: list[dict], folder: Path, layers: int, out: Path) -> str:
+    tensors = checkpoint_tensors(folder)
+    params = sum(math.prod(s) for _, s in tensors.values())
+    files = sorted(folder.glob("model-*.safetensors"))
+    file_bytes = sum(f.stat().st_size for f in files)
+    largest = max(math.prod(s) * d.itemsize for d, s in tensors.values())
+    q4 = next(r for r in rows if r["way"] == "transformers 4-bit")
+    quantized, rest = q4["quantized_params"], params - q4["quantized_params"]
+    packed_model = quantized // 2 + 2 * rest + q4["state"]
+    share, packed_share = file_bytes / WORLD_SIZE, packed_model / WORLD_SIZE
+    rss_base = packed_share + largest
+    mb = lambda b: f"{b / 1e6:,.1f}"  # noqa: E731
+
+    def check(value: float, base: float, row: dict) -> str:
+        """value / base against the target 1.1; pass/fail for lzero's ranks only."""
+        ratio = f"{value / base:.2f}"
+        if row["way"] != "lzero zero3":
+            return ratio
+        return f"{ratio} {'pass' if value <= 1.1 * base else '**FAIL**'}"
+
+    lines = [
+        "# Loading a QLoRA base at world size 2 (benchmarks/bench_qlora_load.py)",
+        "",
+        f"`python benchmarks/bench_qlora_load.py`, run 2026-12-03 on this machine (2 CPUs, no GPU; torch CPU,"
+        f" bitsandbytes' CPU backend). Llama {layers} x 1024 (MLP 2816, 16 heads, 8 KV heads, vocabulary 32000,"
+        f" lm_head untied), random weights (seed {SEED}): {params / 1e6:,.1f}M parameters, bf16, {len(files)}"
+        f" safetensors files of {mb(file_bytes)} MB in all. 4-bit config: NF4, double quantization, bf16 compute and"
+        " quant storage; transformers quantizes every decoder linear and keeps embeddings, norms and lm_head in bf16."
+        f" lzero zero3: N = {WORLD_SIZE} gloo ranks, one thread each, `Trainer(accelerator=\"cpu\", devices=2,"
+        " strategy=\"zero3\", precision=\"bf16-true\", max_steps=1)`, LoRA r=8 on q_proj and v_proj, AdamW. Page cache"
+        " warm (dropping it is not allowed here), so disk reads are not measured: the bytes read are those lzero's"
+        " reader asked for.",
+        "",
+        f"Packed model bytes (the whole quantized model): {quantized / 1e6:,.1f}M quantized weights x 0.5 B"
+        f" + {rest / 1e6:,.1f}M other parameters x 2 B + {mb(q4['state'])} MB quantization state"
+        f" = {mb(packed_model)} MB; per rank (/ N) {mb(packed_share)} MB. File bytes / N = {mb(share)} MB."
+        f" Largest unquantized tensor (embed_tokens, lm_head): {mb(largest)} MB.",
+        "",
+        "| way | rank | time s | peak RSS growth MB | once owned MB | bytes read MB | rchar MB | packed codes MB |"
+        " quant state MB | bf16 frozen MB | frozen base held MB | LoRA MB | read / (files/N) <= 1.1 |"
+        " held / (packed/N) <= 1.1 | RSS / (packed/N + largest) <= 1.1 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        base = r["packed"] + r["state"] + r["frozen"]
+        lines.append(
+            f"| {r['way']} | {r['rank']} | {r['seconds']:.1f} | {mb(r['peak_growth'])} | {mb(r['owned_growth'])} |"
+            f" {mb(r['asked'])} | {mb(r['rchar'])} | {mb(r['packed'])} | {mb(r['state'])} | {mb(r['frozen'])} |"
+            f" {mb(base)} | {mb(r['trainable'])} | {check(r['asked'], share, r)} |"
+            f" {check(base, packed_share, r)} | {check(r['owned_growth'], rss_base, r)} |")
+    lines += [
+        "",
+        "How each figure is measured:",
+        "- *peak RSS growth*: `VmHWM` after the load minus `VmRSS` just before it, the high-water mark reset through"
+        " `/proc/self/clear_refs` at the start. lzero: from the end of `configure_model` (the model on the meta device,"
+        " LoRA added) to the first `on_fit_start` callback, i.e. the strategy's setup that reads, quantizes and shards"
+        " the weights; transformers: around `from_pretrained`. *once owned*: the same after every unquantized"
+        " parameter is copied into the process's own memory (transformers' bf16 parameters map the files until"
+        " written; lzero's are its own memory already).",
+        "- *bytes read*: lzero: what its reader asked for (`OpenFiles.read_flat_into` wrapped: elements x the"
+        " checkpoint's itemsize), including the whole 64-weight blocks a shard edge cuts; transformers: every tensor"
+        " of the files (each DDP rank loads the whole model). *rchar*: `/proc/self/io` rchar over the same window"
+        " (bytes of `read` calls; lzero reads with `readinto`, transformers maps the files, which rchar does not see).",
+        "- *held*: lzero, from the engine's units (`trainer.strategy.engine.units`): *packed codes* = units with"
+        " `spec.storage != \"\"`, shard_numel x element size; *quant state* = their `bindings`' `nbytes` (replicated"
+        " on every rank); *bf16 frozen* = the other frozen units' shards (embeddings, norms, lm_head); *LoRA* = the"
+        " trainable units' shards (not part of the base). transformers: the model's `Params4bit` bytes, their"
+        " `quant_state` tensors, and the other parameters.",
+        "- The targets apply to lzero's ranks (pass/fail); the references' ratios are shown for comparison. The RSS"
+        f" target is 1.1 x (packed/N + largest unquantized tensor) = {mb(1.1 * rss_base)} MB.",
+        f"- Loss of the one training step, per rank: {', '.join(str(r.get('loss')) for r in rows if 'loss' in r)}.",
+    ]
+    text = "\n".join(lines) + "\n"
+    out.write_text(text)
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--folder", default="/tmp/lzero-bench-llama-349m")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results_qlora_load.md"))
+    parser.add_argument("--rank-run", help=argparse.SUPPRESS)  # internal: the lzero ranks write their JSON here
+    args = parser.parse_args()
+    folder = Path(args.folder)
+    if args.rank_run:
+        run_rank(str(folder), Path(args.rank_run))
+        return
+    make_model(folder, args.layers)
+    params = sum(math.prod(s) for _, s in checkpoint_tensors(folder).values())
+    print(f"model: {params:,} parameters in {folder}", flush=True)
+    rows = run_lzero(folder, folder.with_name(folder.name + "-results"))
+    for way in ("transformers 4-bit", "transformers bf16"):
+        rows.append(run_reference(way, folder))
+    print(write_table(rows, folder, args.layers, Path(args.out)))
+
+
+if __name__ == "__main__":
+    main()
