@@ -60,6 +60,7 @@ class ZeroOptimizerError(TypeError):
 
 
 def check_optimizer(optimizer: Optimizer, allow_untested: bool) -> None:
+    _refuse_blockwise_state(optimizer)
     if type(optimizer) in ELEMENTWISE_OPTIMIZERS or allow_untested:
         return
     allowed = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
@@ -69,6 +70,23 @@ def check_optimizer(optimizer: Optimizer, allow_untested: bool) -> None:
         " Adafactor, Muon, Shampoo, ...) would see only this rank's shard. HINT: use an allow-listed optimizer,"
         " or pass `ZeroStrategy(allow_untested_optimizer=True)` if you know the update is elementwise."
     )
+
+
+def _refuse_blockwise_state(optimizer: Optimizer) -> None:
+    """bitsandbytes' 8-bit optimizers quantize their state in blocks across elements: refused even when untested
+    optimizers are allowed, since the refusal's reason is known."""
+    cls = type(optimizer)
+    bits = getattr(getattr(optimizer, "args", None), "optim_bits", 32)
+    if not cls.__module__.startswith("bitsandbytes") or ("8bit" not in cls.__name__ and bits != 8):
+        return
+    raise ZeroOptimizerError(
+        f"lzero does not shard `{cls.__module__}.{cls.__qualname__}`: its state is quantized to 8 bits in blocks of"
+        " 256 elements of each tensor it steps, with one scale per block, and tensors under 4096 elements keep"
+        " 32-bit state. lzero steps flat shards that join and cut tensors, so the blocks, their scales and that"
+        " threshold would fall on other elements than under DDP, and the update would differ from DDP's by more"
+        " than rounding. HINT: use `torch.optim.AdamW(..., fused=True)` (for QLoRA adapters its fp32 state is"
+        " small and sharded: 8 bytes per trainable parameter / N), or the 32-bit bitsandbytes variant with"
+        " `ZeroStrategy(allow_untested_optimizer=True)`.")
 
 
 class _Shared:

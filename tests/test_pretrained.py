@@ -351,11 +351,15 @@ def test_a_pickle_bin_that_needs_more_than_tensors(gpt2: Path, tmp_path: Path) -
     _refused(folder, "weights_only=True", "never unpickles", "save_pretrained")
 
 
-def test_a_quantized_base_is_refused_by_name(gpt2: Path) -> None:
+def test_a_base_quantized_in_its_files_is_refused_by_name(gpt2: Path) -> None:
+    """lzero quantizes bitsandbytes bases as it reads unquantized files (tests/test_qlora.py); files holding codes
+    already, or another method's (GPTQ, AWQ), are refused naming the method and the fix."""
     config = json.loads((gpt2 / "config.json").read_text())
-    quant = {"quant_method": "bitsandbytes", "load_in_4bit": True}
-    (gpt2 / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
-    _refused(gpt2, "quantized (bitsandbytes)", "QLoRA")
+    for quant, fragments in (({"quant_method": "bitsandbytes", "load_in_4bit": True}, ("already quantized",)),
+                             ({"quant_method": "gptq", "bits": 4}, ("quantized with gptq", "BitsAndBytesConfig")),
+                             ({"quant_method": "awq", "bits": 4}, ("quantized with awq", "BitsAndBytesConfig"))):
+        (gpt2 / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+        _refused(gpt2, *fragments)
 
 
 def test_loader_options_lzero_cannot_honour_are_refused(gpt2: Path) -> None:

@@ -108,3 +108,81 @@ def test_resumed_at_world_size_1_continues_the_run(runs: Path) -> None:
     resumed = _load(runs, RESUMED)["losses"]
     assert len(resumed) == 5
     assert resumed == pytest.approx(whole[5:], rel=2e-3)
+
+
+def _hand_built(storage: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """bitsandbytes layers built by hand (quantized by ``.to("cpu")``) beside a trainable layer."""
+    import bitsandbytes as bnb
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        bnb.nn.Linear4bit(64, 64, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4", quant_storage=storage),
+        bnb.nn.Linear8bitLt(64, 64, bias=False, has_fp16_weights=False),
+        torch.nn.Linear(64, 32, dtype=torch.bfloat16),
+    )
+    model[0].to(torch.bfloat16)
+    model[1].weight.data = model[1].weight.data.to(torch.bfloat16)
+    return model.to("cpu")  # bitsandbytes quantizes here
+
+
+@pytest.mark.parametrize("storage", [torch.bfloat16, torch.uint8])
+def test_hand_built_quantized_layers_shard_as_packed_units(storage: torch.dtype) -> None:
+    """Stage 3, one process: the codes go into units of their own storage dtype, uncast; a gathered layer is the
+    bitsandbytes parameter it was, with its quantization state, and computes what the unsharded model computes."""
+    from lzero import ZeroConfig, ZeroEngine
+
+    model = _hand_built(storage)
+    x = torch.randn(4, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(x)
+    codes = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    classes = {n: type(p) for n, p in model.named_parameters() if not p.requires_grad}  # Params4bit, Int8Params
+    engine = ZeroEngine(model, [torch.optim.AdamW(model[2].parameters())], ZeroConfig(stage=3))
+    try:
+        assert sorted(u.spec.storage for u in engine.units) == sorted(["", "int8", str(storage).removeprefix("torch.")])
+        with engine.gathered(model), torch.no_grad():
+            assert {n: type(p) for n, p in model.named_parameters() if n in classes} == classes
+            # byte for byte (codes viewed as bf16 may read as NaN, which torch.equal never equals)
+            assert all(torch.equal(p.detach().view(torch.uint8), codes[n].view(torch.uint8))
+                       for n, p in model.named_parameters() if n in codes)
+            assert torch.equal(model(x), want)
+    finally:
+        engine.remove()
+
+
+def test_a_trainable_quantized_weight_is_refused() -> None:
+    from lzero import ZeroConfig, ZeroEngine, ZeroEngineError
+
+    model = _hand_built()
+    model[0].weight.requires_grad_(True)
+    with pytest.raises(ZeroEngineError, match=r"(?s)`0.weight` is a bitsandbytes 4-bit weight with requires_grad=True.*HINT"):
+        ZeroEngine(model, [torch.optim.AdamW(model[2].parameters())], ZeroConfig(stage=3))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_unfreezing_a_quantized_weight_after_setup_is_refused(stage: int) -> None:
+    from lzero import ZeroConfig, ZeroEngine, ZeroEngineError
+
+    model = _hand_built()
+    engine = ZeroEngine(model, [torch.optim.AdamW(model[2].parameters())], ZeroConfig(stage=stage))
+    try:
+        engine.before_forward()
+        model[1].weight.requires_grad = False  # int8 cannot require gradients; the 4-bit bf16 view can
+        with torch._C.DisableTorchFunctionSubclass():
+            model[0].weight.requires_grad_(True)
+        with pytest.raises(ZeroEngineError, match=r"(?s)`0.weight` was set to requires_grad=True after setup.*HINT"):
+            engine.before_forward()
+    finally:
+        engine.remove()
+
+
+def test_8bit_optimizers_are_refused_with_the_reason() -> None:
+    import bitsandbytes as bnb
+
+    from lzero.optimizer import ZeroOptimizerError, check_optimizer
+
+    p = [torch.nn.Parameter(torch.zeros(8))]
+    for cls in (bnb.optim.AdamW8bit, bnb.optim.PagedAdamW8bit):
+        with pytest.raises(ZeroOptimizerError, match=rf"(?s){cls.__name__}`.*blocks of 256.*HINT.*fused=True"):
+            check_optimizer(cls(p), allow_untested=True)
+    check_optimizer(bnb.optim.AdamW32bit(p), allow_untested=True)  # elementwise: the user's call

@@ -66,6 +66,7 @@ class ZeroEngine:
         self.world_size = collectives.world_size(group)
         self.rank = collectives.rank(group)
         kept = self.policy.kept_parameters(module)
+        packed.check_model(module)
         self._owners = packed.owners(module)  # the modules of packed (quantized) parameters
         specs, by_name = _collect_params(module, optimizers, kept, frozen_too=config.stage >= 3, evaluating=evaluating)
         if config.stage >= 3:
@@ -97,6 +98,7 @@ class ZeroEngine:
         self._where: dict[nn.Parameter, tuple[FlatUnit, int]] = {
             p: (unit, i) for unit in self.units for i, p in enumerate(unit.params)
         }
+        self._packed = [(n, p) for n, p in module.named_parameters() if packed.is_packed(p)]  # quantized codes
         self._buffers = [b for b in module.buffers()]
         self._sync_buffers_next = True
         self.gatherer: Optional[Gatherer] = None
@@ -313,6 +315,7 @@ class ZeroEngine:
     def before_forward(self) -> None:
         """Rank 0's buffers (BatchNorm running stats...) everywhere, exactly when DDP would sync them:
         before a forward that follows a forward run with gradients enabled and gradient sync on."""
+        packed.check_still_frozen(self._packed)
         if self.config.broadcast_buffers and self._sync_buffers_next:
             collectives.broadcast_coalesced_(self._buffers, src=0, group=self.group)
         self._sync_buffers_next = torch.is_grad_enabled() and self.sync

@@ -27,7 +27,7 @@ decided in one place, the unit (flat_unit.py), with the pieces it needs here:
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -63,6 +63,39 @@ def check_frozen(name: str, p: torch.Tensor) -> None:
             f"Parameter `{name}` is a {what} weight with requires_grad=True. Its elements are packed codes: a"
             " gradient of them means nothing, and ZeRO cannot average or step them. HINT: freeze the quantized"
             " base (`p.requires_grad_(False)`; peft's `get_peft_model` does) and train adapters beside it (LoRA).")
+
+
+def refuse_method(method: Any) -> None:
+    """Only bitsandbytes' codes are known here: another quantization method is refused by name."""
+    method = getattr(method, "value", method)
+    if str(method) != "bitsandbytes":
+        raise ZeroEngineError(
+            f"The model is quantized with {method}: lzero shards bitsandbytes 4-bit and 8-bit bases only, whose codes"
+            " and quantization state it knows how to move and bind (GPTQ, AWQ and other methods keep their codes in"
+            " buffers and kernels of their own). HINT: load the unquantized weights with"
+            " `quantization_config=BitsAndBytesConfig(load_in_4bit=True, ...)` (QLoRA), or the bf16/fp32 model.")
+
+
+def check_model(module: nn.Module) -> None:
+    """A model quantized by a method other than bitsandbytes (transformers' ``hf_quantizer``) is refused."""
+    for m in module.modules():
+        quantizer = getattr(m, "hf_quantizer", None)
+        config = getattr(quantizer, "quantization_config", None)
+        if config is not None:
+            refuse_method(getattr(config, "quant_method", type(config).__name__))
+
+
+def check_still_frozen(named: Sequence[tuple[str, nn.Parameter]]) -> None:
+    """Packed parameters unfrozen after setup (``requires_grad_(True)`` on the base) are refused at the next forward."""
+    with torch._C.DisableTorchFunctionSubclass():  # released parameters: a metadata read, without the guard
+        unfrozen = [name for name, p in named if p.requires_grad]
+    if unfrozen:
+        raise ZeroEngineError(
+            f"The quantized weight `{unfrozen[0]}` was set to requires_grad=True after setup"
+            f"{f' (and {len(unfrozen) - 1} more)' if len(unfrozen) > 1 else ''}. Its elements are packed codes: a"
+            " gradient of them means nothing, and ZeRO cannot average or step them. HINT: keep the quantized base"
+            " frozen; to train more, add adapters to more modules (LoRA `target_modules`), or load the base"
+            " unquantized.")
 
 
 def owners(module: nn.Module) -> dict[int, nn.Module]:

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from lzero.engine import packed
+from lzero.errors import ZeroEngineError
 from lzero.hf.weights import PretrainedLoadError
 
 ReadWeights = Callable[[int, int, Tensor], None]
@@ -123,12 +124,10 @@ def quantizer_for(config: Any, quantization_config: Any, dtype: torch.dtype) -> 
         return None
     method = quantization.get("quant_method") if isinstance(quantization, dict) else \
         getattr(quantization, "quant_method", type(quantization).__name__)
-    method = getattr(method, "value", method)
-    if str(method) != "bitsandbytes":
-        raise PretrainedLoadError(
-            f"The model is quantized with {method}: lzero shards bitsandbytes 4-bit and 8-bit bases only, whose"
-            " codes it can read and quantize shard by shard. HINT: load the unquantized weights with"
-            " `BitsAndBytesConfig(load_in_4bit=True, ...)` (QLoRA), or load the bf16/fp32 model.")
+    try:
+        packed.refuse_method(method)
+    except ZeroEngineError as refused:
+        raise PretrainedLoadError(str(refused)) from None
     from transformers.quantizers.auto import get_hf_quantizer
 
     if getattr(quantization, "llm_int8_enable_fp32_cpu_offload", False):
