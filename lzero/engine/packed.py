@@ -27,6 +27,7 @@ decided in one place, the unit (flat_unit.py), with the pieces it needs here:
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any, Optional, Sequence
 
 import torch
@@ -112,6 +113,7 @@ class Binding:
         self.owner = owner
         self.quant_state = None  # 4-bit: the canonical QuantState
         self.scales: Optional[torch.Tensor] = None  # 8-bit: the canonical row scales (SCB)
+        self.weights = p.numel()  # the weights the codes encode (4-bit: from the state's shape, below)
         if self.method == FOUR_BIT:
             state = p.quant_state if getattr(p, "quant_state", None) is not None else getattr(owner, "quant_state", None)
             if state is None:
@@ -125,6 +127,7 @@ class Binding:
                     " without gradients) before setup. HINT: let lzero take the model before running it, or call"
                     " `model.state_dict()` once first, which restores bitsandbytes' canonical layout.")
             self.quant_state = _copy_state(state)
+            self.weights = math.prod(state.shape)
         elif self.method == EIGHT_BIT:
             lt_state = getattr(owner, "state", None)
             scales = getattr(p, "SCB", None)
@@ -154,11 +157,22 @@ class Binding:
             self.owner.state.CB = None
 
     @property
+    def kind(self) -> str:
+        """The storage, as the estimator names it (lzero/memory/estimate.py, ``QUANTIZED_BYTES``)."""
+        if self.method == EIGHT_BIT:
+            return "int8"
+        return "4bit-dq" if getattr(self.quant_state, "nested", False) else "4bit"
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The replicated state every rank keeps (absmax, code book, nested state; 8-bit: the row scales)."""
+        if self.scales is not None:
+            return [self.scales]
+        return _state_tensors(self.quant_state) if self.quant_state is not None else []
+
+    @property
     def nbytes(self) -> int:
         """Bytes of the replicated state every rank keeps."""
-        if self.quant_state is not None:
-            return _state_nbytes(self.quant_state)
-        return 0 if self.scales is None else self.scales.numel() * self.scales.element_size()
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
 def _copy_state(state: Any) -> Any:
@@ -169,11 +183,9 @@ def _copy_state(state: Any) -> Any:
     return out
 
 
-def _state_nbytes(state: Any) -> int:
-    total = 0
-    for value in (getattr(state, "absmax", None), getattr(state, "code", None), getattr(state, "offset", None)):
-        if isinstance(value, torch.Tensor):
-            total += value.numel() * value.element_size()
+def _state_tensors(state: Any) -> list[torch.Tensor]:
+    found = [value for value in (getattr(state, "absmax", None), getattr(state, "code", None),
+                                 getattr(state, "offset", None)) if isinstance(value, torch.Tensor)]
     if getattr(state, "state2", None) is not None:
-        total += _state_nbytes(state.state2)
-    return total
+        found += _state_tensors(state.state2)
+    return found

@@ -48,6 +48,9 @@ def _tensors(engine: "ZeroEngine", optimizers: Sequence[Any]) -> Iterator[tuple[
     for unit in engine.units:
         yield "device", "parameters", unit.flat_param
         yield unit.param_store.memory, "parameters", unit.compute_shard()
+        for binding in unit.bindings or ():  # a quantized base's state, whole on every rank (engine/packed.py)
+            for tensor in binding.tensors():
+                yield "device", "parameters", tensor
     for unit in engine.units:
         for grad in (unit.flat_grad, unit.shard_grad, unit.master_shard.grad if unit.stepping else None):
             if grad is not None:  # stepping: the delayed update's step in flight holds its own gradient

@@ -35,7 +35,9 @@ backward to its step; between steps the gradient terms are absent, see [Note: gr
   ``max_in_cpu`` elements per rank, to files). ``ratio`` < 1 keeps the first ``1 - ratio`` of the elements'
   optimizer side (gradients, masters, state) on the device.
 - Frozen parameters: stages 1-2 leave them as module parameters in the compute dtype; stage 3 shards them in
-  the parameter store (cF/N).
+  the parameter store (cF/N). Q of them quantized (a QLoRA base) take their codes' bytes instead (b·Q, b·Q/N at
+  stage 3: b = 1/2 at 4 bits, 1 at 8) and their quantization state whole on every rank, on the device (s·Q:
+  ``QUANTIZED_BYTES``).
 - Flat units are padded to a multiple of N elements; the estimate leaves the padding out.
 
 [Note: working set]
@@ -91,6 +93,12 @@ class EstimateError(ValueError):
     """An input the estimate cannot use; the message names the value and the fix."""
 
 
+QUANTIZED_BYTES = {"4bit": (0.5, 4 / 64), "4bit-dq": (0.5, 1 / 64 + 4 / (64 * 256)), "int8": (1.0, 4 / 4096)}
+"""A quantized weight's bytes: (codes, sharded at stage 3; its state, whole on every rank). 4-bit: two codes a byte
+and one fp32 absmax per 64 weights; double quantization: one byte per 64 weights, and one fp32 per 256 of those;
+int8: one byte a weight and one fp32 scale per row (rows of 4096 taken). See [Note: packed parameters]."""
+
+
 @dataclass(frozen=True)
 class ModelCount:
     """The parameter counts an estimate needs."""
@@ -110,16 +118,28 @@ class ModelCount:
     root: Optional[int] = None
     """Elements outside every stage-3 block (the root unit, gathered for the whole forward). None: unknown."""
 
+    quantized: int = 0
+    """Q: the elements of F that are quantized weights (a QLoRA base), counted before packing."""
+
+    quantization: str = "4bit-dq"
+    """How the Q weights are stored: a key of :data:`QUANTIZED_BYTES`."""
+
     def __post_init__(self) -> None:
-        for name in ("trainable", "frozen", "largest_param", "largest_block", "root"):
+        if self.quantization not in QUANTIZED_BYTES:
+            raise EstimateError(f"`quantization={self.quantization!r}` is not one of {sorted(QUANTIZED_BYTES)}."
+                                " HINT: 4bit (nf4/fp4), 4bit-dq (with double quantization) or int8 (LLM.int8).")
+        for name in ("trainable", "frozen", "largest_param", "largest_block", "root", "quantized"):
             value = getattr(self, name)
-            if value is None and name != "trainable" and name != "frozen":
+            if value is None and name not in ("trainable", "frozen", "quantized"):
                 continue
             if isinstance(value, float) and value.is_integer():
                 object.__setattr__(self, name, value := int(value))
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise EstimateError(f"`{name}={value!r}` must be a whole number of parameters >= 0."
                                     " HINT: e.g. 7.5e9 for 7.5 billion.")
+        if self.quantized > self.frozen:
+            raise EstimateError(f"`quantized={self.quantized}` exceeds the frozen parameters ({self.frozen}): a"
+                                " quantized base is frozen. HINT: give the frozen count with --frozen-params.")
         if self.trainable == 0:
             raise EstimateError("`trainable=0`: there is nothing to train, so nothing to estimate."
                                 " HINT: give the number of trainable parameters, e.g. `--params 7.5e9`.")
@@ -189,11 +209,15 @@ def model_states(config: ZeroConfig, count: ModelCount, world_size: int, precisi
     offloaded = opt.ratio if opt.device != "none" else 0.0
     host_store = "nvme" if opt.device == "nvme" else "cpu"
     param_store = {"none": "device", "cpu": "cpu", "nvme": "nvme"}[param.device]
+    codes, state = QUANTIZED_BYTES[count.quantization]
+    quantized, frozen = count.quantized, frozen - count.quantized
+    out.add("device", "parameters", state * quantized)  # a quantized base's state: whole on every rank
     if stage < 3:
-        out.add("device", "parameters", c * (psi + frozen))
+        out.add("device", "parameters", c * (psi + frozen) + codes * quantized)
         if stage == 1:
             out.add("device", "gradients", c * psi)
     else:
+        _stage3_parameters(out, param_store, codes, quantized / n, param.max_in_cpu)
         _stage3_parameters(out, param_store, c, frozen / n, param.max_in_cpu)
     for share, store in ((1.0 - offloaded, "device"), (offloaded, host_store)):
         elements = share * psi / n
@@ -230,7 +254,9 @@ def ddp_states(count: ModelCount, optimizer_bytes: float = ADAM_BYTES) -> dict[s
     """Lightning's DDP: fp32 parameters and gradients under every precision listed (``*-mixed`` is
     autocast), the optimizer state, all on the device."""
     out = _Bytes()
-    out.add("device", "parameters", 4 * (count.trainable + count.frozen))
+    codes, state = QUANTIZED_BYTES[count.quantization]
+    out.add("device", "parameters", 4 * (count.trainable + count.frozen - count.quantized)
+            + (codes + state) * count.quantized)
     out.add("device", "gradients", 4 * count.trainable)
     out.add("device", "optimizer_state", optimizer_bytes * count.trainable)
     return out.rounded()

@@ -82,6 +82,11 @@ def _parser() -> argparse.ArgumentParser:
     model.add_argument("--model", help="package.module:Class (or package.module.Class), built on the meta device")
     parser.add_argument("--model-args", help="JSON object of keyword arguments for --model")
     parser.add_argument("--frozen-params", type=float, default=0, help="with --params: parameters that are not trained")
+    parser.add_argument("--quantized", choices=["4bit", "4bit-dq", "int8"],
+                        help="with --params: the frozen parameters are a bitsandbytes-quantized base (QLoRA): 4bit"
+                             " (nf4/fp4), 4bit-dq (double quantization), int8")
+    parser.add_argument("--quantized-params", type=float, default=None,
+                        help="with --quantized: how many of the frozen parameters are quantized (default: all)")
     parser.add_argument("--num-gpus", type=int, default=1, help="ranks per node (default 1)")
     parser.add_argument("--num-nodes", type=int, default=1, help="nodes (default 1)")
     parser.add_argument("--precision", default="bf16-mixed",
@@ -110,7 +115,14 @@ def estimate_command(argv: Sequence[str]) -> int:
             raise EstimateError("`--model-args` is given without `--model`. HINT: add `--model package.module:Class`,"
                                 " or drop --model-args.")
         if args.model is not None:
+            if args.quantized is not None:
+                raise EstimateError("`--quantized` counts a quantized frozen base given by numbers. HINT: use"
+                                    " `--params TRAINABLE --frozen-params F --quantized 4bit-dq` (F: the base's"
+                                    " parameters, Ψ: the adapters').")
             count = count_parameters(load_model(args.model, args.model_args))
+        elif args.quantized is not None:
+            quantized = args.frozen_params if args.quantized_params is None else args.quantized_params
+            count = ModelCount(args.params, args.frozen_params, quantized=quantized, quantization=args.quantized)
         else:
             count = ModelCount(args.params, args.frozen_params)
         max_in_cpu = None if args.max_in_cpu is None else int(args.max_in_cpu)

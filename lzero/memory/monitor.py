@@ -142,9 +142,14 @@ def _expected(engine: Any, optimizers: list) -> float:
     if precision is None:
         return float("nan")
     trainable = sum(s.numel for u in engine.units if not u.spec.frozen for s in u.spec.params)
-    frozen = sum(s.numel for u in engine.units if u.spec.frozen for s in u.spec.params)
-    expected = model_states(engine.config, ModelCount(trainable, frozen), engine.world_size, precision,
-                            optimizer_bytes=per_element.pop())
+    frozen = sum(s.numel for u in engine.units if u.spec.frozen and not u.spec.storage for s in u.spec.params)
+    bindings = [b for u in engine.units if u.spec.storage for b in u.bindings or ()]  # a quantized base
+    kinds = {b.kind for b in bindings}
+    if len(kinds) > 1:
+        return float("nan")
+    quantized = sum(b.weights for b in bindings)
+    count = ModelCount(trainable, frozen + quantized, quantized=quantized, **({"quantization": kinds.pop()} if kinds else {}))
+    expected = model_states(engine.config, count, engine.world_size, precision, optimizer_bytes=per_element.pop())
     return float(sum(v for kinds in expected.values() for k, v in kinds.items() if k != "gradients"))
 
 
