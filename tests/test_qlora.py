@@ -220,3 +220,26 @@ def test_memory_counts_the_codes_at_their_packed_size_and_the_state_whole() -> N
         assert per_weight * 2 * 256 * 256 == absmax + nested
     finally:
         engine.remove()
+
+
+def test_qlora_config_trains_and_exports_its_adapters(tmp_path: Path) -> None:
+    """The README's lines: ``lzero fit --config configs/qlora_hf.yaml --model.path ...`` on the model
+    ``lzero.demo.tiny_hf`` writes (fp32 files, quantized as read), with validation; ``ExportHF(adapters_only=True)``
+    writes adapters that peft opens on the 4-bit base, and the adapters trained."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from qlora_runs import quantization
+
+    repo = Path(__file__).resolve().parents[1]
+    run = lambda *cmd: subprocess.run([sys.executable, *cmd], cwd=tmp_path, capture_output=True, text=True)  # noqa
+    assert run("-m", "lzero.demo.tiny_hf", "tiny").returncode == 0
+    done = run("-m", "lzero.cli", "fit", "--config", str(repo / "configs" / "qlora_hf.yaml"), "--model.path", "tiny",
+               "--trainer.max_steps", "4", "--trainer.limit_val_batches", "1", "--trainer.enable_progress_bar", "false")
+    assert done.returncode == 0, done.stderr[-3000:]
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny", quantization_config=quantization("nf4"),
+                                                dtype=torch.bfloat16)
+    model = PeftModel.from_pretrained(base, tmp_path / "runs" / "qlora" / "adapters")
+    lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
+    assert len(lora_b) == 8 and all(p.abs().sum() > 0 for p in lora_b)  # peft starts B at zero: it trained
+    assert next((tmp_path / "runs" / "qlora").glob("qlora/version_*/checkpoints/last.ckpt")).is_dir()

@@ -21,9 +21,16 @@ class FinetuneHF(LightningModule):
         dtype: the parameters' dtype (``float32`` keeps fp32 masters under ``bf16-mixed``).
         lr: AdamW's learning rate.
         weight_decay: AdamW's weight decay (matrices only).
+        quantization: QLoRA's frozen base: ``"nf4"`` (4-bit NF4, double quantization, bf16 storage and compute) or
+            ``"int8"`` (LLM.int8), quantized by bitsandbytes as it is read (under zero3, each rank its own shard);
+            None: the weights as they are.
+        lora_rank: with a rank > 0, peft's LoRA adapters on ``lora_targets`` train and the rest is frozen.
+        lora_targets: the module names LoRA wraps.
     """
 
-    def __init__(self, path: str, dtype: str = "float32", lr: float = 1e-4, weight_decay: float = 0.0) -> None:
+    def __init__(self, path: str, dtype: str = "float32", lr: float = 1e-4, weight_decay: float = 0.0,
+                 quantization: Optional[str] = None, lora_rank: int = 0,
+                 lora_targets: tuple[str, ...] = ("q_proj", "v_proj")) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model: Optional[torch.nn.Module] = None
@@ -34,7 +41,14 @@ class FinetuneHF(LightningModule):
             return
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(self.hparams.path, dtype=getattr(torch, self.hparams.dtype))
+        hp = self.hparams
+        extra = {"quantization_config": _bitsandbytes(hp.quantization)} if hp.quantization else {}
+        self.model = AutoModelForCausalLM.from_pretrained(hp.path, dtype=getattr(torch, hp.dtype), **extra)
+        if hp.lora_rank > 0:
+            from peft import LoraConfig, get_peft_model
+
+            self.model = get_peft_model(self.model, LoraConfig(r=hp.lora_rank, lora_alpha=2 * hp.lora_rank,
+                                                               target_modules=list(hp.lora_targets)))
         self.model.train()  # from_pretrained returns it in eval mode
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -58,3 +72,14 @@ class FinetuneHF(LightningModule):
         groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": self.hparams.weight_decay},
                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
         return torch.optim.AdamW(groups, lr=self.hparams.lr)
+
+
+def _bitsandbytes(kind: str) -> Any:
+    from transformers import BitsAndBytesConfig
+
+    if kind == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    if kind == "nf4":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                  bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
+    raise ValueError(f"quantization={kind!r} is not known. HINT: use 'nf4' or 'int8'.")

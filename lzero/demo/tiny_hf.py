@@ -15,7 +15,8 @@ def main(out: str) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,
+    # every size a multiple of 64: bitsandbytes' CPU 4-bit kernels need it (configs/qlora_hf.yaml)
+    config = LlamaConfig(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=256, max_position_embeddings=128, bos_token_id=0,
                          eos_token_id=0, pad_token_id=0)
     LlamaForCausalLM(config).save_pretrained(out, max_shard_size="1MB")

@@ -382,8 +382,8 @@ class FlatUnit:
         """Free the full flat buffer; parameters keep their shapes on a NaN placeholder, guarded (see
         [Note: released parameters are guarded] in parameters.py)."""
         if self.bindings is not None:
-            for binding in self.bindings:
-                binding.release()
+            for p, binding in zip(self.params, self.bindings):
+                binding.release(p)
         if self.owns_params:
             if self._placeholders is None:
                 placeholder = _placeholder(self.flat_param.dtype, self.flat_param.device)

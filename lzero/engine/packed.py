@@ -151,9 +151,12 @@ class Binding:
         elif self.method == EIGHT_BIT and self.owner is not None:
             self.owner.state.CB, self.owner.state.SCB = p.data, self.scales
 
-    def release(self) -> None:
-        """The codes are released: drop the module's reference to them."""
-        if self.method == EIGHT_BIT and self.owner is not None:
+    def release(self, p: nn.Parameter) -> None:
+        """The codes are released: what the forward made of the state goes with them (a state dict taken now reads
+        the canonical state: bitsandbytes would otherwise undo its repacking on the released placeholder)."""
+        if self.method == FOUR_BIT:
+            self.attach(p)
+        elif self.method == EIGHT_BIT and self.owner is not None:
             self.owner.state.CB = None
 
     @property

@@ -7,7 +7,8 @@ QLoRA's paper and DeepSpeed need), ``fp4`` (fp4, uint8 storage, no double quanti
 BUILD: ``init`` (``from_pretrained`` in ``__init__``) or ``configure`` (in ``configure_model``: under zero3 each
 rank reads and quantizes its own shard). The adapters start from fixed values (``on_fit_start``, through
 ``strategy.gathered_parameters()`` under lzero). ``eval`` adds, after fit, the validation loss and 4 greedy tokens
-generated inside ``strategy.generation()`` on the quantized shards. ``ckpt`` saves checkpoints every 5 steps to
+generated inside ``strategy.generation()`` on the quantized shards. ``ckpt`` runs a sanity validation first (an
+eval-mode forward, where bitsandbytes' CPU kernels repack the 4-bit weights) and saves checkpoints every 5 steps to
 ``OUT_DIR/RUN-ckpt/``, the adapters' ``adapter_config.json`` to ``OUT_DIR/RUN-adapter-config/`` and the logits of the trained model on ``PROBE``. ``resume`` runs on one process, batches of 8
 (the 2 ranks' batches of 4 together), from the step-5 checkpoint of the same run with ``ckpt`` (the same RUN with
 ``resume`` in place of ``ckpt``).
@@ -99,9 +100,10 @@ class Record(Callback):
 
 def _trainer(strategy: str, steps: int, callbacks: list, devices: int = 2) -> Trainer:
     checkpointing = any(type(c).__name__ == "ModelCheckpoint" for c in callbacks)
-    return Trainer(enable_checkpointing=checkpointing, accelerator="cpu", devices=devices, strategy=strategy, precision="bf16-true", max_steps=steps,
+    return Trainer(enable_checkpointing=checkpointing, num_sanity_val_steps=2 if checkpointing else 0,
+                   accelerator="cpu", devices=devices, strategy=strategy, precision="bf16-true", max_steps=steps,
                    logger=False, enable_progress_bar=False, enable_model_summary=False,
-                   callbacks=callbacks, num_sanity_val_steps=0)
+                   callbacks=callbacks)
 
 
 def fit(models: Path, out: Path, run: str) -> None:
@@ -120,7 +122,8 @@ def fit(models: Path, out: Path, run: str) -> None:
     trainer = _trainer(strategy, 10, callbacks, devices=1 if resume else 2)
     module = QLoRA(str(models / name), quant, lazy=build == "configure")
     checkpoint = out / f"{tag.replace('-resume', '-ckpt')}-ckpt" / "epoch=0-step=5.ckpt" if resume else None
-    trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=8 if resume else 4), ckpt_path=checkpoint)
+    val = DataLoader(TensorDataset(tokens[:16]), batch_size=4) if "ckpt" in flags else None
+    trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=8 if resume else 4), val, ckpt_path=checkpoint)
     result: dict[str, Any] = {"losses": record.losses, "mean_losses": record.mean_losses}
     if "eval" in flags:
         val = trainer.validate(module, DataLoader(TensorDataset(tokens[:16]), batch_size=4), verbose=False)
