@@ -101,7 +101,8 @@ def _count_reads() -> list[int]:
 
 
 def held_by_engine(engine: object) -> dict[str, int]:
-    """Bytes of this rank's shards by kind: packed codes, their replicated quantization state, bf16 frozen, trainable."""
+    """Bytes of this rank's shards by kind: packed codes, their replicated quantization state, the other frozen
+    shards (bf16), the trainable ones (LoRA)."""
     held = {"packed": 0, "state": 0, "frozen": 0, "trainable": 0}
     for unit in engine.units:
         shard = unit.spec.shard_numel * unit.flat_param.element_size()
@@ -304,7 +305,8 @@ def write_table(rows: list[dict], folder: Path, layers: int, out: Path) -> str:
             f"| {r['way']} | {r['rank']} | {r['seconds']:.1f} | {mb(r['owned_growth'])} | {mb(r['end_growth'])} |"
             f" {mb(r.get('from_setup'))} | {mb(r['asked'])} | {mb(r['rchar'])} | {mb(r['packed'])} |"
             f" {mb(r['state'])} | {mb(r['frozen'])} | {mb(base)} | {mb(r['trainable'])} |"
-            f" {check(r['asked'], share, r)} | {check(base, packed_share, r)} | {check(r['owned_growth'], rss_base, r)} |")
+            f" {check(r['asked'], share, r)} | {check(base, packed_share, r)} |"
+            f" {check(r['owned_growth'], rss_base, r)} |")
     lz = [r for r in rows if r["way"].startswith("lzero")]
     default, fixed = [r for r in lz if THRESHOLD not in r["way"]], [r for r in lz if THRESHOLD in r["way"]]
     held = max(r["packed"] + r["state"] + r["frozen"] + r["trainable"] for r in lz)
