@@ -19,8 +19,10 @@ Per process (one thread each): peak resident-memory growth during the load (``Vm
 ``/proc/self/clear_refs`` just before, minus ``VmRSS`` then; for lzero from the end of ``configure_model`` to
 ``on_fit_start``, i.e. the strategy's setup that builds the engine), the bytes lzero's reader asked for
 (``OpenFiles.read_flat_into`` counted) beside ``/proc/self/io`` ``rchar``, and the bytes held by the frozen base
-(the engine's units: packed shards, replicated quantization state, bf16 shards). Lightning launches rank 1 by
-re-running this script with the same arguments.
+(the engine's units: packed shards, replicated quantization state, bf16 shards). Every way runs twice: with glibc's
+default allocator, and with ``MALLOC_MMAP_THRESHOLD_=65536`` (RSS then follows the live tensors, not the freed
+memory the heap keeps). The lzero ranks run in a child process (``--rank-run``), where Lightning launches rank 1 by
+re-running this script with the same arguments; the whole run takes about 2 minutes on 2 CPUs.
 """
 
 from __future__ import annotations
@@ -357,7 +359,8 @@ def write_table(rows: list[dict], folder: Path, layers: int, out: Path) -> str:
         " the fixed threshold: glibc's dynamic mmap threshold rises to the size of the first large tensor freed,"
         " after which the many few-MB temporaries (each block's bf16 weights read before quantizing, its codes and"
         " absmax, the copies of (1)) come from the heap, whose freed memory is not returned to the system. That is"
-        " memory the rank holds but no tensor uses; the transformers 4-bit load shows the same effect.",
+        " memory the rank holds but no tensor uses; the transformers 4-bit load shows the same effect. These"
+        " figures depend on the order of frees and vary from run to run; those with the fixed threshold do not.",
         f"- Not counted above: the fp32 absmax each quantized weight's `QuantizedRead.scales` keeps after the load"
         f" ({mb(scales)} MB per rank, held by the model's pretrained source in lzero/hf/pretrained.py: it is"
         " allocated in `configure_model`, before the window of *peak RSS growth*, and it outlives the load beside the"
