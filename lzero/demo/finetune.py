@@ -21,9 +21,8 @@ class FinetuneHF(LightningModule):
         dtype: the parameters' dtype (``float32`` keeps fp32 masters under ``bf16-mixed``).
         lr: AdamW's learning rate.
         weight_decay: AdamW's weight decay (matrices only).
-        quantization: QLoRA's frozen base: ``"nf4"`` (4-bit NF4, double quantization, bf16 storage and compute) or
-            ``"int8"`` (LLM.int8), quantized by bitsandbytes as it is read (under zero3, each rank its own shard);
-            None: the weights as they are.
+        quantization: QLoRA's frozen base, quantized by bitsandbytes as it is read (under zero3, each rank its own
+            shard): ``"nf4"``, ``"fp4"`` or ``"int8"`` (see :func:`quantization_config`); None: the weights as they are.
         lora_rank: with a rank > 0, peft's LoRA adapters on ``lora_targets`` train and the rest is frozen.
         lora_targets: the module names LoRA wraps.
     """
@@ -42,7 +41,7 @@ class FinetuneHF(LightningModule):
         from transformers import AutoModelForCausalLM
 
         hp = self.hparams
-        extra = {"quantization_config": _bitsandbytes(hp.quantization)} if hp.quantization else {}
+        extra = {"quantization_config": quantization_config(hp.quantization)} if hp.quantization else {}
         self.model = AutoModelForCausalLM.from_pretrained(hp.path, dtype=getattr(torch, hp.dtype), **extra)
         if hp.lora_rank > 0:
             from peft import LoraConfig, get_peft_model
@@ -74,7 +73,9 @@ class FinetuneHF(LightningModule):
         return torch.optim.AdamW(groups, lr=self.hparams.lr)
 
 
-def _bitsandbytes(kind: str) -> Any:
+def quantization_config(kind: str) -> Any:
+    """bitsandbytes' configuration of a QLoRA base: ``"nf4"`` (NF4, double quantization, bf16 storage and compute:
+    QLoRA's recipe, the storage DeepSpeed needs too), ``"fp4"`` (FP4, bitsandbytes' uint8 storage) or ``"int8"``."""
     from transformers import BitsAndBytesConfig
 
     if kind == "int8":
@@ -82,4 +83,6 @@ def _bitsandbytes(kind: str) -> Any:
     if kind == "nf4":
         return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                   bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
-    raise ValueError(f"quantization={kind!r} is not known. HINT: use 'nf4' or 'int8'.")
+    if kind == "fp4":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_compute_dtype=torch.bfloat16)
+    raise ValueError(f"quantization={kind!r} is not known. HINT: use 'nf4', 'fp4' or 'int8'.")

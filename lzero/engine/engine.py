@@ -183,8 +183,9 @@ class ZeroEngine:
             for spec in self.partition.units:  # block units, then the root's (see partition_by_label)
                 run_up_to(labels[spec.params[0].name])
                 params = [module.get_parameter(p.name) for p in spec.params]
-                values = None if weights is None else shard_values(spec, self.rank, params, device, weights)
-                unit = self._unit(spec, params, values, bind=weights is None)
+                # the shard read is the unit's own memory: no name keeps it past the unit (the root's is the largest)
+                unit = self._unit(spec, params, None if weights is None else
+                                  shard_values(spec, self.rank, params, device, weights), bind=weights is None)
                 unit.release()
                 units.append(unit)
             run_up_to(ROOT)  # frozen parameters and buffers outside every unit

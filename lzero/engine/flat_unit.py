@@ -102,7 +102,9 @@ class FlatUnit:
                 self.flat_param = torch.empty(spec.padded_numel, device=device, dtype=compute_dtype)  # never written
                 owned, alias_ok = values, True
                 compute = values.to(compute_dtype) if self.mixed else values
-            if spec.frozen:  # nothing steps it: the compute-dtype shard is all a rank keeps
+            if spec.frozen and values is not None and self.param_store.name == "device":
+                master = compute  # read for this unit alone: its memory is the shard's, no copy to take
+            elif spec.frozen:  # nothing steps it: the compute-dtype shard is all a rank keeps
                 master = self.param_store.hold(compute, key=f"unit{spec.index}.master")
             else:
                 master = self.store.hold_master(owned, alias_ok=alias_ok, key=f"unit{spec.index}")

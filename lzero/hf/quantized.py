@@ -48,10 +48,10 @@ class QuantizedRead:
     quant_type: str = "nf4"
     storage: torch.dtype = torch.uint8  # 4-bit: quant_storage
     nested: bool = False  # 4-bit: double quantization of the absmax
-    scales: Tensor = field(init=False)  # fp32: absmax per block (4-bit) or scale per row (8-bit); zero if unread
-
-    def __post_init__(self) -> None:
-        self.scales = torch.zeros(self.groups, dtype=torch.float32, device="cpu")  # built inside the meta context
+    # fp32: absmax per block (4-bit) or scale per row (8-bit), zero where this rank read nothing; a slice of
+    # ``buffer``, which holds the scales of every quantized weight of the model, all-reduced at once by ``finish``
+    scales: Optional[Tensor] = field(default=None, init=False)
+    buffer: Optional[Tensor] = field(default=None, init=False)
 
     @property
     def numel(self) -> int:
@@ -177,23 +177,23 @@ def lay_out(model: nn.Module, quantizer: Any, dtype: torch.dtype) -> dict[int, Q
         else:
             continue
         reads[id(module.weight)] = read
+    buffer = torch.zeros(sum(r.groups for r in reads.values()), device="cpu")  # built inside the meta context
+    offset = 0
+    for read in reads.values():
+        read.scales, read.buffer = buffer[offset : offset + read.groups], buffer
+        offset += read.groups
     return reads
 
 
 def finish(root: nn.Module, reads: dict[str, QuantizedRead], all_reduce_max: Callable[[Tensor], None],
            device: torch.device) -> None:
     """Every rank has quantized its shards of the weights ``reads`` names (in ``root``): the scales made whole (one
-    all-reduce, MAX: a scale is 0 where a rank did not read) and each weight given its quantization state."""
-    if not reads:
-        return
-    order = sorted(reads)  # one order on every rank
-    flat = torch.cat([reads[name].scales for name in order])
-    all_reduce_max(flat)
-    offset = 0
-    for name in order:
-        read = reads[name]
-        read.scales = flat[offset : offset + read.groups].clone()
-        offset += read.groups
+    all-reduce, MAX, in place: a scale is 0 where a rank did not read) and each weight given its quantization state.
+    The fp32 scales are then dropped where the state holds others (double quantization)."""
+    buffers = {id(r.buffer): r.buffer for _, r in sorted(reads.items())}  # one per model, one order on every rank
+    for buffer in buffers.values():
+        all_reduce_max(buffer)
+    for name, read in sorted(reads.items()):
         module_name, _, param_name = name.rpartition(".")
         owner = root.get_submodule(module_name)
         p, state = owner._parameters[param_name], read.state(device)
@@ -201,3 +201,4 @@ def finish(root: nn.Module, reads: dict[str, QuantizedRead], all_reduce_max: Cal
             p.quant_state = owner.quant_state = state
         else:
             p.SCB = state
+        read.scales = read.buffer = None  # the state keeps what it needs of them

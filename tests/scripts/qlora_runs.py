@@ -28,20 +28,10 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 import lzero
+from lzero.demo.finetune import quantization_config as quantization  # nf4, fp4 or int8
 from _teardown import destroy_process_group  # a sibling: scripts run from their folder
 
 PROBE = torch.tensor([[3, 17, 42, 5, 9]])
-
-
-def quantization(quant: str) -> Any:
-    from transformers import BitsAndBytesConfig
-
-    if quant == "int8":
-        return BitsAndBytesConfig(load_in_8bit=True)
-    if quant == "nf4":
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                  bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.bfloat16)
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="fp4", bnb_4bit_compute_dtype=torch.bfloat16)
 
 
 class QLoRA(LightningModule):
