@@ -169,7 +169,8 @@ def run_rank(folder: str, results: Path) -> None:
                 "asked": asked[0] - before["asked"], "rchar": _io("rchar") - before["rchar"],
                 "disk": _io("read_bytes") - before["disk"], **held_by_engine(engine),
                 "largest_unit": max(u.spec.shard_numel * u.flat_param.element_size() for u in engine.units),
-                "kept_scales": sum(r.scales.numel() * r.scales.element_size() for r in source.quantized.values())}
+                "kept_scales": sum(r.scales.numel() * r.scales.element_size() for r in source.quantized.values()
+                                   if r.scales is not None)}
 
     module = QLoRA()
     module.losses = []
@@ -347,24 +348,18 @@ def write_table(rows: list[dict], folder: Path, layers: int, out: Path) -> str:
         " that is the 2% over packed/N).",
         f"- Peak RSS growth {'misses' if failed else 'meets'} its target: {peak(default)} MB (ranks 0/1) with the"
         f" default allocator, {peak(fixed)} MB with `{THRESHOLD}={FIXED}`, against {mb(1.1 * rss_base)} MB. With the"
-        f" fixed threshold, the peak is the rank's shards ({mb(held)} MB held, LoRA included) plus two transients"
-        f" of lzero's: (1) a frozen unit built from the shard it read is copied once more"
-        f" (`FlatUnit.__init__`: `self.param_store.hold(compute, ...)`, and `DeviceStore.hold` is `values.clone()`),"
-        f" and the last unit's read shard stays referenced by the loop variable `values` in"
-        f" `ZeroEngine._materialize_by_unit` until that function returns: the root unit (embeddings, lm_head, final"
-        f" norm; {mb(unit)} MB on a rank) is held twice while the persistent buffers are read and the quantization"
-        f" state is finished; (2) `quantized.finish` concatenates the fp32 absmax of every quantized weight"
-        f" ({mb(scales)} MB: one fp32 per 64 weights) for the MAX all-reduce and clones it back per weight.",
+        f" fixed threshold the peak is the rank's shards ({mb(held)} MB held, LoRA included) plus what one unit's"
+        " read needs while it runs: the unit's shard is read into its own memory (a frozen unit keeps it, no copy;"
+        f" the largest, the root with the embeddings and lm_head, is {mb(unit)} MB on a rank), and a block's"
+        " quantized weights are read a few blocks at a time in bf16, quantized and dropped. The fp32 absmax of every"
+        " quantized weight (one fp32 per 64 weights) lives in one buffer, allocated in `configure_model`, all-reduced"
+        f" in place and dropped once the double-quantized state is built ({mb(scales)} MB still held after the load).",
         f"- With the default allocator, RSS after the load stays at {after(default)} MB against {after(fixed)} MB with"
         " the fixed threshold: glibc's dynamic mmap threshold rises to the size of the first large tensor freed,"
         " after which the many few-MB temporaries (each block's bf16 weights read before quantizing, its codes and"
-        " absmax, the copies of (1)) come from the heap, whose freed memory is not returned to the system. That is"
-        " memory the rank holds but no tensor uses; the transformers 4-bit load shows the same effect. These"
-        " figures depend on the order of frees and vary from run to run; those with the fixed threshold do not.",
-        f"- Not counted above: the fp32 absmax each quantized weight's `QuantizedRead.scales` keeps after the load"
-        f" ({mb(scales)} MB per rank, held by the model's pretrained source in lzero/hf/pretrained.py: it is"
-        " allocated in `configure_model`, before the window of *peak RSS growth*, and it outlives the load beside the"
-        " double-quantized state the bindings hold).",
+        " absmax) come from the heap, whose freed memory is not returned to the system. That is memory the rank holds"
+        " but no tensor uses; the transformers 4-bit load shows the same effect. These figures depend on the order of"
+        " frees and vary from run to run; those with the fixed threshold do not.",
     ]
     text = "\n".join(lines) + "\n"
     out.write_text(text)

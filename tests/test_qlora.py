@@ -243,3 +243,35 @@ def test_qlora_config_trains_and_exports_its_adapters(tmp_path: Path) -> None:
     lora_b = [p for n, p in model.named_parameters() if "lora_B" in n]
     assert len(lora_b) == 8 and all(p.abs().sum() > 0 for p in lora_b)  # peft starts B at zero: it trained
     assert next((tmp_path / "runs" / "qlora").glob("qlora/version_*/checkpoints/last.ckpt")).is_dir()
+
+
+@pytest.mark.parametrize("method,storage", [("4bit", torch.bfloat16), ("4bit", torch.uint8), ("8bit", None)])
+def test_a_shard_quantized_on_its_own_is_the_whole_tensor_s_codes(method: str, storage: torch.dtype,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """[Note: quantize on read]: ranges of packed elements that cut blocks (rows), read in chunks of a few blocks,
+    give the bytes and scales of bitsandbytes quantizing the whole tensor at once."""
+    import bitsandbytes.functional as F
+
+    from lzero.engine import packed
+    from lzero.hf import quantized
+
+    monkeypatch.setattr(quantized, "CHUNK_WEIGHTS", 3 * 64)  # several chunks per range
+    weight = torch.randn(96, 128, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    flat = weight.reshape(-1)
+    if method == "4bit":
+        read = quantized.QuantizedRead(packed.FOUR_BIT, (96, 128), torch.bfloat16, 64, "nf4", storage, False)
+        whole, state = F.quantize_4bit(weight, blocksize=64, quant_type="nf4", quant_storage=storage,
+                                       compress_statistics=False)
+        whole_scales = state.absmax
+    else:
+        read = quantized.QuantizedRead(packed.EIGHT_BIT, (96, 128), torch.bfloat16)
+        whole, whole_scales, _ = F.int8_vectorwise_quant(weight.to(torch.float16))
+    whole = whole.reshape(-1)
+    read.scales = torch.zeros(read.groups)
+    n = whole.numel()
+    cuts = [0, 5, n // 3 + 1, n // 2, n - 7, n]  # every piece but the first and last starts and ends mid-block
+    got = torch.empty_like(whole)
+    for a, b in zip(cuts, cuts[1:]):
+        read.read(lambda x, y, out: out.copy_(flat[x:y]), a, b, got[a:b])
+    assert torch.equal(got.view(torch.uint8), whole.view(torch.uint8))
+    assert torch.equal(read.scales, whole_scales.float())

@@ -33,6 +33,10 @@ from lzero.engine import packed
 from lzero.errors import ZeroEngineError
 from lzero.hf.weights import PretrainedLoadError
 
+CHUNK_WEIGHTS = 1 << 15
+"""Weights read and quantized at once (64 KB in bf16): the temporaries stay small, so the allocator reuses them
+rather than holding freed megabytes between the shards a rank keeps."""
+
 ReadWeights = Callable[[int, int, Tensor], None]
 """``read(a, b, out)``: elements [a, b) of the unquantized tensor, flattened, into ``out``."""
 
@@ -81,23 +85,32 @@ class QuantizedRead:
 
     @torch.no_grad()
     def read(self, read_weights: ReadWeights, start: int, end: int, out: Tensor) -> None:
-        """Packed elements [start, end) into ``out``: the blocks (rows) that hold them read and quantized."""
+        """Packed elements [start, end) into ``out``: the blocks (rows) that hold them read and quantized, a chunk of
+        at most ``CHUNK_WEIGHTS`` weights at a time (see [Note: quantize on read])."""
         k, g = self.per_element, self.group
         first, last = start * k // g, min(math.ceil(end * k / g), self.groups)  # the groups to quantize
-        a, b = first * g, min(last * g, self.numel)
-        values = torch.empty(b - a, dtype=self.dtype, device="cpu")
-        read_weights(a, b, values)
+        step = max(1, CHUNK_WEIGHTS // g)
+        for lo in range(first, last, step):
+            hi = min(lo + step, last)
+            codes = self._quantize(read_weights, lo, hi)  # the codes of groups [lo, hi)
+            a, b = max(start, lo * g // k), min(end, min(hi * g, self.numel) // k)  # packed elements they hold
+            out[a - start : b - start].copy_(codes[a - lo * g // k : b - lo * g // k])
+
+    def _quantize(self, read_weights: ReadWeights, lo: int, hi: int) -> Tensor:
+        """Groups [lo, hi) read and quantized; their scales kept. Returns their codes, flat."""
         import bitsandbytes.functional as F
 
+        a, b = lo * self.group, min(hi * self.group, self.numel)
+        values = torch.empty(b - a, dtype=self.dtype, device="cpu")
+        read_weights(a, b, values)
         if self.method == packed.FOUR_BIT:
             codes, absmax = torch.ops.bitsandbytes.quantize_4bit.default(values, self.blocksize, self.quant_type,
                                                                         self.storage)
-            self.scales[first:last] = absmax.float()
+            self.scales[lo:hi] = absmax.float()
         else:
             codes, scales, _ = F.int8_vectorwise_quant(values.view(-1, self.shape[1]).to(torch.float16))
-            self.scales[first:last] = scales.float()
-        offset = a // k
-        out.copy_(codes.reshape(-1)[start - offset : end - offset])
+            self.scales[lo:hi] = scales.float()
+        return codes.reshape(-1)
 
     def state(self, device: torch.device) -> Any:
         """The whole quantization state, once the scales are whole: what bitsandbytes' own quantization keeps."""
