@@ -107,7 +107,7 @@ def test_resumed_at_world_size_1_continues_the_run(runs: Path) -> None:
     whole = _load(runs, "llama:nf4:zero3_offload:configure:ckpt")["mean_losses"]
     resumed = _load(runs, RESUMED)["losses"]
     assert len(resumed) == 5
-    assert resumed == pytest.approx(whole[5:], rel=2e-3)
+    assert resumed == pytest.approx(whole[5:], rel=1e-4)  # measured: 2.2e-5
 
 
 def _hand_built(storage: torch.dtype = torch.bfloat16) -> torch.nn.Module:
