@@ -354,12 +354,13 @@ def write_table(rows: list[dict], folder: Path, layers: int, out: Path) -> str:
         " quantized weights are read a few blocks at a time in bf16, quantized and dropped. The fp32 absmax of every"
         " quantized weight (one fp32 per 64 weights) lives in one buffer, allocated in `configure_model`, all-reduced"
         f" in place and dropped once the double-quantized state is built ({mb(scales)} MB still held after the load).",
-        f"- With the default allocator, RSS after the load stays at {after(default)} MB against {after(fixed)} MB with"
-        " the fixed threshold: glibc's dynamic mmap threshold rises to the size of the first large tensor freed,"
-        " after which the many few-MB temporaries (each block's bf16 weights read before quantizing, its codes and"
-        " absmax) come from the heap, whose freed memory is not returned to the system. That is memory the rank holds"
-        " but no tensor uses; the transformers 4-bit load shows the same effect. These figures depend on the order of"
-        " frees and vary from run to run; those with the fixed threshold do not.",
+        f"- With the default allocator, RSS after the load is {after(default)} MB against {after(fixed)} MB with the"
+        " fixed threshold: freed temporaries the heap keeps. They are small because lzero reads and quantizes"
+        " 32K weights at a time (`lzero.hf.quantized.CHUNK_WEIGHTS`). Before it did (the first run of this"
+        " benchmark, the same day), a block's weights were read whole: few-MB temporaries, which glibc's dynamic mmap"
+        " threshold puts on the heap once the first large tensor is freed, and whose freed memory it keeps between"
+        " the shards a rank holds: the peak was 338-382 MB with the default allocator and 233 MB with the fixed"
+        " threshold, against this target. The transformers 4-bit load shows the same effect.",
     ]
     text = "\n".join(lines) + "\n"
     out.write_text(text)
