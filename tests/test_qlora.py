@@ -82,9 +82,11 @@ def test_adapters_exported_from_a_checkpoint_reopen_on_the_4bit_base(runs: Path,
     from qlora_runs import PROBE, quantization
 
     out = tmp_path / "adapters"
+    from lzero.cli import main as lzero_command
+
     run = runs / "llama-nf4-zero3_offload-configure-ckpt"
-    subprocess.run([sys.executable, "-m", "lzero.cli", "export-hf", "--adapters-only", "--config",
-                    f"{run}-adapter-config", f"{run}-ckpt/last.ckpt", str(out)], check=True, capture_output=True)
+    assert lzero_command(["export-hf", "--adapters-only", "--config", f"{run}-adapter-config",
+                          f"{run}-ckpt/last.ckpt", str(out)]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     base = AutoModelForCausalLM.from_pretrained(models / "llama", quantization_config=quantization("nf4"),
                                                 dtype=torch.bfloat16)
@@ -231,11 +233,13 @@ def test_qlora_config_trains_and_exports_its_adapters(tmp_path: Path) -> None:
 
     from qlora_runs import quantization
 
+    from lzero.demo.tiny_hf import main as tiny_hf
+
     repo = Path(__file__).resolve().parents[1]
-    run = lambda *cmd: subprocess.run([sys.executable, *cmd], cwd=tmp_path, capture_output=True, text=True)  # noqa
-    assert run("-m", "lzero.demo.tiny_hf", "tiny").returncode == 0
-    done = run("-m", "lzero.cli", "fit", "--config", str(repo / "configs" / "qlora_hf.yaml"), "--model.path", "tiny",
-               "--trainer.max_steps", "4", "--trainer.limit_val_batches", "1", "--trainer.enable_progress_bar", "false")
+    tiny_hf(str(tmp_path / "tiny"))  # what `python -m lzero.demo.tiny_hf tiny` writes
+    done = subprocess.run([sys.executable, "-m", "lzero.cli", "fit", "--config", str(repo / "configs" / "qlora_hf.yaml"),
+                           "--model.path", "tiny", "--trainer.max_steps", "2", "--trainer.limit_val_batches", "1",
+                           "--trainer.enable_progress_bar", "false"], cwd=tmp_path, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "tiny", quantization_config=quantization("nf4"),
                                                 dtype=torch.bfloat16)
