@@ -140,7 +140,8 @@ class ZeroEngine:
 
     def _unit(self, spec: UnitSpec, params: list[nn.Parameter], values: Optional[Tensor] = None,
               bind: bool = True) -> FlatUnit:
-        """``bind=False``: a packed unit whose quantization state comes later (read into shards: ``_bind``)."""
+        """``bind=False``: a packed unit whose quantization state is whole only once every unit is read (quantized on
+        read: ``_materialize_by_unit`` binds it then)."""
         store = self._stores[spec.index] if not spec.frozen else self._param_store
         # packed codes keep their storage dtype: no policy casts them (see [Note: packed parameters])
         dtypes = self.policy.unit_dtypes(spec.keep_fp32) if not spec.storage else {}
