@@ -25,7 +25,8 @@ DDP = ["llama:nf4:ddp:init:eval", "llama:fp4:ddp:init", "llama:int8:ddp:init:eva
 LZERO = ["llama:nf4:zero3:configure:eval", "llama:nf4:zero3:init", "llama:nf4:zero2:init", "llama:nf4:zero2:configure",
          "llama:nf4:zero3_offload:configure:ckpt", "llama:fp4:zero3:configure", "llama:int8:zero3:configure:eval",
          "llama:int8:zero3_offload:init", "qwen2:nf4:zero3:configure", "qwen2:nf4:zero3_offload:init",
-         "qwen2:int8:zero3:configure", "qwen2:int8:zero2:init", "llama:nf4:zero3_offload_nvme:configure"]
+         "qwen2:int8:zero3:configure", "qwen2:int8:zero2:init", "llama:nf4:zero3_offload_nvme:configure",
+         "llama:int8:zero2:configure", "qwen2:int8:zero3:init", "qwen2:int8:zero3_offload:configure"]
 
 
 RESUMED = "llama:nf4:zero3_offload:configure:resume"  # one rank, from the step-5 checkpoint of ...:ckpt
