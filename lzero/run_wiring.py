@@ -19,9 +19,10 @@ from lzero.precision import ZeroPrecision
 def meta_device() -> Generator:
     """Modules built inside are built on the meta device; a Hugging Face ``from_pretrained`` inside builds into
     shards (see [Note: from_pretrained under zero3] in hf/pretrained.py)."""
+    from lzero.engine.replay import record
     from lzero.hf.pretrained import intercept
 
-    with torch.device("meta"), intercept():
+    with torch.device("meta"), intercept(), record():  # [Note: replayed construction]
         yield
 
 

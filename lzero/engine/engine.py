@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
@@ -30,7 +31,7 @@ from lzero.config import ZeroConfig
 from lzero.errors import ZeroEngineError
 from lzero.engine.mixed_precision import PrecisionPolicy
 from lzero.engine.flat_unit import FlatUnit, GradState, fill_from_gathered, shard_bytes
-from lzero.engine import packed, parameters
+from lzero.engine import packed, parameters, replay
 from lzero.engine.blocks import Block, GatherSchedule
 from lzero.engine.delayed_update import DelayedUpdate
 from lzero.engine.gather import Gatherer, full_graphs_around
@@ -160,11 +161,14 @@ class ZeroEngine:
         Tensors ``weights`` holds are not initialized: each rank reads its own pieces of them into its shards
         ([Note: reading a pretrained checkpoint into shards] in hf/weights.py), and tensors outside every
         unit whole."""
+        if weights is None and init_fn is None:  # the draws eager construction makes: [Note: replayed construction]
+            weights = self._replayed(module, device)
         loaded = frozenset(id(t) for name, t in [*module.named_parameters(remove_duplicate=False),
                                                 *module.named_buffers(remove_duplicate=False)]
                            if weights is not None and weights.holds(name))
         materializer = Materializer(module, device, init_fn, loaded)
-        seed = common_seed(lambda t: collectives.broadcast_([t], src=0, group=self.group))
+        # block-wise initialization draws from one seed on every rank (a replay or a checkpoint draws nothing here)
+        seed = common_seed(lambda t: collectives.broadcast_([t], src=0, group=self.group)) if weights is None else 0
         order = apply_order(module)
         in_block = {id(m): label for label, block in block_modules.items() for m in block.modules()}
         inside = {label: [(n, m) for n, m in order if in_block.get(id(m), ROOT) == label]
@@ -201,6 +205,22 @@ class ZeroEngine:
         buffers_to(module, device)  # built on the CPU from a pretrained model (hf/pretrained.py)
         materializer.retarget(optimizers)
         return units
+
+    def _replayed(self, module: nn.Module, device: torch.device) -> Optional[WeightSource]:
+        """The model's recorded construction replayed, this rank keeping its pieces; None, with a warning, when the
+        record does not cover the model (then block-wise initialization draws other numbers than eager)."""
+        owned: dict[str, list[tuple[int, int]]] = {}
+        for spec in self.partition.units:
+            for param, start, end, _ in spec.owned_pieces(self.rank):
+                owned.setdefault(param.name, []).append((start, end))
+        in_units = {p.name for spec in self.partition.units for p in spec.params}
+        source, why = replay.replayed_weights(module, owned, in_units, device,
+                                              lambda t: collectives.broadcast_([t], src=0, group=self.group))
+        if source is None:
+            _warn_once(f"lzero initializes this meta-device model block by block: {why}, so its random draws differ"
+                      " from the same code run eagerly (under DDP). HINT: build the whole model inside"
+                      " `configure_model` or `trainer.init_module(empty_init=True)`, or pass `init_fn`.")
+        return source
 
     def _broadcast_initial_state(self, module: nn.Module) -> None:
         """Rank 0's parameters and buffers everywhere, as DDP does, so unseeded models agree."""
@@ -665,6 +685,15 @@ class ZeroEngine:
         if not collectives.local(self.group) and self.gatherer is None:
             self._finish_gathers([self._launch_gather(bucket)
                                   for bucket in _coalesce(self.units, self.config.allgather_bucket_size)])
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED and collectives.rank(None) == 0:
+        _WARNED.add(message)
+        warnings.warn(message, stacklevel=3)
 
 
 def _coalesce(units: Sequence[FlatUnit], limit: int) -> Iterator[list[FlatUnit]]:
