@@ -1,6 +1,10 @@
 """Stage 3 sharded initialization: a model built on the meta device is materialized one unit at a time.
 
 [Note: meta-device initialization]
+A model whose construction lzero recorded is not initialized here but replayed, bitwise as eager construction
+([Note: replayed construction] in replay.py); what follows is the block-wise initialization used with ``init_fn``,
+for what a pretrained checkpoint does not hold, and where the record cannot be replayed.
+
 Built eagerly, a model is initialized in two passes: every module runs its own ``reset_parameters()``
 as it is constructed (children before parents), then a model-wide initializer visits every module in
 ``Module.apply`` order (children before parents) and may write any parameter below the module it is
