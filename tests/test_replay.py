@@ -3,13 +3,16 @@ same seed, and trains as DDP does: [Note: replayed construction] in lzero/engine
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from _launch import run_script
+from _launch import SCRIPTS, run_script
+
+sys.path.insert(0, str(SCRIPTS))  # replay_runs: the models
 
 DDP = ["mlp:ddp:32-true", "llama:ddp:32-true", "gpt2:ddp:32-true", "t5:ddp:32-true", "lora:ddp:32-true"]
 LZERO = ["mlp:zero3:32-true", "mlp:zero3_offload:32-true", "mlp:zero3_offload_nvme:32-true",
@@ -42,3 +45,52 @@ def test_initial_state_is_the_eager_models_and_training_is_ddps(runs: Path, run:
     assert torch.equal(got["rng"], want["rng"])  # the global RNG continues where eager construction left it
     if precision == "32-true":
         assert got["losses"] == want["losses"] and len(got["losses"]) == 10
+
+
+def _engine(model: torch.nn.Module) -> Any:
+    from lzero import ZeroConfig, ZeroEngine
+
+    return ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], ZeroConfig(stage=3))
+
+
+def test_replayed_in_one_process_with_the_rng_where_eager_leaves_it() -> None:
+    """The engine alone (world size 1): a model built in lzero's meta context materializes to the eager weights."""
+    from lzero.run_wiring import meta_device
+    from replay_runs import build
+
+    torch.manual_seed(0)
+    eager = build("mlp").state_dict()
+    after_eager = torch.get_rng_state()
+    torch.manual_seed(0)
+    with meta_device():
+        model = build("mlp")
+    engine = _engine(model)
+    try:
+        assert torch.equal(torch.get_rng_state(), after_eager)
+        with engine.gathered(model):
+            assert all(torch.equal(v, eager[k]) for k, v in model.state_dict().items())
+    finally:
+        engine.remove()
+
+
+def test_a_model_built_outside_the_record_falls_back_with_a_warning() -> None:
+    with torch.device("meta"):  # the user's own meta context: nothing recorded
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+    with pytest.warns(UserWarning, match=r"(?s)block by block: .*built outside lzero's meta context.*draws differ"):
+        engine = _engine(model)
+    try:
+        with engine.gathered(model):
+            assert all(p.std() > 0 for n, p in model.named_parameters() if n.endswith("weight"))
+    finally:
+        engine.remove()
+
+
+def test_a_tensor_nothing_wrote_is_named() -> None:
+    from lzero.engine.materialize import UninitializedModuleError
+    from lzero.run_wiring import meta_device
+
+    with meta_device():
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+        model.register_parameter("scale", torch.nn.Parameter(torch.empty(8)))
+    with pytest.raises(UninitializedModuleError, match=r"(?s)`scale` was allocated on the meta device.*HINT.*init_fn"):
+        _engine(model)

@@ -42,6 +42,8 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lzero.engine.materialize import UninitializedModuleError
+
 _OVERWRITES = {"uniform_", "normal_", "fill_", "zero_", "random_", "bernoulli_", "exponential_", "geometric_",
                "log_normal_", "cauchy_", "copy_"}
 """In-place operations whose result does not depend on the written tensor's values (``copy_`` reads its source)."""
@@ -280,6 +282,7 @@ class Replay:
     def run(self, state: Tensor) -> Tensor:
         """Replays from RNG ``state`` (the device's); returns the state eager construction ends in."""
         entries = self.recorder.entries
+        self._refuse_unwritten()
         last_touch: dict[int, int] = {}
         ends: dict[int, list[int]] = {}  # entry index -> storages to free after it
         for i, e in enumerate(entries):
@@ -319,6 +322,19 @@ class Replay:
                     real.pop(key, None)
             end_state = _get_state(self.device)
         return end_state
+
+    def _refuse_unwritten(self) -> None:
+        """A tensor only ever allocated (``torch.empty``) holds whatever memory held: eager construction would train
+        from it too, but no replay can give the same bytes. Named, as block-wise initialization names it."""
+        written = {key for e in self.recorder.entries if not e.func.__name__.startswith(("empty", "new_empty"))
+                   for key in (*e.creates, *e.writes)}
+        unwritten = [name for key, wanted in self.wanted.items() if key not in written for name, _, _ in wanted]
+        if unwritten:
+            raise UninitializedModuleError(
+                f"{', '.join(f'`{n}`' for n in unwritten[:5])} {'was' if len(unwritten) == 1 else 'were'} allocated on"
+                " the meta device and nothing in the model's construction wrote it, so it has no value to start from."
+                " HINT: initialize it in the module's `__init__` or `reset_parameters()`, or pass"
+                " `ZeroStrategy(init_fn=...)`.")
 
     def _keep(self, key: int, storage: torch.UntypedStorage) -> None:
         for name, ref, ranges in self.wanted[key]:
