@@ -104,7 +104,7 @@ def test_uninitializable_module_error_is_last(tmp_path: Path) -> None:
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
     for rank in (0, 1):
-        assert "UninitializedModuleError: Module `blocks." in _last_error(output, rank), output[-6000:]
+        assert "UninitializedModuleError: `blocks.0.gain.scale`" in _last_error(output, rank), output[-6000:]
     assert "meta tensor" not in output, output[-6000:]
     assert max(exit_s) < DEADLINE_S, exit_s
 

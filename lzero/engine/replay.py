@@ -207,6 +207,20 @@ class Recorder(TorchDispatchMode):
             base.init_weights = original_init_weights
             functions.update(saved)
 
+    def refuse_unwritten(self, named: list[tuple[str, Tensor]]) -> None:
+        """A tensor only ever allocated (``torch.empty``) holds whatever memory held: eager construction would train
+        from it too, but no replay can give the same bytes. Named, as block-wise initialization names it; every rank
+        checks every tensor, so all of them raise together."""
+        written = {key for e in self.entries if not e.func.__name__.startswith(("empty", "new_empty"))
+                   for key in (*e.creates, *e.writes)}
+        unwritten = [name for name, t in named if _key(t) not in written]
+        if unwritten:
+            raise UninitializedModuleError(
+                f"{', '.join(f'`{n}`' for n in unwritten[:5])} {'was' if len(unwritten) == 1 else 'were'} allocated on"
+                " the meta device and nothing in the model's construction wrote it, so it has no value to start from."
+                " HINT: initialize it in the module's `__init__` or `reset_parameters()`, or pass"
+                " `ZeroStrategy(init_fn=...)`.")
+
     def covers(self, tensors: list[Tensor]) -> Optional[str]:
         """None if every meta tensor of ``tensors`` can be replayed; else why not."""
         for t in tensors:
@@ -282,7 +296,6 @@ class Replay:
     def run(self, state: Tensor) -> Tensor:
         """Replays from RNG ``state`` (the device's); returns the state eager construction ends in."""
         entries = self.recorder.entries
-        self._refuse_unwritten()
         last_touch: dict[int, int] = {}
         ends: dict[int, list[int]] = {}  # entry index -> storages to free after it
         for i, e in enumerate(entries):
@@ -322,19 +335,6 @@ class Replay:
                     real.pop(key, None)
             end_state = _get_state(self.device)
         return end_state
-
-    def _refuse_unwritten(self) -> None:
-        """A tensor only ever allocated (``torch.empty``) holds whatever memory held: eager construction would train
-        from it too, but no replay can give the same bytes. Named, as block-wise initialization names it."""
-        written = {key for e in self.recorder.entries if not e.func.__name__.startswith(("empty", "new_empty"))
-                   for key in (*e.creates, *e.writes)}
-        unwritten = [name for key, wanted in self.wanted.items() if key not in written for name, _, _ in wanted]
-        if unwritten:
-            raise UninitializedModuleError(
-                f"{', '.join(f'`{n}`' for n in unwritten[:5])} {'was' if len(unwritten) == 1 else 'were'} allocated on"
-                " the meta device and nothing in the model's construction wrote it, so it has no value to start from."
-                " HINT: initialize it in the module's `__init__` or `reset_parameters()`, or pass"
-                " `ZeroStrategy(init_fn=...)`.")
 
     def _keep(self, key: int, storage: torch.UntypedStorage) -> None:
         for name, ref, ranges in self.wanted[key]:
@@ -406,6 +406,7 @@ def replayed_weights(root: nn.Module, owned: dict[str, list[tuple[int, int]]], i
     recorder, why = recorder_for([t for _, t in named])
     if recorder is None:
         return None, why
+    recorder.refuse_unwritten(named)
     wanted: dict[int, list[tuple[str, Ref, Optional[list[tuple[int, int]]]]]] = {}
     for name, t in named:
         ranges = owned.get(name, []) if name in in_units else None

@@ -34,11 +34,11 @@ import lzero
 
 
 class NoReset(nn.Module):
-    """A module with a parameter of its own and no ``reset_parameters()``."""
+    """A module with a parameter of its own that nothing writes (``torch.empty``, no ``reset_parameters()``)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.scale = nn.Parameter(torch.ones(16))
+        self.scale = nn.Parameter(torch.empty(16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.scale
