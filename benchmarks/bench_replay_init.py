@@ -12,7 +12,9 @@ lm_head untied, fp32 (about 349M parameters, 1.39 GB), ``torch.manual_seed(0)`` 
 - ``lzero zero3 block-wise``: the same, with ``lzero.engine.replay.recorder_for`` patched in the rank processes to
   find no recording, so the engine warns and initializes block by block ([Note: meta-device initialization] in
   lzero/engine/materialize.py): other random draws than eager construction;
-- ``eager``: ``from_config`` on the CPU in one process: what each DDP rank does.
+- ``eager``: ``from_config`` on the CPU in one process: what each DDP rank does;
+- ``lzero zero3 replay, also seeded before fit`` (a diagnostic, default allocator only): ``torch.manual_seed(0)``
+  before ``trainer.fit`` as well, which the replay needs to match eager construction (see the results file).
 
 Per process (one thread each): wall time and peak resident-memory growth of the materialization (``VmHWM`` reset
 through ``/proc/self/clear_refs`` just before, minus ``VmRSS`` then; lzero: from the end of ``configure_model`` to
@@ -20,7 +22,8 @@ through ``/proc/self/clear_refs`` just before, minus ``VmRSS`` then; lzero: from
 the rank holds after (the engine units' shards plus the buffers; eager: every parameter and buffer). After the
 measurement, rank 0 builds the model eagerly from the same seed and compares it, tensor by tensor with
 ``torch.equal``, with the lzero model gathered through ``trainer.strategy.gathered_parameters`` (a collective: both
-ranks enter it). Every way runs twice: with glibc's default allocator, and with ``MALLOC_MMAP_THRESHOLD_=65536``.
+ranks enter it). The lzero ways and eager construction run twice: with glibc's default allocator, and with
+``MALLOC_MMAP_THRESHOLD_=65536``.
 The lzero ranks run in a child process (``--rank-run``), where Lightning launches rank 1 by re-running this script
 with the same arguments. The whole run takes a few minutes on 2 CPUs.
 """
@@ -222,12 +225,12 @@ def _eager(layers: int, queue: object) -> None:
     model = build(layers)
     seconds = time.perf_counter() - start
     params = list(model.parameters())
-    queue.put({"way": "eager (from_config on the CPU)" + "".join(f" ({THRESHOLD}={os.environ[THRESHOLD]})"
-                                                                   for _ in [0] if THRESHOLD in os.environ),
-               "rank": "-", "seconds": seconds, "peak_growth": _status("VmHWM") - rss0,
-               "end_growth": _status("VmRSS") - rss0, "trimmed_growth": _trimmed_rss(rss0), "shards": _nbytes(params), "buffers": _nbytes(model.buffers()),
-               "params": sum(p.numel() for p in params), "largest_tensor": max(p.numel() * p.element_size()
-                                                                                 for p in params)})
+    way = "eager (from_config on the CPU)" + (f" ({THRESHOLD}={os.environ[THRESHOLD]})" if THRESHOLD in os.environ
+                                              else "")
+    queue.put({"way": way, "rank": "-", "seconds": seconds, "peak_growth": _status("VmHWM") - rss0,
+               "end_growth": _status("VmRSS") - rss0, "trimmed_growth": _trimmed_rss(rss0),
+               "shards": _nbytes(params), "buffers": _nbytes(model.buffers()), "params": sum(p.numel() for p in params),
+               "largest_tensor": max(p.numel() * p.element_size() for p in params)})
 
 
 def run_eager(layers: int, env: dict[str, str]) -> dict:
@@ -317,6 +320,9 @@ def write_table(rows: list[dict], layers: int, out: Path, command: str, wall: fl
             f" {format(r['configure_seconds'], '.1f') if is_lzero else '-'} |"
             f" {equal(r) if is_lzero else '-'} |")
     rank0 = {r["way"]: r for r in lz if r["rank"] == 0}
+    unseeded = [r["initial_seed"] for r in lz if r not in seeded]
+    seeds = (f"a different value in each of the {len(unseeded)} rank processes not seeded before fit"
+             if len(set(unseeded)) == len(unseeded) else f"{len(set(unseeded))} values in {len(unseeded)} processes")
     failed = [r for r in replay if r["peak_growth"] > target]
     lines += [
         "",
@@ -343,8 +349,10 @@ def write_table(rows: list[dict], layers: int, out: Path, command: str, wall: fl
         "- *equals eager*: after the measurement, rank 0 builds the model with `from_config` after"
         " `torch.manual_seed(0)` in the same process, the lzero model is gathered whole inside"
         " `trainer.strategy.gathered_parameters(module.net)` (a collective: both ranks enter it), and every parameter"
-        " and buffer is compared with `torch.equal` (bitwise); layer 0's alone (the block the brief names) gives the"
-        " same answer in every run. Largest absolute difference, rank 0: "
+        " and buffer is compared with `torch.equal` (bitwise); layer 0's alone gives"
+        + (" the same answer in every run" if all(r["layer0_equal"] == (r["differ"] == 0) for r in rank0.values())
+           else " another answer: " + "; ".join(f"{w}: {r['layer0_equal']}" for w, r in rank0.items()))
+        + ". Largest absolute difference, rank 0: "
         + "; ".join(f"{w}: {r['max_abs_diff']:.3g}" for w, r in rank0.items()) + ". Global RNG at `on_fit_start`"
         " equal to where eager construction leaves it: "
         + "; ".join(f"{w}: {'yes' if r['rng_equal'] else 'no'}" for w, r in rank0.items()) + ".",
@@ -370,19 +378,23 @@ def write_table(rows: list[dict], layers: int, out: Path, command: str, wall: fl
         " The engine then allocates each unit's shard (`shard_values`, lzero/engine/materialize.py:260) and copies"
         " the pieces in, dropping them as read; the root unit (embed_tokens, norm, lm_head: a"
         f" {mb(max(r['largest_unit'] for r in lz))} MB shard per rank) comes last, so the pieces and a copy of the"
-        " largest unit's shard coexist: held + 131 MB, the target's own base, with no other slack.",
+        " largest unit's shard coexist: even without the two problems below, the peak is held + 131.1 MB, the"
+        " target's base, leaving only its 10% margin.",
         "- Rank 0 with the fixed threshold, the extra 131 MB (a lzero bug): in `Replay.run`"
-        " (lzero/engine/replay.py:305-322) each iteration first allocates fresh storage for a version that"
-        " overwrites a tensor (line 308), while the previous iteration's locals `args`, `kwargs` and `out`"
-        " (lines 313-314) still reference the previous version of that same tensor (`real.pop`, line 322, drops only"
-        " the dictionary's reference). A tensor drawn twice in a row therefore has both versions alive at once. The"
-        " record ends with lm_head's `uniform_` then `normal_` (131.1 MB each): rank 0 holds all its pieces by then"
+        " (lzero/engine/replay.py:318-335) each iteration first allocates fresh storage for a version that"
+        " overwrites a tensor (`real[key] = torch.empty(...)`, line 321), while the previous iteration's locals"
+        " `args`, `kwargs` and `out` (lines 326-327) still reference the previous version of that same tensor"
+        " (`real.pop(key, None)`, line 335, drops only the dictionary's reference). A tensor drawn twice in a row"
+        " therefore has both versions alive at once. The record ends with lm_head's `uniform_` then `normal_` (131.1 MB each): rank 0 holds all its pieces by then"
         " (embed_tokens is in its half of the root unit) and peaks at held + 2 x 131.1 MB; rank 1's lm_head piece is"
         " cut at the last operation, once `args` has been reassigned, so it peaks at held + 131.1 MB. A one-off check"
         " (not part of this script) with a copy of `Replay.run` that drops `args, kwargs, out` after each operation,"
         " seeded run: 831.7/831.1 MB with the fixed threshold (pass), 1,087.8/1,080.8 MB with the default allocator"
         " (still a miss).",
-        f"- Default allocator, the rest: freed memory glibc's heap keeps, not live tensors. RSS after the window is"
+        "- Default allocator, the rest: freed memory glibc's heap keeps, not live tensors. Its peaks vary by a few"
+        " hundred MB from run to run (rank 0's replay peaked at 1,167-1,391 MB in four earlier runs of this script"
+        f" on {RUN_DATE}), where the fixed threshold's repeat within 0.1 MB (962.8-962.9 / 831.2-831.4 MB in the"
+        " same runs). RSS after the window is"
         f" {each(plain, 'end_growth')} MB ({each(seeded, 'end_growth')} seeded) for {mb(held)} MB held, and"
         f" {each(plain, 'trimmed_growth')} MB ({each(seeded, 'trimmed_growth')}) once `malloc_trim(0)` has run. glibc"
         " raises its mmap threshold to the size of a freed mapped block (up to 32 MB): after the first layer's"
@@ -393,17 +405,21 @@ def write_table(rows: list[dict], layers: int, out: Path, command: str, wall: fl
         " RSS after is the held bytes.",
         "- The seed (a lzero bug, correctness): the recorder takes the CPU RNG state when lzero's meta context opens"
         " (`Recorder.__init__`, lzero/engine/replay.py:110), and the replay starts from that state"
-        " (`replayed_weights`, line 415). Under the Trainer the context opens before `configure_model` runs"
+        " (`replayed_weights`, line 416). Under the Trainer the context opens before `configure_model` runs"
         " (`ZeroStrategy.model_sharded_context`, lzero/strategy.py:319, into `meta_device()`,"
         " lzero/run_wiring.py:19), so a `torch.manual_seed(0)` inside `configure_model` is ignored: the replay draws"
         " from whatever state the process had, and torch 2.13 seeds its default generator randomly per process"
-        " (`torch.initial_seed()` differed in every rank process), so those weights differ from eager and from run"
-        " to run (rank 0's loss above). Eager construction and DDP honour that seed. Seeding before `trainer.fit` (as"
-        " tests/scripts/replay_runs.py does) hides the problem.",
+        f" (`torch.initial_seed()` at the start of `configure_model`: {seeds}), so those weights differ from"
+        " eager and from run to run (rank 0's loss above; block-wise initialization, whose seed is drawn at setup"
+        " from the state `configure_model` left, repeats its loss). Eager construction and DDP honour that seed."
+        " Seeding before `trainer.fit` (as tests/scripts/replay_runs.py does) hides the problem.",
         "- Block-wise: held + the root unit's full parameters materialized (embed_tokens and lm_head, 262 MB) + the"
         " unit's full flat buffer they are copied into (262 MB), on every rank.",
         "- Time: the replay draws every number of the model on every rank, as eager construction does, plus the"
-        " clones and the copy into the shards (and page faults for fresh storage per version): about 2x eager.",
+        " clones, the copy into the shards and the page faults of fresh storage for every version:"
+        f" {min(r['seconds'] for r in replay):.1f}-{max(r['seconds'] for r in replay):.1f} s against"
+        f" {min(r['seconds'] for r in rows if not r['way'].startswith('lzero')):.1f}-"
+        f"{max(r['seconds'] for r in rows if not r['way'].startswith('lzero')):.1f} s for eager construction.",
     ]
     text = "\n".join(lines) + "\n"
     out.write_text(text)

@@ -94,3 +94,29 @@ def test_a_tensor_nothing_wrote_is_named() -> None:
         model.register_parameter("scale", torch.nn.Parameter(torch.empty(8)))
     with pytest.raises(UninitializedModuleError, match=r"(?s)`scale` was allocated on the meta device.*HINT.*init_fn"):
         _engine(model)
+
+
+def test_seeding_and_cpu_draws_inside_the_build_are_replayed_where_they_happened() -> None:
+    """``torch.manual_seed`` inside ``configure_model``, and a real CPU draw between two layers: eager construction's
+    RNG sequence, so the eager weights and the RNG after them."""
+    from lzero.run_wiring import meta_device
+
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        first = torch.nn.Linear(8, 8)
+        torch.rand(5, device="cpu")  # a real draw the record does not replay, but must not lose
+        return torch.nn.Sequential(first, torch.nn.Linear(8, 8))
+
+    torch.manual_seed(123)
+    eager = build().state_dict()
+    after_eager = torch.get_rng_state()
+    torch.manual_seed(123)
+    with meta_device():
+        model = build()
+    engine = _engine(model)
+    try:
+        assert torch.equal(torch.get_rng_state(), after_eager)
+        with engine.gathered(model):
+            assert all(torch.equal(v, eager[k]) for k, v in model.state_dict().items())
+    finally:
+        engine.remove()

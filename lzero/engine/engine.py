@@ -209,12 +209,7 @@ class ZeroEngine:
     def _replayed(self, module: nn.Module, device: torch.device) -> Optional[WeightSource]:
         """The model's recorded construction replayed, this rank keeping its pieces; None, with a warning, when the
         record does not cover the model (then block-wise initialization draws other numbers than eager)."""
-        owned: dict[str, list[tuple[int, int]]] = {}
-        for spec in self.partition.units:
-            for param, start, end, _ in spec.owned_pieces(self.rank):
-                owned.setdefault(param.name, []).append((start, end))
-        in_units = {p.name for spec in self.partition.units for p in spec.params}
-        source, why = replay.replayed_weights(module, owned, in_units, device,
+        source, why = replay.replayed_weights(module, self.partition.units, self.rank, device,
                                               lambda t: collectives.broadcast_([t], src=0, group=self.group))
         if source is None:
             _warn_once(f"lzero initializes this meta-device model block by block: {why}, so its random draws differ"

@@ -256,6 +256,10 @@ def shard_values(spec: UnitSpec, rank: int, params: list[nn.Parameter], device: 
     """``rank``'s shard of unit ``spec``'s values (1D, shard_numel): the pieces ``weights`` holds read straight into
     it, the others taken from the materialized ``params``; the padding is zero. See [Note: reading a pretrained
     checkpoint into shards] in hf/weights.py."""
+    built = getattr(weights, "unit_values", None)  # a source that builds whole shards (a replay: replay.py)
+    values = built(spec, rank) if built is not None else None
+    if values is not None:
+        return values
     lo, hi = spec.shard_range(rank)
     values = torch.empty(spec.shard_numel, dtype=params[0].dtype, device=device)
     if spec.numel < hi:

@@ -35,7 +35,7 @@ import contextlib
 import functools
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lzero.engine.materialize import UninitializedModuleError
+from lzero.engine.partition import UnitSpec
 
 _OVERWRITES = {"uniform_", "normal_", "fill_", "zero_", "random_", "bernoulli_", "exponential_", "geometric_",
                "log_normal_", "cauchy_", "copy_"}
@@ -107,18 +108,23 @@ class Recorder(TorchDispatchMode):
         self.entries: list[Entry] = []
         self.nbytes: dict[int, int] = {}  # recorded storage -> its bytes
         self._alive: list[Tensor] = []  # one tensor per storage: keeps the storage (and its key) alive
-        self.cpu_state = torch.get_rng_state()
-        self.cuda_state = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() \
-            else None
+        self.start_states = _states()  # (CPU, current CUDA device or None) when the context opened
+        self.final_states = self.start_states  # when it closed
+        self._seen = self.start_states  # at the last recorded draw (meta operations draw nothing)
         self.foreign: set[int] = set()  # meta storages read before the record wrote them
         self._written: set[int] = set()  # storages the record created or overwrote whole
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
         kwargs = kwargs or {}
+        schema = func._schema
+        draws = torch.Tag.nondeterministic_seeded in func.tags  # consumes a generator
+        if draws:
+            self._note_reseeding()  # before the draw: where it finds the generator
         out = func(*args, **kwargs)
         if not _touches_meta(args, kwargs, out):
+            if draws and kwargs.get("generator") is None:  # a real draw: the replay draws it again, into scratch
+                self._record_real_draw(func, args, kwargs)
             return out
-        schema = func._schema
         writes, overwrites = [], []
         for arg, value in zip(schema.arguments, [*args, *[kwargs.get(a.name) for a in schema.arguments[len(args):]]]):
             if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, Tensor):
@@ -166,9 +172,26 @@ class Recorder(TorchDispatchMode):
             return original(tensor, *args, **kwargs)
         key = _key(tensor)
         self._remember(tensor)
+        self._note_reseeding()
         whole = Ref.of(tensor).whole(self.nbytes[key])
         self._record(original, (tensor, *args), kwargs, (), (key,), (key,) if whole else (), None)
         return tensor
+
+    def _note_reseeding(self) -> None:
+        """Before a draw: the generator was set since the last recorded draw (``torch.manual_seed`` inside
+        ``configure_model``), so the replay sets it where this draw finds it. Real draws are recorded themselves
+        (``_record_real_draw``), so a difference left here is a jump, not a sequence to reproduce."""
+        now = _states()
+        if not _same_states(now, self._seen):
+            self.entries.append(Entry(_restore_states, now, {}, (), (), (), (), None))
+            self._seen = now
+
+    def _record_real_draw(self, func: Callable, args: tuple, kwargs: dict) -> None:
+        """A draw on real tensors (the CPU) between meta ones: replayed on copies of its inputs, for its draws alone
+        (the user's tensors are never written again)."""
+        args, kwargs = tree_map(lambda v: v.detach().clone() if isinstance(v, Tensor) else v, (args, kwargs))
+        self.entries.append(Entry(_draw_again, (func, args, kwargs), {}, (), (), (), (), None))
+        self._seen = _states()
 
     @contextlib.contextmanager
     def recording(self) -> Iterator["Recorder"]:
@@ -179,6 +202,7 @@ class Recorder(TorchDispatchMode):
             stack.enter_context(self._transformers_initializes())
             stack.enter_context(self)
             yield self
+        self.final_states = _states()
 
     @contextlib.contextmanager
     def _transformers_initializes(self) -> Iterator[None]:
@@ -284,12 +308,13 @@ class Replay:
     """The record run on real tensors, each rank keeping its pieces. See [Note: replayed construction]."""
 
     def __init__(self, recorder: Recorder,
-                 wanted: dict[int, list[tuple[str, Ref, Optional[list[tuple[int, int]]]]]], device: torch.device) -> None:
-        """``wanted``: storage -> (name, the tensor's Ref, the flat [start, end) ranges to keep; None: the whole)."""
+                 wanted: dict[int, list[tuple[str, Ref, Optional[list[tuple[int, int, Tensor]]]]]],
+                 device: torch.device) -> None:
+        """``wanted``: storage -> (name, the tensor's Ref, the flat [start, end) ranges to keep, each with the memory
+        that takes it (a slice of a unit's shard); None: the whole tensor)."""
         self.recorder = recorder
         self.wanted = wanted
         self.device = device
-        self.pieces: dict[tuple[str, int, int], Tensor] = {}  # (name, start, end) -> values
         self.whole: dict[str, Tensor] = {}
 
     @torch.no_grad()
@@ -313,6 +338,7 @@ class Replay:
                 ends.setdefault(end, []).append(key)
             ends.setdefault(indices[-1], []).append(key)
         real: dict[int, torch.UntypedStorage] = {}
+        _REPLAY_DEVICE[0] = self.device
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             _set_state(self.device, state)
             for i, e in enumerate(entries):
@@ -339,12 +365,12 @@ class Replay:
     def _keep(self, key: int, storage: torch.UntypedStorage) -> None:
         for name, ref, ranges in self.wanted[key]:
             t = torch.empty(0, dtype=ref.dtype, device=self.device).set_(storage, ref.offset, ref.size, ref.stride)
-            if ranges is None:
-                self.whole[name] = t.clone()
+            if ranges is None:  # the storage itself where the tensor is all of it: no copy
+                self.whole[name] = t if ref.whole(storage.nbytes()) else t.clone()
                 continue
             flat = t.reshape(-1)
-            for start, end in ranges:
-                self.pieces[(name, start, end)] = flat[start:end].clone()
+            for start, end, out in ranges:
+                out.copy_(flat[start:end])
 
 
 def _real(value: Any, real: dict[int, torch.UntypedStorage], device: torch.device) -> Any:
@@ -355,6 +381,33 @@ def _real(value: Any, real: dict[int, torch.UntypedStorage], device: torch.devic
         return torch.empty(0, dtype=value.dtype, device=storage.device).set_(storage, value.offset, value.size,
                                                                              value.stride)
     return value
+
+
+def _states() -> tuple[Tensor, Optional[Tensor]]:
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _same_states(a: tuple, b: tuple) -> bool:
+    return all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y)) for x, y in zip(a, b))
+
+
+def _draw_again(func: Callable, args: tuple, kwargs: dict) -> None:
+    """A recorded real draw, made again on copies (in-place ones write only the copies)."""
+    func(*tree_map(lambda v: v.clone() if isinstance(v, Tensor) else v, args),
+         **tree_map(lambda v: v.clone() if isinstance(v, Tensor) else v, kwargs))
+
+
+_REPLAY_DEVICE: list[torch.device] = [torch.device("cpu")]  # the device a replay runs on (for _restore_states)
+
+
+def _restore_states(cpu: Tensor, cuda: Optional[Tensor]) -> None:
+    """A recorded entry: the generator of the replay's device set where the recorded draw found it."""
+    device = _REPLAY_DEVICE[0]
+    if device.type == "cuda" and cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
+    elif device.type == "cpu":
+        torch.set_rng_state(cpu)
 
 
 def _set_state(device: torch.device, state: Tensor) -> None:
@@ -373,23 +426,24 @@ class ReplayError(RuntimeError):
 
 
 class ReplayedWeights:
-    """A replayed construction as the engine reads a checkpoint (``WeightSource`` in materialize.py): every meta
-    tensor of the root is held; each rank's pieces of the unit parameters and the whole of every other tensor."""
+    """A replayed construction as the engine reads a checkpoint (``WeightSource`` in materialize.py): each unit's
+    shard built by the replay (``unit_values``), and the whole of every other tensor."""
 
-    def __init__(self, replay: Replay, names: set[str]) -> None:
+    def __init__(self, replay: Replay, names: set[str], shards: dict[int, Tensor]) -> None:
         self._replay = replay
         self._names = names
+        self._shards = shards  # unit index -> this rank's shard (1D)
 
     def holds(self, name: str) -> bool:
         return name in self._names
 
+    def unit_values(self, spec: UnitSpec, rank: int) -> Optional[Tensor]:
+        return self._shards.pop(spec.index, None)
+
     @contextlib.contextmanager
     def reading(self) -> Iterator[Callable[[str, int, int, Tensor], None]]:
         def read(name: str, start: int, end: int, out: Tensor) -> None:
-            piece = self._replay.pieces.pop((name, start, end), None)
-            if piece is None:
-                piece = self._replay.whole[name].reshape(-1)[start:end]
-            out.copy_(piece)
+            out.copy_(self._replay.whole[name].reshape(-1)[start:end])
 
         yield read
 
@@ -397,27 +451,39 @@ class ReplayedWeights:
         self._replay.whole.clear()
 
 
-def replayed_weights(root: nn.Module, owned: dict[str, list[tuple[int, int]]], in_units: set[str],
-                     device: torch.device, broadcast: Callable[[Tensor], None]) -> tuple[Optional[ReplayedWeights], str]:
+def replayed_weights(root: nn.Module, units: Sequence[UnitSpec], rank: int, device: torch.device,
+                     broadcast: Callable[[Tensor], None]) -> tuple[Optional[ReplayedWeights], str]:
     """``root``'s meta tensors replayed from their recording (rank 0's RNG state, shared with ``broadcast``), this
-    rank keeping the ``owned`` flat ranges of the parameters ``in_units`` and the whole of the others; or None and
-    why not. A collective (the broadcast) when a recording covers the model."""
+    rank keeping its shard of every unit and the whole of the other tensors; or None and why not. A collective (the
+    broadcast) when a recording covers the model."""
     named = [(n, t) for n, t in [*root.named_parameters(), *root.named_buffers()] if t.is_meta]
     recorder, why = recorder_for([t for _, t in named])
     if recorder is None:
         return None, why
     recorder.refuse_unwritten(named)
-    wanted: dict[int, list[tuple[str, Ref, Optional[list[tuple[int, int]]]]]] = {}
+    # every shard allocated before the replay: its short-lived whole tensors then reuse the same freed memory
+    shards, pieces = {}, {}
+    for spec in units:
+        dtype = root.get_parameter(spec.params[0].name).dtype
+        shard = shards[spec.index] = torch.empty(spec.shard_numel, dtype=dtype, device=device)
+        lo, hi = spec.shard_range(rank)
+        if spec.numel < hi:
+            shard[max(spec.numel - lo, 0):].zero_()  # the padding
+        for param, start, end, at in spec.owned_pieces(rank):
+            pieces.setdefault(param.name, []).append((start, end, shard[at : at + end - start]))
+    in_units = {p.name for spec in units for p in spec.params}
+    wanted: dict[int, list[tuple[str, Ref, Optional[list[tuple[int, int, Tensor]]]]]] = {}
     for name, t in named:
-        ranges = owned.get(name, []) if name in in_units else None
+        ranges = pieces.get(name, []) if name in in_units else None
         if ranges == []:
             continue  # this rank owns nothing of it
         wanted.setdefault(_key(t), []).append((name, Ref.of(t), ranges))
-    own = recorder.cuda_state if device.type == "cuda" and recorder.cuda_state is not None else recorder.cpu_state
-    state = own.clone()
+    state = recorder.start_states[1] if device.type == "cuda" and recorder.start_states[1] is not None \
+        else recorder.start_states[0]
+    state = state.clone()
     broadcast(state)
     replay = Replay(recorder, wanted, device)
     end = replay.run(state)
-    if torch.equal(_get_state(device), own):  # nothing drew since the model was built: continue as eager would
+    if _same_states(_states(), recorder.final_states):  # nothing drew since the build: continue as eager would
         _set_state(device, end)
-    return ReplayedWeights(replay, {name for name, _ in named}), ""
+    return ReplayedWeights(replay, {name for name, _ in named}, shards), ""
