@@ -36,6 +36,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
 import ctypes
+import hashlib
 import json
 import subprocess
 import sys
@@ -109,10 +110,15 @@ def run_rank(way: str, layers: int, results: Path) -> None:
         """The replay itself (or the refusal to replay), timed, and the memory it leaves."""
         start = time.perf_counter()
         source, why = replayed_weights(*args, **kwargs)
-        held = 0 if source is None else _nbytes([*source._replay.pieces.values(), *source._replay.whole.values()])
-        recorder = source._replay.recorder if source is not None else None
+        replayed = getattr(source, "_replay", None)
+        # what the replay hands the engine: its pieces of the unit parameters (or, where lzero builds them there,
+        # the units' shards) and the tensors outside the units, whole
+        kept = {"pieces": getattr(replayed, "pieces", None), "shards": getattr(source, "_shards", None)}
+        held = _nbytes([t for d in [*kept.values(), getattr(replayed, "whole", None)] if d for t in d.values()])
+        recorder = getattr(replayed, "recorder", None)
         seen.update(replayed=source is not None, why=why, replay_seconds=time.perf_counter() - start,
                     replay_peak=_status("VmHWM"), replay_rss=_status("VmRSS"), pieces=held,
+                    kept=next((k for k, d in kept.items() if d is not None), None),
                     entries=len(recorder.entries) if recorder is not None else 0)
         return source, why
 
@@ -153,7 +159,7 @@ def run_rank(way: str, layers: int, results: Path) -> None:
                 "replay_seconds": seen.get("replay_seconds"), "entries": seen.get("entries"),
                 "replay_peak_growth": seen["replay_peak"] - before["rss"] if "replay_peak" in seen else None,
                 "replay_rss_growth": seen["replay_rss"] - before["rss"] if "replay_rss" in seen else None,
-                "pieces": seen.get("pieces"), "initial_seed": before["initial_seed"],
+                "pieces": seen.get("pieces"), "kept": seen.get("kept"), "initial_seed": before["initial_seed"],
                 "rng_at_open": before["rng_at_open"], "trimmed_growth": _trimmed_rss(before["rss"]),
             }
             result.update(compare_with_eager(trainer, module, layers, rng))
@@ -251,7 +257,29 @@ def run_eager(layers: int, env: dict[str, str]) -> dict:
 
 # --- the table ---------------------------------------------------------------------------------------------------
 
-def write_table(rows: list[dict], layers: int, out: Path, command: str, wall: float) -> str:
+def lzero_version() -> dict:
+    """The lzero the run measured: its commit, the files changed since, and a hash of every source file's content
+    (compared at the end of the run: another process may edit the tree meanwhile)."""
+    root = Path(__file__).resolve().parent.parent
+    git = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    content = hashlib.sha256()
+    for f in sorted((root / "lzero").rglob("*.py")):
+        content.update(str(f.relative_to(root)).encode() + f.read_bytes())
+    return {"commit": git("rev-parse", "--short", "HEAD"), "hash": content.hexdigest()[:12], "load": os.getloadavg()[0],
+            "changed": [line[3:] for line in git("status", "--porcelain", "--", "lzero").splitlines()]}
+
+
+def _where(path: str, snippet: str) -> str:
+    """``path:line`` of the first line of lzero's source holding ``snippet`` (``path`` when none does)."""
+    root = Path(__file__).resolve().parent.parent
+    for number, line in enumerate((root / path).read_text().splitlines(), 1):
+        if snippet in line:
+            return f"{path}:{number}"
+    return path
+
+
+def write_table(rows: list[dict], layers: int, out: Path, command: str, wall: float, version: dict,
+                version_after: dict) -> str:
     eager = next(r for r in rows if r["way"].startswith("eager"))
     params, largest = eager["params"], eager["largest_tensor"]
     mb = lambda b: "-" if b is None else f"{b / 1e6:,.1f}"  # noqa: E731
@@ -285,11 +313,19 @@ def write_table(rows: list[dict], layers: int, out: Path, command: str, wall: fl
     peak = lambda rs: "/".join(mb(r["peak_growth"]) for r in rs)  # noqa: E731
     each = lambda rs, key: "/".join(mb(r[key]) for r in rs)  # noqa: E731
     losses = lambda way: "/".join(format(r["loss"][0], ".4f") for r in group(way))  # noqa: E731
+    changed = f", with uncommitted changes to {', '.join(version['changed'])}" if version["changed"] else ""
     lines = [
         "# Materializing a meta-device model at world size 2 (benchmarks/bench_replay_init.py)",
         "",
         f"`{command}`, run {RUN_DATE} on this machine (2 CPUs, 24 GiB, no GPU; torch {torch.__version__}),"
-        f" {wall / 60:.1f} minutes in all. Model: a Hugging Face Llama from its config, no files:"
+        f" {wall / 60:.1f} minutes in all, lzero at commit {version['commit']}{changed} (source hash"
+        f" {version['hash']}"
+        + (", unchanged through the run)." if version_after["hash"] == version["hash"] else
+           f"; **lzero's source changed during the run**, to {version_after['hash']}: the rows may mix versions).")
+        + f" Load average (1 min) {version['load']:.1f} at the start, {version_after['load']:.1f} at the end: the"
+        " machine's 2 CPUs may be shared with other work, which shows in the times (they varied up to 2x between"
+        " runs of this script; the memory figures with the fixed threshold did not)."
+        " Model: a Hugging Face Llama from its config, no files:"
         " `AutoModelForCausalLM.from_config(LlamaConfig(hidden_size=1024, intermediate_size=2816,"
         f" num_hidden_layers={layers}, num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,"
         " tie_word_embeddings=False))` after `torch.manual_seed(0)`, fp32:"
@@ -320,10 +356,14 @@ def write_table(rows: list[dict], layers: int, out: Path, command: str, wall: fl
             f" {format(r['configure_seconds'], '.1f') if is_lzero else '-'} |"
             f" {equal(r) if is_lzero else '-'} |")
     rank0 = {r["way"]: r for r in lz if r["rank"] == 0}
+    failed = [r for r in replay if r["peak_growth"] > target]
+    verdict = "met" if not failed else "**missed**" + (
+        "" if len(failed) == len(replay) else
+        f" by {len(failed)} of {len(replay)} replay rows: "
+        + "; ".join(f"rank {r['rank']} of `{r['way']}`" for r in failed))
     unseeded = [r["initial_seed"] for r in lz if r not in seeded]
     seeds = (f"a different value in each of the {len(unseeded)} rank processes not seeded before fit"
              if len(set(unseeded)) == len(unseeded) else f"{len(set(unseeded))} values in {len(unseeded)} processes")
-    failed = [r for r in replay if r["peak_growth"] > target]
     lines += [
         "",
         "How each figure is measured:",
@@ -332,13 +372,13 @@ def write_table(rows: list[dict], layers: int, out: Path, command: str, wall: fl
         " builds the engine and materializes the model into shards; eager: the `from_config` call (the Llama code"
         " imported and a tiny Llama built first, as the lzero ranks have by then). *of which replay*: the call to"
         " `lzero.engine.replay.replayed_weights` (wrapped by the benchmark), which runs the record and keeps this"
-        " rank's pieces; the rest of the window builds the units from them. *configure_model*: the meta-device"
+        " rank's values; the rest of the window builds the units from them. *configure_model*: the meta-device"
         " construction with its recording.",
         "- *peak RSS growth*: `VmHWM` at the end of the window minus `VmRSS` at its start, the high-water mark reset"
         " through `/proc/self/clear_refs` at the start (the helpers of bench_qlora_load.py). *RSS growth after*:"
         " `VmRSS` at the end minus the same start. *after malloc_trim*: the same once glibc's `malloc_trim(0)` has"
         " returned the free memory its heap keeps (a diagnostic, after the measurement). *RSS growth after replay*:"
-        " `VmRSS` when `replayed_weights` returns, this rank's pieces held.",
+        " `VmRSS` when `replayed_weights` returns, holding what the replay hands the engine.",
         "- *held*: lzero: the engine's units at `on_fit_start` (`trainer.strategy.engine.units`), sum of"
         " `spec.shard_numel x flat_param.element_size()`, plus the module's buffers (the rotary `inv_freq`, whole on"
         " each rank, 256 B); eager: every parameter and buffer.",
@@ -360,63 +400,95 @@ def write_table(rows: list[dict], layers: int, out: Path, command: str, wall: fl
         + "; ".join(f"{w}: {losses(w)}" for w in rank0) + ".",
         "",
         "Results:",
-        f"- Replay, the target: {'**missed**' if failed else 'met'}. Peak {peak(plain)} MB (ranks 0/1) with the default"
+        f"- Replay, the target: {verdict}. Peak {peak(plain)} MB (ranks 0/1) with the default"
         f" allocator ({peak(seeded)} MB in the seeded run), {peak(fixed)} MB with `{THRESHOLD}={FIXED}`, against"
         f" {mb(target)} MB. Block-wise initialization peaks at {peak(block)} / {peak(block_fixed)} MB, eager"
         f" construction (every DDP rank) at {mb(eager['peak_growth'])} MB.",
-        f"- Replayed weights equal eager: **no** as specified (seed in `configure_model`):"
-        f" {rank0[plain[0]['way']]['differ']}/{rank0[plain[0]['way']]['compared']} tensors differ, every randomly"
-        " drawn one (the norms' ones and the rotary buffers agree); **yes**, bitwise, all"
-        f" {rank0[seeded[0]['way']]['compared']} tensors, when `torch.manual_seed(0)` also runs before `trainer.fit`."
-        " Block-wise differs, as documented.",
+        "- Replayed weights equal eager: "
+        + (f"**yes**, bitwise, all {rank0[plain[0]['way']]['compared']} tensors, with the seed in `configure_model`"
+           " as specified" if rank0[plain[0]['way']]["differ"] == 0 else
+           f"**no** as specified (seed in `configure_model`): {rank0[plain[0]['way']]['differ']}/"
+           f"{rank0[plain[0]['way']]['compared']} tensors differ, every randomly drawn one (the norms' ones and the"
+           " rotary buffers agree)")
+        + ("; **yes**, bitwise," if rank0[seeded[0]["way"]]["differ"] == 0 else "; **no**, still,")
+        + " when `torch.manual_seed(0)` also runs before `trainer.fit`. Block-wise differs, as documented.",
         "",
         "Where the bytes go (replay, ranks 0/1):",
+    ]
+    kept = replay[0].get("kept")
+    pieces_then_shards = kept == "pieces"
+    lines.append(
         "- The replay runs the whole record on every rank (nn.Linear's `uniform_` draw of every weight, then"
-        " `post_init`'s `normal_` redraw), a storage per version, and clones this rank's pieces of each tensor's final"
-        f" version: {each(seeded, 'replay_rss_growth')} MB above the start when it returns (seeded run, default"
-        f" allocator), {each(fixed, 'replay_rss_growth')} MB with the fixed threshold, against {mb(held)} MB of pieces."
-        " The engine then allocates each unit's shard (`shard_values`, lzero/engine/materialize.py:260) and copies"
-        " the pieces in, dropping them as read; the root unit (embed_tokens, norm, lm_head: a"
-        f" {mb(max(r['largest_unit'] for r in lz))} MB shard per rank) comes last, so the pieces and a copy of the"
-        " largest unit's shard coexist: even without the two problems below, the peak is held + 131.1 MB, the"
-        " target's base, leaving only its 10% margin.",
-        "- Rank 0 with the fixed threshold, the extra 131 MB (a lzero bug): in `Replay.run`"
-        " (lzero/engine/replay.py:318-335) each iteration first allocates fresh storage for a version that"
-        " overwrites a tensor (`real[key] = torch.empty(...)`, line 321), while the previous iteration's locals"
-        " `args`, `kwargs` and `out` (lines 326-327) still reference the previous version of that same tensor"
-        " (`real.pop(key, None)`, line 335, drops only the dictionary's reference). A tensor drawn twice in a row"
-        " therefore has both versions alive at once. The record ends with lm_head's `uniform_` then `normal_` (131.1 MB each): rank 0 holds all its pieces by then"
-        " (embed_tokens is in its half of the root unit) and peaks at held + 2 x 131.1 MB; rank 1's lm_head piece is"
-        " cut at the last operation, once `args` has been reassigned, so it peaks at held + 131.1 MB. A one-off check"
-        " (not part of this script) with a copy of `Replay.run` that drops `args, kwargs, out` after each operation,"
-        " seeded run: 831.7/831.1 MB with the fixed threshold (pass), 1,087.8/1,080.8 MB with the default allocator"
-        " (still a miss).",
-        "- Default allocator, the rest: freed memory glibc's heap keeps, not live tensors. Its peaks vary by a few"
-        " hundred MB from run to run (rank 0's replay peaked at 1,167-1,391 MB in four earlier runs of this script"
-        f" on {RUN_DATE}), where the fixed threshold's repeat within 0.1 MB (962.8-962.9 / 831.2-831.4 MB in the"
-        " same runs). RSS after the window is"
-        f" {each(plain, 'end_growth')} MB ({each(seeded, 'end_growth')} seeded) for {mb(held)} MB held, and"
-        f" {each(plain, 'trimmed_growth')} MB ({each(seeded, 'trimmed_growth')}) once `malloc_trim(0)` has run. glibc"
-        " raises its mmap threshold to the size of a freed mapped block (up to 32 MB): after the first layer's"
-        " weights (2.1-11.5 MB) are freed, every version of every layer weight and every cloned piece (half a weight)"
-        " comes from the brk heap, interleaved; the versions freed between kept pieces, and later the pieces freed"
-        " while the units' shards (23 MB and up, mapped) are filled, stay in the heap as holes below live memory,"
-        " which `free` cannot return. With the fixed threshold the same allocations are mapped and unmapped whole and"
-        " RSS after is the held bytes.",
-        "- The seed (a lzero bug, correctness): the recorder takes the CPU RNG state when lzero's meta context opens"
-        " (`Recorder.__init__`, lzero/engine/replay.py:110), and the replay starts from that state"
-        " (`replayed_weights`, line 416). Under the Trainer the context opens before `configure_model` runs"
-        " (`ZeroStrategy.model_sharded_context`, lzero/strategy.py:319, into `meta_device()`,"
-        " lzero/run_wiring.py:19), so a `torch.manual_seed(0)` inside `configure_model` is ignored: the replay draws"
-        " from whatever state the process had, and torch 2.13 seeds its default generator randomly per process"
-        f" (`torch.initial_seed()` at the start of `configure_model`: {seeds}), so those weights differ from"
-        " eager and from run to run (rank 0's loss above; block-wise initialization, whose seed is drawn at setup"
-        " from the state `configure_model` left, repeats its loss). Eager construction and DDP honour that seed."
-        " Seeding before `trainer.fit` (as tests/scripts/replay_runs.py does) hides the problem.",
-        "- Block-wise: held + the root unit's full parameters materialized (embed_tokens and lm_head, 262 MB) + the"
-        " unit's full flat buffer they are copied into (262 MB), on every rank.",
+        " `post_init`'s `normal_` redraw), a storage per version, and keeps this rank's values of each tensor's"
+        " final version: "
+        + ("cloned pieces, which the engine then copies into each unit's shard, allocated as the unit is built"
+           f" (`shard_values`, {_where('lzero/engine/materialize.py', 'values = torch.empty(spec.shard_numel')})"
+           " and drops as read; the root unit (embed_tokens, norm, lm_head:"
+           f" a {mb(max(r['largest_unit'] for r in lz))} MB shard per rank) comes last, so the pieces and a copy of"
+           " the largest unit's shard coexist: held + 131.1 MB at least, the target's base, leaving only its 10%"
+           " margin." if pieces_then_shards else
+           "written into the units' shards, allocated before the replay starts; the tensors outside the units are"
+           " kept whole.")
+        + f" When `replayed_weights` returns it holds {mb(replay[0]['pieces'])} MB; RSS is then"
+        f" {each(fixed, 'replay_rss_growth')} MB above the start with the fixed threshold"
+        f" ({each(seeded, 'replay_rss_growth')} MB, seeded run, default allocator). With the fixed threshold the peak"
+        f" is held + {'/'.join(mb(r['peak_growth'] - held) for r in fixed)} MB.")
+    stale = len(fixed) == 2 and fixed[0]["peak_growth"] - fixed[1]["peak_growth"] > largest / 2
+    if stale:
+        replay_py = "lzero/engine/replay.py"
+        lines.append(
+            f"- Rank 0's extra {mb(fixed[0]['peak_growth'] - fixed[1]['peak_growth'])} MB with the fixed threshold"
+            " (a lzero bug): in `Replay.run` the previous operation's result stays referenced by the loop variable"
+            f" `out` ({_where(replay_py, 'out = e.func(')}) until the next operation returns, and that result is the"
+            " tensor it wrote (an in-place initializer returns its input). `real.pop(key, None)`"
+            f" ({_where(replay_py, 'real.pop(key, None)')}) drops only the dictionary's reference, so when a"
+            " version ends and the next operation overwrites the same tensor into fresh storage"
+            f" ({_where(replay_py, 'real[key] = torch.empty(')}), both versions are in memory while it draws. The"
+            " record ends with lm_head's `uniform_` (nn.Linear's `reset_parameters`) then `normal_` (`post_init`),"
+            f" {mb(largest)} MB each: rank 0 has written all its shards by then (embed_tokens is in its half of the"
+            f" root unit) and peaks at held + 2 x {mb(largest)} MB; rank 1 has lm_head's half still to write, so the"
+            " two versions coexist beside one lm_head less, and it peaks at held + one lm_head, as it must while"
+            " its half is copied out. `out` keeps at most one tensor alive one operation too long; here it is the"
+            " largest, at the very end, on top of everything the rank holds. `del out` once an operation's storages"
+            " are handled (`args` and `kwargs` are already replaced before the next call) would leave held + the"
+            " largest tensor. A one-off check (not"
+            " part of this script, against commit ab4b15f: a copy of `Replay.run` with `del out` after each"
+            " operation, seed in `configure_model`, weights still bitwise eager's): 831.3/830.9 MB with the fixed"
+            " threshold, 877.5/908.1 MB with the default allocator: under the target, rank 1 by 3 MB.")
+    over = [(d, f) for d, f in zip(plain, fixed) if d["peak_growth"] - f["peak_growth"] > 5e6]
+    if over:
+        lines.append(
+            "- Default allocator: the same peak plus"
+            f" {'/'.join(mb(d['peak_growth'] - f['peak_growth']) for d, f in over)} MB (ranks 0/1), freed memory"
+            " glibc's heap keeps, not live tensors: RSS after the window is"
+            f" {each(plain, 'end_growth')} MB ({each(seeded, 'end_growth')} seeded) for {mb(held)} MB held, and"
+            f" {each(plain, 'trimmed_growth')} MB ({each(seeded, 'trimmed_growth')}) once `malloc_trim(0)` has run."
+            " glibc raises its mmap threshold to the size of a freed mapped block (up to 32 MB): after the first"
+            " layer weights (2.1-11.5 MB) are freed, the versions of every layer weight"
+            + (" and every cloned piece (half a weight)" if pieces_then_shards else "")
+            + " come from the brk heap, and what is freed below memory still live stays there. For comparison,"
+            " against commit 6eb935a (the replay cloned each rank's pieces, and the units copied them into shards"
+            " allocated afterwards) rank 0's replay peaked at 1,167-1,391 MB with the default allocator in four runs,"
+            " and at 962.8-962.9 MB with the fixed threshold.")
+    if rank0[plain[0]["way"]]["differ"] and not rank0[seeded[0]["way"]]["differ"]:
+        lines.append(
+            "- The seed (a lzero bug, correctness): the recorder takes the CPU RNG state when lzero's meta context"
+            f" opens (`Recorder.__init__`, {_where('lzero/engine/replay.py', 'torch.get_rng_state()')}), and the"
+            " replay starts from that state. Under the Trainer the context opens before `configure_model` runs"
+            f" (`ZeroStrategy.model_sharded_context`, {_where('lzero/strategy.py', 'def model_sharded_context')},"
+            f" into `meta_device()`, {_where('lzero/run_wiring.py', 'def meta_device')}), so a `torch.manual_seed(0)`"
+            " inside `configure_model` is ignored: the replay draws from whatever state the process had, and torch"
+            " 2.13 seeds its default generator randomly per process (`torch.initial_seed()` at the start of"
+            f" `configure_model`: {seeds}), so those weights differ from eager and from run to run (rank 0's loss"
+            " above; block-wise initialization, whose seed is drawn at setup from the state `configure_model` left,"
+            " repeats its loss). Eager construction and DDP honour that seed. Seeding before `trainer.fit` (as"
+            " tests/scripts/replay_runs.py does) hides the problem.")
+    lines += [
+        f"- Block-wise ({peak(block_fixed)} MB, fixed threshold): held + the root unit's full parameters"
+        " materialized (embed_tokens and lm_head, 262 MB) + the unit's full flat buffer they are copied into"
+        " (262 MB), on every rank.",
         "- Time: the replay draws every number of the model on every rank, as eager construction does, plus the"
-        " clones, the copy into the shards and the page faults of fresh storage for every version:"
+        " copies into the shards and the page faults of fresh storage for every version:"
         f" {min(r['seconds'] for r in replay):.1f}-{max(r['seconds'] for r in replay):.1f} s against"
         f" {min(r['seconds'] for r in rows if not r['way'].startswith('lzero')):.1f}-"
         f"{max(r['seconds'] for r in rows if not r['way'].startswith('lzero')):.1f} s for eager construction.",
@@ -436,7 +508,7 @@ def main() -> None:
     if args.rank_run:
         run_rank(args.way, args.layers, Path(args.rank_run))
         return
-    start = time.perf_counter()
+    start, version = time.perf_counter(), lzero_version()
     results = Path("/tmp/lzero-bench-replay-init-results")
     rows = []
     for env in ({}, {THRESHOLD: FIXED}):
@@ -446,7 +518,8 @@ def main() -> None:
         rows.append(run_eager(args.layers, env))
         print(json.dumps(rows[-1]), flush=True)
     command = "python benchmarks/bench_replay_init.py" + (f" --layers {args.layers}" if args.layers != 24 else "")
-    print(write_table(rows, args.layers, Path(args.out), command, time.perf_counter() - start))
+    print(write_table(rows, args.layers, Path(args.out), command, time.perf_counter() - start, version,
+                      lzero_version()))
 
 
 if __name__ == "__main__":

@@ -355,6 +355,7 @@ class Replay:
                     for ref, t in zip(tree_flatten(e.outputs)[0], tree_flatten(out)[0]):
                         if isinstance(ref, Ref) and ref.storage in e.creates:
                             real[ref.storage] = t.untyped_storage()
+                args = kwargs = out = t = None  # views of the storages: freeing below must free them
                 for key in ends.get(i, ()):
                     if last_touch[key] == i and key in self.wanted:
                         self._keep(key, real[key])
