@@ -432,7 +432,9 @@ def write_table(rows: list[dict], layers: int, out: Path, command: str, wall: fl
         + f" When `replayed_weights` returns it holds {mb(replay[0]['pieces'])} MB; RSS is then"
         f" {each(fixed, 'replay_rss_growth')} MB above the start with the fixed threshold"
         f" ({each(seeded, 'replay_rss_growth')} MB, seeded run, default allocator). With the fixed threshold the peak"
-        f" is held + {'/'.join(mb(r['peak_growth'] - held) for r in fixed)} MB.")
+        f" is held + {'/'.join(mb(r['peak_growth'] - held) for r in fixed)} MB: every rank materializes each"
+        f" tensor whole, one at a time, so the largest ({mb(largest)} MB) sits beside the shards while this rank's"
+        " part of it is copied out.")
     stale = len(fixed) == 2 and fixed[0]["peak_growth"] - fixed[1]["peak_growth"] > largest / 2
     if stale:
         replay_py = "lzero/engine/replay.py"
@@ -466,10 +468,7 @@ def write_table(rows: list[dict], layers: int, out: Path, command: str, wall: fl
             " glibc raises its mmap threshold to the size of a freed mapped block (up to 32 MB): after the first"
             " layer weights (2.1-11.5 MB) are freed, the versions of every layer weight"
             + (" and every cloned piece (half a weight)" if pieces_then_shards else "")
-            + " come from the brk heap, and what is freed below memory still live stays there. For comparison,"
-            " against commit 6eb935a (the replay cloned each rank's pieces, and the units copied them into shards"
-            " allocated afterwards) rank 0's replay peaked at 1,167-1,391 MB with the default allocator in four runs,"
-            " and at 962.8-962.9 MB with the fixed threshold.")
+            + " come from the brk heap, and what is freed below memory still live stays there.")
     if rank0[plain[0]["way"]]["differ"] and not rank0[seeded[0]["way"]]["differ"]:
         lines.append(
             "- The seed (a lzero bug, correctness): the recorder takes the CPU RNG state when lzero's meta context"
@@ -483,6 +482,15 @@ def write_table(rows: list[dict], layers: int, out: Path, command: str, wall: fl
             " above; block-wise initialization, whose seed is drawn at setup from the state `configure_model` left,"
             " repeats its loss). Eager construction and DDP honour that seed. Seeding before `trainer.fit` (as"
             " tests/scripts/replay_runs.py does) hides the problem.")
+    lines.append(
+        "- Earlier commits, the same day, for the record: at 6eb935a the seed set in `configure_model` was ignored"
+        " (the replay started from the RNG state taken when lzero's meta context opened, before `configure_model`"
+        " ran; torch 2.13 seeds each process randomly, so the weights differed from eager and from run to run),"
+        " and the replay cloned each rank's pieces, copied afterwards into shards allocated unit by unit: rank 0"
+        " peaked at 1,167-1,391 MB with the default allocator (four runs), 962.8-962.9 MB with the fixed threshold."
+        " ab4b15f fixed both; rank 0 still peaked at 962.4 MB (fixed threshold) and 1,013 MB (default), because the"
+        " replay loop's `out` kept lm_head's `uniform_` version alive while `normal_` drew its next one. 048857b"
+        " dropped the loop's references.")
     lines += [
         f"- Block-wise ({peak(block_fixed)} MB, fixed threshold): held + the root unit's full parameters"
         " materialized (embed_tokens and lm_head, 262 MB) + the unit's full flat buffer they are copied into"
