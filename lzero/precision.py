@@ -175,7 +175,10 @@ class ZeroPrecision(Precision):
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         if self.precision == "bf16-true":
-            return module.to(torch.bfloat16)
+            from lzero.engine.replay import recording_more
+
+            with recording_more(module):  # a meta model: the cast is part of its construction
+                return module.to(torch.bfloat16)
         return module  # mixed: the engine casts the working parameters and keeps fp32 masters
 
     @override

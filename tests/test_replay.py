@@ -18,7 +18,7 @@ DDP = ["mlp:ddp:32-true", "llama:ddp:32-true", "gpt2:ddp:32-true", "t5:ddp:32-tr
 LZERO = ["mlp:zero3:32-true", "mlp:zero3_offload:32-true", "mlp:zero3_offload_nvme:32-true",
          "mlp:zero3:32-true:init_module", "mlp:zero3:bf16-mixed", "llama:zero3:32-true", "llama:zero3_offload:bf16-mixed",
          "gpt2:zero3:32-true", "gpt2:zero3_offload_nvme:32-true", "t5:zero3:32-true", "lora:zero3:32-true",
-         "lora:zero3_offload:32-true"]
+         "lora:zero3_offload:32-true", "llama:zero3:bf16-true"]
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +35,12 @@ def _load(runs: Path, run: str) -> dict[str, Any]:
 @pytest.mark.parametrize("run", LZERO)
 def test_initial_state_is_the_eager_models_and_training_is_ddps(runs: Path, run: str) -> None:
     kind, _, precision, *_ = run.split(":")
+    # lzero builds the fp32 model under every precision; bf16-true casts it before setup (a cast the record holds)
     got, want = _load(runs, run), _load(runs, f"{kind}:ddp:32-true")
     assert got["initial"].keys() == want["initial"].keys()
     for name, value in want["initial"].items():
         mine = got["initial"][name]
-        # bf16-mixed: the gathered parameters are the masters' bf16 rounding
+        # bf16-mixed: the gathered parameters are the masters' bf16 rounding; bf16-true: the fp32 model cast
         assert torch.equal(mine, value.to(mine.dtype)), name
     assert any(value.std() > 0 for value in want["initial"].values())  # random draws, not constants alone
     assert torch.equal(got["rng"], want["rng"])  # the global RNG continues where eager construction left it

@@ -292,6 +292,19 @@ def record() -> Iterator[Recorder]:
     del _RECORDERS[:-4]  # older recordings: models rebuilt since
 
 
+@contextlib.contextmanager
+def recording_more(module: nn.Module) -> Iterator[None]:
+    """Inside the block, operations on ``module``'s meta tensors join the recording that built them (a cast of the
+    whole module before setup: bf16-true's ``convert_module``); a no-op for a module no recording built."""
+    tensors = [t for t in [*module.parameters(), *module.buffers()] if t.is_meta]
+    recorder = recorder_for(tensors)[0] if tensors else None
+    if recorder is None:
+        yield
+        return
+    with recorder:
+        yield
+
+
 def recorder_for(tensors: list[Tensor]) -> tuple[Optional[Recorder], str]:
     """The recording that built every one of ``tensors``, or None and why not."""
     if not _RECORDERS:
