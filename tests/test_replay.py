@@ -54,6 +54,18 @@ def _engine(model: torch.nn.Module) -> Any:
     return ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], ZeroConfig(stage=3))
 
 
+def _assert_replayed_as_eager(model: torch.nn.Module, eager: dict, rng_after_eager: torch.Tensor) -> None:
+    """The engine (world size 1) materializes ``model`` to the ``eager`` state dict and leaves the RNG where eager
+    construction did."""
+    engine = _engine(model)
+    try:
+        assert torch.equal(torch.get_rng_state(), rng_after_eager)
+        with engine.gathered(model):
+            assert all(torch.equal(v, eager[k]) for k, v in model.state_dict().items())
+    finally:
+        engine.remove()
+
+
 def test_replayed_in_one_process_with_the_rng_where_eager_leaves_it() -> None:
     """The engine alone (world size 1): a model built in lzero's meta context materializes to the eager weights."""
     from lzero.run_wiring import meta_device
@@ -65,13 +77,7 @@ def test_replayed_in_one_process_with_the_rng_where_eager_leaves_it() -> None:
     torch.manual_seed(0)
     with meta_device():
         model = build("mlp")
-    engine = _engine(model)
-    try:
-        assert torch.equal(torch.get_rng_state(), after_eager)
-        with engine.gathered(model):
-            assert all(torch.equal(v, eager[k]) for k, v in model.state_dict().items())
-    finally:
-        engine.remove()
+    _assert_replayed_as_eager(model, eager, after_eager)
 
 
 def test_a_model_built_outside_the_record_falls_back_with_a_warning() -> None:
@@ -114,10 +120,4 @@ def test_seeding_and_cpu_draws_inside_the_build_are_replayed_where_they_happened
     torch.manual_seed(123)
     with meta_device():
         model = build()
-    engine = _engine(model)
-    try:
-        assert torch.equal(torch.get_rng_state(), after_eager)
-        with engine.gathered(model):
-            assert all(torch.equal(v, eager[k]) for k, v in model.state_dict().items())
-    finally:
-        engine.remove()
+    _assert_replayed_as_eager(model, eager, after_eager)

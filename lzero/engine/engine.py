@@ -332,7 +332,8 @@ class ZeroEngine:
     def before_forward(self) -> None:
         """Rank 0's buffers (BatchNorm running stats...) everywhere, exactly when DDP would sync them:
         before a forward that follows a forward run with gradients enabled and gradient sync on."""
-        packed.check_still_frozen(self._packed)
+        if self._packed:  # a quantized base: its codes must stay frozen
+            packed.check_still_frozen(self._packed)
         if self.config.broadcast_buffers and self._sync_buffers_next:
             collectives.broadcast_coalesced_(self._buffers, src=0, group=self.group)
         self._sync_buffers_next = torch.is_grad_enabled() and self.sync

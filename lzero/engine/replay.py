@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -73,16 +74,13 @@ class Ref:
 
     def whole(self, nbytes: int) -> bool:
         """The view covers its whole storage, contiguously."""
-        itemsize = torch.empty(0, dtype=self.dtype).element_size()
-        return (self.offset == 0 and math_prod(self.size) * itemsize == nbytes
+        return (self.offset == 0 and math.prod(self.size) * self.dtype.itemsize == nbytes
                 and self.stride == torch.empty(self.size, device="meta").stride())
 
-
-def math_prod(shape: tuple[int, ...]) -> int:
-    out = 1
-    for n in shape:
-        out *= n
-    return out
+    def view(self, storage: torch.UntypedStorage) -> Tensor:
+        """The tensor this Ref names, on ``storage``."""
+        return torch.empty(0, dtype=self.dtype, device=storage.device).set_(storage, self.offset, self.size,
+                                                                           self.stride)
 
 
 @dataclass
@@ -267,15 +265,11 @@ def _patched(owner: Any, name: str, value: Any) -> Iterator[None]:
 
 
 def _tensors(value: Any) -> list[Tensor]:
-    if isinstance(value, Tensor):
-        return [value]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return []
+    return [t for t in tree_flatten(value)[0] if isinstance(t, Tensor)]
 
 
 def _touches_meta(args: tuple, kwargs: dict, out: Any) -> bool:
-    return any(t.is_meta for t in [*_tensors(list(args)), *_tensors(list(kwargs.values())), *_tensors(out)])
+    return any(t.is_meta for t in _tensors((args, kwargs, out)))
 
 
 _RECORDERS: list[Recorder] = []
@@ -334,22 +328,7 @@ class Replay:
     def run(self, state: Tensor) -> Tensor:
         """Replays from RNG ``state`` (the device's); returns the state eager construction ends in."""
         entries = self.recorder.entries
-        last_touch: dict[int, int] = {}
-        ends: dict[int, list[int]] = {}  # entry index -> storages to free after it
-        for i, e in enumerate(entries):
-            for key in (*e.creates, *e.writes, *e.reads):
-                last_touch[key] = i
-        # a version ends at its last touch before the next overwrite/create: free it there
-        touches: dict[int, list[int]] = {}
-        for i, e in enumerate(entries):
-            for key in dict.fromkeys((*e.creates, *e.writes, *e.reads)):
-                touches.setdefault(key, []).append(i)
-        for key, indices in touches.items():
-            starts = [i for i in indices if key in entries[i].creates or key in entries[i].overwrites]
-            for first, nxt in zip(starts, starts[1:]):
-                end = max(i for i in indices if first <= i < nxt)
-                ends.setdefault(end, []).append(key)
-            ends.setdefault(indices[-1], []).append(key)
+        ends, last_touch = _frees(entries)
         real: dict[int, torch.UntypedStorage] = {}
         _REPLAY_DEVICE[0] = self.device
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
@@ -370,7 +349,7 @@ class Replay:
                             real[ref.storage] = t.untyped_storage()
                 args = kwargs = out = t = None  # views of the storages: freeing below must free them
                 for key in ends.get(i, ()):
-                    if last_touch[key] == i and key in self.wanted:
+                    if last_touch[key] == i and key in self.wanted:  # the final version: this rank's part of it
                         self._keep(key, real[key])
                     real.pop(key, None)
             end_state = _get_state(self.device)
@@ -378,7 +357,7 @@ class Replay:
 
     def _keep(self, key: int, storage: torch.UntypedStorage) -> None:
         for name, ref, ranges in self.wanted[key]:
-            t = torch.empty(0, dtype=ref.dtype, device=self.device).set_(storage, ref.offset, ref.size, ref.stride)
+            t = ref.view(storage)
             if ranges is None:  # the storage itself where the tensor is all of it: no copy
                 self.whole[name] = t if ref.whole(storage.nbytes()) else t.clone()
                 continue
@@ -387,14 +366,26 @@ class Replay:
                 out.copy_(flat[start:end])
 
 
+def _frees(entries: list[Entry]) -> tuple[dict[int, list[int]], dict[int, int]]:
+    """Where each storage version ends: entry index -> the storages to free after it (a version runs from a create or
+    a whole overwrite to its last touch before the next one), and each storage's last touch of all."""
+    ends: dict[int, list[int]] = {}
+    last_touch: dict[int, int] = {}
+    for i, e in enumerate(entries):
+        for key in dict.fromkeys((*e.creates, *e.writes, *e.reads)):
+            starts_version = key in e.creates or key in e.overwrites
+            if starts_version and key in last_touch:
+                ends.setdefault(last_touch[key], []).append(key)
+            last_touch[key] = i
+    for key, i in last_touch.items():
+        ends.setdefault(i, []).append(key)
+    return ends, last_touch
+
+
 def _real(value: Any, real: dict[int, torch.UntypedStorage], device: torch.device) -> Any:
     if isinstance(value, torch.device) and value.type == "meta":
         return device
-    if isinstance(value, Ref):
-        storage = real[value.storage]
-        return torch.empty(0, dtype=value.dtype, device=storage.device).set_(storage, value.offset, value.size,
-                                                                             value.stride)
-    return value
+    return value.view(real[value.storage]) if isinstance(value, Ref) else value
 
 
 def _states() -> tuple[Tensor, Optional[Tensor]]:

@@ -73,12 +73,12 @@ class QuantizedRead:
     @property
     def per_element(self) -> int:
         """Weights one packed element encodes: two per byte at 4 bits, one int8 per weight at 8."""
-        return 2 * torch.empty(0, dtype=self.storage).element_size() if self.method == packed.FOUR_BIT else 1
+        return 2 * self.storage.itemsize if self.method == packed.FOUR_BIT else 1
 
     def packed_shape(self) -> tuple[int, int]:
         if self.method == packed.EIGHT_BIT:
             return self.shape
-        return ((self.numel + 1) // 2 // (self.per_element // 2), 1)
+        return ((self.numel + 1) // 2 // self.storage.itemsize, 1)  # the codes' bytes, in storage elements
 
     def packed_dtype(self) -> torch.dtype:
         return self.storage if self.method == packed.FOUR_BIT else torch.int8
