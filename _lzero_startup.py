@@ -1,4 +1,5 @@
-"""Registers lzero's strategy names with Lightning the moment Lightning loads its strategies.
+"""Registers lzero's strategy names with Lightning (the Trainer's registry and Fabric's) the moment Lightning loads
+its strategies.
 
 Imported at interpreter start by ``lzero_startup.pth`` (installed next to the package). It imports
 neither torch, nor Lightning, nor lzero: it only watches for ``lightning.pytorch.strategies`` to be
@@ -19,37 +20,80 @@ PRESETS = {
 }
 """Registered strategy names and their descriptions; lzero.presets holds their configurations."""
 
-_TARGET = "lightning.pytorch.strategies"
+_TRAINER = "lightning.pytorch.strategies"
+_FABRIC = "lightning.fabric.strategies"
+_FABRIC_CONNECTOR = "lightning.fabric.connector"
 
 
 class _LazyPreset:
-    """A registry factory that resolves its name to lzero only when a Trainer asks for it. A plain
-    module-level class, so the registry's entries pickle."""
+    """A registry factory that resolves its name to lzero only when a Trainer (or, with ``fabric``, a Fabric) asks
+    for it. A plain module-level class, so the registry's entries pickle."""
 
-    def __init__(self, name):
+    def __init__(self, name, fabric=False):
         self.name = name
+        self.fabric = fabric
 
     def __call__(self, **init_params):
-        from lzero.strategy import build_preset
+        if self.fabric:
+            from lzero.fabric import build_preset
+        else:
+            from lzero.strategy import build_preset
 
         return build_preset(self.name, **init_params)
 
 
-def register(registry):
-    """Add the names to a Lightning StrategyRegistry; harmless to repeat."""
+def register(registry, fabric=False):
+    """Add the names to a Lightning strategy registry (the Trainer's, or with ``fabric`` Fabric's); harmless to
+    repeat."""
     for name, description in PRESETS.items():
-        registry.register(name, _LazyPreset(name), description=description, override=True)
+        registry.register(name, _LazyPreset(name, fabric), description=description, override=True)
+
+
+def suggest_names(connector_class):
+    """Fabric's error for an unknown strategy name, given a name close to an lzero one (``zero_3``, ``zer3``), also
+    names that one."""
+    original = connector_class._check_config_and_set_final_flags
+    if getattr(original, "_lzero_guard", False):
+        return
+
+    def check(self, strategy, *args, **kwargs):
+        try:
+            return original(self, strategy, *args, **kwargs)
+        except ValueError as err:
+            if not isinstance(strategy, str) or "invalid strategy name" not in str(err):
+                raise
+            import difflib
+
+            wanted = strategy.lower().replace("-", "_")
+            close = difflib.get_close_matches(wanted, list(PRESETS), n=1, cutoff=0.6)
+            if not close:
+                raise
+            raise ValueError(f"{err} HINT: did you mean lzero's `strategy={close[0]!r}`? lzero's names: "
+                             f"{', '.join(PRESETS)}.") from None
+
+    check._lzero_guard = True
+    connector_class._check_config_and_set_final_flags = check
+
+
+def _quietly(action, *args):
+    try:
+        action(*args)
+    except Exception:
+        pass
 
 
 def _register_from(module):
-    try:
-        register(module.StrategyRegistry)
-    except Exception:
-        pass
-    try:
-        guard_checkpoint_loads()
-    except Exception:
-        pass
+    _quietly(register, module.StrategyRegistry)
+    _quietly(guard_checkpoint_loads)
+
+
+def _on_import(name, module):
+    if name == _TRAINER:
+        _register_from(module)
+    elif name == _FABRIC:
+        _quietly(register, module.STRATEGY_REGISTRY, True)
+    elif name == _FABRIC_CONNECTOR:
+        _quietly(suggest_names, module._Connector)
 
 
 _LOADERS = ("lightning.pytorch.core.saving", "lightning.fabric.plugins.io.torch_io")
@@ -90,7 +134,7 @@ class _Finder:
     """A meta path finder that only adds a post-import step to Lightning's strategies package."""
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != _TARGET:
+        if fullname not in _TARGETS:
             return None
         try:
             for finder in sys.meta_path:
@@ -106,7 +150,7 @@ class _Finder:
 
             def exec_module(module):
                 original(module)
-                _register_from(module)
+                _on_import(fullname, module)
 
             loader.exec_module = exec_module
             return spec
@@ -114,10 +158,14 @@ class _Finder:
             return None
 
 
+_TARGETS = (_TRAINER, _FABRIC, _FABRIC_CONNECTOR)
+
+
 def install():
-    if _TARGET in sys.modules:
-        _register_from(sys.modules[_TARGET])
-    elif not any(isinstance(f, _Finder) for f in sys.meta_path):
+    for name in _TARGETS:
+        if name in sys.modules:
+            _on_import(name, sys.modules[name])
+    if not all(name in sys.modules for name in _TARGETS) and not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder())
 
 

@@ -99,19 +99,30 @@ class _Shared:
 class ZeroOptimizer(Optimizer):
     """See [Note: two faces of one optimizer]."""
 
-    def __init__(self, optimizer: Optimizer, engine: ZeroEngine, index: int) -> None:
+    def __init__(self, optimizer: Optimizer, engine: Optional[ZeroEngine], index: int = 0,
+                 start: Optional[Callable[[], None]] = None) -> None:
+        """``engine`` None: the engine does not exist yet (Fabric's ``setup_optimizers`` comes before the model's first
+        use, see [Note: the engine starts at first use] in fabric.py); ``start()`` builds it and calls :meth:`attach`."""
         self._building = True
         super().__init__([p for g in optimizer.param_groups for p in g["params"]] or [torch.zeros(0)],
                          dict(optimizer.defaults))
         self._building = False
         self.optimizer = optimizer
-        self.engine = engine
-        self.index = index
-        self.units: list[FlatUnit] = engine.units_of(index)
         self.param_groups = optimizer.param_groups  # the same dicts: see the Note
         self.defaults = optimizer.defaults
         self._shared = _Shared()
+        self._start = start
+        self.engine: Optional[ZeroEngine] = None
+        if engine is not None:
+            self.attach(engine, index)
+
+    def attach(self, engine: ZeroEngine, index: int) -> None:
+        """Step ``engine``'s units of optimizer ``index`` from now on."""
+        self.engine = engine
+        self.index = index
+        self.units: list[FlatUnit] = engine.units_of(index)
         self.host_kernel: Optional[str] = None  # the kernel offloaded units step with; None: none offloaded
+        optimizer = self.optimizer
         if any(u.store.name != "device" for u in self.units):
             self.host_kernel = _check_host_step(optimizer)
         # the units each inner optimizer steps in one call, in step order: see the Note
@@ -124,12 +135,21 @@ class ZeroOptimizer(Optimizer):
                 # a store that swaps the state in and out finds it here
                 unit.store.bind_state(unit, lambda inner=inner, master=unit.master_shard: inner.state[master])
 
+    def started(self) -> "ZeroOptimizer":
+        """This optimizer with its engine built (a collective the first time, under Fabric)."""
+        if self.engine is None:
+            if self._start is None:
+                raise RuntimeError("This ZeroOptimizer has no engine. HINT: set it up through the strategy.")
+            self._start()
+        return self
+
     def shard_optimizer(self, unit: FlatUnit) -> Optimizer:
         """The optimizer (the user's class and flags) that steps ``unit``'s shard on this rank."""
         return self._shared.inner[unit.spec.index]
 
     def __repr__(self) -> str:
-        return f"ZeroOptimizer({type(self.optimizer).__name__}, stage={self.engine.config.stage})"
+        stage = self.engine.config.stage if self.engine is not None else "not started"
+        return f"ZeroOptimizer({type(self.optimizer).__name__}, stage={stage})"
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -137,6 +157,7 @@ class ZeroOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.started()
         self.engine.prepare_step(self.units)
         for _, inner in self.buckets:  # read now: with the delayed update a worker thread steps after this returns
             self._copy_hyperparameters(inner)
@@ -150,6 +171,7 @@ class ZeroOptimizer(Optimizer):
         inner.param_groups[0].update({k: v for k, v in outer.items() if k != "params" and k not in KERNEL_FLAGS})
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.started()
         self.engine.zero_grad(self.units, set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -163,15 +185,17 @@ class ZeroOptimizer(Optimizer):
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of this optimizer's reduced gradients (a collective: call it on every rank)."""
-        return self.engine.grad_norm(self.units)
+        return self.started().engine.grad_norm(self.units)
 
     def state_dict(self) -> dict[str, Any]:
         """The full per-parameter state in torch's format (a collective: call it on every rank)."""
+        self.started()
         self.engine.flush_delayed_update()
         return gather_optimizer_state(self, to_all=True)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full per-parameter state (from DDP or from :meth:`state_dict`) into this rank's shards."""
+        self.started()
         self.engine.flush_delayed_update()
         load_optimizer_state(self, state_dict)
 

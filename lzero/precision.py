@@ -189,6 +189,17 @@ class ZeroPrecision(Precision):
 
         return apply_to_collection(data, torch.Tensor, lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t)
 
+    @override
+    def convert_output(self, data: Any) -> Any:
+        """Fabric: floating outputs in the default dtype (fp32), as Fabric's own mixed and half precisions return
+        them (the Trainer does not call this)."""
+        if self.autocast_dtype is None and self.precision != "bf16-true":
+            return data
+        from lightning.fabric.utilities.apply_func import apply_to_collection
+
+        dtype = torch.get_default_dtype()
+        return apply_to_collection(data, torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t)
+
     @contextmanager
     @override
     def forward_context(self) -> Generator[None, None, None]:
@@ -224,14 +235,32 @@ class ZeroPrecision(Precision):
             zopt.step(**kwargs)
         else:
             zopt.engine.release_grads(zopt.units)  # as a step would (see [Note: gradient buffers])
-        self._account(skip, zopt, model)
+        before = self.loss_scale
+        self.account(skip, zopt, model.trainer.global_step, model.trainer.global_rank == 0)
+        if getattr(model, "_current_fx_name", None) is not None and (self.scaler is not None or self.skipped_steps):
+            if self.scaler is not None:
+                model.log("lzero/loss_scale", before, on_step=True, on_epoch=False, batch_size=1)
+            model.log("lzero/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False, batch_size=1)
         return closure_result
 
-    def _account(self, skip: bool, zopt: Any, model: Any) -> None:
+    def step_or_skip(self, zopt: Any, step: int, is_global_zero: bool, **kwargs: Any) -> bool:
+        """Fabric's optimizer step: the non-finite check, then the step or a skip, accounted (see [Note: skipped
+        steps]). Returns whether the step was skipped."""
+        skip = zopt.engine.found_nonfinite(zopt.units)
+        if not skip:
+            zopt.step(**kwargs)
+        else:
+            zopt.engine.release_grads(zopt.units)
+        self.account(skip, zopt, step, is_global_zero)
+        return skip
+
+    def account(self, skip: bool, zopt: Any, step: int, is_global_zero: bool) -> None:
+        """A step taken or skipped (``step``: the global step it counts as): the policy for non-finite gradients, the
+        loss scale's update, and the report of skips. See [Note: skipped steps]."""
         before = self.loss_scale
         if skip and self.scaler is None and self.nonfinite_grads == "raise":
             raise FloatingPointError(
-                f"A gradient is inf/NaN at global step {model.trainer.global_step} (precision={self.precision!r})."
+                f"A gradient is inf/NaN at global step {step} (precision={self.precision!r})."
                 " HINT: lower the learning rate or clip gradients; `ZeroPrecision(nonfinite_grads='skip')` skips"
                 " such steps instead."
             )
@@ -239,11 +268,11 @@ class ZeroPrecision(Precision):
             self._skipped_last[id(opt)] = skip
         if skip:
             self.skipped_steps += 1
-        self._check_run_of_skips(skip, model.trainer.global_step)
+        self._check_run_of_skips(skip, step)
         if self.scaler is not None:
             self.scaler.update(skip)
             self._sync_scale()
-        if skip and model.trainer.global_rank == 0:
+        if skip and is_global_zero:
             every = (self.scaler.config if self.scaler is not None else LossScaleConfig).report_every_n_skips
             if self.skipped_steps == 1 or self.skipped_steps % every == 0:
                 cause = "fp16 gradient overflow" if self.scaler is not None else "inf/NaN gradient"
@@ -253,12 +282,7 @@ class ZeroPrecision(Precision):
                              f"; loss scale stays {before:g} (hysteresis: it halves after"
                              f" {self.scaler.hysteresis_left} more overflow(s))")
                 log.warning("lzero: skipped the optimizer step at global step %d (%s)%s; %d steps skipped so far"
-                            " (reported at the first skip and every %d)", model.trainer.global_step, cause, scale,
-                            self.skipped_steps, every)
-        if getattr(model, "_current_fx_name", None) is not None and (self.scaler is not None or self.skipped_steps):
-            if self.scaler is not None:
-                model.log("lzero/loss_scale", before, on_step=True, on_epoch=False, batch_size=1)
-            model.log("lzero/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False, batch_size=1)
+                            " (reported at the first skip and every %d)", step, cause, scale, self.skipped_steps, every)
 
     def _check_run_of_skips(self, skip: bool, step: int) -> None:
         self._run_of_skips = self._run_of_skips + [step] if skip else []

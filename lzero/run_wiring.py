@@ -1,12 +1,14 @@
-"""What a ZeroStrategy run sets on, and checks of, the user's Trainer and LightningModule: the meta device of
-``configure_model``, callbacks it adds or refuses, hooks it wraps on the module for one run, and what it reads
-of the DataLoader. The strategy (strategy.py) calls these; none of them touches the engine."""
+"""What an lzero run sets on, and checks of, the user's Trainer or Fabric loop and model: the meta device of
+``configure_model`` / ``init_module``, the engine's start (one place for both front doors), callbacks it adds or
+refuses, hooks it wraps on the module for one run, and what it reads of the DataLoader. The strategies
+(strategy.py, fabric.py) call these."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from contextlib import contextmanager
-from typing import Any, Generator, Optional
+from typing import Any, Generator, Optional, Sequence
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
@@ -16,14 +18,40 @@ from lzero.config import ZeroConfig, ZeroConfigError
 from lzero.precision import ZeroPrecision
 
 @contextmanager
-def meta_device() -> Generator:
+def meta_device(recording: Optional[contextlib.ExitStack] = None) -> Generator:
     """Modules built inside are built on the meta device; a Hugging Face ``from_pretrained`` inside builds into
-    shards (see [Note: from_pretrained under zero3] in hf/pretrained.py)."""
+    shards (see [Note: from_pretrained under zero3] in hf/pretrained.py). ``recording``: the construction's record
+    stays open in it after the block (until the caller closes it), so initialization run on the meta model before
+    setup is recorded too (Fabric: see [Note: the engine starts at first use] in fabric.py)."""
     from lzero.engine.replay import record
     from lzero.hf.pretrained import intercept
 
-    with torch.device("meta"), intercept(), record():  # [Note: replayed construction]
-        yield
+    with contextlib.ExitStack() as stack:
+        (recording if recording is not None else stack).enter_context(record())  # [Note: replayed construction]
+        with torch.device("meta"), intercept():
+            yield
+
+
+def start_engine(module: torch.nn.Module, optimizers: list[Optimizer], config: ZeroConfig, precision: ZeroPrecision,
+                 device: torch.device, num_processes: int, init_fn: Any = None, weights: Any = None,
+                 evaluating: bool = False, attach_to: Sequence[Any] = ()) -> tuple[Any, list[Any]]:
+    """The engine over ``module`` and ``optimizers`` (already checked), and the optimizers re-targeted at its shards
+    (``attach_to``: ZeroOptimizers made before the engine, one per optimizer), the precision bound to it. Both front
+    doors start a run here. A collective."""
+    from lzero.engine.engine import ZeroEngine
+    from lzero.offload.placement import announce_offload
+    from lzero.offload.store import divide_host_threads
+    from lzero.optimizer import ZeroOptimizer
+
+    engine = ZeroEngine(module, optimizers, config, precision.policy, device=device, init_fn=init_fn,
+                        weights=weights if weights is not None else pretrained_weights(module), evaluating=evaluating)
+    zero = list(attach_to) or [ZeroOptimizer(opt, engine, i) for i, opt in enumerate(optimizers)]
+    for i, zopt in enumerate(attach_to):
+        zopt.attach(engine, i)
+    if engine.offloaded and zero:
+        announce_offload(engine, zero, divide_host_threads(num_processes))
+    precision.bind(engine)
+    return engine, zero
 
 
 def pretrained_weights(model: torch.nn.Module) -> Optional[Any]:

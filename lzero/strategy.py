@@ -32,7 +32,8 @@ from lzero.checkpoint.full_state import gather_optimizer_state
 from lzero.checkpoint.resume import load_module_state, load_optimizer_states, open_checkpoint
 from lzero.checkpoint.sharded import AsyncSaver, save_sharded
 from lzero.checkpoint.state_dict import consolidate, has_sharded, module_state_dict
-from lzero.config import ZeroConfig, ZeroConfigError, optional_config
+from lzero import strategy_args
+from lzero.config import ZeroConfig, ZeroConfigError
 from lzero.engine.engine import ZeroEngine
 from lzero.engine.loss_scale import LossScaleConfig
 from lzero.engine.materialize import has_meta
@@ -40,10 +41,9 @@ from lzero.optimizer import ZeroOptimizer, check_optimizer
 from lzero.precision import ZeroPrecision, to_zero_precision
 from lzero.kept import gather_back, keep, kept_engine, take_kept
 from lzero.memory.auto import rank_budget_bytes
-from lzero.offload.placement import announce_offload
-from lzero.offload.store import divide_host_threads
 from lzero.run_wiring import (activation_probe, add_memory_monitor, guard_lr_schedulers, meta_device, micro_batch_size,
-                              pretrained_weights, refuse_weight_averaging, synced_generation, watch_gradient_reads)
+                              refuse_weight_averaging, start_engine, synced_generation,
+                              watch_gradient_reads)
 
 
 class ZeroStrategy(DDPStrategy):
@@ -112,30 +112,15 @@ class ZeroStrategy(DDPStrategy):
     ) -> None:
         blocks = {k: v for k, v in (("optimizer", deepspeed_optimizer), ("scheduler", deepspeed_scheduler))
                   if v is not None}
-        self._deepspeed: Optional[deepspeed_config.Translated] = deepspeed_config.blocks_only(blocks) if blocks else None
-        if config is not None and not isinstance(config, ZeroConfig):  # the block arguments win over the file's
-            self._deepspeed = deepspeed_config.translate({**deepspeed_config.load(config), **blocks})
-            options = {**self._deepspeed.options, **options}
-            stage = stage if stage is not None else options.pop("stage", None)
-            options.pop("stage", None)
-            config = None
-            precision = precision if precision is not None else self._deepspeed.precision
-            loss_scaling = loss_scaling if loss_scaling is not None else (self._deepspeed.loss_scaling or None)
-            cpu_checkpointing = cpu_checkpointing or self._deepspeed.cpu_checkpointing
-        self._auto = stage == "auto"  # see [Note: choosing a stage] in auto.py
+        args = strategy_args.resolve(config, stage, allow_untested_optimizer, precision, loss_scaling,
+                                     cpu_checkpointing, blocks, options)
+        self.config, self._auto, self._deepspeed = args.config, args.auto, args.deepspeed
         self._auto_record: Optional[dict] = None
         self.memory_budget_bytes, self.memory_margin = memory_budget_bytes, memory_margin
-        if self._auto:
-            stage = None
-        self.config = optional_config(config, stage=stage, allow_untested_optimizer=allow_untested_optimizer, **options)
-        self._explicit_precision = precision is not None
-        if loss_scaling is not None and precision != "16-mixed":
-            raise ZeroConfigError(f"`loss_scaling` applies to precision='16-mixed' only, got precision={precision!r}."
-                                  " HINT: drop `loss_scaling` or use `precision='16-mixed'`.")
-        if isinstance(loss_scaling, dict):
-            loss_scaling = LossScaleConfig(**loss_scaling)
-        if precision is not None:
-            precision_plugin = ZeroPrecision(precision, loss_scaling=loss_scaling)
+        self._explicit_precision = args.precision is not None
+        if args.precision is not None:
+            precision_plugin = args.precision
+        cpu_checkpointing = args.cpu_checkpointing
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -228,14 +213,10 @@ class ZeroStrategy(DDPStrategy):
                 self._choose_configuration()
             self._checkpointed = checkpointing.apply(self.model, self._checkpoint_policy, self.config)
             self._probe = activation_probe(self.lightning_module, self.config)
-            self._engine = ZeroEngine(self.model, self.optimizers, self.config, self.precision_plugin.policy,
-                                      device=self.root_device, init_fn=self.init_fn, weights=pretrained_weights(self.model))
+            self._engine, self.optimizers = start_engine(self.model, self.optimizers, self.config, self.precision_plugin,
+                                                         self.root_device, self.num_processes, self.init_fn)
             self._engine.automatic = self.lightning_module.automatic_optimization
-            self.optimizers = [ZeroOptimizer(opt, self._engine, i) for i, opt in enumerate(self.optimizers)]
-            if self._engine.offloaded:
-                announce_offload(self._engine, self.optimizers, divide_host_threads(self.num_processes))
             add_memory_monitor(trainer, self.config)
-            self.precision_plugin.bind(self._engine)
             if self.config.async_save:
                 import torch.distributed as dist
 
@@ -249,10 +230,8 @@ class ZeroStrategy(DDPStrategy):
                 timeout = timedelta(seconds=self.config.exception_checkpoint_timeout_s)
                 self._exit_group = dist.new_group(backend="gloo", timeout=timeout)
         elif self.config.stage >= 3:  # validate/test/predict sharded: see [Note: evaluating under zero3]
-            self._engine = ZeroEngine(self.model, [], self.config, self.precision_plugin.policy,
-                                      device=self.root_device, init_fn=self.init_fn, weights=pretrained_weights(self.model),
-                                      evaluating=True)
-            self.precision_plugin.bind(self._engine)
+            self._engine, _ = start_engine(self.model, [], self.config, self.precision_plugin, self.root_device,
+                                           self.num_processes, self.init_fn, evaluating=True)
             self._marksynced_generation()
         else:
             _sync_module_states(self.model)

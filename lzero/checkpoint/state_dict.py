@@ -73,9 +73,10 @@ def sharded_state_dict(engine: "ZeroEngine", module: nn.Module) -> dict[str, Any
 
 
 @torch.no_grad()
-def consolidate(engine: "ZeroEngine", state_dict: dict[str, Any]) -> dict[str, Any]:
-    """Plain tensors on rank 0 (an empty dict elsewhere), one unit gathered at a time. A collective."""
-    keep = engine.rank == 0
+def consolidate(engine: "ZeroEngine", state_dict: dict[str, Any], to_all: bool = False) -> dict[str, Any]:
+    """Plain tensors on rank 0 (an empty dict elsewhere; ``to_all``: on every rank), one unit gathered at a time. A
+    collective."""
+    keep = engine.rank == 0 or to_all
     units = []
     for value in state_dict.values():
         if isinstance(value, ShardedTensor) and all(value.unit is not u for u in units):
@@ -123,10 +124,10 @@ def gathered_masters(engine: "ZeroEngine") -> Iterator[tuple["FlatUnit", Tensor]
 
 
 @torch.no_grad()
-def master_state_dict(engine: "ZeroEngine", module: nn.Module) -> dict[str, Tensor]:
+def master_state_dict(engine: "ZeroEngine", module: nn.Module, to_all: bool = False) -> dict[str, Tensor]:
     """The module's state dict with the fp32 masters in place of the 16-bit working parameters,
-    on rank 0 (an empty dict elsewhere), gathered one unit at a time. A collective."""
-    keep = engine.rank == 0
+    on rank 0 (an empty dict elsewhere; ``to_all``: on every rank), gathered one unit at a time. A collective."""
+    keep = engine.rank == 0 or to_all
     full: dict[int, Tensor] = {}
     for unit, flat in gathered_masters(engine):
         if keep:

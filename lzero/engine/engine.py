@@ -161,8 +161,8 @@ class ZeroEngine:
         Tensors ``weights`` holds are not initialized: each rank reads its own pieces of them into its shards
         ([Note: reading a pretrained checkpoint into shards] in hf/weights.py), and tensors outside every
         unit whole."""
-        if weights is None and init_fn is None:  # the draws eager construction makes: [Note: replayed construction]
-            weights = self._replayed(module, device)
+        if init_fn is None and (weights is None or getattr(weights, "over_replay", False)):
+            weights = self._replayed(module, device, weights)  # eager's draws: [Note: replayed construction]
         loaded = frozenset(id(t) for name, t in [*module.named_parameters(remove_duplicate=False),
                                                 *module.named_buffers(remove_duplicate=False)]
                            if weights is not None and weights.holds(name))
@@ -206,11 +206,15 @@ class ZeroEngine:
         materializer.retarget(optimizers)
         return units
 
-    def _replayed(self, module: nn.Module, device: torch.device) -> Optional[WeightSource]:
-        """The model's recorded construction replayed, this rank keeping its pieces; None, with a warning, when the
-        record does not cover the model (then block-wise initialization draws other numbers than eager)."""
+    def _replayed(self, module: nn.Module, device: torch.device, loaded: Optional[WeightSource] = None
+                  ) -> Optional[WeightSource]:
+        """The model's recorded construction replayed, this rank keeping its pieces (under what ``loaded`` holds);
+        None, with a warning, when the record does not cover the model (then block-wise initialization draws other
+        numbers than eager); ``loaded`` alone when no record covers it and it was given."""
         source, why = replay.replayed_weights(module, self.partition.units, self.rank, device,
-                                              lambda t: collectives.broadcast_([t], src=0, group=self.group))
+                                              lambda t: collectives.broadcast_([t], src=0, group=self.group), loaded)
+        if source is None and loaded is not None:
+            return loaded
         if source is None:
             _warn_once(f"lzero initializes this meta-device model block by block: {why}, so its random draws differ"
                       " from the same code run eagerly (under DDP). HINT: build the whole model inside"

@@ -457,14 +457,18 @@ class ReplayedWeights:
 
 
 def replayed_weights(root: nn.Module, units: Sequence[UnitSpec], rank: int, device: torch.device,
-                     broadcast: Callable[[Tensor], None]) -> tuple[Optional[ReplayedWeights], str]:
+                     broadcast: Callable[[Tensor], None], provided: Any = None) -> tuple[Optional[Any], str]:
     """``root``'s meta tensors replayed from their recording (rank 0's RNG state, shared with ``broadcast``), this
     rank keeping its shard of every unit and the whole of the other tensors; or None and why not. A collective (the
-    broadcast) when a recording covers the model."""
+    broadcast) when a recording covers the model. ``provided``: a source (a state dict being loaded) whose tensors
+    win over the replay's; the replay gives only the others (non-persistent buffers, say), so what the record left
+    unwritten is refused only outside it."""
     named = [(n, t) for n, t in [*root.named_parameters(), *root.named_buffers()] if t.is_meta]
     recorder, why = recorder_for([t for _, t in named])
     if recorder is None:
         return None, why
+    if provided is not None:
+        named = [(n, t) for n, t in named if not provided.holds(n)]
     recorder.refuse_unwritten(named)
     # every shard allocated before the replay: its short-lived whole tensors then reuse the same freed memory
     shards, pieces = {}, {}
@@ -491,4 +495,34 @@ def replayed_weights(root: nn.Module, units: Sequence[UnitSpec], rank: int, devi
     end = replay.run(state)
     if _same_states(_states(), recorder.final_states):  # nothing drew since the build: continue as eager would
         _set_state(device, end)
-    return ReplayedWeights(replay, {name for name, _ in named}, shards), ""
+    replayed = ReplayedWeights(replay, {name for name, _ in named}, shards)
+    return (replayed if provided is None else LoadedOverReplay(provided, replayed, units)), ""
+
+
+class LoadedOverReplay:
+    """A state being loaded into a meta model, over its replayed construction for what that state does not hold
+    (``WeightSource`` in materialize.py): each unit's shard from the replay with the loaded pieces written over it."""
+
+    def __init__(self, loaded: Any, replayed: ReplayedWeights, units: Sequence[UnitSpec]) -> None:
+        self._loaded, self._replayed = loaded, replayed
+        self._units = {spec.index: spec for spec in units}
+
+    def holds(self, name: str) -> bool:
+        return self._loaded.holds(name) or self._replayed.holds(name)
+
+    def unit_values(self, spec: UnitSpec, rank: int) -> Optional[Tensor]:
+        shard = self._replayed.unit_values(spec, rank)
+        with self._loaded.reading() as read, torch.no_grad():
+            for param, start, end, at in spec.owned_pieces(rank):
+                if self._loaded.holds(param.name):
+                    read(param.name, start, end, shard[at: at + end - start])
+        return shard
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[Callable[[str, int, int, Tensor], None]]:
+        with self._loaded.reading() as loaded, self._replayed.reading() as replayed:
+            yield lambda name, a, b, out: (loaded if self._loaded.holds(name) else replayed)(name, a, b, out)
+
+    def finish(self, root: nn.Module, all_reduce_max: Callable[[Tensor], None], device: torch.device) -> None:
+        self._loaded.finish(root, all_reduce_max, device)
+        self._replayed.finish(root, all_reduce_max, device)

@@ -1,0 +1,726 @@
+"""``ZeroFabricStrategy``: the ZeRO engine behind Lightning Fabric (``Fabric(strategy="zero3")``).
+
+The same engine, configuration, precision plugin, checkpoint format and memory accounting as the Trainer's
+``ZeroStrategy``; only the glue to Fabric's calls lives here. No module wrapper: ``setup_module`` returns the
+user's module with the engine's hooks on it, as the Trainer strategy does.
+
+[Note: the engine starts at first use]
+Fabric scripts written for FSDP (litgpt's among them) set the model up first, then build the optimizer from the
+set-up model's ``parameters()`` and set it up, then load weights with ``model.load_state_dict`` or
+``fabric.load_raw``. The engine partitions parameters by optimizer and param group, so it cannot be built at
+``setup_module``. It is built at the model's first use instead, on every rank alike: the first forward,
+``load_state_dict``/``state_dict``, ``fabric.load``/``save``/``load_raw``, ``no_backward_sync``, or the first call
+on one of its optimizers. Whatever set-up optimizers hold the model's parameters by then are the run's.
+``setup_module`` gives the model fresh ``Parameter`` objects (FSDP does the same), so an optimizer built before it
+holds none of them and ``setup_optimizers`` refuses it by name.
+
+A stage-3 model built by ``init_module(empty_init=True)`` is built on the meta device with Fabric's empty
+initialization (no draws, as under DDP), its construction recorded; the record stays open until ``setup_module``,
+so an initialization the script runs on the meta model in between (litgpt's ``pretrain`` calls
+``reset_parameters``) is recorded too. At the first use it is materialized one unit at a time: from the state
+dict being loaded when that use is a load (each rank keeps its pieces), otherwise by replaying the record (see
+[Note: replayed construction] in replay.py), so the weights are the ones the same script gives under DDP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Generator, Iterator, Literal, Mapping, Optional, Union
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies import DDPStrategy
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from lightning.fabric.utilities.init import _EmptyInit
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lzero import strategy_args
+from lzero.checkpoint.full_state import gather_optimizer_state
+from lzero.checkpoint.reader import ShardedCheckpoint, is_sharded_checkpoint
+from lzero.checkpoint.resume import READER, load_module_state, load_optimizer_states
+from lzero.checkpoint.sharded import restore_rng, save_sharded
+from lzero.checkpoint.state_dict import master_state_dict, module_state_dict, sharded_state_dict, consolidate
+from lzero.config import ZeroConfig, ZeroConfigError
+from lzero.engine import activation_checkpointing as checkpointing
+from lzero.engine.engine import ZeroEngine
+from lzero.engine.loss_scale import LossScaleConfig
+from lzero.engine.materialize import has_meta
+from lzero.optimizer import ZeroOptimizer, check_optimizer
+from lzero.precision import ZeroPrecision, to_zero_precision
+from lzero.run_wiring import meta_device, start_engine, synced_generation
+
+FABRIC_KEYS = "lzero/fabric"
+"""The sharded checkpoint's entry naming the state keys of the module and of its optimizers (a Fabric save)."""
+
+
+@dataclass
+class _Model:
+    """One set-up module and what the strategy keeps for it."""
+
+    module: nn.Module
+    zero: list[ZeroOptimizer] = field(default_factory=list)  # its set-up optimizers, in setup order
+    engine: Optional[ZeroEngine] = None
+    started: bool = False
+    undo: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # hooks and shadows, until teardown
+    inside: bool = False  # lzero itself is reading the module's state dict
+    meta: dict[int, tuple[nn.Parameter, nn.Parameter]] = field(default_factory=dict)  # id(placeholder) -> it, meta
+
+    def owns(self, optimizer: Optimizer) -> bool:
+        mine = {id(p) for p in self.module.parameters()}
+        return any(id(p) in mine for g in optimizer.param_groups for p in g["params"])
+
+
+class ZeroFabricStrategy(DDPStrategy):
+    """ZeRO data parallelism under Fabric: ``Fabric(strategy="zero3")`` or ``Fabric(strategy=ZeroFabricStrategy(...))``.
+
+    Args:
+        config: a :class:`lzero.ZeroConfig`, or a DeepSpeed JSON configuration (a path or a dict), as for
+            :class:`lzero.ZeroStrategy`. Its ``optimizer``/``scheduler`` blocks are refused: a Fabric script builds
+            its own.
+        stage: shortcut for ``config.stage``; ``"auto"`` chooses the stage and offload at the first use of the model.
+        precision: a precision for this strategy; it wins over ``Fabric(precision=...)``.
+        init_fn, activation_checkpointing, cpu_checkpointing, memory_budget_bytes, memory_margin, loss_scaling,
+            allow_untested_optimizer: as for :class:`lzero.ZeroStrategy`.
+        **options: any other :class:`lzero.ZeroConfig` field, applied over ``config``.
+
+    The remaining arguments are Fabric's, as for its ``DDPStrategy``. See [Note: the engine starts at first use].
+    """
+
+    strategy_name = "zero"
+
+    def __init__(
+        self,
+        config: Optional[Union[ZeroConfig, dict, str]] = ZeroConfig(),
+        stage: Optional[Union[int, Literal["auto"]]] = None,
+        allow_untested_optimizer: Optional[bool] = None,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        init_fn: Optional[Callable[[nn.Module], None]] = None,
+        precision: Optional[str] = None,
+        activation_checkpointing: checkpointing.ModuleChoice = None,
+        cpu_checkpointing: bool = False,
+        memory_budget_bytes: Optional[int] = None,
+        memory_margin: float = 0.2,
+        loss_scaling: Optional[Union[dict, LossScaleConfig]] = None,
+        **options: Any,
+    ) -> None:
+        args = strategy_args.resolve(config, stage, allow_untested_optimizer, precision, loss_scaling,
+                                     cpu_checkpointing, {}, options)
+        if args.deepspeed is not None and (args.deepspeed.optimizer is not None or args.deepspeed.scheduler is not None):
+            raise ZeroConfigError(
+                "The DeepSpeed configuration has an `optimizer` or `scheduler` block, which a Fabric script does not"
+                " use: it builds its own optimizer and passes it to `fabric.setup_optimizers`. HINT: drop the block"
+                " and build that optimizer in the script (`lzero convert-config` prints its class and arguments).")
+        self.config, self._auto = args.config, args.auto
+        self.memory_budget_bytes, self.memory_margin = memory_budget_bytes, memory_margin
+        self._explicit_precision = args.precision
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision=args.precision, process_group_backend=process_group_backend, timeout=timeout,
+                         start_method="popen")
+        self.init_fn = init_fn
+        self._checkpoint_policy = checkpointing.CheckpointPolicy(activation_checkpointing, args.cpu_checkpointing)
+        self._backward_sync_control = _ZeroBackwardSyncControl(self)
+        self._models: list[_Model] = []
+        self._recording: Optional[contextlib.ExitStack] = None  # a meta build's record, open until setup_module
+        self._steps = 0  # optimizer steps taken or skipped, all optimizers: the "global step" of skip reports
+        self._check_group: Any = None  # gloo with a short timeout: every rank at a collective call?
+
+    # --- plugins -----------------------------------------------------------------------------
+
+    @property
+    @override
+    def precision(self) -> ZeroPrecision:
+        return self._precision if isinstance(self._precision, ZeroPrecision) else ZeroPrecision()
+
+    @precision.setter
+    @override
+    def precision(self, plugin: Optional[Precision]) -> None:
+        explicit = getattr(self, "_explicit_precision", None)
+        self._precision = explicit if explicit is not None else to_zero_precision(plugin)
+
+    # --- building the model -----------------------------------------------------------------
+
+    @override
+    def module_init_context(self, empty_init: Optional[bool] = None) -> contextlib.AbstractContextManager:
+        """Stage 3 with ``empty_init=True``: the meta device, no initialization drawn (as Fabric's empty init), the
+        construction recorded until ``setup_module``. See [Note: the engine starts at first use]."""
+        if self.config.stage < 3 or not empty_init:
+            return super().module_init_context(empty_init)
+        return self._meta_build()
+
+    @contextlib.contextmanager
+    def _meta_build(self) -> Generator:
+        self._close_recording()
+        recording = contextlib.ExitStack()
+        try:
+            with meta_device(recording), _EmptyInit(enabled=True), self.precision.module_init_context():
+                yield
+        except BaseException:
+            recording.close()
+            raise
+        self._recording = recording
+
+    def _close_recording(self) -> None:
+        if self._recording is not None:
+            recording, self._recording = self._recording, None
+            recording.close()
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        if not has_meta(module):  # a meta model is materialized unit by unit by the engine
+            module.to(self.root_device)
+
+    # --- setup: see [Note: the engine starts at first use] -------------------------------------
+
+    @override
+    def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None
+                                    ) -> tuple[nn.Module, list[Optimizer], Any]:
+        module = self._setup(module, fresh_parameters=False)  # these optimizers were built from it on purpose
+        return module, [self.setup_optimizer(o) for o in optimizers], scheduler
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        return self._setup(module, fresh_parameters=True)
+
+    def _setup(self, module: nn.Module, fresh_parameters: bool) -> nn.Module:
+        self._close_recording()
+        if any(m.module is module for m in self._models):
+            raise RuntimeError(f"`{type(module).__name__}` is set up already. HINT: call `fabric.setup` once per model.")
+        model = _Model(module)
+        if has_meta(module):  # Fabric refuses optimizers over meta tensors: they get placeholders until the start
+            model.meta = _placeholders(module, self.root_device)
+        elif fresh_parameters:
+            _fresh_parameters(module)
+        self._models.append(model)
+        model.undo.enter_context(_state_dict_shadows(self, model))
+        pre = module.register_forward_pre_hook(lambda *_: self._before_forward(model), prepend=True)
+        post = module.register_forward_hook(lambda *_: self._after_forward(model))
+        model.undo.callback(pre.remove)
+        model.undo.callback(post.remove)
+        return module
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> ZeroOptimizer:
+        model = next((m for m in self._models if m.owns(optimizer)), None)
+        if model is None:
+            raise ZeroConfigError(
+                f"`{type(optimizer).__name__}` holds none of the set-up model's parameters: it was built before"
+                " `fabric.setup_module(model)`, which gives the model the parameters lzero manages. HINT: build the"
+                " optimizer from the set-up model (`model = fabric.setup_module(model)`, then"
+                " `optimizer = torch.optim.AdamW(model.parameters())`, then `fabric.setup_optimizers(optimizer)`), or"
+                " pass both at once: `fabric.setup(model, optimizer)`.")
+        if model.started:
+            raise ZeroConfigError(
+                f"`fabric.setup_optimizers({type(optimizer).__name__})` after the model's first use: lzero partitioned"
+                " the model for the optimizers set up before it. HINT: set up every optimizer right after"
+                " `fabric.setup_module(model)`, before the first forward, load or save.")
+        check_optimizer(optimizer, self.config.allow_untested_optimizer)
+        zopt = ZeroOptimizer(optimizer, None, start=lambda: self._start(model))
+        model.zero.append(zopt)
+        return zopt
+
+    def _model_of(self, module: nn.Module) -> _Model:
+        module = getattr(module, "_forward_module", module)
+        for model in self._models:
+            if model.module is module:
+                return model
+        raise RuntimeError(f"`{type(module).__name__}` was not set up by this strategy. HINT: `fabric.setup(model)`.")
+
+    def _start(self, model: _Model, weights: Any = None) -> None:
+        """The engine of ``model``, built at its first use (a collective). ``weights``: the state being loaded, which
+        a meta model is materialized from."""
+        if model.started:
+            return
+        model.started = True
+        if model.meta:  # the meta parameters back, in the module and in the optimizers, for the engine to materialize
+            _swap_parameters(model.module, model.zero, {i: meta for i, (_, meta) in model.meta.items()})
+            model.meta = {}
+        module, optimizers = model.module, [z.optimizer for z in model.zero]
+        if self._auto:
+            self._choose_configuration(module)
+        from lzero import auto_sizes
+
+        self.config, _ = auto_sizes.fill(self.config, module)
+        if not optimizers and self.config.stage < 3:
+            from lightning.pytorch.overrides.distributed import _sync_module_states
+
+            _sync_module_states(module)  # as DDP's wrapper does: rank 0's weights everywhere
+            return
+        checkpointed = checkpointing.apply(module, self._checkpoint_policy, self.config)
+        if checkpointed is not None:
+            model.undo.callback(checkpointed.remove)
+        engine, _ = start_engine(module, optimizers, self.config, self.precision, self.root_device,
+                                 self.num_processes, self.init_fn, weights=weights, evaluating=not optimizers,
+                                 attach_to=model.zero)
+        engine.automatic = False  # stage 1 reduces in the step, whether the script uses no_backward_sync or not
+        model.engine = engine
+        if self.config.stage >= 3 and self.world_size > 1:
+            model.undo.enter_context(synced_generation(module, True))
+
+    def _choose_configuration(self, module: nn.Module) -> None:
+        from lightning.fabric.utilities import rank_zero_info
+
+        from lzero.memory import auto
+        from lzero.memory.estimate import count_parameters
+
+        mixed = self.precision.policy.param_dtype is not None
+        self.config, record = auto.choose(
+            self.config, count_parameters(module, self.config.unit_modules), self.world_size, self.num_processes,
+            "bf16-mixed" if mixed else "32-true", self.root_device, self.memory_budget_bytes, self.memory_margin)
+        rank_zero_info(auto.summary(record))
+
+    # --- forward, backward, step ---------------------------------------------------------------
+
+    def _before_forward(self, model: _Model) -> None:
+        self._start(model)
+        if model.engine is not None:
+            model.engine.before_forward()
+            model.engine.gather_root()
+
+    def _after_forward(self, model: _Model) -> None:
+        if model.engine is not None and not torch.is_grad_enabled():
+            model.engine.release_all()  # no backward will release the root
+
+    @override
+    def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+        scale = self.precision.loss_scale
+        (tensor * scale if scale != 1.0 else tensor).backward(*args, **kwargs)
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        zopt = _zero(optimizer).started()
+        self.precision.step_or_skip(zopt, self._steps, self.is_global_zero, **kwargs)
+        self._steps += 1
+
+    @override
+    def clip_gradients_norm(self, module: nn.Module, optimizer: Optimizer, max_norm: Union[float, int],
+                            norm_type: Union[float, int] = 2.0, error_if_nonfinite: bool = True) -> Tensor:
+        """Over the global norm of every rank's reduced gradient shards, as ``clip_grad_norm_`` over DDP's."""
+        if float(norm_type) != 2.0:
+            raise ValueError(f"`clip_gradients(norm_type={norm_type!r})`: lzero clips by the global L2 norm only."
+                             " HINT: use `norm_type=2` (the default), or `clip_val=` to clip by value.")
+        zopt = _zero(optimizer).started()
+        norm = zopt.engine.clip_grad_norm_(zopt.units, float(max_norm))
+        if error_if_nonfinite and not bool(torch.isfinite(norm)):
+            raise RuntimeError(f"The total norm of the gradients is {norm.item()}: non-finite, so they cannot be"
+                               " clipped. HINT: `fabric.clip_gradients(..., error_if_nonfinite=False)` lets the step"
+                               " skip it (see [Note: skipped steps] in lzero/precision.py).")
+        return norm
+
+    @override
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
+        zopt = _zero(optimizer).started()
+        zopt.engine.clip_grad_value_(zopt.units, float(clip_val))
+
+    @override
+    def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        """The full per-parameter state in torch's format, on every rank (a collective)."""
+        return _zero(optimizer).started().state_dict()
+
+    # --- state dicts and checkpoints -----------------------------------------------------------
+
+    def full_state_dict(self, model: _Model, to_all: bool = True) -> dict[str, Any]:
+        """``model``'s whole state dict (fp32 masters under mixed precision), on every rank or on rank 0 only. A
+        collective, refused within ``exception_checkpoint_timeout_s`` when a rank does not take part."""
+        self._start(model)
+        engine = model.engine
+        self._all_ranks_at("`model.state_dict()`")
+        model.inside = True
+        try:
+            if engine is None:
+                return model.module.state_dict()
+            engine.flush_delayed_update()
+            if engine.mixed:
+                return master_state_dict(engine, model.module, to_all=to_all)
+            if engine.gatherer is None:
+                return model.module.state_dict()
+            return consolidate(engine, sharded_state_dict(engine, model.module), to_all=to_all)
+        finally:
+            model.inside = False
+
+    def load_full_state_dict(self, model: _Model, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+        """Into the shards and their fp32 masters, each rank reading only the pieces it owns. A collective."""
+        state_dict = _Loaded(state_dict)
+        self._start(model, weights=_StateDictWeights(state_dict) if has_meta(model.module) else None)
+        model.inside = True
+        try:
+            if model.engine is None:
+                model.module.load_state_dict(state_dict, strict=strict)
+                return
+            model.engine.flush_delayed_update()
+            load_module_state(model.engine, model.module, {"state_dict": state_dict}, strict)
+        finally:
+            model.inside = False
+
+    @override
+    def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        return self.full_state_dict(self._model_of(module))
+
+    @override
+    def load_module_state_dict(self, module: nn.Module, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+        self.load_full_state_dict(self._model_of(module), state_dict, strict)
+
+    @override
+    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Optional[Any] = None,
+                        filter: Optional[dict[str, Callable[[str, Any], bool]]] = None) -> None:
+        """``checkpoint_format="sharded"`` (the default): a checkpoint directory, every rank writing its own pieces
+        (the Trainer's layout, see [Note: sharded checkpoint layout]); ``"full"``: one file on rank 0 that
+        ``torch.load(weights_only=True)`` reads, as Fabric's DDP writes it. A collective."""
+        self._all_ranks_at("`fabric.save`")
+        filter = filter or {}
+        modules = {k: self._model_of(v) for k, v in state.items() if isinstance(v, nn.Module)}
+        for model in modules.values():
+            self._start(model)
+        if self.config.checkpoint_format == "sharded" and any(m.engine is not None for m in modules.values()):
+            self._save_sharded(Path(path), state, modules, filter)
+            return
+        out: dict[str, Any] = {}
+        for key, value in state.items():
+            if key in modules:
+                value = self.full_state_dict(modules[key], to_all=False)
+            elif isinstance(value, ZeroOptimizer):
+                value = gather_optimizer_state(value.started())
+            elif hasattr(value, "state_dict") and callable(value.state_dict):
+                value = value.state_dict()
+            if key in filter and isinstance(value, dict):
+                value = {k: v for k, v in value.items() if filter[key](k, v)}
+            out[key] = value
+        if self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(checkpoint=out, path=path, storage_options=storage_options)
+
+    def _save_sharded(self, path: Path, state: dict[str, Any], modules: dict[str, _Model],
+                      filter: dict[str, Callable[[str, Any], bool]]) -> None:
+        sharded = [k for k, m in modules.items() if m.engine is not None]
+        if len(sharded) > 1:
+            raise ValueError(f"`fabric.save` of several sharded models ({', '.join(sharded)}) in one checkpoint. HINT:"
+                             " save each model in a checkpoint of its own.")
+        key = sharded[0]
+        model = modules[key]
+        engine = model.engine
+        engine.flush_delayed_update()
+        optimizers = {k: v for k, v in state.items() if isinstance(v, ZeroOptimizer) and v in model.zero}
+        module_state = sharded_state_dict(engine, model.module)
+        if key in filter:
+            module_state = {k: v for k, v in module_state.items() if filter[key](k, v)}
+        checkpoint: dict[str, Any] = {"state_dict": module_state, FABRIC_KEYS: {"module": key, "optimizers": list(optimizers)}}
+        for name, value in state.items():
+            if name == key or name in optimizers:
+                continue
+            if isinstance(value, nn.Module):
+                value = self.full_state_dict(modules[name], to_all=False)
+            elif hasattr(value, "state_dict") and callable(value.state_dict):
+                value = value.state_dict()
+            if name in filter and isinstance(value, dict):
+                value = {k: v for k, v in value.items() if filter[name](k, v)}
+            checkpoint[name] = value
+        ordered = [model.zero.index(z) for z in optimizers.values()]
+        save_sharded(path, engine, [model.zero[i] for i in ordered], checkpoint, None, stage=self.config.stage,
+                     precision=self.precision.precision, front="fabric")
+
+    @override
+    def load_checkpoint(self, path: Any, state: Optional[Union[nn.Module, Optimizer, dict[str, Any]]] = None,
+                        strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """A sharded checkpoint directory (any world size, stage or offload choice) or a full file; ``state``'s
+        modules and optimizers are restored in place, its other entries replaced; the rest is returned."""
+        path = Path(path)
+        if not path.exists():
+            raise FileNotFoundError(f"Checkpoint `{path}` does not exist. HINT: check the path given to `fabric.load`.")
+        if is_sharded_checkpoint(path):
+            return self._load_sharded(ShardedCheckpoint(path), state, strict)
+        checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=True if weights_only is None else weights_only)
+        if not state:
+            return checkpoint
+        if isinstance(state, nn.Module):
+            self.load_full_state_dict(self._model_of(state), checkpoint, strict)
+            return {}
+        if isinstance(state, Optimizer):
+            _zero(state).started().load_state_dict(checkpoint)
+            return {}
+        missing = [k for k in state if k not in checkpoint]
+        if strict and missing:
+            raise KeyError(f"The checkpoint `{path}` has no {missing}. HINT: pass `strict=False` to load the rest.")
+        for name, obj in list(state.items()):
+            if name not in checkpoint:
+                continue
+            value = checkpoint.pop(name)
+            if isinstance(obj, nn.Module):
+                self.load_full_state_dict(self._model_of(obj), value, strict)
+            elif isinstance(obj, ZeroOptimizer):
+                obj.started().load_state_dict(value)
+            elif hasattr(obj, "load_state_dict") and callable(obj.load_state_dict):
+                obj.load_state_dict(value)
+            else:
+                state[name] = value
+        return checkpoint
+
+    def _load_sharded(self, reader: ShardedCheckpoint, state: Any, strict: bool) -> dict[str, Any]:
+        common = {k: v for k, v in reader.lightning_state().items() if not k.startswith("lzero/")}
+        keys = common.pop(FABRIC_KEYS, None) or {"module": "state_dict", "optimizers": []}
+        common.pop("state_dict", None)
+        module_key, optimizer_keys = keys["module"], list(keys["optimizers"])
+        checkpoint = {READER: reader, "state_dict": None}
+        if isinstance(state, nn.Module):
+            state = {module_key: state}
+        if not state:
+            return {module_key: reader.full_state_dict(), **common}
+        missing = [k for k in state if k != module_key and k not in optimizer_keys and k not in common]
+        if strict and missing:
+            raise KeyError(f"The checkpoint `{reader.path}` has no {missing}. HINT: pass `strict=False` to load the rest.")
+        module = state.get(module_key)
+        if module is not None:
+            model = self._model_of(module)
+            self._start(model, weights=_ReaderWeights(reader) if has_meta(model.module) else None)
+            if model.engine is None:
+                model.module.load_state_dict(reader.full_state_dict(), strict=strict)
+            else:
+                load_module_state(model.engine, model.module, checkpoint, strict)
+        optimizers = [state[k] for k in optimizer_keys if k in state]
+        if optimizers:
+            load_optimizer_states([_zero(o).started() for o in optimizers], checkpoint)
+        restore_rng(reader, self.global_rank, self.world_size)
+        for name, obj in list(state.items()):
+            if name == module_key or name in optimizer_keys or name not in common:
+                continue
+            value = common.pop(name)
+            if hasattr(obj, "load_state_dict") and callable(obj.load_state_dict) and not isinstance(obj, nn.Module):
+                obj.load_state_dict(value)
+            else:
+                state[name] = value
+        return common
+
+    def _all_ranks_at(self, what: str) -> None:
+        """Every rank reached the collective ``what`` within ``exception_checkpoint_timeout_s``, or a clear error."""
+        if self.world_size == 1:
+            return
+        import torch.distributed as dist
+
+        if self._check_group is None:
+            self._check_group = dist.new_group(
+                backend="gloo", timeout=timedelta(seconds=self.config.exception_checkpoint_timeout_s))
+        try:
+            dist.barrier(group=self._check_group)
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"{what} is a collective under lzero (every rank gathers or writes its pieces), but not every rank"
+                f" reached it within exception_checkpoint_timeout_s={self.config.exception_checkpoint_timeout_s:g} s"
+                f" ({err}). HINT: call it on every rank, not inside `if fabric.global_rank == 0:`.") from err
+
+    # --- the rest of Fabric's calls --------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def generation(self, module: nn.Module, mode: Literal["gathered"] = "gathered") -> Generator:
+        """Stage 3, for generation on some ranks only (a sample on rank 0): entered on every rank (a collective), it
+        gathers every block once, so forwards inside run no collective. See ``ZeroStrategy.generation``."""
+        model = self._model_of(module)
+        self._start(model)
+        if model.engine is None or model.engine.gatherer is None:
+            yield
+            return
+        with model.engine.gatherer.all_gathered(), synced_generation(model.module, False):
+            yield
+
+    @override
+    def teardown(self) -> None:
+        self._close_recording()
+        for model in self._models:
+            if model.engine is not None:
+                model.engine.flush_delayed_update()
+            model.undo.close()
+        self._models = []
+        if self._check_group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group(self._check_group)
+            self._check_group = None
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        import _lzero_startup
+
+        _lzero_startup.register(strategy_registry, fabric=True)
+
+
+class _ZeroBackwardSyncControl(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model, enabled=True)``: the accumulating micro-steps reduce nothing."""
+
+    def __init__(self, strategy: ZeroFabricStrategy) -> None:
+        self.strategy = strategy
+
+    @override
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
+        if not enabled:
+            return contextlib.nullcontext()
+        model = self.strategy._model_of(module)
+        self.strategy._start(model)
+        return model.engine.no_sync() if model.engine is not None else contextlib.nullcontext()
+
+
+def _zero(optimizer: Any) -> ZeroOptimizer:
+    from lightning.fabric.wrappers import _FabricOptimizer
+
+    inner = optimizer.optimizer if isinstance(optimizer, _FabricOptimizer) else optimizer
+    if not isinstance(inner, ZeroOptimizer):
+        raise TypeError(f"`{type(inner).__name__}` was not set up by lzero's strategy. HINT: pass the optimizer"
+                        " returned by `fabric.setup_optimizers` (or `fabric.setup`).")
+    return inner
+
+
+def _fresh_parameters(module: nn.Module) -> None:
+    """New ``Parameter`` objects over the same data (tied ones stay tied); quantized and other parameter classes are
+    kept as they are."""
+    made: dict[int, nn.Parameter] = {}
+    for owner in module.modules():
+        for name, p in list(owner._parameters.items()):
+            if p is None or type(p) is not nn.Parameter:
+                continue
+            if id(p) not in made:
+                made[id(p)] = nn.Parameter(p.data, requires_grad=p.requires_grad)
+            owner._parameters[name] = made[id(p)]
+
+
+def _placeholders(module: nn.Module, device: torch.device) -> dict[int, tuple[nn.Parameter, nn.Parameter]]:
+    """Each meta parameter replaced by a placeholder of its shape, dtype and class over one element of memory (an
+    expanded zero), so that an optimizer can be built from ``parameters()``. See [Note: the engine starts at first
+    use]."""
+    made: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+    by_meta: dict[int, nn.Parameter] = {}
+    for owner in module.modules():
+        for name, p in list(owner._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            if id(p) not in by_meta:
+                data = torch.zeros((), dtype=p.dtype, device=device).expand(p.shape)
+                holder = nn.Parameter(data, requires_grad=p.requires_grad) if type(p) is nn.Parameter else \
+                    torch.Tensor._make_subclass(type(p), data, p.requires_grad)
+                by_meta[id(p)] = holder
+                made[id(holder)] = (holder, p)
+            owner._parameters[name] = by_meta[id(p)]
+    return made
+
+
+def _swap_parameters(module: nn.Module, optimizers: list[ZeroOptimizer], new: dict[int, nn.Parameter]) -> None:
+    """Parameters ``id -> replacement`` in the module and in the optimizers' param groups (no state yet)."""
+    for owner in module.modules():
+        for name, p in list(owner._parameters.items()):
+            if p is not None and id(p) in new:
+                owner._parameters[name] = new[id(p)]
+    for zopt in optimizers:
+        for group in zopt.optimizer.param_groups:
+            group["params"] = [new.get(id(p), p) for p in group["params"]]
+
+
+@contextlib.contextmanager
+def _state_dict_shadows(strategy: ZeroFabricStrategy, model: _Model) -> Iterator[None]:
+    """``module.state_dict()`` and ``module.load_state_dict(...)`` on the set-up module (Fabric's wrapper sends both
+    to it) work on the whole model, as FSDP's full state dict: collectives, on every rank. lzero's own reads of the
+    module's state dict (``model.inside``) see the module's own."""
+    module = model.module
+    own_state, own_load = type(module).state_dict, type(module).load_state_dict
+
+    def state_dict(*args: Any, destination: Optional[dict] = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        if model.inside or args:  # lzero's own reads (and torch's deprecated positional form)
+            return own_state(module, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        full = strategy.full_state_dict(model)
+        out = destination if destination is not None else {}
+        out.update({prefix + k: v for k, v in full.items()})
+        return out
+
+    def load_state_dict(state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
+        if model.inside:
+            return own_load(module, state_dict, strict=strict, assign=assign)
+        strategy.load_full_state_dict(model, state_dict, strict)
+        return torch.nn.modules.module._IncompatibleKeys([], [])
+
+    module.__dict__["state_dict"] = state_dict
+    module.__dict__["load_state_dict"] = load_state_dict
+    try:
+        yield
+    finally:
+        module.__dict__.pop("state_dict", None)
+        module.__dict__.pop("load_state_dict", None)
+
+
+class _Loaded(Mapping):
+    """A state dict whose tensors may be Lightning's lazily loaded ones (``lazy_load``, litgpt's reader): each is read
+    when asked for."""
+
+    def __init__(self, state_dict: Mapping[str, Any]) -> None:
+        self._state = state_dict
+
+    def __getitem__(self, key: str) -> Any:
+        value = self._state[key]
+        return value._load_tensor() if hasattr(value, "_load_tensor") else value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._state)
+
+    def __len__(self) -> int:
+        return len(self._state)
+
+
+class _StateDictWeights:
+    """A plain state dict being loaded, as the engine reads a checkpoint into a meta model's shards (``WeightSource``
+    in materialize.py)."""
+
+    over_replay = True  # what it does not hold comes from the model's replayed construction (replay.py)
+
+    def __init__(self, state_dict: Mapping[str, Any]) -> None:
+        self._state = state_dict
+
+    def holds(self, name: str) -> bool:
+        return name in self._state
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[Callable[[str, int, int, Tensor], None]]:
+        def read(name: str, start: int, end: int, out: Tensor) -> None:
+            out.copy_(self._state[name].detach().reshape(-1)[start:end])
+
+        yield read
+
+    def finish(self, root: nn.Module, all_reduce_max: Callable[[Tensor], None], device: torch.device) -> None:
+        pass
+
+
+class _ReaderWeights(_StateDictWeights):
+    """A sharded checkpoint being loaded, read by range."""
+
+    def __init__(self, reader: ShardedCheckpoint) -> None:
+        self._reader = reader
+        self._names = set(reader.manifest["params"]) | set(reader.lightning_state()["lzero/module_state"])
+
+    def holds(self, name: str) -> bool:
+        return name in self._names
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[Callable[[str, int, int, Tensor], None]]:
+        rest = self._reader.lightning_state()["lzero/module_state"]
+
+        def read(name: str, start: int, end: int, out: Tensor) -> None:
+            if name in rest:
+                out.copy_(rest[name].reshape(-1)[start:end])
+            else:
+                out.copy_(self._reader.read_range(f"param/{name}", start, end))
+
+        yield read
+
+
+def build_preset(name: str, **init_params: Any) -> ZeroFabricStrategy:
+    """The Fabric strategy a registered name (``lzero.presets.PRESET_CONFIGS``) stands for."""
+    from lzero.presets import PRESET_CONFIGS
+
+    return ZeroFabricStrategy(**{**PRESET_CONFIGS[name], **init_params})
