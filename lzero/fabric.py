@@ -199,6 +199,11 @@ class ZeroFabricStrategy(DDPStrategy):
         self._close_recording()
         if any(m.module is module for m in self._models):
             raise RuntimeError(f"`{type(module).__name__}` is set up already. HINT: call `fabric.setup` once per model.")
+        if self._check_group is None and self.world_size > 1:  # for _all_ranks_at; made while every rank is here
+            import torch.distributed as dist
+
+            self._check_group = dist.new_group(
+                backend="gloo", timeout=timedelta(seconds=self.config.exception_checkpoint_timeout_s))
         model = _Model(module)
         if has_meta(module):  # Fabric refuses optimizers over meta tensors: they get placeholders until the start
             model.meta = _placeholders(module, self.root_device)
@@ -335,9 +340,9 @@ class ZeroFabricStrategy(DDPStrategy):
     def full_state_dict(self, model: _Model, to_all: bool = True) -> dict[str, Any]:
         """``model``'s whole state dict (fp32 masters under mixed precision), on every rank or on rank 0 only. A
         collective, refused within ``exception_checkpoint_timeout_s`` when a rank does not take part."""
+        self._all_ranks_at("`model.state_dict()`")
         self._start(model)
         engine = model.engine
-        self._all_ranks_at("`model.state_dict()`")
         model.inside = True
         try:
             if engine is None:
@@ -467,8 +472,9 @@ class ZeroFabricStrategy(DDPStrategy):
         return checkpoint
 
     def _load_sharded(self, reader: ShardedCheckpoint, state: Any, strict: bool) -> dict[str, Any]:
-        common = {k: v for k, v in reader.lightning_state().items() if not k.startswith("lzero/")}
-        keys = common.pop(FABRIC_KEYS, None) or {"module": "state_dict", "optimizers": []}
+        saved = reader.lightning_state()
+        common = {k: v for k, v in saved.items() if not k.startswith("lzero/")}
+        keys = saved.get(FABRIC_KEYS) or {"module": "state_dict", "optimizers": []}  # a Trainer's: its module state
         common.pop("state_dict", None)
         module_key, optimizer_keys = keys["module"], list(keys["optimizers"])
         checkpoint = {READER: reader, "state_dict": None}
@@ -507,9 +513,6 @@ class ZeroFabricStrategy(DDPStrategy):
             return
         import torch.distributed as dist
 
-        if self._check_group is None:
-            self._check_group = dist.new_group(
-                backend="gloo", timeout=timedelta(seconds=self.config.exception_checkpoint_timeout_s))
         try:
             dist.barrier(group=self._check_group)
         except RuntimeError as err:

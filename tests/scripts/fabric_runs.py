@@ -1,0 +1,75 @@
+"""One Fabric training script, as people write them, run under a strategy name: a model built with
+``init_module(empty_init=True)`` and initialized after it (litgpt's pattern), set up alone, an optimizer built from
+the set-up model, an LR scheduler, gradient accumulation under ``no_backward_sync``, clipping by norm, a checkpoint
+after step 2, ``model.state_dict()`` on every rank; and the calls lzero refuses. Rank 0 writes a result file.
+
+    python fabric_runs.py STRATEGY OUT [--resume CKPT] [--devices N]
+"""
+
+import argparse
+import time
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from lzero.demo.model import GPT, GPTConfig
+
+parser = argparse.ArgumentParser()
+parser.add_argument("strategy")
+parser.add_argument("out")
+parser.add_argument("--resume")
+parser.add_argument("--devices", type=int, default=2)
+parser.add_argument("--precision", default="32-true")
+args = parser.parse_args()
+
+strategy = args.strategy
+if strategy.endswith("_full"):  # a full checkpoint file instead of a sharded directory
+    from lzero.fabric import ZeroFabricStrategy
+
+    strategy = ZeroFabricStrategy(stage=int(strategy[4]), checkpoint_format="full")
+fabric = L.Fabric(accelerator="cpu", devices=args.devices, strategy=strategy, precision=args.precision)
+fabric.launch()
+fabric.seed_everything(0)
+config = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
+with fabric.init_module(empty_init=True):
+    model = GPT(config)
+model.apply(GPT._init_weights)  # after the context, on the meta model under zero3 (litgpt's pretrain does this)
+result = {}
+stale = torch.optim.SGD(GPT(config).parameters(), lr=0.1)  # another model's optimizer, built before its setup
+model = fabric.setup_module(model)
+optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1))
+initial = {k: v.clone() for k, v in model.state_dict().items()}  # every rank
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s))
+state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
+if args.resume:
+    fabric.load(args.resume, state)
+data = torch.randint(0, 64, (16, 2, 17), generator=torch.Generator().manual_seed(1))
+losses, norms = [], []
+world = fabric.world_size
+while state["step"] < 4:
+    step = state["step"]
+    for micro in range(2):
+        batch = torch.cat([data[step * 4 + micro * 2 + r] for r in range(2)])[fabric.global_rank::world]
+        with fabric.no_backward_sync(model, enabled=micro == 0):
+            logits = model(batch[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, 64), batch[:, 1:].reshape(-1))
+            fabric.backward(loss / 2)
+        losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
+    norms.append(fabric.clip_gradients(model, optimizer, max_norm=0.5).item())
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+    state["step"] += 1
+    if state["step"] == 2 and not args.resume:
+        fabric.save(f"{args.out}.ckpt", state)
+final = model.state_dict()
+refused = {}
+if world > 1:
+    try:
+        fabric.setup_optimizers(stale)
+    except Exception as err:  # noqa: BLE001 - the message is the result
+        refused["stale_optimizer"] = f"{type(err).__name__}: {err}"
+if fabric.global_rank == 0:
+    torch.save({"losses": losses, "norms": norms, "initial": initial, "final": final, "refused": refused,
+                "lr": scheduler.get_last_lr()}, args.out)
