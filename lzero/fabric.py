@@ -287,6 +287,12 @@ class ZeroFabricStrategy(DDPStrategy):
             "bf16-mixed" if mixed else "32-true", self.root_device, self.memory_budget_bytes, self.memory_margin)
         rank_zero_info(auto.summary(record))
 
+    def engine_of(self, optimizer: Any) -> tuple[Optional[ZeroEngine], list[ZeroOptimizer]]:
+        """The engine that ``optimizer`` steps and all the optimizers of its model (for :class:`lzero.MemoryMonitor`)."""
+        zopt = _zero(optimizer)
+        model = next((m for m in self._models if any(z is zopt for z in m.zero)), None)
+        return (model.engine, model.zero) if model is not None else (None, [])
+
     # --- forward, backward, step ---------------------------------------------------------------
 
     def _before_forward(self, model: _Model) -> None:

@@ -43,7 +43,12 @@ TRAFFIC = ("reduce", "all_gather", "to_host", "to_device", "nvme_read", "nvme_wr
 
 
 class MemoryMonitor(Callback):
-    """See [Note: what the memory monitor logs]. ``every_n_steps``: None follows ``log_every_n_steps``."""
+    """See [Note: what the memory monitor logs]. ``every_n_steps``: None follows the Trainer's ``log_every_n_steps``
+    (under Fabric: 50).
+
+    Under Fabric it is a Fabric callback: ``Fabric(strategy="zero3", callbacks=[MemoryMonitor()], loggers=...)``
+    logs through ``fabric.log_dict`` after every ``every_n_steps``-th optimizer step (the model set up with
+    ``fabric.setup``, which hands the callback the Fabric)."""
 
     def __init__(self, every_n_steps: Optional[int] = None) -> None:
         self.every_n_steps = every_n_steps
@@ -51,9 +56,11 @@ class MemoryMonitor(Callback):
         self._traffic_at: dict[str, int] = {}
         self._steps_at = 0
         self.cost_s: list[float] = []  # what each logged step's monitoring took on this rank
+        self._fabric: Any = None
+        self._fabric_steps = 0
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._traffic_at, self._steps_at = self._traffic(trainer), trainer.global_step
+        self._traffic_at, self._steps_at = _traffic(trainer.strategy.engine), trainer.global_step
         _reset_peak(trainer.strategy.root_device)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
@@ -63,28 +70,49 @@ class MemoryMonitor(Callback):
         if step == self._last_step or step % every or getattr(trainer.strategy, "engine", None) is None:
             return  # no optimizer step since the last call (accumulating), or not a logging step
         self._last_step = step
-        start = time.perf_counter()
-        names, values = self._measure(trainer)
-        cost = time.perf_counter() - start
-        names.append("memory/monitor_seconds")
-        values.append(cost)
-        engine = trainer.strategy.engine
-        device = engine.units[0].flat_param.device if engine.units else torch.device("cpu")
-        mine = torch.tensor(values, dtype=torch.float64, device=device)
-        every_rank = torch.empty(mine.numel() * engine.world_size, dtype=torch.float64, device=device)
-        collectives.all_gather(every_rank, mine, engine.group)  # one collective, every rank's values
-        self.cost_s.append(time.perf_counter() - start)
-        if trainer.is_global_zero and trainer.logger is not None:
-            table = every_rank.view(engine.world_size, -1).tolist()
-            metrics = {f"{name}/rank{r}": row[i] for r, row in enumerate(table) for i, name in enumerate(names)
-                       if row[i] == row[i]}  # NaN: not known on this rank
-            trainer.logger.log_metrics(metrics, step=step)
+        log = trainer.logger.log_metrics if trainer.is_global_zero and trainer.logger is not None else None
+        self.log_now(trainer.strategy.engine, trainer.strategy.optimizers, trainer.strategy.root_device, step, log)
+
+    # --- Fabric's hooks --------------------------------------------------------------------------
+
+    def on_after_setup(self, fabric: Any, module: Any) -> None:
+        self._fabric = fabric
+
+    def on_after_optimizer_step(self, strategy: Any, optimizer: Any) -> None:
+        engine_of = getattr(strategy, "engine_of", None)
+        engine, optimizers = engine_of(optimizer) if engine_of is not None else (None, [])
+        if engine is None or optimizer is not optimizers[0]:
+            return  # not lzero's, or a later optimizer of the same step
+        if self._fabric_steps == 0:
+            self._traffic_at, self._steps_at = _traffic(engine), 0
+        self._fabric_steps += 1
+        if self._fabric_steps % (self.every_n_steps or 50):
+            return
+        fabric = self._fabric
+        log = fabric.log_dict if fabric is not None and fabric.global_rank == 0 else None
+        self.log_now(engine, optimizers, strategy.root_device, self._fabric_steps, log)
 
     # --- measuring ---------------------------------------------------------------------------
 
-    def _measure(self, trainer: Trainer) -> tuple[list[str], list[float]]:
-        engine, strategy = trainer.strategy.engine, trainer.strategy
-        by_store = model_state_bytes(engine, strategy.optimizers)
+    def log_now(self, engine: Any, optimizers: list, device: torch.device, step: int, log: Any) -> None:
+        """Measure on every rank (a collective: one all-gather) and hand rank 0's table to ``log(metrics, step)``."""
+        start = time.perf_counter()
+        names, values = self._measure(engine, optimizers, device, step)
+        names.append("memory/monitor_seconds")
+        values.append(time.perf_counter() - start)
+        at = engine.units[0].flat_param.device if engine.units else torch.device("cpu")
+        mine = torch.tensor(values, dtype=torch.float64, device=at)
+        every_rank = torch.empty(mine.numel() * engine.world_size, dtype=torch.float64, device=at)
+        collectives.all_gather(every_rank, mine, engine.group)  # one collective, every rank's values
+        self.cost_s.append(time.perf_counter() - start)
+        if log is not None:
+            table = every_rank.view(engine.world_size, -1).tolist()
+            metrics = {f"{name}/rank{r}": row[i] for r, row in enumerate(table) for i, name in enumerate(names)
+                       if row[i] == row[i]}  # NaN: not known on this rank
+            log(metrics, step)
+
+    def _measure(self, engine: Any, optimizers: list, device: torch.device, step: int) -> tuple[list[str], list[float]]:
+        by_store = model_state_bytes(engine, optimizers)
         names, values = [], []
         stores = sorted({s.memory for s in engine.stores} | {"device"} | ({"nvme"} if "nvme" in by_store else set()))
         for store in stores:
@@ -94,31 +122,30 @@ class MemoryMonitor(Callback):
         names.append("memory/model_states_bytes")
         values.append(float(sum(v for s in by_store.values() for k, v in s.items() if k != "buffers")))
         names.append("memory/model_states_expected_bytes")
-        values.append(_expected(engine, strategy.optimizers))
-        peak_name, peak = _peak(strategy.root_device)
+        values.append(_expected(engine, optimizers))
+        peak_name, peak = _peak(device)
         names.append(peak_name)
         values.append(peak)
-        now, steps = self._traffic(trainer), max(1, trainer.global_step - self._steps_at)
+        now, steps = _traffic(engine), max(1, step - self._steps_at)
         for kind in TRAFFIC:
             names.append(f"comm/{kind}_bytes_per_step")
             values.append((now[kind] - self._traffic_at.get(kind, 0)) / steps)
-        self._traffic_at, self._steps_at = now, trainer.global_step
-        _reset_peak(strategy.root_device)
+        self._traffic_at, self._steps_at = now, step
+        _reset_peak(device)
         return names, values
 
-    @staticmethod
-    def _traffic(trainer: Trainer) -> dict[str, int]:
-        out = dict.fromkeys(TRAFFIC, 0)
-        out.update(collectives.TRAFFIC)
-        engine = getattr(trainer.strategy, "engine", None)
-        for store in engine.stores if engine is not None else []:
-            for kind, nbytes in getattr(store, "copied", {}).items():
-                out[kind] += nbytes
-            files = getattr(store, "files", None)
-            if files is not None:
-                out["nvme_read"] += files.bytes_read
-                out["nvme_write"] += files.bytes_written
-        return out
+
+def _traffic(engine: Any) -> dict[str, int]:
+    out = dict.fromkeys(TRAFFIC, 0)
+    out.update(collectives.TRAFFIC)
+    for store in engine.stores if engine is not None else []:
+        for kind, nbytes in getattr(store, "copied", {}).items():
+            out[kind] += nbytes
+        files = getattr(store, "files", None)
+        if files is not None:
+            out["nvme_read"] += files.bytes_read
+            out["nvme_write"] += files.bytes_written
+    return out
 
 
 def _expected(engine: Any, optimizers: list) -> float:
