@@ -33,13 +33,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--accumulate", type=int, default=2)
     parser.add_argument("--save-every", type=int, default=10)
+    parser.add_argument("--log-memory-every", type=int, default=5, help="optimizer steps between memory logs")
     parser.add_argument("--resume", help="a checkpoint written by this script (any strategy, world size)")
     parser.add_argument("--init-from", help="a plain state_dict file (torch.save(model.state_dict(), path))")
     args = parser.parse_args()
     out = Path(args.out)
 
     fabric = L.Fabric(accelerator="cpu", devices=args.devices, strategy=args.strategy, precision=args.precision,
-                      loggers=TensorBoardLogger(out / "logs"), callbacks=[lzero.MemoryMonitor(every_n_steps=5)])
+                      loggers=TensorBoardLogger(out / "logs"), callbacks=[lzero.MemoryMonitor(every_n_steps=args.log_memory_every)])
     fabric.launch()
     fabric.seed_everything(1234)
 

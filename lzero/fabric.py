@@ -47,7 +47,8 @@ from lzero.checkpoint.full_state import gather_optimizer_state
 from lzero.checkpoint.reader import ShardedCheckpoint, is_sharded_checkpoint
 from lzero.checkpoint.resume import READER, load_module_state, load_optimizer_states
 from lzero.checkpoint.sharded import restore_rng, save_sharded
-from lzero.checkpoint.state_dict import master_state_dict, module_state_dict, sharded_state_dict, consolidate
+from lzero.checkpoint.state_dict import (ShardedTensor, consolidate, keys_as_loaded, master_state_dict,
+                                         sharded_state_dict)
 from lzero.config import ZeroConfig, ZeroConfigError
 from lzero.engine import activation_checkpointing as checkpointing
 from lzero.engine.engine import ZeroEngine
@@ -72,6 +73,11 @@ class _Model:
     undo: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # hooks and shadows, until teardown
     inside: bool = False  # lzero itself is reading the module's state dict
     meta: dict[int, tuple[nn.Parameter, nn.Parameter]] = field(default_factory=dict)  # id(placeholder) -> it, meta
+
+    @property
+    def on_meta(self) -> bool:
+        """Not materialized yet (its meta parameters held by placeholders until the start)."""
+        return not self.started and (bool(self.meta) or has_meta(self.module))
 
     def owns(self, optimizer: Optimizer) -> bool:
         mine = {id(p) for p in self.module.parameters()}
@@ -211,8 +217,11 @@ class ZeroFabricStrategy(DDPStrategy):
             _fresh_parameters(module)
         self._models.append(model)
         model.undo.enter_context(_state_dict_shadows(self, model))
-        pre = module.register_forward_pre_hook(lambda *_: self._before_forward(model), prepend=True)
-        post = module.register_forward_hook(lambda *_: self._after_forward(model))
+        # run eagerly when the model is compiled (litgpt compiles it before setup): the start and the root's gather
+        # are collectives, which dynamo must not trace
+        pre = module.register_forward_pre_hook(torch.compiler.disable(lambda *_: self._before_forward(model)),
+                                               prepend=True)
+        post = module.register_forward_hook(torch.compiler.disable(lambda *_: self._after_forward(model)))
         model.undo.callback(pre.remove)
         model.undo.callback(post.remove)
         return module
@@ -363,9 +372,20 @@ class ZeroFabricStrategy(DDPStrategy):
             model.inside = False
 
     def load_full_state_dict(self, model: _Model, state_dict: Mapping[str, Any], strict: bool = True) -> None:
-        """Into the shards and their fp32 masters, each rank reading only the pieces it owns. A collective."""
-        state_dict = _Loaded(state_dict)
-        self._start(model, weights=_StateDictWeights(state_dict) if has_meta(model.module) else None)
+        """Into the shards and their fp32 masters, each rank reading only the pieces it owns. A collective. Keys as
+        the module's own loading takes them (its hooks may rename them: ``keys_as_loaded``)."""
+        state_dict = _Loaded(keys_as_loaded(model.module, state_dict))
+        if model.on_meta:  # materialized from this very state (and what it lacks, as built): nothing left to load
+            if strict:
+                own = type(model.module).state_dict(model.module, keep_vars=True)
+                missing, unexpected = [k for k in own if k not in state_dict], [k for k in state_dict if k not in own]
+                if missing or unexpected:
+                    raise RuntimeError(f"Error(s) in loading state_dict for {type(model.module).__name__}: missing keys"
+                                       f" {missing[:10]}, unexpected keys {unexpected[:10]}. HINT: load the checkpoint"
+                                       " of this model, or pass `strict=False`.")
+            self._start(model, weights=_StateDictWeights(state_dict))
+            return
+        self._start(model)
         model.inside = True
         try:
             if model.engine is None:
@@ -424,8 +444,11 @@ class ZeroFabricStrategy(DDPStrategy):
         engine.flush_delayed_update()
         optimizers = {k: v for k, v in state.items() if isinstance(v, ZeroOptimizer) and v in model.zero}
         module_state = sharded_state_dict(engine, model.module)
-        if key in filter:
+        kept = None
+        if key in filter:  # a sharded value reaches the filter as a ShardedTensor (shape, dtype, full_tensor())
             module_state = {k: v for k, v in module_state.items() if filter[key](k, v)}
+            names = {v.spec.name for v in module_state.values() if isinstance(v, ShardedTensor)}
+            kept = names.__contains__
         checkpoint: dict[str, Any] = {"state_dict": module_state, FABRIC_KEYS: {"module": key, "optimizers": list(optimizers)}}
         for name, value in state.items():
             if name == key or name in optimizers:
@@ -438,7 +461,7 @@ class ZeroFabricStrategy(DDPStrategy):
                 value = {k: v for k, v in value.items() if filter[name](k, v)}
             checkpoint[name] = value
         ordered = [model.zero.index(z) for z in optimizers.values()]
-        save_sharded(path, engine, [model.zero[i] for i in ordered], checkpoint, None, stage=self.config.stage,
+        save_sharded(path, engine, [model.zero[i] for i in ordered], checkpoint, None, kept, stage=self.config.stage,
                      precision=self.precision.precision, front="fabric")
 
     @override
@@ -494,7 +517,7 @@ class ZeroFabricStrategy(DDPStrategy):
         module = state.get(module_key)
         if module is not None:
             model = self._model_of(module)
-            self._start(model, weights=_ReaderWeights(reader) if has_meta(model.module) else None)
+            self._start(model, weights=_ReaderWeights(reader) if model.on_meta else None)
             if model.engine is None:
                 model.module.load_state_dict(reader.full_state_dict(), strict=strict)
             else:

@@ -40,9 +40,11 @@ class ShardedOptimizer(Protocol):
 def fill_shard(shard: Tensor, unit: "FlatUnit", fetch: Callable[["ParamSpec", int, int], Tensor]) -> Tensor:
     """Write into ``shard`` (1D: this rank's shard of ``unit``, or a tensor of its shape) the elements
     this rank owns of each parameter: ``fetch(spec, a, b)`` returns elements ``[a, b)`` of the
-    flattened parameter. Padding is left as it is. See [Note: owned pieces]."""
+    flattened parameter, or None to keep the elements there. Padding is left as it is. See [Note: owned pieces]."""
     for spec, a, b, s in unit.spec.owned_pieces(unit.rank):
-        shard[s : s + (b - a)].copy_(fetch(spec, a, b))
+        value = fetch(spec, a, b)
+        if value is not None:
+            shard[s : s + (b - a)].copy_(value)
     return shard
 
 

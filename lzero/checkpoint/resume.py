@@ -120,6 +120,9 @@ def load_module_state(engine: Optional["ZeroEngine"], module: nn.Module, checkpo
     if wrong or (strict and missing):
         raise ValueError(f"The checkpoint does not fit this model: {'; '.join(wrong + [f'`{n}` missing' for n in missing])}."
                          " HINT: resume with the model the checkpoint was saved from.")
+    if missing:  # strict=False: the parameters it lacks keep their values
+        absent, present = set(missing), fetch
+        fetch = lambda name, a, b: None if name in absent else present(name, a, b)  # noqa: E731
     load_params(engine, fetch)
     own = module.state_dict(keep_vars=True)
     managed = {id(p) for unit in engine.units for p in unit.params}

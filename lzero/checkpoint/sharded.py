@@ -66,18 +66,18 @@ def _rng_state() -> dict[str, Any]:
 
 
 @torch.no_grad()
-def _local_pieces(engine: "ZeroEngine", optimizers: Sequence[ShardedOptimizer]) -> tuple[dict[str, Tensor],
-                                                                                          dict[str, Any]]:
+def _local_pieces(engine: "ZeroEngine", optimizers: Sequence[ShardedOptimizer],
+                  kept: Optional[Callable[[str], bool]] = None) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """This rank's tensors by key, and each key's [a, b) range within its flattened parameter (None
-    for 0-dim state)."""
+    for 0-dim state); ``kept``: only the parameters whose name it accepts (a filtered save)."""
     tensors: dict[str, Tensor] = {}
     ranges: dict[str, Any] = {}
     owner = {u.spec.index: (k, z) for k, z in enumerate(optimizers) for u in z.units}
     for unit in engine.units:
         if unit.store.in_memory:
-            _unit_pieces(unit, owner, tensors, ranges)
+            _unit_pieces(unit, owner, tensors, ranges, kept=kept)
         else:  # NVMe: laid out from the placeholders' shapes, read when written (see _StreamedUnit)
-            _StreamedUnit(unit, owner).pieces_into(tensors, ranges)
+            _StreamedUnit(unit, owner, kept).pieces_into(tensors, ranges)
     return tensors, ranges
 
 
@@ -97,15 +97,16 @@ class _StreamedUnit:
     the writer reaches its first piece and is released after its last, so a save holds one unit's state in
     memory at a time, never the rank's whole state."""
 
-    def __init__(self, unit: "FlatUnit", owner: dict[int, tuple[int, ShardedOptimizer]]) -> None:
-        self.unit, self.owner = unit, owner
+    def __init__(self, unit: "FlatUnit", owner: dict[int, tuple[int, ShardedOptimizer]],
+                 kept: Optional[Callable[[str], bool]] = None) -> None:
+        self.unit, self.owner, self.kept = unit, owner, kept
         self.stack: Optional[contextlib.ExitStack] = None
         self.values: dict[str, Tensor] = {}
         self.left: set[str] = set()
 
     def pieces_into(self, tensors: dict[str, Any], ranges: dict[str, Any]) -> None:
         layout: dict[str, Tensor] = {}
-        _unit_pieces(self.unit, self.owner, layout, ranges)  # the placeholders have the real shapes and dtypes
+        _unit_pieces(self.unit, self.owner, layout, ranges, kept=self.kept)  # the placeholders' shapes and dtypes
         for name, like in layout.items():
             tensors[name] = _Deferred(self, name, like)
         self.left = set(layout)
@@ -114,7 +115,7 @@ class _StreamedUnit:
         if self.stack is None:
             self.stack = contextlib.ExitStack()
             self.stack.enter_context(self.unit.resident())
-            _unit_pieces(self.unit, self.owner, self.values, {}, copy=False)
+            _unit_pieces(self.unit, self.owner, self.values, {}, copy=False, kept=self.kept)
         value = self.values.pop(name)
         self.left.discard(name)
         if not self.left:
@@ -125,11 +126,15 @@ class _StreamedUnit:
 
 
 def _unit_pieces(unit: "FlatUnit", owner: dict[int, tuple[int, ShardedOptimizer]], tensors: dict[str, Tensor],
-                 ranges: dict[str, Any], copy: bool = False) -> None:
-    """One unit's pieces into ``tensors`` and ``ranges``: views of its shards (``copy``: copies)."""
+                 ranges: dict[str, Any], copy: bool = False, kept: Optional[Callable[[str], bool]] = None) -> None:
+    """One unit's pieces into ``tensors`` and ``ranges``: views of its shards (``copy``: copies); ``kept``: only the
+    parameters whose name it accepts."""
     keep = (lambda t: t.clone()) if copy else (lambda t: t)
+    wanted = kept if kept is not None else (lambda name: True)
     master = unit.master_shard.detach()
     for spec, a, b, piece in shard_pieces(unit, master):
+        if not wanted(spec.name):
+            continue
         tensors[f"param/{spec.name}"], ranges[f"param/{spec.name}"] = keep(piece), [a, b]
     if unit.spec.index not in owner:  # a frozen unit: no optimizer state
         return
@@ -138,24 +143,28 @@ def _unit_pieces(unit: "FlatUnit", owner: dict[int, tuple[int, ShardedOptimizer]
     for key, value in state.items():
         if isinstance(value, Tensor) and value.shape == master.shape:  # per element: this rank's pieces
             for spec, a, b, piece in shard_pieces(unit, value):
+                if not wanted(spec.name):
+                    continue
                 name = f"optim/{k}/{spec.name}/{key}"
                 tensors[name], ranges[name] = keep(piece), [a, b]
             continue
         for spec, _, _ in unit.spec.param_ranges():  # 0-dim (``step``): whole, under every parameter
+            if not wanted(spec.name):
+                continue
             name = f"optim/{k}/{spec.name}/{key}"
             tensors[name] = value.detach().clone() if isinstance(value, Tensor) else torch.tensor(value)
             ranges[name] = None
 
 
-def describe(engine: "ZeroEngine", checkpoint: dict[str, Any], **fields: Any) -> tuple[dict[str, Tensor],
-                                                                                      dict[str, Any]]:
+def describe(engine: "ZeroEngine", checkpoint: dict[str, Any], kept: Optional[Callable[[str], bool]] = None,
+             **fields: Any) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """The module's tensors outside every unit (buffers, frozen parameters), and the manifest's
     description of the model: parameter shapes, the state dict's keys in order, tied keys (``aliases``:
     key -> the parameter name it shares), step and epoch, plus ``fields``. ``checkpoint["state_dict"]``
     is the sharded form (:func:`lzero.checkpoint.state_dict.sharded_state_dict`)."""
     state = checkpoint.get("state_dict", {})
     params = {spec.name: {"shape": list(spec.shape), "numel": spec.numel, **({"frozen": True} if spec.frozen else {})}
-              for unit in engine.units for spec in unit.spec.params}
+              for unit in engine.units for spec in unit.spec.params if kept is None or kept(spec.name)}
     manifest = {
         **fields, "global_step": checkpoint.get("global_step"), "epoch": checkpoint.get("epoch"),
         "pytorch-lightning_version": checkpoint.get("pytorch-lightning_version"),
@@ -167,15 +176,17 @@ def describe(engine: "ZeroEngine", checkpoint: dict[str, Any], **fields: Any) ->
 
 
 def save_sharded(path: Any, engine: "ZeroEngine", optimizers: Sequence[ShardedOptimizer], checkpoint: dict[str, Any],
-                 saver: Optional["AsyncSaver"], **fields: Any) -> None:
+                 saver: Optional["AsyncSaver"], kept: Optional[Callable[[str], bool]] = None, **fields: Any) -> None:
     """Write ``checkpoint`` (its ``state_dict`` in the sharded form) as a checkpoint directory at ``path``,
     with the state of ``optimizers`` (none: a weights-only checkpoint) and ``fields`` in the manifest:
-    at once (a collective on the engine's group), or with ``saver`` on its background thread."""
-    module_state, extra = describe(engine, checkpoint, weights_only=not optimizers, **fields)
+    at once (a collective on the engine's group), or with ``saver`` on its background thread. ``kept``: only the
+    parameters whose name it accepts, and their optimizer state (Fabric's ``filter=``)."""
+    module_state, extra = describe(engine, checkpoint, kept, weights_only=not optimizers, **fields)
     if saver is None:
-        SaveJob(path, engine, optimizers, checkpoint, module_state, extra, engine.group, snapshot=False).run()
+        SaveJob(path, engine, optimizers, checkpoint, module_state, extra, engine.group, snapshot=False, kept=kept).run()
         return
-    saver.submit(SaveJob(path, engine, optimizers, checkpoint, module_state, extra, saver.group, snapshot=True))
+    saver.submit(SaveJob(path, engine, optimizers, checkpoint, module_state, extra, saver.group, snapshot=True,
+                         kept=kept))
 
 
 class SaveJob:
@@ -185,7 +196,8 @@ class SaveJob:
 
     def __init__(self, path: Any, engine: "ZeroEngine", optimizers: Sequence[ShardedOptimizer],
                  checkpoint: dict[str, Any], module_state: dict[str, Tensor], extra_manifest: dict[str, Any],
-                 group: Optional[dist.ProcessGroup], snapshot: bool) -> None:
+                 group: Optional[dist.ProcessGroup], snapshot: bool,
+                 kept: Optional[Callable[[str], bool]] = None) -> None:
         self.directory = Path(path)
         self.rank, self.world = engine.rank, engine.world_size
         self.group = group
@@ -198,13 +210,13 @@ class SaveJob:
         self.tensors: dict[str, Tensor] = {}
         self.metadata: dict[str, str] = {}
         try:
-            self._prepare(engine, optimizers, checkpoint, module_state, snapshot)
+            self._prepare(engine, optimizers, checkpoint, module_state, snapshot, kept)
         except BaseException as err:  # reported at the status exchange
             self.error = err
 
     def _prepare(self, engine: "ZeroEngine", optimizers: Sequence[ShardedOptimizer], checkpoint: dict[str, Any],
-                 module_state: dict[str, Tensor], snapshot: bool) -> None:
-        tensors, ranges = _local_pieces(engine, optimizers)
+                 module_state: dict[str, Tensor], snapshot: bool, kept: Optional[Callable[[str], bool]] = None) -> None:
+        tensors, ranges = _local_pieces(engine, optimizers, kept)
         metadata = {"save_id": self.save_id, "rank": str(self.rank), "world_size": str(self.world),
                     "pieces": json.dumps(ranges)}
         trees = {"rng": _rng_state()}

@@ -13,7 +13,7 @@ owns (see [Note: owned pieces] in rank_state.py).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -171,3 +171,63 @@ def fetch_full(state_dict: dict[str, Tensor]) -> Callable[[str, int, int], Tenso
             raise CheckpointError(f"The checkpoint's state_dict has no `{name}`. HINT: it belongs to another model.")
         return state_dict[name].detach().reshape(-1)[start:end]
     return fetch
+
+
+def keys_as_loaded(module: nn.Module, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """``state_dict`` keyed by the names ``module.load_state_dict`` would load each value into: a module's own
+    ``_load_from_state_dict`` or load pre-hooks may rename keys (litgpt's LoRA layers load ``lm_head.weight`` into
+    ``lm_head.linear.weight``), and lzero reads checkpoints into shards by name. Found by running torch's own loading
+    over meta stand-ins of the module's tensors and of the values, watching which value each tensor is copied from:
+    nothing is read or written. A value a hook computes (rather than renames) is refused by name."""
+    from torch.overrides import TorchFunctionMode
+
+    owners = [(sub, kind) for sub in module.modules() for kind in ("_parameters", "_buffers")]
+    saved = [(table, dict(getattr(sub, kind))) for sub, kind in owners for table in [getattr(sub, kind)]]
+    stand_in: dict[int, torch.Tensor] = {}
+    name_of: dict[int, str] = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for kind in ("_parameters", "_buffers"):
+            table = getattr(sub, kind)
+            for local, t in table.items():
+                if t is None:
+                    continue
+                meta = stand_in.setdefault(id(t), torch.empty(t.shape, dtype=t.dtype, device="meta"))
+                name_of.setdefault(id(meta), f"{prefix}.{local}" if prefix else local)
+    probe: dict[str, torch.Tensor] = {}
+    key_of: dict[int, str] = {}
+    for key in state_dict:  # shapes and dtypes only: lazily loaded values stay unread
+        value = state_dict[key]
+        probe[key] = torch.empty(tuple(value.shape), dtype=value.dtype, device="meta")
+        key_of[id(probe[key])] = key
+    copies: list[tuple[int, int]] = []
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+            if getattr(func, "__name__", "") == "copy_" and len(args) >= 2:
+                copies.append((id(args[0]), id(args[1])))
+            return func(*args, **(kwargs or {}))
+
+    try:
+        for table, original in saved:
+            for local, t in original.items():
+                if t is not None:
+                    table[local] = stand_in[id(t)]
+        with Watch():
+            type(module).load_state_dict(module, probe, strict=False)
+    finally:
+        for table, original in saved:
+            table.update(original)
+    out = {k: state_dict[k] for k in state_dict}  # keys no module claims stay as they are (reported as unexpected)
+    for dest, src in copies:
+        if dest not in name_of:
+            continue
+        if src not in key_of:
+            raise ValueError(f"Loading `{name_of[dest]}` runs a hook of the model that computes its value from the"
+                             " state dict, which lzero cannot read into shards piece by piece. HINT: convert the"
+                             " checkpoint to the model's own names first (load it into the model built eagerly and"
+                             " save `model.state_dict()`).")
+        key = key_of[src]
+        if key != name_of[dest]:
+            out.pop(key, None)
+            out[name_of[dest]] = state_dict[key]
+    return out

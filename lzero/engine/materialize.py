@@ -258,13 +258,17 @@ def shard_values(spec: UnitSpec, rank: int, params: list[nn.Parameter], device: 
     checkpoint into shards] in hf/weights.py."""
     built = getattr(weights, "unit_values", None)  # a source that builds whole shards (a replay: replay.py)
     values = built(spec, rank) if built is not None else None
-    if values is not None:
+    index = {p.name: i for i, p in enumerate(spec.params)}
+    if values is not None:  # its pieces of tensors it does not hold: from the materialized parameters
+        with torch.no_grad():
+            for param, start, end, at in spec.owned_pieces(rank):
+                if not weights.holds(param.name):
+                    values[at: at + end - start].copy_(params[index[param.name]].detach().reshape(-1)[start:end])
         return values
     lo, hi = spec.shard_range(rank)
     values = torch.empty(spec.shard_numel, dtype=params[0].dtype, device=device)
     if spec.numel < hi:
         values[max(spec.numel - lo, 0):].zero_()
-    index = {p.name: i for i, p in enumerate(spec.params)}
     with weights.reading() as read, torch.no_grad():
         for param, start, end, at in spec.owned_pieces(rank):
             piece = values[at: at + end - start]

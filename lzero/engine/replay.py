@@ -229,13 +229,17 @@ class Recorder(TorchDispatchMode):
             base.init_weights = original_init_weights
             functions.update(saved)
 
+    def unwritten(self, named: list[tuple[str, Tensor]]) -> list[str]:
+        """The names of tensors only ever allocated (``torch.empty``) by the record."""
+        written = {key for e in self.entries if not e.func.__name__.startswith(("empty", "new_empty"))
+                   for key in (*e.creates, *e.writes)}
+        return [name for name, t in named if _key(t) not in written]
+
     def refuse_unwritten(self, named: list[tuple[str, Tensor]]) -> None:
         """A tensor only ever allocated (``torch.empty``) holds whatever memory held: eager construction would train
         from it too, but no replay can give the same bytes. Named, as block-wise initialization names it; every rank
         checks every tensor, so all of them raise together."""
-        written = {key for e in self.entries if not e.func.__name__.startswith(("empty", "new_empty"))
-                   for key in (*e.creates, *e.writes)}
-        unwritten = [name for name, t in named if _key(t) not in written]
+        unwritten = self.unwritten(named)
         if unwritten:
             raise UninitializedModuleError(
                 f"{', '.join(f'`{n}`' for n in unwritten[:5])} {'was' if len(unwritten) == 1 else 'were'} allocated on"
@@ -461,15 +465,18 @@ def replayed_weights(root: nn.Module, units: Sequence[UnitSpec], rank: int, devi
     """``root``'s meta tensors replayed from their recording (rank 0's RNG state, shared with ``broadcast``), this
     rank keeping its shard of every unit and the whole of the other tensors; or None and why not. A collective (the
     broadcast) when a recording covers the model. ``provided``: a source (a state dict being loaded) whose tensors
-    win over the replay's; the replay gives only the others (non-persistent buffers, say), so what the record left
-    unwritten is refused only outside it."""
+    win over the replay's; the replay gives only the others (non-persistent buffers, say), and what neither wrote is
+    left to the modules' ``reset_parameters()`` (materialize.py), as FSDP materializes a meta model."""
     named = [(n, t) for n, t in [*root.named_parameters(), *root.named_buffers()] if t.is_meta]
     recorder, why = recorder_for([t for _, t in named])
     if recorder is None:
         return None, why
-    if provided is not None:
+    if provided is not None:  # what neither the load nor the record wrote: the modules' reset_parameters(), as FSDP
         named = [(n, t) for n, t in named if not provided.holds(n)]
-    recorder.refuse_unwritten(named)
+        unwritten = set(recorder.unwritten(named))
+        named = [(n, t) for n, t in named if n not in unwritten]
+    else:
+        recorder.refuse_unwritten(named)
     # every shard allocated before the replay: its short-lived whole tensors then reuse the same freed memory
     shards, pieces = {}, {}
     for spec in units:
