@@ -185,6 +185,7 @@ def keys_as_loaded(module: nn.Module, state_dict: Mapping[str, Any]) -> dict[str
     saved = [(table, dict(getattr(sub, kind))) for sub, kind in owners for table in [getattr(sub, kind)]]
     stand_in: dict[int, torch.Tensor] = {}
     name_of: dict[int, str] = {}
+    names_of: dict[int, set[str]] = {}
     for prefix, sub in module.named_modules(remove_duplicate=False):
         for kind in ("_parameters", "_buffers"):
             table = getattr(sub, kind)
@@ -192,7 +193,9 @@ def keys_as_loaded(module: nn.Module, state_dict: Mapping[str, Any]) -> dict[str
                 if t is None:
                     continue
                 meta = stand_in.setdefault(id(t), torch.empty(t.shape, dtype=t.dtype, device="meta"))
-                name_of.setdefault(id(meta), f"{prefix}.{local}" if prefix else local)
+                name = f"{prefix}.{local}" if prefix else local
+                name_of.setdefault(id(meta), name)
+                names_of.setdefault(id(meta), set()).add(name)  # a tied tensor has several
     probe: dict[str, torch.Tensor] = {}
     key_of: dict[int, str] = {}
     for key in state_dict:  # shapes and dtypes only: lazily loaded values stay unread
@@ -227,7 +230,7 @@ def keys_as_loaded(module: nn.Module, state_dict: Mapping[str, Any]) -> dict[str
                              " checkpoint to the model's own names first (load it into the model built eagerly and"
                              " save `model.state_dict()`).")
         key = key_of[src]
-        if key != name_of[dest]:
+        if key not in names_of[dest]:
             out.pop(key, None)
             out[name_of[dest]] = state_dict[key]
     return out

@@ -1,7 +1,9 @@
 """One Fabric training script, as people write them, run under a strategy name: a model built with
 ``init_module(empty_init=True)`` and initialized after it (litgpt's pattern), set up alone, an optimizer built from
 the set-up model, an LR scheduler, gradient accumulation under ``no_backward_sync``, clipping by norm, a checkpoint
-after step 2, ``model.state_dict()`` on every rank; and the calls lzero refuses. Rank 0 writes a result file.
+after step 2, ``model.state_dict()`` on every rank; then a second model set up together with two optimizers, a save
+with ``filter=``, ``load_raw`` into a third model built on the meta device, Fabric's collectives; and the calls lzero
+refuses. Rank 0 writes a result file.
 
     python fabric_runs.py STRATEGY OUT [--resume CKPT] [--devices N]
 """
@@ -64,6 +66,36 @@ while state["step"] < 4:
     if state["step"] == 2 and not args.resume:
         fabric.save(f"{args.out}.ckpt", state)
 final = model.state_dict()
+
+# fabric.setup(model, opt_a, opt_b): set up together, two optimizers over disjoint parameters
+second = GPT(config)
+named = list(second.named_parameters())
+opt_a = torch.optim.AdamW([p for n, p in named if n.startswith("blocks.")], lr=1e-2)
+opt_b = torch.optim.SGD([p for n, p in named if not n.startswith("blocks.")], lr=0.1, momentum=0.9)
+second, opt_a, opt_b = fabric.setup(second, opt_a, opt_b)
+joint = []
+for step in range(2):
+    batch = torch.cat([data[step * 4 + r] for r in range(2)])[fabric.global_rank::world]
+    loss = F.cross_entropy(second(batch[:, :-1]).reshape(-1, 64), batch[:, 1:].reshape(-1))
+    fabric.backward(loss)
+    opt_a.step()
+    opt_b.step()
+    opt_a.zero_grad()
+    opt_b.zero_grad()
+    joint.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
+# a filtered save, and load_raw into a third model built on the meta device
+fabric.save(f"{args.out}.filtered", {"model": second, "note": 7}, filter={"model": lambda k, v: k.startswith("blocks.0.")})
+if fabric.global_rank == 0:
+    torch.save(initial, f"{args.out}.init.pt")
+fabric.barrier()
+with fabric.init_module(empty_init=True):
+    third = GPT(config)
+third = fabric.setup_module(third)
+fabric.setup_optimizers(torch.optim.SGD(third.parameters(), lr=0.1))
+fabric.load_raw(f"{args.out}.init.pt", third)
+raw = {k: v.clone() for k, v in third.state_dict().items()}
+collectives = {"all_gather": fabric.all_gather(torch.tensor([fabric.global_rank + 1.0])).flatten().tolist(),
+               "broadcast": fabric.broadcast({"from": fabric.global_rank}), "device": str(fabric.to_device(torch.ones(1)).device)}
 refused = {}
 if world > 1:
     try:
@@ -71,5 +103,15 @@ if world > 1:
     except Exception as err:  # noqa: BLE001 - the message is the result
         refused["stale_optimizer"] = f"{type(err).__name__}: {err}"
 if fabric.global_rank == 0:
+    from pathlib import Path
+
+    filtered = Path(f"{args.out}.filtered")
+    if filtered.is_dir():
+        from lzero.checkpoint.reader import ShardedCheckpoint
+
+        filtered_keys = sorted(ShardedCheckpoint(filtered).full_state_dict())
+    else:
+        filtered_keys = sorted(torch.load(filtered, weights_only=True)["model"])
     torch.save({"losses": losses, "norms": norms, "initial": initial, "final": final, "refused": refused,
-                "lr": scheduler.get_last_lr()}, args.out)
+                "lr": scheduler.get_last_lr(), "joint": joint, "filtered_keys": filtered_keys, "raw": raw,
+                "collectives": collectives}, args.out)
