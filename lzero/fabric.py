@@ -258,6 +258,7 @@ class ZeroFabricStrategy(DDPStrategy):
         a meta model is materialized from."""
         if model.started:
             return
+        self._all_ranks_at("The model's first use (lzero builds its shards then)")
         model.started = True
         if model.meta:  # the meta parameters back, in the module and in the optimizers, for the engine to materialize
             _swap_parameters(model.module, model.zero, {i: meta for i, (_, meta) in model.meta.items()})

@@ -57,7 +57,9 @@ class OrderCheck:
                 f"Rank {dist.get_rank()} is about to gather unit `{show_unit(name)}`, but not every rank reached a"
                 f" gather within {self.timeout_s:g} s ({err}). A unit ran on only some ranks. HINT: every"
                 " rank must run the same modules in the same order under ZeRO-3 (no rank-dependent branches"
-                " around sharded modules), or put such a module in the root unit via `unit_modules`."
+                " around sharded modules), or put such a module in the root unit via `unit_modules`. A model run"
+                " on some ranks only (a sample generated on rank 0) runs inside `strategy.generation()`, entered"
+                " on every rank: it gathers every block once, and the forwards inside run no collective."
             ) from err
         if bool((every != mine).any()):
             seen = {r: show_unit(self._names[i]) for r, i in enumerate(every.tolist())}

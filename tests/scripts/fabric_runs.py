@@ -2,14 +2,14 @@
 ``init_module(empty_init=True)`` and initialized after it (litgpt's pattern), set up alone, an optimizer built from
 the set-up model, an LR scheduler, gradient accumulation under ``no_backward_sync``, clipping by norm, a checkpoint
 after step 2, ``model.state_dict()`` on every rank; then a second model set up together with two optimizers, a save
-with ``filter=``, ``load_raw`` into a third model built on the meta device, Fabric's collectives; and the calls lzero
-refuses. Rank 0 writes a result file.
+with ``filter=``, ``load_raw`` into a third model built on the meta device, Fabric's collectives, the model run on
+rank 0 alone inside ``strategy.generation()``; and the calls lzero refuses. Rank 0 writes a result file.
 
     python fabric_runs.py STRATEGY OUT [--resume CKPT] [--devices N]
 """
 
 import argparse
-import time
+import contextlib
 
 import lightning as L
 import torch
@@ -96,6 +96,12 @@ fabric.load_raw(f"{args.out}.init.pt", third)
 raw = {k: v.clone() for k, v in third.state_dict().items()}
 collectives = {"all_gather": fabric.all_gather(torch.tensor([fabric.global_rank + 1.0])).flatten().tolist(),
                "broadcast": fabric.broadcast({"from": fabric.global_rank}), "device": str(fabric.to_device(torch.ones(1)).device)}
+# the model run on rank 0 alone (a sample generated there), inside generation() entered on every rank under lzero
+generation = getattr(fabric.strategy, "generation", None)
+with generation(model) if generation is not None else contextlib.nullcontext():
+    if fabric.global_rank == 0:
+        with torch.no_grad():
+            sample = model(data[0][:1, :-1]).argmax(-1)
 refused = {}
 if world > 1:
     try:
@@ -114,4 +120,4 @@ if fabric.global_rank == 0:
         filtered_keys = sorted(torch.load(filtered, weights_only=True)["model"])
     torch.save({"losses": losses, "norms": norms, "initial": initial, "final": final, "refused": refused,
                 "lr": scheduler.get_last_lr(), "joint": joint, "filtered_keys": filtered_keys, "raw": raw,
-                "collectives": collectives}, args.out)
+                "collectives": collectives, "sample": sample}, args.out)
