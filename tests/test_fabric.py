@@ -44,7 +44,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("fabric")
     for strategy in ("ddp", *STAGES):
         run_script("fabric_runs.py", strategy, str(out / strategy), ranks=2)
+    for name, strategy, precision in PRECISIONS:
+        run_script("fabric_runs.py", strategy, str(out / name), "--precision", precision, ranks=2)
     return out
+
+
+PRECISIONS = [("ddp_bf16-mixed", "ddp", "bf16-mixed"), ("zero3_bf16-mixed", "zero3", "bf16-mixed"),
+              ("ddp_bf16-true", "ddp", "bf16-true"), ("zero2_bf16-true", "zero2", "bf16-true"),
+              ("zero3_16-mixed", "zero3_fp16", "32-true")]  # lzero's own fp16 with loss scaling (see the script)
 
 
 def _max_rel(a: dict, b: dict) -> float:
@@ -78,6 +85,22 @@ def test_fabric_calls_match_ddp(runs: Path, stage: str) -> None:
     assert all(torch.equal(ours["raw"][k], v) for k, v in ref["initial"].items())
     assert ours["collectives"] == ref["collectives"]
     assert torch.equal(ours["sample"], ref["sample"])  # on rank 0 alone, inside strategy.generation()
+
+
+@pytest.mark.parametrize(("ours", "ref", "bitwise_steps"), [
+    ("zero3_bf16-mixed", "ddp_bf16-mixed", 0),  # bf16 working weights and fp32 masters against autocast over fp32
+    ("zero2_bf16-true", "ddp_bf16-true", 2),  # the same bf16 model; reductions round differently from then on
+    ("zero3_16-mixed", "ddp", 0),  # fp16 with dynamic loss scaling against fp32
+])
+def test_fabric_precisions_track_ddp(runs: Path, ours: str, ref: str, bitwise_steps: int) -> None:
+    """Fabric's precision flags under lzero (the strategy's own 16-mixed: Fabric makes it bf16-mixed on the CPU): the
+    same initial weights, and losses within the 16-bit rounding of DDP's (bf16 keeps 8 bits: 4e-3 per rounding)."""
+    a, b = torch.load(runs / ours), torch.load(runs / ref)
+    assert all(torch.equal(a["initial"][k], v) for k, v in b["initial"].items())
+    assert a["losses"][:bitwise_steps] == b["losses"][:bitwise_steps]
+    rel = max(abs(x - y) / abs(y) for x, y in zip(a["losses"] + a["joint"], b["losses"] + b["joint"]))
+    print(f"{ours} against {ref}: losses within {rel:.1e} relative")
+    assert rel < 1e-3
 
 
 def _scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
@@ -147,40 +170,67 @@ def _logged_losses(out: Path) -> list[float]:
     return [float(r.split(",")[column]) for r in rows[1:] if r.split(",")[column]]
 
 
-def test_litgpt_finetune_full_unchanged_under_zero3(litgpt_checkpoint: Path, tmp_path: Path) -> None:
-    """litgpt 0.5.13's own script, the strategy from LT_STRATEGY only: the model built with
-    init_module(empty_init=True), set up alone, loaded with model.load_state_dict after setup_optimizers. Then a
-    resume at zero2 from zero3's step-2 checkpoint."""
+LITGPT_STAGES = ("zero2", "zero3", "zero3_offload")
+
+
+@pytest.fixture(scope="module")
+def finetune_full(litgpt_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """litgpt finetune_full under DDP and each stage, 3 steps saving at step 2, and a zero2 run resumed from zero3's
+    step-2 checkpoint."""
+    out = tmp_path_factory.mktemp("finetune_full")
     data = ["--data", "JSON", "--data.json_path", str(litgpt_checkpoint / "data.json"), "--data.val_split_fraction",
             "0.25", "--data.num_workers", "0", "--train.max_steps", "3", "--train.save_interval", "2"]
-    ddp = litgpt("finetune_full", "ddp", tmp_path / "ddp", str(litgpt_checkpoint), *data)
-    zero3 = litgpt("finetune_full", "zero3", tmp_path / "zero3", str(litgpt_checkpoint), *data)
-    assert len(ddp) == 3 and zero3 == ddp  # fp32, no accumulation: bitwise
+    for strategy in ("ddp", *LITGPT_STAGES):
+        litgpt("finetune_full", strategy, out / strategy, str(litgpt_checkpoint), *data)
+    litgpt("finetune_full", "zero2", out / "resumed", str(litgpt_checkpoint), *data, "--resume",
+           str(out / "zero3" / "step-000002" / "lit_model.pth"))
+    return out
+
+
+@pytest.mark.parametrize("stage", LITGPT_STAGES)
+def test_litgpt_finetune_full_unchanged(finetune_full: Path, stage: str) -> None:
+    """litgpt 0.5.13's own script, the strategy from LT_STRATEGY only: the model built with
+    init_module(empty_init=True), set up alone, loaded with model.load_state_dict after setup_optimizers. fp32
+    without accumulation: bitwise DDP's, except that the offloaded step's fused AdamW kernel rounds the last bit
+    differently ([Note: the host step] in lzero/optimizer.py)."""
     from lzero.checkpoint.reader import ShardedCheckpoint
 
-    ours = ShardedCheckpoint(tmp_path / "zero3" / "final" / "lit_model.pth").full_state_dict()
-    ref = torch.load(tmp_path / "ddp" / "final" / "lit_model.pth")["model"]
-    assert ours.keys() == ref.keys()
-    for key, value in ref.items():
-        assert torch.equal(ours[key], value), key
-    resumed = litgpt("finetune_full", "zero2", tmp_path / "resumed", str(litgpt_checkpoint), *data, "--resume",
-                     str(tmp_path / "zero3" / "step-000002" / "lit_model.pth"))
-    assert resumed == ddp[2:]
+    ddp, ours = _logged_losses(finetune_full / "ddp"), _logged_losses(finetune_full / stage)
+    ref = torch.load(finetune_full / "ddp" / "final" / "lit_model.pth")["model"]
+    final = ShardedCheckpoint(finetune_full / stage / "final" / "lit_model.pth").full_state_dict()
+    assert len(ddp) == 3 and final.keys() == ref.keys()
+    if stage.endswith("offload"):
+        assert ours[:2] == ddp[:2] and max(abs(a - b) / b for a, b in zip(ours, ddp)) < 1e-6
+        assert all(torch.allclose(final[k], v, rtol=1e-5, atol=1e-7) for k, v in ref.items())
+    else:
+        assert ours == ddp
+        assert all(torch.equal(final[k], v) for k, v in ref.items())
 
 
-def test_litgpt_pretrain_unchanged_under_zero3_offload(litgpt_checkpoint: Path, tmp_path: Path) -> None:
+def test_litgpt_finetune_full_resumes_at_another_stage(finetune_full: Path) -> None:
+    assert _logged_losses(finetune_full / "resumed") == _logged_losses(finetune_full / "ddp")[2:]
+
+
+@pytest.fixture(scope="module")
+def pretrain(litgpt_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("pretrain")
+    args = ["pythia-14m", "--model_config", str(litgpt_checkpoint / "model_config.yaml"), "--tokenizer_dir",
+            str(litgpt_checkpoint), "--data", "litgpt_tokens.RandomTokens", "--train.max_tokens", "512",
+            "--train.save_interval", "100"]
+    for strategy in ("ddp", *LITGPT_STAGES):
+        litgpt("pretrain", strategy, out / strategy, *args, env={"TORCHDYNAMO_DISABLE": "1", "PYTHONPATH": str(SCRIPTS)})
+    return out
+
+
+@pytest.mark.parametrize("stage", LITGPT_STAGES)
+def test_litgpt_pretrain_unchanged(pretrain: Path, stage: str) -> None:
     """litgpt pretrain: built with init_module(empty_init=True), initialized by litgpt's reset_parameters on the meta
     model before setup (recorded and replayed under zero3), clipped at max_norm=1. Its data: a user DataModule
     (tests/scripts/litgpt_tokens.py; litgpt's own ones need litdata). TORCHDYNAMO_DISABLE=1 skips its torch.compile,
     which takes 20 s per run on this CPU (docs/fabric.md has the compiled run's figures)."""
-    args = ["pythia-14m", "--model_config", str(litgpt_checkpoint / "model_config.yaml"), "--tokenizer_dir",
-            str(litgpt_checkpoint), "--data", "litgpt_tokens.RandomTokens", "--train.max_tokens", "512",
-            "--train.save_interval", "100"]
-    env = {"TORCHDYNAMO_DISABLE": "1", "PYTHONPATH": str(SCRIPTS)}
-    ddp = litgpt("pretrain", "ddp", tmp_path / "ddp", *args, env=env)
-    ours = litgpt("pretrain", "zero3_offload", tmp_path / "zero3_offload", *args, env=env)
-    assert len(ddp) == 4 and ours[0] == ddp[0]  # the replayed initialization is DDP's, bitwise
-    # the global norm summed over shards for the clipping: rounding only
+    ddp, ours = _logged_losses(pretrain / "ddp"), _logged_losses(pretrain / stage)
+    assert len(ddp) == 4 and ours[0] == ddp[0]  # the initialization (replayed under zero3) is DDP's, bitwise
+    # the global norm of the clipping summed over shards: rounding only
     assert max(abs(a - b) / b for a, b in zip(ours, ddp)) < 1e-6
 
 

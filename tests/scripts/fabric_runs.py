@@ -30,6 +30,10 @@ if strategy.endswith("_full"):  # a full checkpoint file instead of a sharded di
     from lzero.fabric import ZeroFabricStrategy
 
     strategy = ZeroFabricStrategy(stage=int(strategy[4]), checkpoint_format="full")
+elif strategy.endswith("_fp16"):  # lzero's own fp16 (Fabric would turn 16-mixed into bf16-mixed on the CPU)
+    from lzero.fabric import ZeroFabricStrategy
+
+    strategy = ZeroFabricStrategy(stage=int(strategy[4]), precision="16-mixed")
 fabric = L.Fabric(accelerator="cpu", devices=args.devices, strategy=strategy, precision=args.precision)
 fabric.launch()
 fabric.seed_everything(0)
