@@ -25,10 +25,9 @@ dict being loaded when that use is a load (each rank keeps its pieces), otherwis
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Generator, Iterator, Literal, Mapping, Optional, Union
+from typing import Any, Callable, Generator, Literal, Mapping, Optional, Union
 
 import torch
 from lightning.fabric.accelerators import Accelerator
@@ -56,32 +55,12 @@ from lzero.engine.loss_scale import LossScaleConfig
 from lzero.engine.materialize import has_meta
 from lzero.optimizer import ZeroOptimizer, check_optimizer
 from lzero.precision import ZeroPrecision, to_zero_precision
+from lzero.checkpoint.sources import LoadedState, ShardedCheckpointWeights, StateDictWeights
+from lzero.fabric_model import SetUpModel, fresh_parameters, placeholders, state_dict_shadows, swap_parameters
 from lzero.run_wiring import meta_device, start_engine, synced_generation
 
 FABRIC_KEYS = "lzero/fabric"
 """The sharded checkpoint's entry naming the state keys of the module and of its optimizers (a Fabric save)."""
-
-
-@dataclass
-class _Model:
-    """One set-up module and what the strategy keeps for it."""
-
-    module: nn.Module
-    zero: list[ZeroOptimizer] = field(default_factory=list)  # its set-up optimizers, in setup order
-    engine: Optional[ZeroEngine] = None
-    started: bool = False
-    undo: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # hooks and shadows, until teardown
-    inside: bool = False  # lzero itself is reading the module's state dict
-    meta: dict[int, tuple[nn.Parameter, nn.Parameter]] = field(default_factory=dict)  # id(placeholder) -> it, meta
-
-    @property
-    def on_meta(self) -> bool:
-        """Not materialized yet (its meta parameters held by placeholders until the start)."""
-        return not self.started and (bool(self.meta) or has_meta(self.module))
-
-    def owns(self, optimizer: Optimizer) -> bool:
-        mine = {id(p) for p in self.module.parameters()}
-        return any(id(p) in mine for g in optimizer.param_groups for p in g["params"])
 
 
 class ZeroFabricStrategy(DDPStrategy):
@@ -139,7 +118,7 @@ class ZeroFabricStrategy(DDPStrategy):
         self.init_fn = init_fn
         self._checkpoint_policy = checkpointing.CheckpointPolicy(activation_checkpointing, args.cpu_checkpointing)
         self._backward_sync_control = _ZeroBackwardSyncControl(self)
-        self._models: list[_Model] = []
+        self._models: list[SetUpModel] = []
         self._recording: Optional[contextlib.ExitStack] = None  # a meta build's record, open until setup_module
         self._steps = 0  # optimizer steps taken or skipped, all optimizers: the "global step" of skip reports
         self._check_group: Any = None  # gloo with a short timeout: every rank at a collective call?
@@ -194,14 +173,14 @@ class ZeroFabricStrategy(DDPStrategy):
     @override
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None
                                     ) -> tuple[nn.Module, list[Optimizer], Any]:
-        module = self._setup(module, fresh_parameters=False)  # these optimizers were built from it on purpose
+        module = self._setup(module, refresh=False)  # these optimizers were built from it on purpose
         return module, [self.setup_optimizer(o) for o in optimizers], scheduler
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
-        return self._setup(module, fresh_parameters=True)
+        return self._setup(module, refresh=True)
 
-    def _setup(self, module: nn.Module, fresh_parameters: bool) -> nn.Module:
+    def _setup(self, module: nn.Module, refresh: bool) -> nn.Module:
         self._close_recording()
         if any(m.module is module for m in self._models):
             raise RuntimeError(f"`{type(module).__name__}` is set up already. HINT: call `fabric.setup` once per model.")
@@ -210,13 +189,13 @@ class ZeroFabricStrategy(DDPStrategy):
 
             self._check_group = dist.new_group(
                 backend="gloo", timeout=timedelta(seconds=self.config.exception_checkpoint_timeout_s))
-        model = _Model(module)
+        model = SetUpModel(module)
         if has_meta(module):  # Fabric refuses optimizers over meta tensors: they get placeholders until the start
-            model.meta = _placeholders(module, self.root_device)
-        elif fresh_parameters:
-            _fresh_parameters(module)
+            model.meta = placeholders(module, self.root_device)
+        elif refresh:  # so that an optimizer built before holds none of them
+            fresh_parameters(module)
         self._models.append(model)
-        model.undo.enter_context(_state_dict_shadows(self, model))
+        model.undo.enter_context(state_dict_shadows(self, model))
         # run eagerly when the model is compiled (litgpt compiles it before setup): the start and the root's gather
         # are collectives, which dynamo must not trace
         pre = module.register_forward_pre_hook(torch.compiler.disable(lambda *_: self._before_forward(model)),
@@ -246,14 +225,14 @@ class ZeroFabricStrategy(DDPStrategy):
         model.zero.append(zopt)
         return zopt
 
-    def _model_of(self, module: nn.Module) -> _Model:
+    def _model_of(self, module: nn.Module) -> SetUpModel:
         module = getattr(module, "_forward_module", module)
         for model in self._models:
             if model.module is module:
                 return model
         raise RuntimeError(f"`{type(module).__name__}` was not set up by this strategy. HINT: `fabric.setup(model)`.")
 
-    def _start(self, model: _Model, weights: Any = None) -> None:
+    def _start(self, model: SetUpModel, weights: Any = None) -> None:
         """The engine of ``model``, built at its first use (a collective). ``weights``: the state being loaded, which
         a meta model is materialized from."""
         if model.started:
@@ -261,7 +240,7 @@ class ZeroFabricStrategy(DDPStrategy):
         self._all_ranks_at("The model's first use (lzero builds its shards then)")
         model.started = True
         if model.meta:  # the meta parameters back, in the module and in the optimizers, for the engine to materialize
-            _swap_parameters(model.module, model.zero, {i: meta for i, (_, meta) in model.meta.items()})
+            swap_parameters(model.module, model.zero, {i: meta for i, (_, meta) in model.meta.items()})
             model.meta = {}
         module, optimizers = model.module, [z.optimizer for z in model.zero]
         if self._auto:
@@ -305,13 +284,13 @@ class ZeroFabricStrategy(DDPStrategy):
 
     # --- forward, backward, step ---------------------------------------------------------------
 
-    def _before_forward(self, model: _Model) -> None:
+    def _before_forward(self, model: SetUpModel) -> None:
         self._start(model)
         if model.engine is not None:
             model.engine.before_forward()
             model.engine.gather_root()
 
-    def _after_forward(self, model: _Model) -> None:
+    def _after_forward(self, model: SetUpModel) -> None:
         if model.engine is not None and not torch.is_grad_enabled():
             model.engine.release_all()  # no backward will release the root
 
@@ -353,7 +332,7 @@ class ZeroFabricStrategy(DDPStrategy):
 
     # --- state dicts and checkpoints -----------------------------------------------------------
 
-    def full_state_dict(self, model: _Model, to_all: bool = True) -> dict[str, Any]:
+    def full_state_dict(self, model: SetUpModel, to_all: bool = True) -> dict[str, Any]:
         """``model``'s whole state dict (fp32 masters under mixed precision), on every rank or on rank 0 only. A
         collective, refused within ``exception_checkpoint_timeout_s`` when a rank does not take part."""
         self._all_ranks_at("`model.state_dict()`")
@@ -372,10 +351,10 @@ class ZeroFabricStrategy(DDPStrategy):
         finally:
             model.inside = False
 
-    def load_full_state_dict(self, model: _Model, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+    def load_full_state_dict(self, model: SetUpModel, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """Into the shards and their fp32 masters, each rank reading only the pieces it owns. A collective. Keys as
         the module's own loading takes them (its hooks may rename them: ``keys_as_loaded``)."""
-        state_dict = _Loaded(keys_as_loaded(model.module, state_dict))
+        state_dict = LoadedState(keys_as_loaded(model.module, state_dict))
         if model.on_meta:  # materialized from this very state (and what it lacks, as built): nothing left to load
             if strict:
                 own = type(model.module).state_dict(model.module, keep_vars=True)
@@ -384,7 +363,7 @@ class ZeroFabricStrategy(DDPStrategy):
                     raise RuntimeError(f"Error(s) in loading state_dict for {type(model.module).__name__}: missing keys"
                                        f" {missing[:10]}, unexpected keys {unexpected[:10]}. HINT: load the checkpoint"
                                        " of this model, or pass `strict=False`.")
-            self._start(model, weights=_StateDictWeights(state_dict))
+            self._start(model, weights=StateDictWeights(state_dict))
             return
         self._start(model)
         model.inside = True
@@ -433,7 +412,7 @@ class ZeroFabricStrategy(DDPStrategy):
         if self.is_global_zero:
             self.checkpoint_io.save_checkpoint(checkpoint=out, path=path, storage_options=storage_options)
 
-    def _save_sharded(self, path: Path, state: dict[str, Any], modules: dict[str, _Model],
+    def _save_sharded(self, path: Path, state: dict[str, Any], modules: dict[str, SetUpModel],
                       filter: dict[str, Callable[[str, Any], bool]]) -> None:
         sharded = [k for k, m in modules.items() if m.engine is not None]
         if len(sharded) > 1:
@@ -518,7 +497,7 @@ class ZeroFabricStrategy(DDPStrategy):
         module = state.get(module_key)
         if module is not None:
             model = self._model_of(module)
-            self._start(model, weights=_ReaderWeights(reader) if model.on_meta else None)
+            self._start(model, weights=ShardedCheckpointWeights(reader) if model.on_meta else None)
             if model.engine is None:
                 model.module.load_state_dict(reader.full_state_dict(), strict=strict)
             else:
@@ -611,145 +590,6 @@ def _zero(optimizer: Any) -> ZeroOptimizer:
         raise TypeError(f"`{type(inner).__name__}` was not set up by lzero's strategy. HINT: pass the optimizer"
                         " returned by `fabric.setup_optimizers` (or `fabric.setup`).")
     return inner
-
-
-def _fresh_parameters(module: nn.Module) -> None:
-    """New ``Parameter`` objects over the same data (tied ones stay tied); quantized and other parameter classes are
-    kept as they are."""
-    made: dict[int, nn.Parameter] = {}
-    for owner in module.modules():
-        for name, p in list(owner._parameters.items()):
-            if p is None or type(p) is not nn.Parameter:
-                continue
-            if id(p) not in made:
-                made[id(p)] = nn.Parameter(p.data, requires_grad=p.requires_grad)
-            owner._parameters[name] = made[id(p)]
-
-
-def _placeholders(module: nn.Module, device: torch.device) -> dict[int, tuple[nn.Parameter, nn.Parameter]]:
-    """Each meta parameter replaced by a placeholder of its shape, dtype and class over one element of memory (an
-    expanded zero), so that an optimizer can be built from ``parameters()``. See [Note: the engine starts at first
-    use]."""
-    made: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
-    by_meta: dict[int, nn.Parameter] = {}
-    for owner in module.modules():
-        for name, p in list(owner._parameters.items()):
-            if p is None or not p.is_meta:
-                continue
-            if id(p) not in by_meta:
-                data = torch.zeros((), dtype=p.dtype, device=device).expand(p.shape)
-                holder = nn.Parameter(data, requires_grad=p.requires_grad) if type(p) is nn.Parameter else \
-                    torch.Tensor._make_subclass(type(p), data, p.requires_grad)
-                by_meta[id(p)] = holder
-                made[id(holder)] = (holder, p)
-            owner._parameters[name] = by_meta[id(p)]
-    return made
-
-
-def _swap_parameters(module: nn.Module, optimizers: list[ZeroOptimizer], new: dict[int, nn.Parameter]) -> None:
-    """Parameters ``id -> replacement`` in the module and in the optimizers' param groups (no state yet)."""
-    for owner in module.modules():
-        for name, p in list(owner._parameters.items()):
-            if p is not None and id(p) in new:
-                owner._parameters[name] = new[id(p)]
-    for zopt in optimizers:
-        for group in zopt.optimizer.param_groups:
-            group["params"] = [new.get(id(p), p) for p in group["params"]]
-
-
-@contextlib.contextmanager
-def _state_dict_shadows(strategy: ZeroFabricStrategy, model: _Model) -> Iterator[None]:
-    """``module.state_dict()`` and ``module.load_state_dict(...)`` on the set-up module (Fabric's wrapper sends both
-    to it) work on the whole model, as FSDP's full state dict: collectives, on every rank. lzero's own reads of the
-    module's state dict (``model.inside``) see the module's own."""
-    module = model.module
-    own_state, own_load = type(module).state_dict, type(module).load_state_dict
-
-    def state_dict(*args: Any, destination: Optional[dict] = None, prefix: str = "", keep_vars: bool = False) -> Any:
-        if model.inside or args:  # lzero's own reads (and torch's deprecated positional form)
-            return own_state(module, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
-        full = strategy.full_state_dict(model)
-        out = destination if destination is not None else {}
-        out.update({prefix + k: v for k, v in full.items()})
-        return out
-
-    def load_state_dict(state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:
-        if model.inside:
-            return own_load(module, state_dict, strict=strict, assign=assign)
-        strategy.load_full_state_dict(model, state_dict, strict)
-        return torch.nn.modules.module._IncompatibleKeys([], [])
-
-    module.__dict__["state_dict"] = state_dict
-    module.__dict__["load_state_dict"] = load_state_dict
-    try:
-        yield
-    finally:
-        module.__dict__.pop("state_dict", None)
-        module.__dict__.pop("load_state_dict", None)
-
-
-class _Loaded(Mapping):
-    """A state dict whose tensors may be Lightning's lazily loaded ones (``lazy_load``, litgpt's reader): each is read
-    when asked for."""
-
-    def __init__(self, state_dict: Mapping[str, Any]) -> None:
-        self._state = state_dict
-
-    def __getitem__(self, key: str) -> Any:
-        value = self._state[key]
-        return value._load_tensor() if hasattr(value, "_load_tensor") else value
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._state)
-
-    def __len__(self) -> int:
-        return len(self._state)
-
-
-class _StateDictWeights:
-    """A plain state dict being loaded, as the engine reads a checkpoint into a meta model's shards (``WeightSource``
-    in materialize.py)."""
-
-    over_replay = True  # what it does not hold comes from the model's replayed construction (replay.py)
-
-    def __init__(self, state_dict: Mapping[str, Any]) -> None:
-        self._state = state_dict
-
-    def holds(self, name: str) -> bool:
-        return name in self._state
-
-    @contextlib.contextmanager
-    def reading(self) -> Iterator[Callable[[str, int, int, Tensor], None]]:
-        def read(name: str, start: int, end: int, out: Tensor) -> None:
-            out.copy_(self._state[name].detach().reshape(-1)[start:end])
-
-        yield read
-
-    def finish(self, root: nn.Module, all_reduce_max: Callable[[Tensor], None], device: torch.device) -> None:
-        pass
-
-
-class _ReaderWeights(_StateDictWeights):
-    """A sharded checkpoint being loaded, read by range."""
-
-    def __init__(self, reader: ShardedCheckpoint) -> None:
-        self._reader = reader
-        self._names = set(reader.manifest["params"]) | set(reader.lightning_state()["lzero/module_state"])
-
-    def holds(self, name: str) -> bool:
-        return name in self._names
-
-    @contextlib.contextmanager
-    def reading(self) -> Iterator[Callable[[str, int, int, Tensor], None]]:
-        rest = self._reader.lightning_state()["lzero/module_state"]
-
-        def read(name: str, start: int, end: int, out: Tensor) -> None:
-            if name in rest:
-                out.copy_(rest[name].reshape(-1)[start:end])
-            else:
-                out.copy_(self._reader.read_range(f"param/{name}", start, end))
-
-        yield read
 
 
 def build_preset(name: str, **init_params: Any) -> ZeroFabricStrategy:

@@ -18,7 +18,8 @@ FLOORS = [  # bottom first: (floor, the modules and packages on it)
     ("optimizer and precision", ["lzero.optimizer", "lzero.precision", "lzero.grad_norms"]),
     ("deepspeed", ["lzero.deepspeed"]),
     ("hugging face", ["lzero.hf"]),
-    ("strategy", ["lzero.strategy", "lzero.fabric", "lzero.strategy_args", "lzero.kept", "lzero.run_wiring"]),
+    ("strategy", ["lzero.strategy", "lzero.fabric", "lzero.fabric_model", "lzero.strategy_args", "lzero.kept",
+                  "lzero.run_wiring"]),
     ("entry points", ["lzero.cli", "lzero.demo", "lzero"]),
 ]
 
