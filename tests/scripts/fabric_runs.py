@@ -82,6 +82,7 @@ for step in range(2):
     batch = torch.cat([data[step * 4 + r] for r in range(2)])[fabric.global_rank::world]
     loss = F.cross_entropy(second(batch[:, :-1]).reshape(-1, 64), batch[:, 1:].reshape(-1))
     fabric.backward(loss)
+    fabric.clip_gradients(second, opt_b, clip_val=0.01)  # by value, one optimizer's parameters
     opt_a.step()
     opt_b.step()
     opt_a.zero_grad()

@@ -1,6 +1,6 @@
 """A litgpt pretraining DataModule over a fixed random token stream (no download, no litdata): what a user passes as
-``litgpt pretrain --data litgpt_tokens.RandomTokens``. Its loaders keep no state, and say so (``state_dict``), as
-litdata's stateful loaders do, so that ``fabric.save`` of litgpt's state holds no Python object."""
+``litgpt pretrain --data litgpt_tokens.RandomTokens``. Its loaders are resumable (``state_dict``: the batches given),
+as litdata's are, which litgpt's pretrain resume relies on."""
 
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -22,11 +22,22 @@ class _Windows(Dataset):
 
 
 class _Loader(DataLoader):
+    """Resumable as litdata's loaders are (litgpt's pretrain relies on it): it counts the batches it gave."""
+
+    def __iter__(self) -> Any:
+        given = getattr(self, "_given", 0)
+        for i, batch in enumerate(super().__iter__()):
+            if i < given:
+                continue  # a resumed run: the batches the interrupted one consumed
+            self._given = i + 1
+            yield batch
+        self._given = 0
+
     def state_dict(self) -> dict[str, Any]:
-        return {}
+        return {"given": getattr(self, "_given", 0)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        self._given = int(state["given"])
 
 
 @dataclass
