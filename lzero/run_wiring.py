@@ -43,8 +43,12 @@ def start_engine(module: torch.nn.Module, optimizers: list[Optimizer], config: Z
     from lzero.offload.store import divide_host_threads
     from lzero.optimizer import ZeroOptimizer
 
+    from lzero.engine.layout import Layout
+
+    layout = Layout.of(config.shard_group_size) if config.shard_group_size is not None else None
     engine = ZeroEngine(module, optimizers, config, precision.policy, device=device, init_fn=init_fn,
-                        weights=weights if weights is not None else pretrained_weights(module), evaluating=evaluating)
+                        weights=weights if weights is not None else pretrained_weights(module), evaluating=evaluating,
+                        layout=layout)
     zero = list(attach_to) or [ZeroOptimizer(opt, engine, i) for i, opt in enumerate(optimizers)]
     for i, zopt in enumerate(attach_to):
         zopt.attach(engine, i)

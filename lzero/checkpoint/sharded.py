@@ -180,7 +180,11 @@ def save_sharded(path: Any, engine: "ZeroEngine", optimizers: Sequence[ShardedOp
     """Write ``checkpoint`` (its ``state_dict`` in the sharded form) as a checkpoint directory at ``path``,
     with the state of ``optimizers`` (none: a weights-only checkpoint) and ``fields`` in the manifest:
     at once (a collective on the engine's group), or with ``saver`` on its background thread. ``kept``: only the
-    parameters whose name it accepts, and their optimizer state (Fabric's ``filter=``)."""
+    parameters whose name it accepts, and their optimizer state (Fabric's ``filter=``). Under hybrid sharding the
+    first shard group writes it, the others hold the same shards ([Note: hybrid sharding] in layout.py)."""
+    layout = getattr(engine, "layout", None)
+    if layout is not None and layout.replica_index != 0:
+        return
     module_state, extra = describe(engine, checkpoint, kept, weights_only=not optimizers, **fields)
     if saver is None:
         SaveJob(path, engine, optimizers, checkpoint, module_state, extra, engine.group, snapshot=False, kept=kept).run()

@@ -35,6 +35,7 @@ from lzero.engine import packed, parameters, replay
 from lzero.engine.blocks import Block, GatherSchedule
 from lzero.engine.delayed_update import DelayedUpdate
 from lzero.engine.gather import Gatherer, full_graphs_around
+from lzero.engine.layout import Layout
 from lzero.engine.materialize import (InitFn, Materializer, WeightSource, apply_order, buffers_to, common_seed, has_meta,
                                read_whole, shard_values)
 from lzero.engine.partition import FROZEN, Partition, ParamSpec, UnitSpec, partition_by_label, partition_by_size
@@ -56,13 +57,20 @@ class ZeroEngine:
     def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], config: ZeroConfig,
                  policy: Optional[PrecisionPolicy] = None, group: Optional[dist.ProcessGroup] = None,
                  device: torch.device = torch.device("cpu"), init_fn: Optional[InitFn] = None,
-                 weights: Optional[WeightSource] = None, evaluating: bool = False) -> None:
+                 weights: Optional[WeightSource] = None, evaluating: bool = False,
+                 layout: Optional[Layout] = None) -> None:
         """``evaluating``: validate/test/predict, no optimizer: every parameter that requires gradients goes into
         one group, sharded and gathered as while training (stage 3: the shards, their masters, and each block
-        gathered for its forward only)."""
+        gathered for its forward only). ``layout``: hybrid sharding, this rank's shard group in place of ``group``
+        (see [Note: hybrid sharding] in layout.py)."""
         config, _ = auto_sizes.fill(config, module)  # "auto" sizes (the strategy has filled them already)
         self.config = config
         self.policy = policy if policy is not None else PrecisionPolicy()
+        self.layout = layout
+        self.everyone = group  # what spans every rank that must agree (every replica of every shard)
+        self.replicas: Optional[dist.ProcessGroup] = None  # the ranks holding this rank's shard, one per group
+        if layout is not None:
+            group, self.everyone, self.replicas = layout.new_shard_group(), None, layout.new_replica_group()
         self.group = group
         self.world_size = collectives.world_size(group)
         self.rank = collectives.rank(group)
@@ -105,7 +113,8 @@ class ZeroEngine:
         self.gatherer: Optional[Gatherer] = None
         if config.stage >= 3:
             self.gatherer = self._shard_parameters(block_modules, labels)
-        self.reducer = Reducer(self.units, config, group, self.world_size)
+        self.reducer = Reducer(self.units, config, group, self.world_size, self.replicas,
+                               layout.replicas if layout is not None else 1)
         # stage 3: a block's gradients are collected once its backward is done (one hook call per block, see
         # [Note: one backward hook per block] in gather.py); other parameters report their own
         in_blocks = set() if self.gatherer is None else {
@@ -168,7 +177,7 @@ class ZeroEngine:
                            if weights is not None and weights.holds(name))
         materializer = Materializer(module, device, init_fn, loaded)
         # block-wise initialization draws from one seed on every rank (a replay or a checkpoint draws nothing here)
-        seed = common_seed(lambda t: collectives.broadcast_([t], src=0, group=self.group)) if weights is None else 0
+        seed = common_seed(lambda t: collectives.broadcast_([t], src=0, group=self.everyone)) if weights is None else 0
         order = apply_order(module)
         in_block = {id(m): label for label, block in block_modules.items() for m in block.modules()}
         inside = {label: [(n, m) for n, m in order if in_block.get(id(m), ROOT) == label]
@@ -212,7 +221,7 @@ class ZeroEngine:
         None, with a warning, when the record does not cover the model (then block-wise initialization draws other
         numbers than eager); ``loaded`` alone when no record covers it and it was given."""
         source, why = replay.replayed_weights(module, self.partition.units, self.rank, device,
-                                              lambda t: collectives.broadcast_([t], src=0, group=self.group), loaded)
+                                              lambda t: collectives.broadcast_([t], src=0, group=self.everyone), loaded)
         if source is None and loaded is not None:
             return loaded
         if source is None:
@@ -224,7 +233,7 @@ class ZeroEngine:
     def _broadcast_initial_state(self, module: nn.Module) -> None:
         """Rank 0's parameters and buffers everywhere, as DDP does, so unseeded models agree."""
         tensors = [p.data for p in module.parameters()] + [b for b in module.buffers()]
-        collectives.broadcast_coalesced_(tensors, src=0, group=self.group, max_numel=self.config.reduce_bucket_size)
+        collectives.broadcast_coalesced_(tensors, src=0, group=self.everyone, max_numel=self.config.reduce_bucket_size)
 
     def _shard_parameters(self, block_modules: dict[str, nn.Module], labels: dict[str, str]) -> Gatherer:
         """Stage 3: keep only the owned shards and hook the blocks. See [Note: stage-3 parameter lifecycle]."""
@@ -238,11 +247,15 @@ class ZeroEngine:
         modules = {name: block_modules[name] for name in blocks if name != ROOT}
         # Parameter gathers follow forward/backward order, reductions follow unit order and are
         # launched when ready: on one process group their interleaving would differ between ranks.
-        self._gather_group = dist.new_group() if self.world_size > 1 else None
+        layout = self.layout
+        self._gather_group = None
+        if self.world_size > 1:
+            self._gather_group = layout.new_shard_group() if layout is not None else dist.new_group()
         self._check_group = None
         if self.world_size > 1 and self.config.unit_order_timeout_s > 0:
-            timeout = datetime.timedelta(seconds=self.config.unit_order_timeout_s)
-            self._check_group = dist.new_group(backend="gloo", timeout=timeout)
+            timeout_s = self.config.unit_order_timeout_s
+            self._check_group = layout.new_shard_group("gloo", timeout_s) if layout is not None else \
+                dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         return Gatherer(blocks, modules, self._gather_group, GatherSchedule.of(self.config), self._check_group,
                         self.config.unit_order_timeout_s, on_backward=self._on_block_backward,
                         accumulating=self.accumulating)
@@ -339,7 +352,7 @@ class ZeroEngine:
         if self._packed:  # a quantized base: its codes must stay frozen
             packed.check_still_frozen(self._packed)
         if self.config.broadcast_buffers and self._sync_buffers_next:
-            collectives.broadcast_coalesced_(self._buffers, src=0, group=self.group)
+            collectives.broadcast_coalesced_(self._buffers, src=0, group=self.everyone)
         self._sync_buffers_next = torch.is_grad_enabled() and self.sync
 
     def units_of(self, optimizer_index: int) -> list[FlatUnit]:

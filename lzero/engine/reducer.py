@@ -51,12 +51,16 @@ class Reducer:
     """Launches and completes the reduce-scatters of one engine's units. See [Note: reduction order]."""
 
     def __init__(self, units: Sequence[FlatUnit], config: ZeroConfig, group: Optional[dist.ProcessGroup],
-                 world_size: int) -> None:
+                 world_size: int, replicas: Optional[dist.ProcessGroup] = None, replica_count: int = 1) -> None:
+        """``replicas``, ``replica_count``: hybrid sharding, the ranks holding this rank's shard in the other shard
+        groups; the reduced shard is summed over them too (see [Note: hybrid sharding] in layout.py)."""
         self.units = units
         self.config = config
         self.group = group
         self.world_size = world_size
-        self.flag_group = dist.new_group() if world_size > 1 else None  # the tiny flag all-reduces
+        self.replicas, self.replica_count = replicas, replica_count
+        # the tiny flag all-reduces: over every rank (a unit used on any rank of any group is reduced everywhere)
+        self.flag_group = dist.new_group() if world_size * replica_count > 1 else None
         self.loss_scale = 1.0  # the fp16 loss scale of the current backward; divided out before summing
         self.next = 0  # index of the next unit to launch in this backward
         self._inflight: collections.deque[InflightReduction] = collections.deque()
@@ -144,8 +148,9 @@ class Reducer:
     def _launch(self, units: list[FlatUnit]) -> None:
         while len(self._inflight) >= self.config.max_inflight_reductions:
             self._finish_oldest()
-        # multiply before summing, exactly as DDP's reducer does; the loss scale is divided out here too
-        scale = 1.0 / (self.world_size * self.loss_scale)
+        # multiply before summing, exactly as DDP's reducer does (by every rank of every group); the loss scale is
+        # divided out here too
+        scale = 1.0 / (self.world_size * self.replica_count * self.loss_scale)
         if len(units) == 1 and units[0].accumulates_locally:
             unit = units[0]
             bucket = unit.local_grads().to(unit.reduce_dtype)  # the gradient buffer itself when dtypes agree
@@ -163,6 +168,8 @@ class Reducer:
     def _finish_oldest(self) -> None:
         done = self._inflight.popleft()
         done.handle.wait()
+        if self.replicas is not None:  # the other groups' sums of the same shard
+            collectives.all_reduce(done.out, group=self.replicas)
         offset = 0
         for unit in done.units:
             unit.land_reduced(done.out[offset : offset + unit.spec.shard_numel])

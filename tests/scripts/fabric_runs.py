@@ -30,6 +30,11 @@ if strategy.endswith("_full"):  # a full checkpoint file instead of a sharded di
     from lzero.fabric import ZeroFabricStrategy
 
     strategy = ZeroFabricStrategy(stage=int(strategy[4]), checkpoint_format="full")
+elif strategy.endswith("_hybrid"):  # shard groups of 2 ranks, replicated across the groups
+    from lzero.fabric import ZeroFabricStrategy
+
+    offload = {"offload_optimizer": "cpu", "offload_param": "cpu"} if "offload" in strategy else {}
+    strategy = ZeroFabricStrategy(stage=int(strategy[4]), shard_group_size=2, **offload)
 elif strategy.endswith("_fp16"):  # lzero's own fp16 (Fabric would turn 16-mixed into bf16-mixed on the CPU)
     from lzero.fabric import ZeroFabricStrategy
 
