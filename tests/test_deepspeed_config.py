@@ -149,7 +149,7 @@ def test_deprecated_spellings_are_understood() -> None:
 
 
 def test_zero_plus_plus_key_is_refused_as_not_built() -> None:
-    with pytest.raises(DeepSpeedConfigError, match=r"`zero_optimization.zero_quantized_weights=True`: ZeRO\+\+/MiCS"
+    with pytest.raises(DeepSpeedConfigError, match=r"`zero_optimization.zero_quantized_weights=True`: ZeRO\+\+"
                                                    r" is not built"):
         translate({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}})
     assert translate({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 1}}).options == {"stage": 3}
@@ -189,15 +189,25 @@ def convert(path: Path) -> tuple[int, str]:
 
 def test_convert_config_prints_refusals_and_exits_1(tmp_path: Path) -> None:
     path = tmp_path / "ds_config.json"
-    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "mics_shard_size": 8, "overlap_com": True}}))
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8, "overlap_com": True}}))
     code, text = convert(path)
     assert code == 1
     assert text.splitlines() == [
         "# refused: Unknown DeepSpeed key `zero_optimization.overlap_com`. HINT: did you mean"
         " `zero_optimization.overlap_comm`?",
-        "# refused: `zero_optimization.mics_shard_size=8`: ZeRO++/MiCS is not built in lzero. HINT: remove"
-        " `mics_shard_size` or set it to -1.",
+        "# refused: `zero_optimization.zero_hpz_partition_size=8`: ZeRO++ is not built in lzero. HINT: remove"
+        " `zero_hpz_partition_size` or set it to 1.",
     ]
+
+
+def test_mics_shard_size_is_hybrid_sharding() -> None:
+    """MiCS's shard groups are lzero's shard_group_size; its hierarchical gather needs them."""
+    from lzero.deepspeed.config import DeepSpeedConfigError, translate
+
+    out = translate({"zero_optimization": {"stage": 3, "mics_shard_size": 8, "mics_hierarchical_params_gather": True}})
+    assert out.options == {"stage": 3, "shard_group_size": 8}
+    with pytest.raises(DeepSpeedConfigError, match="without `mics_shard_size`"):
+        translate({"zero_optimization": {"stage": 3, "mics_hierarchical_params_gather": True}})
 
 
 def test_strategy_checks_the_config_against_the_trainer_at_setup(tmp_path: Path, in_process_fit) -> None:

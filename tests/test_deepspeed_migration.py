@@ -155,8 +155,8 @@ CASES = {
     "zero_plus_plus_key": Case(
         {"zero_optimization": {"stage": 3, "zero_quantized_gradients": True, "zero_hpz_partition_size": 8}},
         refused=r"2 keys of the DeepSpeed configuration are refused:\n- `zero_optimization.zero_hpz_partition_size=8`:"
-                r" ZeRO\+\+/MiCS is not built in lzero\. HINT: remove `zero_hpz_partition_size` or set it to 1\.\n"
-                r"- `zero_optimization.zero_quantized_gradients=True`: ZeRO\+\+/MiCS is not built"),
+                r" ZeRO\+\+ is not built in lzero\. HINT: remove `zero_hpz_partition_size` or set it to 1\.\n"
+                r"- `zero_optimization.zero_quantized_gradients=True`: ZeRO\+\+ is not built"),
     "unknown_key": Case(
         {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket": 5e7}, "bf16": {"enabled": True}},
         refused=r"Unknown DeepSpeed key `zero_optimization.stage3_prefetch_bucket`\. HINT: did you mean"

@@ -333,6 +333,10 @@ def test_hybrid_sharding_matches_ddp(hybrid: Path, layout: str) -> None:
         assert ours["joint"] == ref["joint"]
     assert ours["filtered_keys"] == ref["filtered_keys"] and torch.equal(ours["sample"], ref["sample"])
     assert all(torch.equal(ours["raw"][k], v) for k, v in ref["initial"].items())
+    for rank in range(2):  # model states as the formulas say with G = 2 in place of N = 4 (padding: 16 bytes)
+        got, want = (ours["memory"][f"memory/model_states{k}_bytes/rank{rank}"] for k in ("", "_expected"))
+        print(f"{layout} rank {rank}: {got:,.0f} bytes, formula at G=2 {want:,.0f} ({got / want - 1:+.4%})")
+        assert abs(got / want - 1) < 1e-4
 
 
 @pytest.mark.parametrize(("resumed", "whole"), [("flat_from_hybrid", "zero3_hybrid"), ("hybrid_from_flat", None)])

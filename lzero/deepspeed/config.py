@@ -252,9 +252,25 @@ class _Reader:
                 opts[name] = int(value) if isinstance(value, float) and value.is_integer() else value
         if block.get("overlap_comm") is not None:
             opts["overlap_comm"] = block["overlap_comm"]
+        mics = block.get("mics_shard_size", -1)
+        if mics not in (-1, None):  # MiCS: shard within groups of this many ranks, replicate across them
+            if isinstance(mics, bool) or not isinstance(mics, int) or mics < 1:
+                self.refuse(f"`{p}mics_shard_size={mics!r}` must be a number of ranks >= 1 (or -1: off).")
+            else:
+                opts["shard_group_size"] = mics
+                self.note(p + "mics_shard_size", "notice", f"-> `shard_group_size: {mics}` (hybrid sharding)")
+        hierarchical = block.get("mics_hierarchical_params_gather", False)
+        if hierarchical and mics in (-1, None):
+            self.refuse(f"`{p}mics_hierarchical_params_gather=true` without `mics_shard_size`: it stages MiCS's"
+                        " all-gather. HINT: set `mics_shard_size` (the ranks per node), or remove it.")
+        elif hierarchical:  # the gather never leaves the group: nothing left to stage
+            self.note(p + "mics_hierarchical_params_gather", "notice",
+                      "the all-gather already stays within the shard group (one node)")
         for key, off in ZERO_PLUS_PLUS.items():
+            if key in ("mics_shard_size", "mics_hierarchical_params_gather"):
+                continue
             if key in block and block[key] != off:
-                self.refuse(f"`{p}{key}={block[key]!r}`: ZeRO++/MiCS is not built in lzero. HINT: remove `{key}`"
+                self.refuse(f"`{p}{key}={block[key]!r}`: ZeRO++ is not built in lzero. HINT: remove `{key}`"
                             f"{'' if off is None else f' or set it to {json.dumps(off)}'}.")
         for key, (only, why) in ZERO_ONLY_VALUE.items():
             if key in block and block[key] != only:

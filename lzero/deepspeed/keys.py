@@ -50,7 +50,8 @@ ZERO_PLUS_PLUS = {  # key -> the value that means "off"
     "zero_quantized_gradients": False, "mics_shard_size": -1, "mics_hierarchical_params_gather": False,
     "zeropp_loco_param": None,
 }
-"""ZeRO++ and MiCS: accepted at their "off" value, refused as not built otherwise."""
+"""ZeRO++ and MiCS: accepted at their "off" value; MiCS's two keys are read as hybrid sharding (``shard_group_size``),
+ZeRO++'s refused as not built otherwise."""
 
 STAGE3_SCHEDULE = {  # DeepSpeed key -> ZeroConfig field, both in elements
     "stage3_prefetch_bucket_size": "prefetch_bucket_size", "stage3_param_persistence_threshold":

@@ -75,6 +75,12 @@ while state["step"] < 4:
     if state["step"] == 2 and not args.resume:
         fabric.save(f"{args.out}.ckpt", state)
 final = model.state_dict()
+memory = {}  # lzero: the memory monitor's model-state bytes of rank 0 beside its formula's (a collective)
+if hasattr(fabric.strategy, "engine_of"):
+    import lzero
+
+    engine, zopts = fabric.strategy.engine_of(optimizer)
+    lzero.MemoryMonitor().log_now(engine, zopts, fabric.device, 4, lambda metrics, step: memory.update(metrics))
 
 # fabric.setup(model, opt_a, opt_b): set up together, two optimizers over disjoint parameters
 second = GPT(config)
@@ -130,4 +136,4 @@ if fabric.global_rank == 0:
         filtered_keys = sorted(torch.load(filtered, weights_only=True)["model"])
     torch.save({"losses": losses, "norms": norms, "initial": initial, "final": final, "refused": refused,
                 "lr": scheduler.get_last_lr(), "joint": joint, "filtered_keys": filtered_keys, "raw": raw,
-                "collectives": collectives, "sample": sample}, args.out)
+                "collectives": collectives, "sample": sample, "memory": memory}, args.out)
