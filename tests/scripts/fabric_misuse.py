@@ -37,4 +37,4 @@ if fabric.global_rank == 0:
     with open(sys.argv[1], "w") as f:
         f.write("\n".join(lines) + "\n")
 else:
-    time.sleep(5)
+    time.sleep(4)
