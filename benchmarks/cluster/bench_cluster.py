@@ -1,0 +1,104 @@
+"""Two "nodes" on one machine, for hybrid sharding (issue 37): two network namespaces joined by a veth pair whose
+link is shaped with `tc tbf`, torchrun with `--nnodes 2` and 2 processes in each. Inside a namespace the ranks talk
+over its own loopback (local addresses are routed through `lo`); between namespaces everything crosses the shaped
+link. Run as root (it creates and deletes the namespaces; everything is torn down at exit, after a failure too):
+
+    .venv/bin/python benchmarks/cluster/bench_cluster.py --rates 1gbit 10gbit --out benchmarks/results/cluster.md
+
+Not part of CI. Each layout: cluster_step.py, 4 ranks, the median step after warm-up and the bytes the link carried.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+NODES = [("lzbench0", "lzb0", "10.77.0.1"), ("lzbench1", "lzb1", "10.77.0.2")]  # namespace, veth end, address
+LAYOUTS = ["ddp", "zero2", "zero2_hybrid", "zero3", "zero3_hybrid"]
+
+
+def sh(*cmd: str, check: bool = True) -> None:
+    subprocess.run(cmd, check=check, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL if not check else None)
+
+
+def up(rate: str) -> None:
+    down()
+    for ns, _, _ in NODES:
+        sh("ip", "netns", "add", ns)
+    (ns0, if0, ip0), (ns1, if1, ip1) = NODES
+    sh("ip", "link", "add", if0, "netns", ns0, "type", "veth", "peer", "name", if1, "netns", ns1)
+    for ns, dev, ip in NODES:
+        sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
+        sh("ip", "-n", ns, "link", "set", dev, "up")
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+        sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst",
+           "1mbit", "latency", "100ms")
+
+
+def down() -> None:
+    for ns, _, _ in NODES:
+        sh("ip", "netns", "del", ns, check=False)  # deletes its end of the veth, and so the pair
+
+
+def run(layout: str, out: Path, steps: int) -> dict:
+    port = "29577"
+    procs = []
+    for node, (ns, dev, _) in enumerate(NODES):
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": dev, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+               "--nproc-per-node", "2", "--node-rank", str(node), "--master-addr", NODES[0][2], "--master-port", port,
+               str(HERE / "cluster_step.py"), layout, str(out), "--link", dev, "--steps", str(steps)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = [p.communicate(timeout=900)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"{layout} failed:\n" + "\n".join(log[-3000:] for log in logs))
+    return json.loads(out.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"])
+    parser.add_argument("--layouts", nargs="+", default=LAYOUTS)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cluster.md")
+    args = parser.parse_args()
+    rows = []
+    try:
+        for rate in args.rates:
+            up(rate)
+            for layout in args.layouts:
+                with tempfile.TemporaryDirectory() as folder:
+                    result = run(layout, Path(folder) / "result.json", args.steps)
+                rows.append((rate, result))
+                print(rate, layout, f"{result['step_s']:.3f} s/step", f"{result['link_bytes_per_step'] / 1e6:.1f} MB")
+    finally:
+        down()
+    lines = ["| link | layout | s/step | vs DDP | link bytes per step | vs DDP |", "|---|---|---|---|---|---|"]
+    for rate in args.rates:
+        ddp = next((r for k, r in rows if k == rate and r["layout"] == "ddp"), None)
+        for k, r in rows:
+            if k != rate:
+                continue
+            t = f"{r['step_s'] / ddp['step_s']:.2f}x" if ddp else "-"
+            b = f"{r['link_bytes_per_step'] / ddp['link_bytes_per_step']:.2f}x" if ddp else "-"
+            lines.append(f"| {rate} | {r['layout']} | {r['step_s']:.3f} | {t} | {r['link_bytes_per_step'] / 1e6:.1f} MB |"
+                         f" {b} |")
+    params = rows[0][1]["params"] if rows else 0
+    text = (f"# Hybrid sharding on a simulated two-node cluster\n\n`{' '.join(sys.argv)}`: 2 network namespaces x 2"
+            f" ranks (gloo), the link between them shaped with tc tbf; {params / 1e6:.1f}M fp32 parameters in"
+            f" {len(args.layouts) and 4} wide linear blocks, AdamW, median of {args.steps} steps after 2 of warm-up."
+            " Link bytes: both directions of the veth, per step.\n\n" + "\n".join(lines) + "\n")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
