@@ -307,3 +307,17 @@ def test_stage3_working_set_follows_the_gather_schedule(name: str) -> None:
     assert gathered_blocks(config, 3072, B, psi) == blocks
     count = ModelCount(trainable=psi, largest_block=B, root=3072)
     assert working_set(config, count, 1, "32-true")["device"] == 4 * (3072 + blocks * B) + 2 * 4 * B
+
+
+def test_hybrid_sharding_divides_by_the_group_not_the_world() -> None:
+    """`--shard-group-size G`: the zero rows are a flat run's at world size G; DDP's is unchanged; NVMe is refused with
+    hybrid sharding, so it has no row."""
+    from lzero.memory.estimate import ModelCount, estimate
+
+    count = ModelCount(7_000_000_000, 0)
+    hybrid = {r.strategy: r for r in estimate(count, 8, 4, shard_group_size=8)}
+    flat = {r.strategy: r for r in estimate(count, 8, 1)}
+    assert "zero3_offload_nvme" not in hybrid
+    for name, row in hybrid.items():
+        assert row.per_device == flat[name].per_device and row.per_host == flat[name].per_host, name
+    assert hybrid["zero3"].per_device < estimate(count, 8, 4)[0].per_device  # still far below DDP's 16 bytes/param

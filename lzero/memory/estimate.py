@@ -326,10 +326,12 @@ def working_set(config: ZeroConfig, count: ModelCount, world_size: int, precisio
 
 def estimate(count: ModelCount, num_gpus: int = 1, num_nodes: int = 1, precision: str = "bf16-mixed",
              optimizer_bytes: float = ADAM_BYTES, buffers: bool = False, offload_ratio: float = 1.0,
-             max_in_cpu: Optional[int] = None, strategies: Sequence[str] = STRATEGIES) -> list[Estimate]:
+             max_in_cpu: Optional[int] = None, strategies: Sequence[str] = STRATEGIES,
+             shard_group_size: Optional[int] = None) -> list[Estimate]:
     """One :class:`Estimate` per strategy (``STRATEGIES``) for ``num_gpus`` ranks on each of ``num_nodes``
     nodes. ``offload_ratio`` and ``max_in_cpu`` apply to the offload rows (``OffloadOptimizer.ratio``,
-    ``OffloadParam.max_in_cpu``; None: its default)."""
+    ``OffloadParam.max_in_cpu``; None: its default). ``shard_group_size``: hybrid sharding, the zero rows shard over
+    groups of this many ranks (G in place of N; see [Note: hybrid sharding] in lzero/engine/layout.py)."""
     from lzero.presets import PRESET_CONFIGS
 
     for name, value in (("num_gpus", num_gpus), ("num_nodes", num_nodes)):
@@ -344,18 +346,25 @@ def estimate(count: ModelCount, num_gpus: int = 1, num_nodes: int = 1, precision
     if unknown:
         raise EstimateError(f"Unknown strategies {unknown}. HINT: use some of {', '.join(STRATEGIES)}.")
     world = num_gpus * num_nodes
+    if shard_group_size is not None and (isinstance(shard_group_size, bool) or not isinstance(shard_group_size, int)
+                                         or shard_group_size < 1 or world % shard_group_size):
+        raise EstimateError(f"`shard_group_size={shard_group_size!r}` must divide the world size {world}. HINT: e.g."
+                            f" `--shard-group-size {num_gpus}` (one node per group).")
+    sharded_over = shard_group_size or world  # the ranks a zero row's states are divided among
     rows = []
     for name in strategies:
+        if shard_group_size is not None and name == "zero3_offload_nvme":
+            continue  # refused with hybrid sharding (ZeroConfig)
         if name == "ddp":
             per_rank = ddp_states(count, optimizer_bytes)
             extra = {"device": round(4 * count.trainable)} if buffers else {}
             paper = paper_bytes(0, count, world, precision, optimizer_bytes)
         else:
             config = _config(PRESET_CONFIGS[name], offload_ratio, max_in_cpu)
-            per_rank = model_states(config, count, world, precision, optimizer_bytes)
-            extra = working_set(config, count, world, precision, optimizer_bytes) if buffers else {}
+            per_rank = model_states(config, count, sharded_over, precision, optimizer_bytes)
+            extra = working_set(config, count, sharded_over, precision, optimizer_bytes) if buffers else {}
             offloaded = config.offload_optimizer.device != "none"
-            paper = None if offloaded else paper_bytes(config.stage, count, world, precision, optimizer_bytes)
+            paper = None if offloaded else paper_bytes(config.stage, count, sharded_over, precision, optimizer_bytes)
         for store, nbytes in extra.items():
             per_rank.setdefault(store, dict.fromkeys(KINDS, 0))["buffers"] += nbytes
         rows.append(Estimate(name, per_rank, num_gpus, paper))

@@ -89,6 +89,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="with --quantized: how many of the frozen parameters are quantized (default: all)")
     parser.add_argument("--num-gpus", type=int, default=1, help="ranks per node (default 1)")
     parser.add_argument("--num-nodes", type=int, default=1, help="nodes (default 1)")
+    parser.add_argument("--shard-group-size", type=int, default=None,
+                        help="hybrid sharding: the zero rows shard within groups of this many ranks (e.g. --num-gpus),"
+                             " replicated across groups")
     parser.add_argument("--precision", default="bf16-mixed",
                         help=f"one of {', '.join(COMPUTE_BYTES)} (default bf16-mixed, the ZeRO paper's setting)")
     parser.add_argument("--optimizer-bytes", type=float, default=ADAM_BYTES,
@@ -127,7 +130,7 @@ def estimate_command(argv: Sequence[str]) -> int:
             count = ModelCount(args.params, args.frozen_params)
         max_in_cpu = None if args.max_in_cpu is None else int(args.max_in_cpu)
         rows = estimate(count, args.num_gpus, args.num_nodes, args.precision, args.optimizer_bytes, args.buffers,
-                        args.offload_ratio, max_in_cpu)
+                        args.offload_ratio, max_in_cpu, shard_group_size=args.shard_group_size)
         if args.plot:
             plot(rows, args.plot)
     except (EstimateError, ZeroConfigError) as err:
@@ -179,7 +182,9 @@ def table(rows: list[Estimate], count: ModelCount, args: argparse.Namespace) -> 
     lines = [f"Model states in GB (1e9 bytes): trainable {count.trainable:,} params, frozen {count.frozen:,};"
              f" N = {world} ({args.num_gpus} per node x {args.num_nodes} node{'s' if args.num_nodes > 1 else ''});"
              f" {args.precision}; optimizer state {args.optimizer_bytes:g} bytes/param"
-             f"{'; with lzero working set' if args.buffers else ''}", ""]
+             f"{'; with lzero working set' if args.buffers else ''}"
+             f"{f'; hybrid: zero rows sharded within groups of G = {args.shard_group_size}' if args.shard_group_size else ''}",
+             ""]
     for line in (head, tuple("-" * w for w in widths), *body):
         cells = [line[0].ljust(widths[0]), *(cell.rjust(w) for cell, w in zip(line[1:], widths[1:]))]
         lines.append("  ".join(cells))
