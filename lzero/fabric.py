@@ -184,7 +184,7 @@ class ZeroFabricStrategy(DDPStrategy):
         self._close_recording()
         if any(m.module is module for m in self._models):
             raise RuntimeError(f"`{type(module).__name__}` is set up already. HINT: call `fabric.setup` once per model.")
-        if self._check_group is None and self.world_size > 1:  # for _all_ranks_at; made while every rank is here
+        if self._check_group is None and self.world_size > 1:  # for all_ranks_at; made while every rank is here
             import torch.distributed as dist
 
             self._check_group = dist.new_group(
@@ -237,10 +237,10 @@ class ZeroFabricStrategy(DDPStrategy):
         a meta model is materialized from."""
         if model.started:
             return
-        self._all_ranks_at("The model's first use (lzero builds its shards then)")
+        self.all_ranks_at("The model's first use (lzero builds its shards then)")
         model.started = True
         if model.meta:  # the meta parameters back, in the module and in the optimizers, for the engine to materialize
-            swap_parameters(model.module, model.zero, {i: meta for i, (_, meta) in model.meta.items()})
+            swap_parameters(model.module, model.zero, model.meta)
             model.meta = {}
         module, optimizers = model.module, [z.optimizer for z in model.zero]
         if self._auto:
@@ -328,14 +328,13 @@ class ZeroFabricStrategy(DDPStrategy):
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
         """The full per-parameter state in torch's format, on every rank (a collective)."""
-        return _zero(optimizer).started().state_dict()
+        return _zero(optimizer).state_dict()
 
     # --- state dicts and checkpoints -----------------------------------------------------------
 
     def full_state_dict(self, model: SetUpModel, to_all: bool = True) -> dict[str, Any]:
         """``model``'s whole state dict (fp32 masters under mixed precision), on every rank or on rank 0 only. A
-        collective, refused within ``exception_checkpoint_timeout_s`` when a rank does not take part."""
-        self._all_ranks_at("`model.state_dict()`")
+        collective (its callers check first that every rank takes part: :meth:`all_ranks_at`)."""
         self._start(model)
         engine = model.engine
         model.inside = True
@@ -378,6 +377,7 @@ class ZeroFabricStrategy(DDPStrategy):
 
     @override
     def get_module_state_dict(self, module: nn.Module) -> dict[str, Any]:
+        self.all_ranks_at("`model.state_dict()`")
         return self.full_state_dict(self._model_of(module))
 
     @override
@@ -390,7 +390,7 @@ class ZeroFabricStrategy(DDPStrategy):
         """``checkpoint_format="sharded"`` (the default): a checkpoint directory, every rank writing its own pieces
         (the Trainer's layout, see [Note: sharded checkpoint layout]); ``"full"``: one file on rank 0 that
         ``torch.load(weights_only=True)`` reads, as Fabric's DDP writes it. A collective."""
-        self._all_ranks_at("`fabric.save`")
+        self.all_ranks_at("`fabric.save`")
         filter = filter or {}
         modules = {k: self._model_of(v) for k, v in state.items() if isinstance(v, nn.Module)}
         for model in modules.values():
@@ -398,17 +398,7 @@ class ZeroFabricStrategy(DDPStrategy):
         if self.config.checkpoint_format == "sharded" and any(m.engine is not None for m in modules.values()):
             self._save_sharded(Path(path), state, modules, filter)
             return
-        out: dict[str, Any] = {}
-        for key, value in state.items():
-            if key in modules:
-                value = self.full_state_dict(modules[key], to_all=False)
-            elif isinstance(value, ZeroOptimizer):
-                value = gather_optimizer_state(value.started())
-            elif hasattr(value, "state_dict") and callable(value.state_dict):
-                value = value.state_dict()
-            if key in filter and isinstance(value, dict):
-                value = {k: v for k, v in value.items() if filter[key](k, v)}
-            out[key] = value
+        out = {key: self._saved_value(key, value, modules, filter) for key, value in state.items()}
         if self.is_global_zero:
             self.checkpoint_io.save_checkpoint(checkpoint=out, path=path, storage_options=storage_options)
 
@@ -430,19 +420,25 @@ class ZeroFabricStrategy(DDPStrategy):
             names = {v.spec.name for v in module_state.values() if isinstance(v, ShardedTensor)}
             kept = names.__contains__
         checkpoint: dict[str, Any] = {"state_dict": module_state, FABRIC_KEYS: {"module": key, "optimizers": list(optimizers)}}
-        for name, value in state.items():
-            if name == key or name in optimizers:
-                continue
-            if isinstance(value, nn.Module):
-                value = self.full_state_dict(modules[name], to_all=False)
-            elif hasattr(value, "state_dict") and callable(value.state_dict):
-                value = value.state_dict()
-            if name in filter and isinstance(value, dict):
-                value = {k: v for k, v in value.items() if filter[name](k, v)}
-            checkpoint[name] = value
+        checkpoint.update({name: self._saved_value(name, value, modules, filter) for name, value in state.items()
+                           if name != key and name not in optimizers})
         ordered = [model.zero.index(z) for z in optimizers.values()]
         save_sharded(path, engine, [model.zero[i] for i in ordered], checkpoint, None, kept, stage=self.config.stage,
                      precision=self.precision.precision, front="fabric")
+
+    def _saved_value(self, key: str, value: Any, modules: dict[str, SetUpModel],
+                     filter: dict[str, Callable[[str, Any], bool]]) -> Any:
+        """A state entry as a checkpoint holds it: a module's whole state dict and an optimizer's full state on rank 0
+        (collectives), another object's ``state_dict()``, a plain value as it is; ``filter[key]`` applied."""
+        if key in modules:
+            value = self.full_state_dict(modules[key], to_all=False)
+        elif isinstance(value, ZeroOptimizer):
+            value = gather_optimizer_state(value.started())
+        elif hasattr(value, "state_dict") and callable(value.state_dict):
+            value = value.state_dict()
+        if key in filter and isinstance(value, dict):
+            value = {k: v for k, v in value.items() if filter[key](k, v)}
+        return value
 
     @override
     def load_checkpoint(self, path: Any, state: Optional[Union[nn.Module, Optimizer, dict[str, Any]]] = None,
@@ -461,7 +457,7 @@ class ZeroFabricStrategy(DDPStrategy):
             self.load_full_state_dict(self._model_of(state), checkpoint, strict)
             return {}
         if isinstance(state, Optimizer):
-            _zero(state).started().load_state_dict(checkpoint)
+            _zero(state).load_state_dict(checkpoint)
             return {}
         missing = [k for k in state if k not in checkpoint]
         if strict and missing:
@@ -472,8 +468,6 @@ class ZeroFabricStrategy(DDPStrategy):
             value = checkpoint.pop(name)
             if isinstance(obj, nn.Module):
                 self.load_full_state_dict(self._model_of(obj), value, strict)
-            elif isinstance(obj, ZeroOptimizer):
-                obj.started().load_state_dict(value)
             elif hasattr(obj, "load_state_dict") and callable(obj.load_state_dict):
                 obj.load_state_dict(value)
             else:
@@ -516,8 +510,9 @@ class ZeroFabricStrategy(DDPStrategy):
                 state[name] = value
         return common
 
-    def _all_ranks_at(self, what: str) -> None:
-        """Every rank reached the collective ``what`` within ``exception_checkpoint_timeout_s``, or a clear error."""
+    def all_ranks_at(self, what: str) -> None:
+        """Every rank reached the collective ``what`` within ``exception_checkpoint_timeout_s``, or a clear error
+        (called where a user's call enters a collective: a save, a state dict, a model's first use)."""
         if self.world_size == 1:
             return
         import torch.distributed as dist

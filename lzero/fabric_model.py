@@ -30,7 +30,7 @@ class SetUpModel:
     started: bool = False
     undo: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # hooks and shadows, until teardown
     inside: bool = False  # lzero itself is reading the module's state dict
-    meta: dict[int, tuple[nn.Parameter, nn.Parameter]] = field(default_factory=dict)  # id(placeholder) -> it, meta
+    meta: dict[int, nn.Parameter] = field(default_factory=dict)  # id(placeholder) -> the meta parameter it holds for
 
     @property
     def on_meta(self) -> bool:
@@ -40,7 +40,6 @@ class SetUpModel:
     def owns(self, optimizer: Optimizer) -> bool:
         mine = {id(p) for p in self.module.parameters()}
         return any(id(p) in mine for g in optimizer.param_groups for p in g["params"])
-
 
 
 def fresh_parameters(module: nn.Module) -> None:
@@ -56,11 +55,11 @@ def fresh_parameters(module: nn.Module) -> None:
             owner._parameters[name] = made[id(p)]
 
 
-def placeholders(module: nn.Module, device: torch.device) -> dict[int, tuple[nn.Parameter, nn.Parameter]]:
+def placeholders(module: nn.Module, device: torch.device) -> dict[int, nn.Parameter]:
     """Each meta parameter replaced by a placeholder of its shape, dtype and class over one element of memory (an
     expanded zero), so that an optimizer can be built from ``parameters()``. See [Note: the engine starts at first
     use]."""
-    made: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+    made: dict[int, nn.Parameter] = {}  # id(placeholder) -> the meta parameter
     by_meta: dict[int, nn.Parameter] = {}
     for owner in module.modules():
         for name, p in list(owner._parameters.items()):
@@ -71,7 +70,7 @@ def placeholders(module: nn.Module, device: torch.device) -> dict[int, tuple[nn.
                 holder = nn.Parameter(data, requires_grad=p.requires_grad) if type(p) is nn.Parameter else \
                     torch.Tensor._make_subclass(type(p), data, p.requires_grad)
                 by_meta[id(p)] = holder
-                made[id(holder)] = (holder, p)
+                made[id(holder)] = p
             owner._parameters[name] = by_meta[id(p)]
     return made
 
@@ -98,6 +97,7 @@ def state_dict_shadows(strategy: "ZeroFabricStrategy", model: SetUpModel) -> Ite
     def state_dict(*args: Any, destination: Optional[dict] = None, prefix: str = "", keep_vars: bool = False) -> Any:
         if model.inside or args:  # lzero's own reads (and torch's deprecated positional form)
             return own_state(module, *args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        strategy.all_ranks_at("`model.state_dict()`")
         full = strategy.full_state_dict(model)
         out = destination if destination is not None else {}
         out.update({prefix + k: v for k, v in full.items()})

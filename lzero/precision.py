@@ -225,32 +225,34 @@ class ZeroPrecision(Precision):
         closure_result = closure()
         if getattr(model, "automatic_optimization", False) and closure_result is None:
             return closure_result  # training_step returned None: no backward, no step (as Lightning's AMP)
-        skip = zopt.engine.found_nonfinite(zopt.units)
         trainer = model.trainer
-        call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
-        call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
-        if not skip:
-            self._clip_gradients(model, optimizer, trainer.gradient_clip_val,
-                                 gradient_clip_algorithm=trainer.gradient_clip_algorithm)
-            zopt.step(**kwargs)
-        else:
-            zopt.engine.release_grads(zopt.units)  # as a step would (see [Note: gradient buffers])
+
+        def before_step(skip: bool) -> None:  # Lightning's hooks see every step; clipping only a taken one
+            call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
+            call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+            if not skip:
+                self._clip_gradients(model, optimizer, trainer.gradient_clip_val,
+                                     gradient_clip_algorithm=trainer.gradient_clip_algorithm)
+
         before = self.loss_scale
-        self.account(skip, zopt, model.trainer.global_step, model.trainer.global_rank == 0)
+        self.step_or_skip(zopt, trainer.global_step, trainer.global_rank == 0, before_step, **kwargs)
         if getattr(model, "_current_fx_name", None) is not None and (self.scaler is not None or self.skipped_steps):
             if self.scaler is not None:
                 model.log("lzero/loss_scale", before, on_step=True, on_epoch=False, batch_size=1)
             model.log("lzero/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False, batch_size=1)
         return closure_result
 
-    def step_or_skip(self, zopt: Any, step: int, is_global_zero: bool, **kwargs: Any) -> bool:
-        """Fabric's optimizer step: the non-finite check, then the step or a skip, accounted (see [Note: skipped
-        steps]). Returns whether the step was skipped."""
+    def step_or_skip(self, zopt: Any, step: int, is_global_zero: bool,
+                     before_step: Optional[Callable[[bool], None]] = None, **kwargs: Any) -> bool:
+        """One optimizer step of either front door: the non-finite check, ``before_step(skip)`` (the Trainer's hooks
+        and clipping), then the step or a skip, accounted (see [Note: skipped steps]). Returns whether it skipped."""
         skip = zopt.engine.found_nonfinite(zopt.units)
+        if before_step is not None:
+            before_step(skip)
         if not skip:
             zopt.step(**kwargs)
         else:
-            zopt.engine.release_grads(zopt.units)
+            zopt.engine.release_grads(zopt.units)  # as a step would (see [Note: gradient buffers])
         self.account(skip, zopt, step, is_global_zero)
         return skip
 
