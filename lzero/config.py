@@ -264,6 +264,23 @@ class ZeroConfig:
     ZeRO). Memory follows the formulas with G in place of N. DeepSpeed's ``mics_shard_size``. See [Note: hybrid
     sharding] in lzero/engine/layout.py."""
 
+    hpz_partition_size: int = 1
+    """ZeRO++'s hpZ (stage 3): besides the primary shards over every rank, each block keeps a secondary copy of its
+    gathered parameters, partitioned over groups of this many consecutive ranks (a node), so that backward's
+    all-gather stays within the group. Costs 1/H of the blocks' parameters per rank in the compute dtype, counted by
+    the memory logs and ``lzero estimate``. 1: off. DeepSpeed's ``zero_hpz_partition_size``. See [Note: hpZ] in
+    lzero/engine/secondary.py."""
+
+    quantized_weights: bool = False
+    """ZeRO++'s qwZ (stage 3): parameter all-gathers send blockwise int8 codes (about 1 byte per element) and every
+    rank computes with the dequantized weights; the masters stay exact. Changes results. DeepSpeed's
+    ``zero_quantized_weights``. See [Note: quantized collectives] in lzero/engine/quantized.py."""
+
+    quantized_gradients: Optional[int] = None
+    """ZeRO++'s qgZ: gradient reductions as an all-to-all of blockwise int8 (8) or int4 (4) codes, summed in fp32 by
+    the receiving rank. None: exact reductions. Changes results. DeepSpeed's ``zero_quantized_gradients`` (its
+    ``true`` reads as 4). See [Note: quantized collectives] in lzero/engine/quantized.py."""
+
     log_memory: bool = True
     """With a logger, add :class:`lzero.MemoryMonitor`: model-state bytes per rank, store and kind, beside what
     the ZeRO formula expects, the step's peak memory and its communication, every ``log_every_n_steps``.
@@ -346,6 +363,7 @@ class ZeroConfig:
                 f"`shard_group_size={self.shard_group_size!r}` with NVMe offload: ranks of different shard groups would"
                 " share swap file names on one node. HINT: offload to `cpu` with hybrid sharding, or drop"
                 " `shard_group_size`.")
+        self._check_zero_plus_plus()
         if self.async_save and self.shard_group_size is not None:
             raise ZeroConfigError(
                 f"`async_save=True` with `shard_group_size={self.shard_group_size!r}`: not built yet (the background"
@@ -363,6 +381,33 @@ class ZeroConfig:
                      "log_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise ZeroConfigError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
+
+    def _check_zero_plus_plus(self) -> None:
+        """hpZ and the quantized collectives: their values, and the stages and layouts they work with."""
+        hpz = self.hpz_partition_size
+        if isinstance(hpz, bool) or not isinstance(hpz, int) or hpz < 1:
+            raise ZeroConfigError(f"`hpz_partition_size={hpz!r}` must be a number of ranks >= 1 (1: off). HINT: the"
+                                  " ranks per node, e.g. 8.")
+        if hpz > 1 and self.stage < 3:
+            raise ZeroConfigError(f"`hpz_partition_size={hpz}` at stage {self.stage}: hpZ keeps a secondary copy of"
+                                  " stage 3's gathered parameters, and stages 1-2 gather none. HINT: use `stage=3`.")
+        if hpz > 1 and self.shard_group_size is not None:
+            raise ZeroConfigError(f"`hpz_partition_size={hpz}` with `shard_group_size={self.shard_group_size!r}`: both"
+                                  " keep the all-gathers within a node, one by sharding states there, the other by a"
+                                  " secondary copy. HINT: choose one.")
+        if hpz > 1 and self.offload_param.device != "none":
+            raise ZeroConfigError(f"`hpz_partition_size={hpz}` with `offload_param={self.offload_param.device!r}`:"
+                                  " hpZ's secondary copy lives in device memory, which offloading parameters frees."
+                                  " HINT: drop one of the two.")
+        if not isinstance(self.quantized_weights, bool):
+            raise ZeroConfigError(f"`quantized_weights={self.quantized_weights!r}` must be true or false.")
+        if self.quantized_weights and self.stage < 3:
+            raise ZeroConfigError(f"`quantized_weights=True` at stage {self.stage}: it quantizes stage 3's parameter"
+                                  " all-gathers; at stages 1-2 every rank keeps exact full weights, which a quantized"
+                                  " all-gather would make disagree. HINT: use `stage=3`, or drop it.")
+        if self.quantized_gradients not in (None, 8, 4) or isinstance(self.quantized_gradients, bool):
+            raise ZeroConfigError(f"`quantized_gradients={self.quantized_gradients!r}` is not one of None, 8, 4 (bits"
+                                  " per gradient element sent). HINT: 8 (int8) or 4 (int4), or None for exact sums.")
 
     def _check_gather_schedule(self) -> None:
         """The stage-3 knobs of [Note: stage-3 gather schedule]: whole numbers, stage 3 only, one way to prefetch."""

@@ -26,8 +26,8 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
 from lzero import auto_sizes
-from lzero.engine import collectives
-from lzero.config import ZeroConfig
+from lzero.engine import collectives, quantized
+from lzero.config import ZeroConfig, ZeroConfigError
 from lzero.errors import ZeroEngineError
 from lzero.engine.mixed_precision import PrecisionPolicy
 from lzero.engine.flat_unit import FlatUnit, GradState, fill_from_gathered, shard_bytes
@@ -40,6 +40,7 @@ from lzero.engine.materialize import (InitFn, Materializer, WeightSource, apply_
                                read_whole, shard_values)
 from lzero.engine.partition import FROZEN, Partition, ParamSpec, UnitSpec, partition_by_label, partition_by_size
 from lzero.engine.reducer import Reducer
+from lzero.engine.secondary import SecondaryPartition
 from lzero.offload.placement import stores_for
 from lzero.offload.store import ShardStore
 from lzero.engine.units import ROOT, find_blocks, label_parameters
@@ -74,6 +75,8 @@ class ZeroEngine:
         self.group = group
         self.world_size = collectives.world_size(group)
         self.rank = collectives.rank(group)
+        # qwZ: stage 3's parameter all-gathers send int8 ([Note: quantized collectives] in quantized.py)
+        self._param_all_gather = quantized.all_gather if config.quantized_weights else collectives.all_gather
         kept = self.policy.kept_parameters(module)
         packed.check_model(module)
         self._owners = packed.owners(module)  # the modules of packed (quantized) parameters
@@ -258,7 +261,23 @@ class ZeroEngine:
                 dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         return Gatherer(blocks, modules, self._gather_group, GatherSchedule.of(self.config), self._check_group,
                         self.config.unit_order_timeout_s, on_backward=self._on_block_backward,
-                        accumulating=self.accumulating)
+                        accumulating=self.accumulating, all_gather=self._param_all_gather,
+                        secondary=self._secondary_partition(blocks))
+
+    def _secondary_partition(self, blocks: dict[str, Block]) -> Optional[SecondaryPartition]:
+        """hpZ's node-local copies of every block but the root: [Note: hpZ] in secondary.py. A collective."""
+        size = self.config.hpz_partition_size
+        if size <= 1:
+            return None
+        if self.world_size % size:
+            raise ZeroConfigError(
+                f"`hpz_partition_size={size}` does not divide the world size {self.world_size}. HINT: use the ranks per"
+                f" node, a divisor of {self.world_size}.")
+        if size == self.world_size:  # one node: the primary gather is the node's already
+            return None
+        group = Layout(self.world_size, size, dist.get_rank()).new_shard_group()
+        units = [u for name, block in blocks.items() if name != ROOT for u in block.units]
+        return SecondaryPartition(units, group, size, self.rank % size)
 
     def gather_root(self) -> None:
         """Stage 3: the root unit stays gathered from the start of a step to the end of its backward."""
@@ -317,7 +336,10 @@ class ZeroEngine:
                 names.append(block.name)
         already = set(self.gatherer.gathered_names())
         for name in names:
-            self.gatherer.gather(name)
+            if write_back and self.config.quantized_weights:  # written back: the exact values, not qwZ's rounding
+                self.gatherer.gather_exact(name)
+            else:
+                self.gatherer.gather(name)
         try:
             yield
         finally:
@@ -473,6 +495,8 @@ class ZeroEngine:
                 self.reducer.reduce_remaining(self.units)
         finally:
             self._round_open = False
+            if self.gatherer is not None:
+                self.gatherer.end_backward()
             self.release_all()
 
     def wait(self) -> None:
@@ -679,10 +703,10 @@ class ZeroEngine:
         if len(bucket) == 1:
             unit = bucket[0]
             shard = unit.compute_shard().clone()  # the owned slice aliases the output
-            return PendingGather(collectives.all_gather(unit.flat_param, shard, self.group, async_op=True), bucket, None)
+            return PendingGather(self._param_all_gather(unit.flat_param, shard, self.group, async_op=True), bucket, None)
         shard = shard_bytes([u.compute_shard() for u in bucket])
         out = torch.empty(shard.numel() * self.world_size, dtype=shard.dtype, device=shard.device)
-        return PendingGather(collectives.all_gather(out, shard, self.group, async_op=True), bucket, out)
+        return PendingGather(self._param_all_gather(out, shard, self.group, async_op=True), bucket, out)
 
     def metadata(self) -> dict[str, Any]:
         return self.partition.metadata()

@@ -116,6 +116,7 @@ from torch.utils._pytree import tree_flatten
 from lzero.engine import collectives
 from lzero.engine.blocks import Block, BlockState, GatherSchedule, Gathering, HostCopy, RunGathering
 from lzero.engine.flat_unit import FlatUnit, shard_bytes
+from lzero.engine.secondary import SecondaryPartition
 from lzero.engine.unit_order import OrderCheck
 from lzero.engine.units import ROOT
 
@@ -127,8 +128,12 @@ class Gatherer:
                  schedule: GatherSchedule = GatherSchedule(), check_group: Any = None,
                  check_timeout_s: float = 0.0,
                  on_backward: Optional[Callable[[Block, bool], None]] = None,
-                 accumulating: Optional[Callable[[], bool]] = None) -> None:
-        """``on_backward(block, done)``: a backward hook of ``block`` runs, before it is gathered for its backward
+                 accumulating: Optional[Callable[[], bool]] = None,
+                 all_gather: Callable[..., collectives.Handle] = collectives.all_gather,
+                 secondary: Optional[SecondaryPartition] = None) -> None:
+        """``all_gather``: the parameter all-gather (quantized with qwZ, see [Note: quantized collectives] in
+        quantized.py); ``secondary``: hpZ's node-local copies for backward's gathers (see [Note: hpZ] in
+        secondary.py). ``on_backward(block, done)``: a backward hook of ``block`` runs, before it is gathered for its backward
         (``done`` False) or once the backward of every forward of the block since the last has passed its inputs
         (``done`` True: no backward node of the block is left, the engine collects its gradients, and the block is
         released after that). See [Note: one backward hook per block]."""
@@ -136,6 +141,8 @@ class Gatherer:
         self._on_backward = on_backward
         self._accumulating = accumulating  # inside backward: whether it accumulates into parameters
         self.group = group
+        self._all_gather = all_gather
+        self.secondary = secondary
         # every rank agrees on each block before its all-gather (None: a single process, nothing to agree on)
         self.order_check = OrderCheck(list(blocks), check_group, check_timeout_s) if check_group is not None else None
         self.schedule = schedule
@@ -184,9 +191,12 @@ class Gatherer:
             unit.allocate()
             # an offloaded shard is copied to the device here, so a prefetch starts that copy early too; the
             # handle keeps the copy alive until the all-gather has read it
+            if self._from_secondary(block.units):
+                block.handles.append(Gathering(self.secondary.gather(unit), self.secondary.source(unit), None))
+                continue
             source = unit.gather_source()
             handle, copied = unit.param_store.gather_from_side_stream(
-                lambda: collectives.all_gather(unit.flat_param, source, self.group, async_op=True))
+                lambda: self._all_gather(unit.flat_param, source, self.group, async_op=True))
             block.handles.append(Gathering(handle, source, copied))
         block.state = BlockState.GATHERING
 
@@ -197,13 +207,22 @@ class Gatherer:
         units = [u for n in members for u in self.blocks[n].units]
         for unit in units:
             unit.allocate()
-        shard = shard_bytes([unit.gather_source() for unit in units])
-        world_size = collectives.world_size(self.group)
+        if self._from_secondary(units):  # hpZ: within the node
+            group, gather = self.secondary.group, self.secondary.all_gather
+            shard = shard_bytes([self.secondary.source(unit) for unit in units])
+        else:
+            group, gather = self.group, self._all_gather
+            shard = shard_bytes([unit.gather_source() for unit in units])
+        world_size = collectives.world_size(group)
         out = torch.empty(world_size * shard.numel(), dtype=shard.dtype, device=shard.device)
-        gathering = RunGathering(collectives.all_gather(out, shard, self.group, async_op=True), units, out, world_size)
+        gathering = RunGathering(gather(out, shard, group, async_op=True), units, out, world_size)
         for n in members:
             self.blocks[n].handles.append(gathering)
             self.blocks[n].state = BlockState.GATHERING
+
+    def _from_secondary(self, units: Sequence[FlatUnit]) -> bool:
+        """hpZ: whether a gather of ``units`` now reads the node's secondary slices ([Note: hpZ] in secondary.py)."""
+        return self.secondary is not None and self._direction < 0 and self.secondary.holds(units)
 
     def _run_of(self, name: str) -> tuple[str, ...]:
         """The blocks gathered with ``name`` in forward and backward: [Note: stage-3 gather schedule]."""
@@ -245,6 +264,19 @@ class Gatherer:
     def _agree_on(self, name: str) -> None:
         if self.order_check is not None:
             self.order_check.agree_on(name)
+
+    def gather_exact(self, name: str) -> None:
+        """Full parameters of ``name`` resident on return, gathered unquantized even under qwZ (values to write back
+        into the shards), whether it was gathered before or not."""
+        block = self.blocks[name]
+        for handle in block.handles:
+            handle.wait()
+        block.handles = []
+        for unit in block.units:
+            unit.allocate()
+            collectives.all_gather(unit.flat_param, unit.gather_source(), self.group)
+            unit.attach()
+        block.state = BlockState.GATHERED
 
     def gather(self, name: str) -> None:
         """Full parameters of ``name`` resident on return."""
@@ -463,6 +495,8 @@ class Gatherer:
                         _on_grad(t, self._pre_backward_hook(name), first=False)
                         backward = True
             if not (backward and self._keeps(name)):
+                if backward and self.secondary is not None and self._host is None:
+                    self.secondary.keep(self.blocks[name].units)  # for backward's gather: [Note: hpZ]
                 self.release(name)
             return output
         return hook
@@ -480,11 +514,20 @@ class Gatherer:
 
     # --- backward bookkeeping (called by the engine) -----------------------------------------
 
+    def end_backward(self) -> None:
+        """The backward is over: gathers from now on (a state_dict, the next forward) read the primary shards,
+        which the optimizer step is about to change ([Note: hpZ] in secondary.py)."""
+        self._direction = 1
+        if self.secondary is not None:
+            self.secondary.invalidate()
+
     def begin_step(self) -> None:
         """A training step starts: forget the backwards that forwards without a backward left pending, and release the
         blocks it left gathered (kept for a backward that never came), except persistent blocks gathered after
         the last optimizer step (see [Note: stage-3 gather schedule])."""
         self._step += 1
+        if self.secondary is not None:  # the optimizer step may have changed the primary shards: [Note: hpZ]
+            self.secondary.invalidate()
         for block in self.blocks.values():
             block.pending_backwards = 0
         for name in self.blocks:

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lzero.engine import collectives
+from lzero.engine import collectives, quantized
 from lzero.config import ZeroConfig
 from lzero.engine.flat_unit import FlatUnit
 
@@ -160,7 +160,11 @@ class Reducer:
         else:  # rank by rank: every unit's slice of rank 0, then of rank 1, ...
             bucket = torch.cat([u.pack_grads(scale).view(self.world_size, -1) for u in units], dim=1).view(-1)
         out = torch.empty(sum(u.spec.shard_numel for u in units), dtype=bucket.dtype, device=bucket.device)
-        handle = collectives.reduce_scatter(out, bucket, self.group, async_op=self.config.overlap_comm)
+        if self.config.quantized_gradients is not None:  # qgZ: [Note: quantized collectives] in quantized.py
+            handle = quantized.reduce_scatter(out, bucket, self.group, async_op=self.config.overlap_comm,
+                                              bits=self.config.quantized_gradients)
+        else:
+            handle = collectives.reduce_scatter(out, bucket, self.group, async_op=self.config.overlap_comm)
         self._inflight.append(InflightReduction(handle, units, out, bucket))
         if not self.config.overlap_comm:
             self._finish_oldest()

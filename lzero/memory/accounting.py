@@ -45,6 +45,9 @@ def model_state_bytes(engine: "ZeroEngine", optimizers: Sequence[Any] = ()) -> d
 
 
 def _tensors(engine: "ZeroEngine", optimizers: Sequence[Any]) -> Iterator[tuple[str, str, Tensor]]:
+    secondary = engine.gatherer.secondary if engine.gatherer is not None else None
+    for piece in secondary.tensors() if secondary is not None else ():  # hpZ's node-local copies
+        yield "device", "parameters", piece
     for unit in engine.units:
         yield "device", "parameters", unit.flat_param
         yield unit.param_store.memory, "parameters", unit.compute_shard()

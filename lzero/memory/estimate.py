@@ -200,8 +200,10 @@ def check_precision(precision: str) -> int:
 
 
 def model_states(config: ZeroConfig, count: ModelCount, world_size: int, precision: str = "bf16-mixed",
-                 optimizer_bytes: float = ADAM_BYTES) -> dict[str, dict[str, int]]:
-    """One rank's model states under ``config`` (see [Note: lzero's layout]), every gradient present."""
+                 optimizer_bytes: float = ADAM_BYTES, secondary: Optional[float] = None) -> dict[str, dict[str, int]]:
+    """One rank's model states under ``config`` (see [Note: lzero's layout]), every gradient present.
+    ``secondary``: with hpZ, the elements its node-local copy covers (the blocks' parameters, padded; default: the
+    whole model), of which each rank holds 1/H in the compute dtype ([Note: hpZ] in lzero/engine/secondary.py)."""
     c, mixed = check_precision(precision), precision != "32-true"
     out = _Bytes()
     psi, frozen, n, stage = count.trainable, count.frozen, world_size, config.stage
@@ -219,6 +221,10 @@ def model_states(config: ZeroConfig, count: ModelCount, world_size: int, precisi
     else:
         _stage3_parameters(out, param_store, codes, quantized / n, param.max_in_cpu)
         _stage3_parameters(out, param_store, c, frozen / n, param.max_in_cpu)
+        hpz = config.hpz_partition_size
+        if 1 < hpz < n:
+            covered = secondary if secondary is not None else psi + frozen + quantized
+            out.add("device", "parameters", c * covered / hpz)
     for share, store in ((1.0 - offloaded, "device"), (offloaded, host_store)):
         elements = share * psi / n
         memory = "cpu" if store == "nvme" else store  # NVMe keeps gradients in host memory

@@ -39,6 +39,9 @@ from lzero.memory.accounting import KINDS, model_state_bytes
 STATE_BYTES = {"Adam": 8, "AdamW": 8, "Adamax": 8, "NAdam": 8, "RAdam": 8, "Adagrad": 4, "RMSprop": 4, "SGD": 0}
 """Optimizer state bytes per element for the expectation (SGD and RMSprop add 4 with momentum)."""
 
+ADAM_LIKE = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam")
+"""Optimizers keeping a 0-dim fp32 ``step`` tensor per parameter (here: per shard): 4 bytes per unit, expected too."""
+
 TRAFFIC = ("reduce", "all_gather", "to_host", "to_device", "nvme_read", "nvme_write")
 
 
@@ -176,8 +179,11 @@ def _expected(engine: Any, optimizers: list) -> float:
         return float("nan")
     quantized = sum(b.weights for b in bindings)
     count = ModelCount(trainable, frozen + quantized, quantized=quantized, **({"quantization": kinds.pop()} if kinds else {}))
-    expected = model_states(engine.config, count, engine.world_size, precision, optimizer_bytes=per_element.pop())
-    return float(sum(v for kinds in expected.values() for k, v in kinds.items() if k != "gradients"))
+    secondary = engine.gatherer.secondary if engine.gatherer is not None else None
+    expected = model_states(engine.config, count, engine.world_size, precision, optimizer_bytes=per_element.pop(),
+                            secondary=secondary.covered() if secondary is not None else None)
+    steps = sum(4 * len(z.units) for z in optimizers if type(z.optimizer).__name__ in ADAM_LIKE)  # a 0-dim `step`
+    return float(sum(v for kinds in expected.values() for k, v in kinds.items() if k != "gradients")) + steps
 
 
 def _peak(device: torch.device) -> tuple[str, float]:

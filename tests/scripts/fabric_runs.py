@@ -35,6 +35,10 @@ elif strategy.endswith("_hybrid"):  # shard groups of 2 ranks, replicated across
 
     offload = {"offload_optimizer": "cpu", "offload_param": "cpu"} if "offload" in strategy else {}
     strategy = ZeroFabricStrategy(stage=int(strategy[4]), shard_group_size=2, **offload)
+elif strategy.endswith("_hpz"):  # hpZ: primary shards over all 4 ranks, secondary copies within pairs
+    from lzero.fabric import ZeroFabricStrategy
+
+    strategy = ZeroFabricStrategy(stage=3, hpz_partition_size=2)
 elif strategy.endswith("_fp16"):  # lzero's own fp16 (Fabric would turn 16-mixed into bf16-mixed on the CPU)
     from lzero.fabric import ZeroFabricStrategy
 
@@ -81,6 +85,8 @@ if hasattr(fabric.strategy, "engine_of"):
 
     engine, zopts = fabric.strategy.engine_of(optimizer)
     lzero.MemoryMonitor().log_now(engine, zopts, fabric.device, 4, lambda metrics, step: memory.update(metrics))
+    if engine.gatherer is not None and engine.gatherer.secondary is not None:  # hpZ: backward's gathers in the pair
+        memory["hpz_gathered_bytes"] = engine.gatherer.secondary.gathered_bytes
 
 # fabric.setup(model, opt_a, opt_b): set up together, two optimizers over disjoint parameters
 second = GPT(config)

@@ -29,9 +29,11 @@ SCALING = LossScaleConfig(initial_scale_power=8, loss_scale_window=5, hysteresis
 
 
 class Toy(LightningModule):
-    def __init__(self, inject: Optional[dict[int, str]] = None, fused: Optional[bool] = None) -> None:
+    def __init__(self, inject: Optional[dict[int, str]] = None, fused: Optional[bool] = None,
+                 inject_rank: int = 1) -> None:
         super().__init__()
         self.fused = fused
+        self.inject_rank = inject_rank
         self.inject = dict(INJECT if inject is None else inject)
         self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
         self._hook: Any = None
@@ -39,7 +41,7 @@ class Toy(LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = step_batch(self.trainer.global_step, self.global_rank, self.trainer.world_size)
         kind = self.inject.get(self.trainer.global_step)
-        if kind is not None and self.global_rank == 1:
+        if kind is not None and self.global_rank == self.inject_rank:
             value = float(kind)
             self._hook = self.net[0].weight.register_hook(lambda g: torch.full_like(g, value))
         return nn.functional.mse_loss(self.net(x).float(), y)

@@ -1,0 +1,60 @@
+"""Hybrid sharding under the Trainer at world size 4 (2 shard groups of 2 ranks), beside the flat layout and DDP at
+world size 4 (Lightning re-runs nothing: start 4 ranks, as torchrun does).
+
+    python tests/scripts/hybrid_precision_runs.py OUT_DIR
+
+skip_runs.py's regression model and batches. fp16 with rank 3 (the second shard group) injecting inf/NaN into one
+gradient at global steps 3, 4 and 9, and bf16-mixed, each flat and hybrid at stage 3; fp32 zero2 and zero3_offload
+hybrid beside DDP. Every rank writes ``OUT_DIR/<run>_rank<r>.pt`` (tests/test_hybrid.py reads them).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Trainer
+
+import lzero
+from lzero import ZeroPrecision, ZeroStrategy
+from _teardown import destroy_process_group
+from skip_runs import SCALING, Record, Toy, data
+
+
+def fit(out: Path, name: str, strategy: Any, precision: Any, steps: int, inject: dict[int, str]) -> None:
+    torch.manual_seed(0)
+    model = Toy(inject, fused=False, inject_rank=3)
+    record = Record() if isinstance(strategy, ZeroStrategy) else None
+    trainer = Trainer(accelerator="cpu", devices=4, strategy=strategy, plugins=[precision] if precision else None,
+                      max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=[record] if record else None)
+    losses = []
+    model.on_train_batch_end = lambda outputs, batch, batch_idx: losses.append(outputs["loss"].item())
+    trainer.fit(model, data())
+    lzero.unshard(model)
+    torch.save({"rows": record.rows if record else [], "losses": losses,
+                "skipped_steps": getattr(trainer.precision_plugin, "skipped_steps", 0),
+                "params": {n: p.detach().clone() for n, p in model.named_parameters()}},
+               out / f"{name}_rank{trainer.global_rank}.pt")
+
+
+def main(out: Path) -> None:
+    inject = {3: "inf", 4: "nan", 9: "inf"}
+    for layout, options in (("flat", {}), ("hybrid", {"shard_group_size": 2})):
+        fit(out, f"fp16_{layout}", ZeroStrategy(stage=3, **options), ZeroPrecision("16-mixed", loss_scaling=SCALING),
+            12, inject)
+        fit(out, f"bf16_{layout}", ZeroStrategy(stage=3, **options), ZeroPrecision("bf16-mixed"), 8, {})
+    fit(out, "ddp", "ddp", None, 8, {})
+    fit(out, "zero2_hybrid", ZeroStrategy(stage=2, shard_group_size=2), ZeroPrecision("32-true"), 8, {})
+    fit(out, "zero3_offload_hybrid", ZeroStrategy(stage=3, shard_group_size=2, offload_optimizer="cpu",
+                                                  offload_param="cpu"), ZeroPrecision("32-true"), 8, {})
+
+
+if __name__ == "__main__":
+    out_dir = Path(sys.argv[1])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    main(out_dir)
+    destroy_process_group()

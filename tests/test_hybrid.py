@@ -1,0 +1,61 @@
+"""Hybrid sharding under the Trainer at world size 4 as 2 shard groups x 2 ranks (tests/scripts/hybrid_precision_runs.py):
+fp16 with an overflow injected on a rank of the second group, and bf16-mixed, against the flat layout; zero2 and
+zero3_offload against DDP at world size 4. The Fabric cases (zero1, zero3, hpZ, checkpoints across layouts) are in
+test_fabric.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from _launch import run_script
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("hybrid_precision")
+    run_script("hybrid_precision_runs.py", str(out), ranks=4)
+    return out
+
+
+def load(runs: Path, name: str, rank: int = 0) -> dict:
+    return torch.load(runs / f"{name}_rank{rank}.pt", weights_only=True)
+
+
+def test_fp16_overflow_in_one_group_skips_every_rank_as_flat(runs: Path) -> None:
+    """Rank 3 (group 1) injects inf, NaN, inf at steps 3, 4, 9: every rank of both groups skips those steps and keeps
+    the flat layout's loss scales; the losses and final weights are the flat run's within 1e-6 (measured: equal)."""
+    for rank in range(4):
+        flat, hybrid = load(runs, "fp16_flat", rank), load(runs, "fp16_hybrid", rank)
+        assert [i for i, r in enumerate(hybrid["rows"]) if r["skipped"]] == [3, 4, 9]
+        assert [i for i, r in enumerate(hybrid["rows"]) if r["unchanged"]] == [3, 4, 9]
+        assert [r["scale"] for r in hybrid["rows"]] == [r["scale"] for r in flat["rows"]] == \
+            [256.0] * 4 + [128.0] * 5 + [64.0] * 3
+        assert hybrid["skipped_steps"] == 3
+        worst = max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(hybrid["rows"], flat["rows"], strict=True))
+        assert worst < 1e-6, worst
+        for name, value in flat["params"].items():
+            assert torch.allclose(hybrid["params"][name], value, rtol=1e-6, atol=1e-7), name
+
+
+def test_bf16_mixed_hybrid_as_flat(runs: Path) -> None:
+    flat, hybrid = load(runs, "bf16_flat"), load(runs, "bf16_hybrid")
+    assert len(hybrid["losses"]) == 8
+    worst = max(abs(a - b) / b for a, b in zip(hybrid["losses"], flat["losses"], strict=True))
+    print(f"bf16-mixed hybrid vs flat zero3 at 4 ranks: worst relative loss difference {worst:.2e}")
+    assert worst < 1e-6
+    for name, value in flat["params"].items():
+        assert torch.allclose(hybrid["params"][name], value, rtol=1e-5, atol=1e-6), name
+
+
+@pytest.mark.parametrize("name", ["zero2_hybrid", "zero3_offload_hybrid"])
+def test_hybrid_matches_ddp_at_world_size_4(runs: Path, name: str) -> None:
+    """fp32, 8 steps: losses and final weights within 1e-6 of DDP's (the two reductions sum in another order)."""
+    ours, ddp = load(runs, name), load(runs, "ddp")
+    assert len(ours["losses"]) == len(ddp["losses"]) == 8
+    worst = max(abs(a - b) / b for a, b in zip(ours["losses"], ddp["losses"], strict=True))
+    weights = max(((ours["params"][k] - v).abs().max() / v.abs().max()).item() for k, v in ddp["params"].items())
+    print(f"{name}: losses within {worst:.2e} of DDP@4, weights within {weights:.2e}")
+    assert worst < 1e-6 and weights < 1e-6
