@@ -148,11 +148,17 @@ def test_deprecated_spellings_are_understood() -> None:
     assert kinds["zero_optimization.stage3_gather_16bit_weights_on_model_save"] == "notice"
 
 
-def test_zero_plus_plus_key_is_refused_as_not_built() -> None:
-    with pytest.raises(DeepSpeedConfigError, match=r"`zero_optimization.zero_quantized_weights=True`: ZeRO\+\+"
-                                                   r" is not built"):
-        translate({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}})
+def test_zero_plus_plus_keys_are_read_as_hpz_and_the_quantized_collectives() -> None:
+    t = translate({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8, "zero_quantized_weights": True,
+                                         "zero_quantized_gradients": True}})
+    assert t.options == {"stage": 3, "hpz_partition_size": 8, "quantized_weights": True, "quantized_gradients": 4}
+    ZeroConfig(**t.options)
     assert translate({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 1}}).options == {"stage": 3}
+    with pytest.raises(DeepSpeedConfigError, match=r"`zero_optimization.zero_quantized_nontrainable_weights=True`: not"
+                                                   r" built in lzero"):
+        translate({"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}})
+    with pytest.raises(ZeroConfigError, match=r"`quantized_weights=True` at stage 2"):
+        translate({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}})
 
 
 def test_unknown_key_under_zero_optimization_names_it_and_a_suggestion() -> None:
@@ -189,14 +195,15 @@ def convert(path: Path) -> tuple[int, str]:
 
 def test_convert_config_prints_refusals_and_exits_1(tmp_path: Path) -> None:
     path = tmp_path / "ds_config.json"
-    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8, "overlap_com": True}}))
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3, "zeropp_loco_param": {"err_beta": 0.8},
+                                                      "overlap_com": True}}))
     code, text = convert(path)
     assert code == 1
     assert text.splitlines() == [
         "# refused: Unknown DeepSpeed key `zero_optimization.overlap_com`. HINT: did you mean"
         " `zero_optimization.overlap_comm`?",
-        "# refused: `zero_optimization.zero_hpz_partition_size=8`: ZeRO++ is not built in lzero. HINT: remove"
-        " `zero_hpz_partition_size` or set it to 1.",
+        "# refused: `zero_optimization.zeropp_loco_param={'err_beta': 0.8}`: not built in lzero (ZeRO++'s hpZ, qwZ"
+        " and qgZ are). HINT: remove `zeropp_loco_param`.",
     ]
 
 

@@ -153,10 +153,11 @@ CASES = {
         refused=r"train_batch_size 16 != train_micro_batch_size_per_gpu 4 x gradient_accumulation_steps 2 x world size"
                 r" 1 = 8\. HINT: DeepSpeed's rule"),
     "zero_plus_plus_key": Case(
-        {"zero_optimization": {"stage": 3, "zero_quantized_gradients": True, "zero_hpz_partition_size": 8}},
-        refused=r"2 keys of the DeepSpeed configuration are refused:\n- `zero_optimization.zero_hpz_partition_size=8`:"
-                r" ZeRO\+\+ is not built in lzero\. HINT: remove `zero_hpz_partition_size` or set it to 1\.\n"
-                r"- `zero_optimization.zero_quantized_gradients=True`: ZeRO\+\+ is not built"),
+        {"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True, "zeropp_loco_param": {}}},
+        refused=r"2 keys of the DeepSpeed configuration are refused:\n- `zero_optimization.zero_quantized_nontrainable_"
+                r"weights=True`: not built in lzero \(ZeRO\+\+'s hpZ, qwZ and qgZ are\)\. HINT: remove"
+                r" `zero_quantized_nontrainable_weights` or set it to false\.\n"
+                r"- `zero_optimization.zeropp_loco_param=\{\}`: not built"),
     "unknown_key": Case(
         {"zero_optimization": {"stage": 3, "stage3_prefetch_bucket": 5e7}, "bf16": {"enabled": True}},
         refused=r"Unknown DeepSpeed key `zero_optimization.stage3_prefetch_bucket`\. HINT: did you mean"

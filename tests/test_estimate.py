@@ -321,3 +321,17 @@ def test_hybrid_sharding_divides_by_the_group_not_the_world() -> None:
     for name, row in hybrid.items():
         assert row.per_device == flat[name].per_device and row.per_host == flat[name].per_host, name
     assert hybrid["zero3"].per_device < estimate(count, 8, 4)[0].per_device  # still far below DDP's 16 bytes/param
+
+
+def test_hpz_row_adds_the_secondary_copy_of_one_node() -> None:
+    """`--hpz-partition-size H`: a zero3_hpz row after zero3's, holding zero3's states plus 1/H of the model in the
+    compute dtype (bf16: 2 bytes); H must divide the world and excludes hybrid sharding."""
+    from lzero.memory.estimate import EstimateError, ModelCount, estimate
+
+    count = ModelCount(7_000_000_000, 0)
+    rows = {r.strategy: r for r in estimate(count, 8, 4, hpz_partition_size=8)}
+    assert list(rows)[list(rows).index("zero3") + 1] == "zero3_hpz"
+    assert rows["zero3_hpz"].per_device - rows["zero3"].per_device == 2 * 7_000_000_000 // 8
+    assert rows["zero3_hpz"].paper_bytes is None
+    with pytest.raises(EstimateError, match=r"`hpz_partition_size=3` must be a divisor >= 2 of the world size 32"):
+        estimate(count, 8, 4, hpz_partition_size=3)

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional, Union
 
 from lzero.auto_sizes import FORMULAS
 from lzero.config import BY_HIDDEN_SIZE, ZeroConfig, ZeroConfigError
-from lzero.deepspeed.keys import (FP16_KEYS, LOGGING_KEYS, LOSS_SCALE_KEYS, NOT_BUILT_TOP, ONLY_DEFAULT_TOP, STAGE3_SCHEDULE,
+from lzero.deepspeed.keys import (ZERO_PLUS_PLUS_READ, FP16_KEYS, LOGGING_KEYS, LOSS_SCALE_KEYS, NOT_BUILT_TOP, ONLY_DEFAULT_TOP, STAGE3_SCHEDULE,
                                    TOP_KEYS, ZERO_KEYS, ZERO_NOTICE, ZERO_ONLY_VALUE, ZERO_PLUS_PLUS, ZERO_RENAMED,
                                    ZERO_SIZES)
 
@@ -165,6 +165,21 @@ class _Reader:
     def __init__(self, ds: dict) -> None:
         self.ds, self.out, self.errors = ds, Translated(), []
 
+    def _zero_plus_plus(self, block: dict, opts: dict, p: str) -> None:
+        """ZeRO++'s hpZ, qwZ and qgZ, read as lzero's fields ([Note: hpZ], [Note: quantized collectives])."""
+        hpz = block.get("zero_hpz_partition_size", 1)
+        if hpz not in (1, None):
+            opts["hpz_partition_size"] = int(hpz) if isinstance(hpz, float) and hpz.is_integer() else hpz
+            self.note(p + "zero_hpz_partition_size", "notice", f"-> `hpz_partition_size: {hpz}` (hpZ)")
+        if block.get("zero_quantized_weights", False):
+            opts["quantized_weights"] = block["zero_quantized_weights"]
+            self.note(p + "zero_quantized_weights", "notice", "-> `quantized_weights: true` (qwZ, blockwise int8)")
+        if block.get("zero_quantized_gradients", False):
+            value = block["zero_quantized_gradients"]
+            opts["quantized_gradients"] = 4 if value is True else value
+            self.note(p + "zero_quantized_gradients", "notice",
+                      f"-> `quantized_gradients: {opts['quantized_gradients']}` (qgZ; DeepSpeed's is int4)")
+
     def refuse(self, message: str) -> None:
         self.errors.append(message)
 
@@ -266,12 +281,13 @@ class _Reader:
         elif hierarchical:  # the gather never leaves the group: nothing left to stage
             self.note(p + "mics_hierarchical_params_gather", "notice",
                       "the all-gather already stays within the shard group (one node)")
+        self._zero_plus_plus(block, opts, p)
         for key, off in ZERO_PLUS_PLUS.items():
-            if key in ("mics_shard_size", "mics_hierarchical_params_gather"):
+            if key in ("mics_shard_size", "mics_hierarchical_params_gather", *ZERO_PLUS_PLUS_READ):
                 continue
             if key in block and block[key] != off:
-                self.refuse(f"`{p}{key}={block[key]!r}`: ZeRO++ is not built in lzero. HINT: remove `{key}`"
-                            f"{'' if off is None else f' or set it to {json.dumps(off)}'}.")
+                self.refuse(f"`{p}{key}={block[key]!r}`: not built in lzero (ZeRO++'s hpZ, qwZ and qgZ are). HINT:"
+                            f" remove `{key}`{'' if off is None else f' or set it to {json.dumps(off)}'}.")
         for key, (only, why) in ZERO_ONLY_VALUE.items():
             if key in block and block[key] != only:
                 self.refuse(f"`{p}{key}={block[key]!r}`: {why}. HINT: remove it or set it to {json.dumps(only)}.")

@@ -51,7 +51,10 @@ ZERO_PLUS_PLUS = {  # key -> the value that means "off"
     "zeropp_loco_param": None,
 }
 """ZeRO++ and MiCS: accepted at their "off" value; MiCS's two keys are read as hybrid sharding (``shard_group_size``),
-ZeRO++'s refused as not built otherwise."""
+ZeRO++'s in ``ZERO_PLUS_PLUS_READ`` as lzero's fields; the others refused as not built otherwise."""
+
+ZERO_PLUS_PLUS_READ = ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_gradients")
+"""hpZ -> ``hpz_partition_size``, qwZ -> ``quantized_weights``, qgZ -> ``quantized_gradients`` (true: 4 bits)."""
 
 STAGE3_SCHEDULE = {  # DeepSpeed key -> ZeroConfig field, both in elements
     "stage3_prefetch_bucket_size": "prefetch_bucket_size", "stage3_param_persistence_threshold":

@@ -3,16 +3,19 @@
 [Note: quantized collectives]
 Both are opt-in and change results (the acceptance is convergence, not equality):
 - **qwZ** (``ZeroConfig.quantized_weights``): stage 3's parameter all-gathers send every shard as blockwise int8
-  codes (blocks of ``BLOCK`` elements, one fp32 absmax scale per block), and every rank, its own shard included,
-  dequantizes all of them, so every rank computes with the same full weights. About 1.02 bytes per element on the
-  wire instead of 4 (fp32) or 2 (bf16). The fp32 masters and the shards are untouched: only what forward and
-  backward read is rounded, as in ZeRO++.
+  codes (blocks of ``BLOCK`` elements, one fp32 absmax scale per block), rounded to nearest, and every rank, its own
+  shard included, dequantizes all of them, so every rank computes with the same full weights. About 1.06 bytes per
+  element on the wire instead of 4 (fp32) or 2 (bf16). The fp32 masters and the shards are untouched: only what
+  forward and backward read is rounded, as in ZeRO++. A write-back through ``gathered()`` gathers exactly.
 - **qgZ** (``ZeroConfig.quantized_gradients`` = 8 or 4): a gradient reduce-scatter becomes an all-to-all of
   quantized chunks. The rank-by-rank bucket is cut into its N chunks, each chunk quantized blockwise (int8, or int4
   packed two to a byte), chunk k sent to rank k, and each rank dequantizes what it received and sums it in fp32.
-  Each gradient is rounded once, by its sender; the sums are exact fp32. About 1.02 (int8) or 0.52 (int4) bytes
-  per element instead of 4.
-Rounding is to nearest, symmetric about zero, so a block of zeros stays zero. A non-finite value makes its
+  Each gradient is rounded once, by its sender, stochastically (up with the probability of its remainder, so the
+  rounding is unbiased and a gradient much smaller than its block's largest still moves the weights on average);
+  the sums are exact fp32. About 1.06 (int8) or 0.56 (int4) bytes per element instead of 4. The rounding draws come
+  from a generator per rank seeded by its rank: reproducible run to run, but not part of a checkpoint, so a resumed
+  run draws other noise than the uninterrupted one.
+Codes are symmetric about zero, so a block of zeros stays zero. A non-finite value makes its
 block's scale non-finite and its dequantized values NaN or inf, so fp16 overflow is still seen by every rank. A
 world of one sends nothing and quantizes nothing.
 """
@@ -27,7 +30,7 @@ from torch import Tensor
 
 from lzero.engine import collectives
 
-BLOCK = 256  # elements per scale: 4 scale bytes per 256 codes
+BLOCK = 64  # elements per scale: 4 scale bytes per 64 codes (benchmarks/results/quantized.md: 256 lost 1.7% at int4)
 LEVELS = {8: 127, 4: 7}  # the largest code of each width (symmetric: -L..L)
 
 
@@ -38,15 +41,22 @@ def packed_bytes(numel: int, bits: int) -> int:
 
 
 @torch.no_grad()
-def quantize(x: Tensor, bits: int = 8) -> Tensor:
-    """``x`` (1-D, any float dtype) as ``packed_bytes(x.numel(), bits)`` uint8: blockwise absmax codes, then scales."""
+def quantize(x: Tensor, bits: int = 8, generator: Optional[torch.Generator] = None) -> Tensor:
+    """``x`` (1-D, any float dtype) as ``packed_bytes(x.numel(), bits)`` uint8: blockwise absmax codes, then scales.
+    ``generator``: round stochastically (up with the probability of the remainder: unbiased), else to nearest."""
     blocks = -(-x.numel() // BLOCK)
     padded = torch.zeros(blocks * BLOCK, dtype=torch.float32, device=x.device)
     padded[: x.numel()] = x
     padded = padded.view(blocks, BLOCK)
     scale = padded.abs().amax(dim=1, keepdim=True) / LEVELS[bits]  # (blocks, 1)
     safe = torch.where(scale == 0, torch.ones_like(scale), scale)  # a block of zeros: codes 0, scale 0
-    codes = torch.round(padded / safe).clamp_(-LEVELS[bits], LEVELS[bits]).to(torch.int8)  # (blocks, BLOCK)
+    scaled = padded / safe
+    if generator is not None:
+        noise = torch.rand(scaled.shape, generator=generator, device=scaled.device)
+        scaled = torch.floor(scaled + noise)
+    else:
+        scaled = torch.round(scaled)
+    codes = scaled.clamp_(-LEVELS[bits], LEVELS[bits]).to(torch.int8)  # (blocks, BLOCK)
     if bits == 4:  # two codes per byte, each shifted to 1..15
         nibbles = (codes + 8).to(torch.uint8).view(blocks, BLOCK // 2, 2)
         body = nibbles[..., 0] | (nibbles[..., 1] << 4)
@@ -112,13 +122,13 @@ def all_gather(flat: Tensor, shard: Tensor, group: Optional[dist.ProcessGroup] =
 
 @torch.no_grad()
 def reduce_scatter(output: Tensor, flat: Tensor, group: Optional[dist.ProcessGroup] = None, async_op: bool = False,
-                   bits: int = 8) -> collectives.Handle:
+                   bits: int = 8, generator: Optional[torch.Generator] = None) -> collectives.Handle:
     """qgZ: :func:`collectives.reduce_scatter` as an all-to-all of quantized chunks, summed in fp32 by the receiver."""
     if collectives.local(group):
         return collectives.reduce_scatter(output, flat, group)
     world, numel = collectives.world_size(group), output.numel()
     chunks = flat.view(world, numel)
-    sent = torch.stack([quantize(chunks[r], bits) for r in range(world)])  # (world, packed bytes)
+    sent = torch.stack([quantize(chunks[r], bits, generator) for r in range(world)])  # (world, packed bytes)
     received = torch.empty_like(sent)
     collectives.TRAFFIC["reduce"] += sent.numel()
     work = dist.all_to_all_single(received, sent, group=group, async_op=True)

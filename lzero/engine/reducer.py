@@ -66,6 +66,11 @@ class Reducer:
         self._inflight: collections.deque[InflightReduction] = collections.deque()
         self._held: list[FlatUnit] = []  # ready small units waiting to be reduced together: [Note: coalesced reductions]
         self._held_numel = 0
+        # qgZ's stochastic rounding: one generator per rank, on the device the gradients are on
+        self._rounding: Optional[torch.Generator] = None
+        if config.quantized_gradients is not None:
+            device = units[0].flat_param.device if units else torch.device("cpu")
+            self._rounding = torch.Generator(device).manual_seed(dist.get_rank() if dist.is_initialized() else 0)
 
     def begin_backward(self) -> None:
         self.next = 0
@@ -162,7 +167,7 @@ class Reducer:
         out = torch.empty(sum(u.spec.shard_numel for u in units), dtype=bucket.dtype, device=bucket.device)
         if self.config.quantized_gradients is not None:  # qgZ: [Note: quantized collectives] in quantized.py
             handle = quantized.reduce_scatter(out, bucket, self.group, async_op=self.config.overlap_comm,
-                                              bits=self.config.quantized_gradients)
+                                              bits=self.config.quantized_gradients, generator=self._rounding)
         else:
             handle = collectives.reduce_scatter(out, bucket, self.group, async_op=self.config.overlap_comm)
         self._inflight.append(InflightReduction(handle, units, out, bucket))

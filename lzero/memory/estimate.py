@@ -66,7 +66,7 @@ Activations, the allocator's caching and the CUDA context are not counted.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 from torch import nn
@@ -333,11 +333,13 @@ def working_set(config: ZeroConfig, count: ModelCount, world_size: int, precisio
 def estimate(count: ModelCount, num_gpus: int = 1, num_nodes: int = 1, precision: str = "bf16-mixed",
              optimizer_bytes: float = ADAM_BYTES, buffers: bool = False, offload_ratio: float = 1.0,
              max_in_cpu: Optional[int] = None, strategies: Sequence[str] = STRATEGIES,
-             shard_group_size: Optional[int] = None) -> list[Estimate]:
+             shard_group_size: Optional[int] = None, hpz_partition_size: Optional[int] = None) -> list[Estimate]:
     """One :class:`Estimate` per strategy (``STRATEGIES``) for ``num_gpus`` ranks on each of ``num_nodes``
     nodes. ``offload_ratio`` and ``max_in_cpu`` apply to the offload rows (``OffloadOptimizer.ratio``,
     ``OffloadParam.max_in_cpu``; None: its default). ``shard_group_size``: hybrid sharding, the zero rows shard over
-    groups of this many ranks (G in place of N; see [Note: hybrid sharding] in lzero/engine/layout.py)."""
+    groups of this many ranks (G in place of N; see [Note: hybrid sharding] in lzero/engine/layout.py).
+    ``hpz_partition_size``: adds a ``zero3_hpz`` row after zero3's, with hpZ's secondary copy of 1/H of the model per
+    rank (see [Note: hpZ] in lzero/engine/secondary.py)."""
     from lzero.presets import PRESET_CONFIGS
 
     for name, value in (("num_gpus", num_gpus), ("num_nodes", num_nodes)):
@@ -356,6 +358,14 @@ def estimate(count: ModelCount, num_gpus: int = 1, num_nodes: int = 1, precision
                                          or shard_group_size < 1 or world % shard_group_size):
         raise EstimateError(f"`shard_group_size={shard_group_size!r}` must divide the world size {world}. HINT: e.g."
                             f" `--shard-group-size {num_gpus}` (one node per group).")
+    if hpz_partition_size is not None and (isinstance(hpz_partition_size, bool) or not isinstance(
+            hpz_partition_size, int) or hpz_partition_size < 2 or world % hpz_partition_size or shard_group_size):
+        raise EstimateError(f"`hpz_partition_size={hpz_partition_size!r}` must be a divisor >= 2 of the world size"
+                            f" {world}, without `shard_group_size`. HINT: e.g. `--hpz-partition-size {num_gpus}` (the"
+                            " ranks per node).")
+    if hpz_partition_size is not None and "zero3" in strategies:
+        at = list(strategies).index("zero3") + 1
+        strategies = [*strategies[:at], "zero3_hpz", *strategies[at:]]
     sharded_over = shard_group_size or world  # the ranks a zero row's states are divided among
     rows = []
     for name in strategies:
@@ -366,11 +376,13 @@ def estimate(count: ModelCount, num_gpus: int = 1, num_nodes: int = 1, precision
             extra = {"device": round(4 * count.trainable)} if buffers else {}
             paper = paper_bytes(0, count, world, precision, optimizer_bytes)
         else:
-            config = _config(PRESET_CONFIGS[name], offload_ratio, max_in_cpu)
+            config = _config(PRESET_CONFIGS[name.removesuffix("_hpz")], offload_ratio, max_in_cpu)
+            if name == "zero3_hpz":
+                config = replace(config, hpz_partition_size=hpz_partition_size)
             per_rank = model_states(config, count, sharded_over, precision, optimizer_bytes)
             extra = working_set(config, count, sharded_over, precision, optimizer_bytes) if buffers else {}
             offloaded = config.offload_optimizer.device != "none"
-            paper = None if offloaded else paper_bytes(config.stage, count, sharded_over, precision, optimizer_bytes)
+            paper = None if offloaded or name == "zero3_hpz" else paper_bytes(config.stage, count, sharded_over, precision, optimizer_bytes)
         for store, nbytes in extra.items():
             per_rank.setdefault(store, dict.fromkeys(KINDS, 0))["buffers"] += nbytes
         rows.append(Estimate(name, per_rank, num_gpus, paper))

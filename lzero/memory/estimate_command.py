@@ -92,6 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--shard-group-size", type=int, default=None,
                         help="hybrid sharding: the zero rows shard within groups of this many ranks (e.g. --num-gpus),"
                              " replicated across groups")
+    parser.add_argument("--hpz-partition-size", type=int, default=None,
+                        help="add a zero3_hpz row: ZeRO++'s hpZ with a secondary copy within groups of this many ranks"
+                             " (e.g. --num-gpus)")
     parser.add_argument("--precision", default="bf16-mixed",
                         help=f"one of {', '.join(COMPUTE_BYTES)} (default bf16-mixed, the ZeRO paper's setting)")
     parser.add_argument("--optimizer-bytes", type=float, default=ADAM_BYTES,
@@ -130,7 +133,8 @@ def estimate_command(argv: Sequence[str]) -> int:
             count = ModelCount(args.params, args.frozen_params)
         max_in_cpu = None if args.max_in_cpu is None else int(args.max_in_cpu)
         rows = estimate(count, args.num_gpus, args.num_nodes, args.precision, args.optimizer_bytes, args.buffers,
-                        args.offload_ratio, max_in_cpu, shard_group_size=args.shard_group_size)
+                        args.offload_ratio, max_in_cpu, shard_group_size=args.shard_group_size,
+                        hpz_partition_size=args.hpz_partition_size)
         if args.plot:
             plot(rows, args.plot)
     except (EstimateError, ZeroConfigError) as err:
