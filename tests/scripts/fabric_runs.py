@@ -5,7 +5,7 @@ after step 2, ``model.state_dict()`` on every rank; then a second model set up t
 with ``filter=``, ``load_raw`` into a third model built on the meta device, Fabric's collectives, the model run on
 rank 0 alone inside ``strategy.generation()``; and the calls lzero refuses. Rank 0 writes a result file.
 
-    python fabric_runs.py STRATEGY OUT [--resume CKPT] [--devices N]
+    python fabric_runs.py STRATEGY OUT [--resume CKPT] [--devices N] [--save-at STEP] [--train-only]
 """
 
 import argparse
@@ -23,6 +23,8 @@ parser.add_argument("out")
 parser.add_argument("--resume")
 parser.add_argument("--devices", type=int, default=2)
 parser.add_argument("--precision", default="32-true")
+parser.add_argument("--save-at", type=int, default=2, help="the step after which to save (once past the resumed one)")
+parser.add_argument("--train-only", action="store_true", help="stop after the first model's training and state_dict")
 args = parser.parse_args()
 
 strategy = args.strategy
@@ -59,6 +61,7 @@ scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + s)
 state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
 if args.resume:
     fabric.load(args.resume, state)
+resumed_at = state["step"]
 data = torch.randint(0, 64, (16, 2, 17), generator=torch.Generator().manual_seed(1))
 losses, norms = [], []
 world = fabric.world_size
@@ -76,9 +79,13 @@ while state["step"] < 4:
     scheduler.step()
     optimizer.zero_grad()
     state["step"] += 1
-    if state["step"] == 2 and not args.resume:
+    if state["step"] == args.save_at and state["step"] > resumed_at:
         fabric.save(f"{args.out}.ckpt", state)
 final = model.state_dict()
+if args.train_only:
+    if fabric.global_rank == 0:
+        torch.save({"losses": losses, "norms": norms, "final": final, "lr": scheduler.get_last_lr()}, args.out)
+    raise SystemExit(0)
 memory = {}  # lzero: the memory monitor's model-state bytes of rank 0 beside its formula's (a collective)
 if hasattr(fabric.strategy, "engine_of"):
     import lzero
