@@ -335,3 +335,12 @@ def test_hpz_row_adds_the_secondary_copy_of_one_node() -> None:
     assert rows["zero3_hpz"].paper_bytes is None
     with pytest.raises(EstimateError, match=r"`hpz_partition_size=3` must be a divisor >= 2 of the world size 32"):
         estimate(count, 8, 4, hpz_partition_size=3)
+
+
+def test_across_nodes_the_table_recommends_a_group_of_one_node(capsys: pytest.CaptureFixture) -> None:
+    from lzero.cli import main
+
+    assert main(["estimate", "--params", "7e9", "--num-gpus", "8", "--num-nodes", "4"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    # zero3 within 8 ranks: 2 + (2 + 4 + 4 + 8) / 8 bytes... as the --shard-group-size 8 rows say (15.8 GB)
+    assert last.startswith("Across nodes, shard within a node: `--shard-group-size 8`") and "zero3 15.8 GB" in last

@@ -77,3 +77,21 @@ def test_the_chosen_configuration_trains_and_is_recorded(tmp_path: Path, in_proc
     assert config.offload_optimizer.device == ("nvme" if squeeze else "none")
     manifest = ShardedCheckpoint(tmp_path / "checkpoints" / "epoch=0-step=3.ckpt").manifest
     assert manifest["auto"]["chosen"] == chosen and manifest["stage"] == config.stage
+
+
+def test_across_nodes_hybrid_stages_come_first() -> None:
+    """4 nodes of 2 processes: zero1-3 sharded within a node (G = 2) are tried before the flat stages, priced at
+    N = 2; a budget too small for them falls through to flat zero3 at N = 8."""
+    budget = 16 * PSI  # fp32 Adam at G = 2: zero1 12 MB, zero2 10 MB, zero3 8 MB (80% of 16 = 12.8: zero1 fits)
+    config, record = choose(ZeroConfig(), MODEL, 8, 2, "32-true", torch.device("cpu"), budget)
+    assert record["chosen"] == "zero1_hybrid" and config.stage == 1 and config.shard_group_size == 2
+    assert [c["name"] for c in record["candidates"]] == ["zero1_hybrid"]
+    config, record = choose(ZeroConfig(), MODEL, 8, 2, "32-true", torch.device("cpu"), 11 * PSI)
+    assert record["chosen"] == "zero3_hybrid" and config.stage == 3
+    # flat zero3 at N = 8: 16 bytes x Ψ / 8 = 2 MB fits 80% of 3 MB; every hybrid stage needs >= 8 MB
+    config, record = choose(ZeroConfig(), MODEL, 8, 2, "32-true", torch.device("cpu"), 3 * PSI)
+    assert record["chosen"] == "zero3" and config.shard_group_size is None
+    assert [c["name"] for c in record["candidates"]] == ["zero1_hybrid", "zero2_hybrid", "zero3_hybrid", "zero1",
+                                                         "zero2", "zero3"]
+    _, record = choose(ZeroConfig(), MODEL, 2, 2, "32-true", torch.device("cpu"), 20 * PSI)  # one node: flat only
+    assert record["chosen"] == "zero1"

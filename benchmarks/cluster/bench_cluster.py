@@ -21,7 +21,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 NODES = [("lzbench0", "lzb0", "10.77.0.1"), ("lzbench1", "lzb1", "10.77.0.2")]  # namespace, veth end, address
-LAYOUTS = ["ddp", "zero2", "zero2_hybrid", "zero3", "zero3_hybrid"]
+LAYOUTS = ["ddp", "zero2", "zero2_hybrid", "zero3", "zero3_hybrid", "zero3_hpz", "zero3_qwz", "zero3_qwz_qgz8",
+           "zero3_hybrid_qwz_qgz8"]
 
 
 def sh(*cmd: str, check: bool = True) -> None:
@@ -47,14 +48,15 @@ def down() -> None:
         sh("ip", "netns", "del", ns, check=False)  # deletes its end of the veth, and so the pair
 
 
-def run(layout: str, out: Path, steps: int) -> dict:
+def run(layout: str, out: Path, steps: int, batch: int, script: str = "cluster_step.py") -> dict:
     port = "29577"
     procs = []
     for node, (ns, dev, _) in enumerate(NODES):
         env = {**os.environ, "GLOO_SOCKET_IFNAME": dev, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                "--nproc-per-node", "2", "--node-rank", str(node), "--master-addr", NODES[0][2], "--master-port", port,
-               str(HERE / "cluster_step.py"), layout, str(out), "--link", dev, "--steps", str(steps)]
+               str(HERE / script), layout, str(out), "--link", dev, "--steps", str(steps),
+               "--batch", str(batch)]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     logs = [p.communicate(timeout=900)[0] for p in procs]
     if any(p.returncode for p in procs):
@@ -67,15 +69,22 @@ def main() -> None:
     parser.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"])
     parser.add_argument("--layouts", nargs="+", default=LAYOUTS)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=8, help="rows per rank and step")
+    parser.add_argument("--probe", action="store_true",
+                        help="also run cluster_probe.py at each rate (two_level.py's fit), into OUT's .probe.json")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cluster.md")
     args = parser.parse_args()
-    rows = []
+    rows, probes = [], {}
     try:
         for rate in args.rates:
             up(rate)
+            if args.probe:
+                with tempfile.TemporaryDirectory() as folder:
+                    probes[rate] = run("probe", Path(folder) / "probe.json", args.steps, args.batch, "cluster_probe.py")
+                print(rate, "probe", probes[rate])
             for layout in args.layouts:
                 with tempfile.TemporaryDirectory() as folder:
-                    result = run(layout, Path(folder) / "result.json", args.steps)
+                    result = run(layout, Path(folder) / "result.json", args.steps, args.batch)
                 rows.append((rate, result))
                 print(rate, layout, f"{result['step_s']:.3f} s/step", f"{result['link_bytes_per_step'] / 1e6:.1f} MB")
     finally:
@@ -93,10 +102,13 @@ def main() -> None:
     params = rows[0][1]["params"] if rows else 0
     text = (f"# Hybrid sharding on a simulated two-node cluster\n\n`{' '.join(sys.argv)}`: 2 network namespaces x 2"
             f" ranks (gloo), the link between them shaped with tc tbf; {params / 1e6:.1f}M fp32 parameters in"
-            f" {len(args.layouts) and 4} wide linear blocks, AdamW, median of {args.steps} steps after 2 of warm-up."
+            f" 4 wide linear blocks, {args.batch} rows per rank, AdamW, median of {args.steps} steps after 2 of warm-up."
             " Link bytes: both directions of the veth, per step.\n\n" + "\n".join(lines) + "\n")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
+    args.out.with_suffix(".json").write_text(json.dumps([{"rate": k, **r} for k, r in rows], indent=1))
+    if probes:
+        args.out.with_suffix(".probe.json").write_text(json.dumps(probes, indent=1))
     print(text)
 
 

@@ -2,7 +2,8 @@
 a model of wide linear blocks trained for a few steps under a layout, rank 0 timing the steps and reading the bytes
 its namespace's link to the other "node" carried meanwhile.
 
-    layouts: ddp, zero3 (flat over the 4 ranks), zero3_hybrid (shard groups of 2 = one node each), zero2, zero2_hybrid
+    layouts: ddp, and those of LAYOUTS: zero2/zero3 flat over the 4 ranks, *_hybrid (shard groups of 2 = one node
+    each), zero3_hpz (hpZ within the node), zero3_qwz (int8 weight all-gathers), *_qwz_qgz8 (and int8 reductions)
 """
 
 import argparse
@@ -20,16 +21,25 @@ parser.add_argument("out")
 parser.add_argument("--link", required=True, help="the veth device of this namespace (rank 0 reads its counters)")
 parser.add_argument("--width", type=int, default=1024)
 parser.add_argument("--blocks", type=int, default=4)
+parser.add_argument("--batch", type=int, default=8, help="rows per rank and step")
 parser.add_argument("--steps", type=int, default=6)
 parser.add_argument("--warmup", type=int, default=2)
 args = parser.parse_args()
 
+LAYOUTS = {  # name -> ZeroFabricStrategy options (ddp: Lightning's)
+    "zero2": {"stage": 2}, "zero2_hybrid": {"stage": 2, "shard_group_size": "node"},
+    "zero3": {"stage": 3}, "zero3_hybrid": {"stage": 3, "shard_group_size": "node"},
+    "zero3_hpz": {"stage": 3, "hpz_partition_size": 2},
+    "zero3_qwz": {"stage": 3, "quantized_weights": True},
+    "zero3_qwz_qgz8": {"stage": 3, "quantized_weights": True, "quantized_gradients": 8},
+    "zero3_hybrid_qwz_qgz8": {"stage": 3, "shard_group_size": "node", "quantized_weights": True,
+                              "quantized_gradients": 8},
+}
 strategy = args.layout
-if strategy.endswith("_hybrid") or strategy in ("zero2", "zero3"):
+if strategy != "ddp":
     from lzero.fabric import ZeroFabricStrategy
 
-    strategy = ZeroFabricStrategy(stage=int(args.layout[4]),
-                                  **({"shard_group_size": "node"} if args.layout.endswith("_hybrid") else {}))
+    strategy = ZeroFabricStrategy(**LAYOUTS[args.layout])
 fabric = L.Fabric(accelerator="cpu", devices=2, num_nodes=2, strategy=strategy)
 fabric.launch()
 torch.manual_seed(0)
@@ -47,7 +57,7 @@ class Block(nn.Module):
 model = nn.Sequential(*[Block(args.width) for _ in range(args.blocks)])
 model = fabric.setup_module(model)
 optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-4))
-x = torch.randn(8, args.width)
+x = torch.randn(args.batch, args.width)
 
 
 def counters() -> int:
@@ -74,4 +84,4 @@ if fabric.global_rank == 0:
     params = sum(p.numel() for p in nn.Sequential(*[Block(args.width) for _ in range(args.blocks)]).parameters())
     Path(args.out).write_text(json.dumps({"layout": args.layout, "step_s": sorted(times)[len(times) // 2],
                                           "link_bytes_per_step": link_bytes / args.steps, "params": params,
-                                          "losses": losses}))
+                                          "losses": losses, "batch": args.batch}))

@@ -10,6 +10,13 @@ device's free memory for device-resident states and the host's available memory 
 for host-resident ones; on CPU, where the "device" is host memory, the two add up against the host budget.
 ``memory_budget_bytes`` replaces the device budget (the host one on CPU). No trial runs. The choice and
 the numbers behind it are logged in one line and kept in checkpoints (the manifest's ``auto``).
+
+Across nodes (the world is more than the node's processes, a whole number of nodes) the hybrid layouts come first:
+zero1, zero2, zero3 sharded within one node (``shard_group_size`` = the node's processes), priced with G in place of
+N. Their links between nodes carry one all-reduce of a 1/G shard of the gradients per step, less than any flat stage
+(a flat zero1-2 moves about DDP's all-reduce, a flat zero3 1.5 times that; see benchmarks/cluster/two_level.py), so
+the first hybrid stage that fits is chosen; a model too large for a node's G ranks falls through to the flat stages.
+A ``shard_group_size`` set by hand is kept for every candidate (NVMe offload, which refuses it, is then skipped).
 """
 
 from __future__ import annotations
@@ -56,9 +63,12 @@ def choose(base: ZeroConfig, model: ModelCount, world_size: int, local_processes
         raise ZeroConfigError("`strategy='zero_auto'` cannot read how much memory this machine has (no"
                               " /proc/meminfo). HINT: pass `ZeroStrategy(stage='auto', memory_budget_bytes=...)`.")
     priced = []
-    for name, fields in CANDIDATES:
-        config = base.with_overrides(**fields)
-        per_rank = model_states(config, model, world_size, precision)
+    for name, fields, sharded_over in candidates(base, world_size, local_processes):
+        try:
+            config = base.with_overrides(**fields)
+        except ZeroConfigError:  # NVMe offload with a hand-set shard_group_size
+            continue
+        per_rank = model_states(config, model, sharded_over, precision)
         on_device = sum(per_rank.get("device", {}).values())
         on_host = sum(per_rank.get("cpu", {}).values())
         if device_budget is None:  # CPU: the device is host memory
@@ -74,11 +84,25 @@ def choose(base: ZeroConfig, model: ModelCount, world_size: int, local_processes
             return config, record
     last = priced[-1]
     raise ZeroConfigError(
-        f"`strategy='zero_auto'`: no configuration fits. Even zero3_offload_nvme needs {last['device_bytes']:,} bytes"
+        f"`strategy='zero_auto'`: no configuration fits. Even {last['name']} needs {last['device_bytes']:,} bytes"
         f" on the device and {last['host_bytes']:,} in host memory per rank (budgets {device_budget}, {host_budget};"
         f" margin {margin:.0%}) for {model.trainable + model.frozen:,} parameters at world size {world_size}."
         " HINT: use more devices, a smaller model, or a larger `memory_budget_bytes` if the budget was set by hand."
     )
+
+
+def candidates(base: ZeroConfig, world_size: int, local_processes: int) -> list[tuple[str, dict[str, Any], int]]:
+    """(name, fields, ranks the states are sharded over) in the order tried: [Note: choosing a stage]."""
+    group = base.shard_group_size
+    if group is not None:  # kept for every candidate
+        size = local_processes if group == "node" else group
+        return [(f"{name}_hybrid", fields, size) for name, fields in CANDIDATES]
+    flat = [(name, fields, world_size) for name, fields in CANDIDATES]
+    if local_processes < 1 or world_size <= local_processes or world_size % local_processes:
+        return flat
+    hybrid = [(f"{name}_hybrid", {**PRESET_CONFIGS[name], "shard_group_size": local_processes}, local_processes)
+              for name in ("zero1", "zero2", "zero3")]
+    return hybrid + flat
 
 
 def summary(record: dict) -> str:

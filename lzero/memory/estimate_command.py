@@ -197,6 +197,14 @@ def table(rows: list[Estimate], count: ModelCount, args: argparse.Namespace) -> 
               " (from a backward to its step). ddp: Lightning's DDP (fp32 parameters, autocast).",
               "ZeRO paper: its formula with 16-bit gradients, without buffers; lzero keeps fp32 gradient shards"
               " under mixed precision (lzero/memory/estimate.py, [Note: lzero's layout])."]
+    if args.num_nodes > 1 and not args.shard_group_size:
+        hybrid = {r.strategy: r for r in estimate(count, args.num_gpus, args.num_nodes, args.precision,
+                                                  args.optimizer_bytes, strategies=["zero1", "zero2", "zero3"],
+                                                  shard_group_size=args.num_gpus)}
+        lines.append(f"Across nodes, shard within a node: `--shard-group-size {args.num_gpus}` (hybrid sharding) keeps"
+                     " every all-gather inside the node and sends one all-reduce of a 1/G gradient shard between"
+                     " nodes; per device: " + ", ".join(f"{name} {_gb(row.per_device)} GB" for name, row in hybrid.items())
+                     + ". zero_auto tries those first when they fit.")
     if args.buffers and count.largest_block is None:
         lines.append("stage-3 blocks and root unit taken as reduce_bucket_size (5e6) elements each: pass --model"
                      " for the real sizes.")

@@ -1,0 +1,87 @@
+"""One rank of the simulated cluster's probe (started like cluster_step.py by bench_cluster.py --probe): what the
+two-level model in two_level.py is fitted on, every measurement taken with all 4 ranks running at once, as in a step.
+
+- ``intra``: all-gathers and all-reduces within each "node" (ranks 0-1, 2-3; both nodes at once) at three sizes;
+- ``inter``: all-reduces between the two nodes (pairs 0-2 and 1-3 at once: the shaped link carries both) at three
+  sizes;
+- ``compute``: forward + backward of cluster_step.py's model (no collective); ``adam``: AdamW's step per element;
+  ``quantize``: int8 quantize + dequantize per element (lzero.engine.quantized).
+Rank 0 writes OUT (JSON). Times are medians of 5 after 1 of warm-up.
+"""
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lzero.engine import quantized
+
+parser = argparse.ArgumentParser()
+parser.add_argument("layout")  # unused: bench_cluster.py passes its arguments to both scripts alike
+parser.add_argument("out")
+parser.add_argument("--link")
+parser.add_argument("--steps", type=int, default=5)
+parser.add_argument("--batch", type=int, default=8)
+parser.add_argument("--width", type=int, default=1024)
+parser.add_argument("--blocks", type=int, default=4)
+args = parser.parse_args()
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+nodes = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+node, pair = nodes[rank // 2], pairs[rank % 2]
+
+
+def timed(fn, reps: int = 5) -> float:
+    times = []
+    for i in range(reps + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        dist.barrier()
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+SIZES = [2**18, 2**20, 2**22]  # fp32 elements: 1, 4, 16 MB
+result = {"intra_all_gather": [], "intra_all_reduce": [], "inter_all_reduce": []}
+for numel in SIZES:
+    out, shard, buf = torch.empty(numel), torch.randn(numel // 2), torch.randn(numel)
+    result["intra_all_gather"].append((4 * numel, timed(lambda: dist.all_gather_into_tensor(out, shard, group=node))))
+    result["intra_all_reduce"].append((4 * numel, timed(lambda: dist.all_reduce(buf, group=node))))
+    if numel <= 2**21:  # the shaped link: 8 MB at most
+        result["inter_all_reduce"].append((4 * numel, timed(lambda: dist.all_reduce(buf, group=pair))))
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+model = nn.Sequential(*[Block(args.width) for _ in range(args.blocks)])
+x = torch.randn(args.batch, args.width)
+result["compute"] = timed(lambda: model(x).pow(2).mean().backward())
+params = sum(p.numel() for p in model.parameters())
+for p in model.parameters():
+    p.grad = torch.randn_like(p)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+optimizer.step()
+result["adam_per_element"] = timed(optimizer.step) / params
+flat = torch.randn(params // 4)
+result["quantize_per_element"] = timed(
+    lambda: quantized.dequantize(quantized.quantize(flat, 8), flat.numel(), 8)) / flat.numel()
+result["params"] = params
+if rank == 0:
+    Path(args.out).write_text(json.dumps(result))
+dist.destroy_process_group()
