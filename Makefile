@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.lzero-installed
 
-.PHONY: demo test test-all bench clean
+.PHONY: demo test test-all bench clean bench-cluster
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ test-all: $(STAMP)  # the default run and the slow fault cases it leaves out (py
 DEEPSPEED_PYTHON ?=
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench_speed.py --repeat 2 --readme README.md $(if $(DEEPSPEED_PYTHON),--deepspeed-python $(DEEPSPEED_PYTHON))
+
+# the simulated two-node cluster (root: network namespaces, tc); not part of CI
+bench-cluster: $(STAMP)
+	$(BIN)/python benchmarks/cluster/bench_cluster.py --rates 1gbit 10gbit --probe --out benchmarks/results/cluster.md
+	$(BIN)/python benchmarks/cluster/two_level.py --validate benchmarks/results/cluster.json --table > benchmarks/results/two_level.md
 
 clean:
 	rm -rf runs lightning_logs .pytest_cache

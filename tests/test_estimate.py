@@ -342,5 +342,5 @@ def test_across_nodes_the_table_recommends_a_group_of_one_node(capsys: pytest.Ca
 
     assert main(["estimate", "--params", "7e9", "--num-gpus", "8", "--num-nodes", "4"]) == 0
     last = capsys.readouterr().out.splitlines()[-1]
-    # zero3 within 8 ranks: 2 + (2 + 4 + 4 + 8) / 8 bytes... as the --shard-group-size 8 rows say (15.8 GB)
+    # zero3 sharded over 8 ranks: 18 bytes x 7e9 / 8 = 15.8 GB, as the --shard-group-size 8 rows say
     assert last.startswith("Across nodes, shard within a node: `--shard-group-size 8`") and "zero3 15.8 GB" in last

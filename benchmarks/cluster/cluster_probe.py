@@ -4,6 +4,8 @@ two-level model in two_level.py is fitted on, every measurement taken with all 4
 - ``intra``: all-gathers and all-reduces within each "node" (ranks 0-1, 2-3; both nodes at once) at three sizes;
 - ``inter``: all-reduces between the two nodes (pairs 0-2 and 1-3 at once: the shaped link carries both) at three
   sizes;
+- ``small_world_collective``: an 8-byte all-gather over all 4 ranks (lzero's unit-order check before each stage-3
+  gather, and the end-of-backward flag exchange, are such);
 - ``compute``: forward + backward of cluster_step.py's model (no collective); ``adam``: AdamW's step per element;
   ``quantize``: int8 quantize + dequantize per element (lzero.engine.quantized).
 Rank 0 writes OUT (JSON). Times are medians of 5 after 1 of warm-up.
@@ -58,6 +60,9 @@ for numel in SIZES:
     result["intra_all_reduce"].append((4 * numel, timed(lambda: dist.all_reduce(buf, group=node))))
     if numel <= 2**21:  # the shaped link: 8 MB at most
         result["inter_all_reduce"].append((4 * numel, timed(lambda: dist.all_reduce(buf, group=pair))))
+
+tiny_in, tiny_out = torch.zeros(2), torch.zeros(8)  # lzero's unit-order check: a tiny all-gather over every rank
+result["small_world_collective"] = timed(lambda: dist.all_gather_into_tensor(tiny_out, tiny_in), reps=20)
 
 
 class Block(nn.Module):

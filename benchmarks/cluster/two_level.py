@@ -136,6 +136,10 @@ def predict_cpu(layout: str, probe: dict, cluster: Cluster, n: int = 4) -> float
         if level == "inter" and ranks < n:  # the replica all-reduce: G pairs share the link at once
             moved *= g
         t += steps * net.alpha + moved * net.beta
+    if layout != "ddp" and "small_world_collective" in probe:  # lzero's tiny collectives over every rank
+        blocks = probe.get("blocks", 4)
+        checks = 2 * blocks if layout.startswith("zero3") else 0  # a unit-order check before each gather
+        t += (checks + 1) * probe["small_world_collective"]  # + the end-of-backward flag exchange
     return t
 
 
