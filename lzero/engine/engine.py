@@ -75,8 +75,6 @@ class ZeroEngine:
         self.group = group
         self.world_size = collectives.world_size(group)
         self.rank = collectives.rank(group)
-        # qwZ: stage 3's parameter all-gathers send int8 ([Note: quantized collectives] in quantized.py)
-        self._param_all_gather = quantized.all_gather if config.quantized_weights else collectives.all_gather
         kept = self.policy.kept_parameters(module)
         packed.check_model(module)
         self._owners = packed.owners(module)  # the modules of packed (quantized) parameters
@@ -261,7 +259,7 @@ class ZeroEngine:
                 dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         return Gatherer(blocks, modules, self._gather_group, GatherSchedule.of(self.config), self._check_group,
                         self.config.unit_order_timeout_s, on_backward=self._on_block_backward,
-                        accumulating=self.accumulating, all_gather=self._param_all_gather,
+                        accumulating=self.accumulating, quantized_weights=self.config.quantized_weights,
                         secondary=self._secondary_partition(blocks))
 
     def _secondary_partition(self, blocks: dict[str, Block]) -> Optional[SecondaryPartition]:
@@ -698,6 +696,11 @@ class ZeroEngine:
             gather.handle.wait()
             if gather.out is not None:
                 fill_from_gathered(gather.bucket, gather.out, self.world_size)
+
+    def _param_all_gather(self, flat: Tensor, shard: Tensor, group: Any, async_op: bool) -> collectives.Handle:
+        """A parameter all-gather: int8 under qwZ ([Note: quantized collectives] in quantized.py)."""
+        gather = quantized.all_gather if self.config.quantized_weights else collectives.all_gather
+        return gather(flat, shard, group, async_op=async_op)
 
     def _launch_gather(self, bucket: list[FlatUnit]) -> PendingGather:
         if len(bucket) == 1:
