@@ -50,10 +50,14 @@ def test_bf16_mixed_hybrid_as_flat(runs: Path) -> None:
         assert torch.allclose(hybrid["params"][name], value, rtol=1e-5, atol=1e-6), name
 
 
-@pytest.mark.parametrize("name", ["zero2_hybrid", "zero3_offload_hybrid"])
-def test_hybrid_matches_ddp_at_world_size_4(runs: Path, name: str) -> None:
-    """fp32, 8 steps: losses and final weights within 1e-6 of DDP's (the two reductions sum in another order)."""
-    ours, ddp = load(runs, name), load(runs, "ddp")
+@pytest.mark.parametrize(("name", "reference"), [("zero2_hybrid", "ddp"), ("zero3_offload_hybrid", "ddp"),
+                                                 ("zero3_hybrid_frozen", "ddp_frozen")])
+def test_hybrid_matches_ddp_at_world_size_4(runs: Path, name: str, reference: str) -> None:
+    """fp32, 8 steps: losses and final weights within 1e-6 of DDP's (the two reductions sum in another order); a
+    frozen layer keeps its initial weights exactly."""
+    ours, ddp = load(runs, name), load(runs, reference)
+    if "frozen" in name:
+        assert torch.equal(ours["params"]["net.0.weight"], ddp["params"]["net.0.weight"])
     assert len(ours["losses"]) == len(ddp["losses"]) == 8
     worst = max(abs(a - b) / b for a, b in zip(ours["losses"], ddp["losses"], strict=True))
     weights = max(((ours["params"][k] - v).abs().max() / v.abs().max()).item() for k, v in ddp["params"].items())

@@ -7,8 +7,9 @@ two-level model in two_level.py is fitted on, every measurement taken with all 4
 - ``small_world_collective``: an 8-byte all-gather over all 4 ranks (lzero's unit-order check before each stage-3
   gather, and the end-of-backward flag exchange, are such);
 - ``compute``: forward + backward of cluster_step.py's model (no collective); ``adam``: AdamW's step per element;
-  ``quantize``: int8 quantize + dequantize per element (lzero.engine.quantized).
-Rank 0 writes OUT (JSON). Times are medians of 5 after 1 of warm-up.
+  ``quantize``: int8 quantize + dequantize per element (lzero.engine.quantized); ``stage3_overhead``: what lzero's
+  stage-3 engine adds to a plain step at world size 1 (its hooks, gathers and reductions as copies, packing).
+Rank 0 writes OUT (JSON). Times are medians of 15 after 1 of warm-up.
 """
 
 import argparse
@@ -40,7 +41,7 @@ pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
 node, pair = nodes[rank // 2], pairs[rank % 2]
 
 
-def timed(fn, reps: int = 5) -> float:
+def timed(fn, reps: int = 15) -> float:
     times = []
     for i in range(reps + 1):
         dist.barrier()
@@ -83,6 +84,35 @@ for p in model.parameters():
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 optimizer.step()
 result["adam_per_element"] = timed(optimizer.step) / params
+# lzero's stage-3 engine at world size 1 (its gathers and reductions are copies): what it adds to a plain step
+solo = None
+for r in range(dist.get_world_size()):  # every rank makes every group
+    group = dist.new_group([r])
+    solo = group if r == rank else solo
+from lzero import ZeroConfig  # noqa: E402 - after the process groups, as a script
+from lzero.engine.engine import ZeroEngine  # noqa: E402
+from lzero.optimizer import ZeroOptimizer  # noqa: E402
+
+sharded = nn.Sequential(*[Block(args.width) for _ in range(args.blocks)])
+inner = torch.optim.AdamW(sharded.parameters(), lr=1e-4)
+engine = ZeroEngine(sharded, [inner], ZeroConfig(stage=3, unit_modules=("Block",)), group=solo)
+zopt = ZeroOptimizer(inner, engine, 0)
+
+
+def zero3_step() -> None:
+    engine.gather_root()
+    sharded(x).pow(2).mean().backward()
+    zopt.step()
+    zopt.zero_grad()
+
+
+def plain_step() -> None:
+    model(x).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+result["stage3_overhead"] = max(0.0, timed(zero3_step) - timed(plain_step))
 flat = torch.randn(params // 4)
 result["quantize_per_element"] = timed(
     lambda: quantized.dequantize(quantized.quantize(flat, 8), flat.numel(), 8)) / flat.numel()

@@ -20,10 +20,12 @@ per node, R = N/G nodes, q the quantized bytes per element (qwZ: 1.0625; qgZ int
 | zero3 qwZ | 2 all-gathers Ψq + reduce-scatter Ψe over N | - |
 | zero3 qwZ + qgZ | 2 all-gathers Ψq + all-to-all Ψq over N | - |
 
-On the simulated cluster everything is serialized on 2 shared CPU cores, so the model adds compute (forward + backward,
-measured with all 4 ranks running), the optimizer step of the rank's shard, the quantization work and the
-communication. On GPUs compute comes from FLOPs and communication hides behind it; only what exceeds it is exposed
-(as benchmarks/scale_model.py assumes).
+On the simulated cluster the 4 ranks share 2 CPU cores, so the model adds compute (forward + backward, measured with
+all 4 ranks running), the optimizer step of the rank's shard, the quantization work, lzero's tiny order-check
+collectives and the collectives within a node; the bytes between nodes cost the larger of the shaped link's time and
+the CPU's (moving those bytes, plus the stage-3 engine's own work, measured at world size 1): see ``predict_cpu``. On
+GPUs compute comes from FLOPs and communication hides behind it; only what exceeds it is exposed (as
+benchmarks/scale_model.py assumes).
 
     python benchmarks/cluster/two_level.py --validate benchmarks/results/cluster.json   # fit on the probe, predict
     python benchmarks/cluster/two_level.py --table                                    # 7B/70B projections
@@ -120,9 +122,12 @@ def fit(probe: dict, g: int = 2) -> Cluster:
 
 
 def predict_cpu(layout: str, probe: dict, cluster: Cluster, n: int = 4) -> float:
-    """A simulated-cluster step: compute, the shard's AdamW step, quantization work, and the collectives, serialized.
-    A flat collective's busiest link is the node's: its G ranks' ring hops cross it together, so its inter bytes are
-    the node's (one hop each way carrying B(N-1)/N), at the fitted per-byte cost."""
+    """A simulated-cluster step: compute, the shard's AdamW step, quantization work, lzero's tiny collectives over
+    every rank, the collectives within a node, and the bytes between nodes, which cost the larger of two times: the
+    shaped link's (inter alpha-beta), or the CPU's, which must move the same bytes (at the intra level's per-byte
+    cost: the 4 ranks share 2 cores) and do the stage-3 engine's own work (``stage3_overhead``). At 1 Gbit/s the
+    link is the larger and hides the engine's work; at 10 Gbit/s the CPU is. A flat collective's inter bytes are the
+    node's link's (one hop each way carrying B(N-1)/N); the replica all-reduce's G pairs share the link."""
     psi, g = probe["params"], cluster.per_node
     stepped = psi if layout == "ddp" else psi / (g if "hybrid" in layout else n)
     t = probe["compute"] + probe["adam_per_element"] * stepped
@@ -130,17 +135,20 @@ def predict_cpu(layout: str, probe: dict, cluster: Cluster, n: int = 4) -> float
         t += 2 * probe["quantize_per_element"] * psi
     if "qgz" in layout:  # every gradient quantized once and every received chunk dequantized
         t += probe["quantize_per_element"] * psi
-    for level, kind, nbytes, ranks in collectives(layout, psi, 4.0, n, g):
-        net = cluster.intra if level == "intra" else cluster.inter
-        steps, moved = _ring(kind, nbytes, ranks)
-        if level == "inter" and ranks < n:  # the replica all-reduce: G pairs share the link at once
-            moved *= g
-        t += steps * net.alpha + moved * net.beta
-    if layout != "ddp" and "small_world_collective" in probe:  # lzero's tiny collectives over every rank
-        blocks = probe.get("blocks", 4)
-        checks = 2 * blocks if layout.startswith("zero3") else 0  # a unit-order check before each gather
+    if layout != "ddp":  # lzero's tiny collectives over every rank
+        checks = 2 * probe.get("blocks", 4) if layout.startswith("zero3") else 0  # a unit-order check per gather
         t += (checks + 1) * probe["small_world_collective"]  # + the end-of-backward flag exchange
-    return t
+    link, cpu = 0.0, probe["stage3_overhead"] if layout.startswith("zero3") else 0.0
+    for level, kind, nbytes, ranks in collectives(layout, psi, 4.0, n, g):
+        steps, moved = _ring(kind, nbytes, ranks)
+        if level == "intra":
+            t += steps * cluster.intra.alpha + moved * cluster.intra.beta
+            continue
+        if ranks < n:  # the replica all-reduce: G pairs share the link at once
+            moved *= g
+        link += steps * cluster.inter.alpha + moved * cluster.inter.beta
+        cpu += moved * cluster.intra.beta
+    return t + max(link, cpu)
 
 
 def validate(results: Path, probes: Path) -> str:
@@ -157,7 +165,9 @@ def validate(results: Path, probes: Path) -> str:
     fits = [f"{rate}: intra alpha {fit(p).intra.alpha * 1e6:.0f} us, beta {1 / fit(p).intra.beta / 1e9:.2f} GB/s;"
             f" inter alpha {fit(p).inter.alpha * 1e6:.0f} us, beta {1 / fit(p).inter.beta / 1e9:.3f} GB/s;"
             f" compute {p['compute'] * 1e3:.1f} ms, AdamW {1 / p['adam_per_element'] / 1e6:.0f} M elements/s,"
-            f" int8 quantize+dequantize {1 / p['quantize_per_element'] / 1e6:.0f} M elements/s"
+            f" int8 quantize+dequantize {1 / p['quantize_per_element'] / 1e6:.0f} M elements/s, an 8-byte collective"
+            f" over all ranks {p['small_world_collective'] * 1e3:.1f} ms, stage-3 engine work"
+            f" {p['stage3_overhead'] * 1e3:.0f} ms per step"
             for rate, p in fitted.items()]
     return "\n".join(["Fitted (cluster_probe.py, all 4 ranks at once):", *[f"- {f}" for f in fits], "", *lines, "",
                       f"Worst error: {worst:.0%}."]) + "\n"

@@ -249,7 +249,7 @@ class ZeroEngine:
         # Parameter gathers follow forward/backward order, reductions follow unit order and are
         # launched when ready: on one process group their interleaving would differ between ranks.
         layout = self.layout
-        self._gather_group = None
+        self._gather_group = self.group  # a group of one: local copies (None: the default group, of one here)
         if self.world_size > 1:
             self._gather_group = layout.new_shard_group() if layout is not None else dist.new_group()
         self._check_group = None

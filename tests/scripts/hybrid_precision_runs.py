@@ -5,7 +5,7 @@ world size 4 (Lightning re-runs nothing: start 4 ranks, as torchrun does).
 
 skip_runs.py's regression model and batches. fp16 with rank 3 (the second shard group) injecting inf/NaN into one
 gradient at global steps 3, 4 and 9, and bf16-mixed, each flat and hybrid at stage 3; fp32 zero2 and zero3_offload
-hybrid beside DDP. Every rank writes ``OUT_DIR/<run>_rank<r>.pt`` (tests/test_hybrid.py reads them).
+hybrid beside DDP, and zero3 hybrid with a frozen first layer beside DDP with it frozen. Every rank writes ``OUT_DIR/<run>_rank<r>.pt`` (tests/test_hybrid.py reads them).
 """
 
 from __future__ import annotations
@@ -23,9 +23,12 @@ from _teardown import destroy_process_group
 from skip_runs import SCALING, Record, Toy, data
 
 
-def fit(out: Path, name: str, strategy: Any, precision: Any, steps: int, inject: dict[int, str]) -> None:
+def fit(out: Path, name: str, strategy: Any, precision: Any, steps: int, inject: dict[int, str],
+        frozen: bool = False) -> None:
     torch.manual_seed(0)
     model = Toy(inject, fused=False, inject_rank=3)
+    if frozen:  # the first layer frozen: sharded (stage 3) but never reduced or stepped
+        model.net[0].requires_grad_(False)
     record = Record() if isinstance(strategy, ZeroStrategy) else None
     trainer = Trainer(accelerator="cpu", devices=4, strategy=strategy, plugins=[precision] if precision else None,
                       max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -50,6 +53,9 @@ def main(out: Path) -> None:
     fit(out, "zero2_hybrid", ZeroStrategy(stage=2, shard_group_size=2), ZeroPrecision("32-true"), 8, {})
     fit(out, "zero3_offload_hybrid", ZeroStrategy(stage=3, shard_group_size=2, offload_optimizer="cpu",
                                                   offload_param="cpu"), ZeroPrecision("32-true"), 8, {})
+    fit(out, "ddp_frozen", "ddp", None, 8, {}, frozen=True)
+    fit(out, "zero3_hybrid_frozen", ZeroStrategy(stage=3, shard_group_size=2), ZeroPrecision("32-true"), 8, {},
+        frozen=True)
 
 
 if __name__ == "__main__":
