@@ -7,8 +7,9 @@ two-level model in two_level.py is fitted on, every measurement taken with all 4
 - ``small_world_collective``: an 8-byte all-gather over all 4 ranks (lzero's unit-order check before each stage-3
   gather, and the end-of-backward flag exchange, are such);
 - ``compute``: forward + backward of cluster_step.py's model (no collective); ``adam``: AdamW's step per element;
-  ``quantize``: int8 quantize + dequantize per element (lzero.engine.quantized); ``stage3_overhead``: what lzero's
-  stage-3 engine adds to a plain step at world size 1 (its hooks, gathers and reductions as copies, packing).
+  ``quantize``: int8 quantize + dequantize per element (lzero.engine.quantized), rounded to nearest (qwZ) and
+  stochastically (qgZ); ``stage{2,3}_overhead``: what lzero's engine adds to a plain step at world size 1 (its
+  hooks, gathers and reductions as copies, packing).
 Rank 0 writes OUT (JSON). Times are medians of 15 after 1 of warm-up.
 """
 
@@ -93,27 +94,31 @@ from lzero import ZeroConfig  # noqa: E402 - after the process groups, as a scri
 from lzero.engine.engine import ZeroEngine  # noqa: E402
 from lzero.optimizer import ZeroOptimizer  # noqa: E402
 
-sharded = nn.Sequential(*[Block(args.width) for _ in range(args.blocks)])
-inner = torch.optim.AdamW(sharded.parameters(), lr=1e-4)
-engine = ZeroEngine(sharded, [inner], ZeroConfig(stage=3, unit_modules=("Block",)), group=solo)
-zopt = ZeroOptimizer(inner, engine, 0)
-
-
-def zero3_step() -> None:
-    engine.gather_root()
-    sharded(x).pow(2).mean().backward()
-    zopt.step()
-    zopt.zero_grad()
-
-
 def plain_step() -> None:
     model(x).pow(2).mean().backward()
     optimizer.step()
     optimizer.zero_grad()
 
 
-result["stage3_overhead"] = max(0.0, timed(zero3_step) - timed(plain_step))
+plain = timed(plain_step)
+for stage in (2, 3):
+    sharded = nn.Sequential(*[Block(args.width) for _ in range(args.blocks)])
+    inner = torch.optim.AdamW(sharded.parameters(), lr=1e-4)
+    engine = ZeroEngine(sharded, [inner], ZeroConfig(stage=stage, unit_modules=("Block",)), group=solo)
+    zopt = ZeroOptimizer(inner, engine, 0)
+
+    def engine_step() -> None:
+        engine.gather_root()
+        sharded(x).pow(2).mean().backward()
+        zopt.step()
+        zopt.zero_grad()
+
+    result[f"stage{stage}_overhead"] = max(0.0, timed(engine_step) - plain)
+    engine.remove()
 flat = torch.randn(params // 4)
+rounding = torch.Generator().manual_seed(rank)
+result["stochastic_quantize_per_element"] = timed(
+    lambda: quantized.dequantize(quantized.quantize(flat, 8, rounding), flat.numel(), 8)) / flat.numel()
 result["quantize_per_element"] = timed(
     lambda: quantized.dequantize(quantized.quantize(flat, 8), flat.numel(), 8)) / flat.numel()
 result["params"] = params
