@@ -243,9 +243,12 @@ def main() -> None:
     parser.add_argument("--table", action="store_true")
     parser.add_argument("--global-tokens", type=int, default=2**22)
     args = parser.parse_args()
+    print("# The two-level scale model (benchmarks/cluster/two_level.py)\n")
     if args.validate:
+        print(f"## Against the simulated cluster (`two_level.py --validate {args.validate}`)\n")
         print(validate(args.validate, args.probes or args.validate.with_suffix(".probe.json")))
     if args.table:
+        print(f"## 7B and 70B on GPU clusters (`two_level.py --table --global-tokens {args.global_tokens}`)\n")
         print(table(args.global_tokens))
 
 
