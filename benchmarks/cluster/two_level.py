@@ -19,6 +19,7 @@ per node, R = N/G nodes, q the quantized bytes per element (qwZ: 1.0625; qgZ int
 | zero3 hpZ | all-gather (forward) + reduce-scatter Ψe over N | all-gather (backward) Ψe over G |
 | zero3 qwZ | 2 all-gathers Ψq + reduce-scatter Ψe over N | - |
 | zero3 qwZ + qgZ | 2 all-gathers Ψq + all-to-all Ψq over N | - |
+| hybrid qwZ + qgZ | all-to-all + all-gather of the shard Ψq/G over R | 2 all-gathers + all-to-all Ψq over G |
 
 On the simulated cluster the 4 ranks share 2 CPU cores, so the model adds compute (forward + backward, measured with
 all 4 ranks running), the optimizer step of the rank's shard, the quantization work, lzero's tiny order-check
@@ -81,7 +82,8 @@ def collectives(layout: str, psi: float, e: float, n: int, g: int) -> list[tuple
         "zero3_qwz_qgz8": [("inter", "all_gather", psi * Q8, n)] * 2 + [("inter", "all_to_all", psi * Q8, n)],
         "zero3_qwz_qgz4": [("inter", "all_gather", psi * Q8, n)] * 2 + [("inter", "all_to_all", psi * Q4, n)],
         "zero3_hybrid_qwz_qgz8": [("intra", "all_gather", psi * Q8, g)] * 2 + [
-            ("intra", "all_to_all", psi * Q8, g), ("inter", "all_reduce", b / g, r)],
+            ("intra", "all_to_all", psi * Q8, g), ("inter", "all_to_all", psi / g * Q8, r),
+            ("inter", "all_gather", psi / g * Q8, r)],
     }
     return rows[layout]
 
@@ -133,8 +135,10 @@ def predict_cpu(layout: str, probe: dict, cluster: Cluster, n: int = 4) -> float
     t = probe["compute"] + probe["adam_per_element"] * stepped
     if "qwz" in layout:  # each gather quantizes the shard and dequantizes the whole, twice per step
         t += 2 * probe["quantize_per_element"] * psi
-    if "qgz" in layout:  # every gradient quantized once (stochastically) and every received chunk dequantized
-        t += probe.get("stochastic_quantize_per_element", probe["quantize_per_element"]) * psi
+    if "qgz" in layout:  # every gradient quantized once (stochastically) and every received chunk dequantized;
+        # hybrid: the replica all-reduce of the shard once more (a reduce-scatter, then an all-gather of the sums)
+        passes = 2 if "hybrid" in layout else 1
+        t += passes * probe.get("stochastic_quantize_per_element", probe["quantize_per_element"]) * psi
     if layout != "ddp":  # lzero's tiny collectives over every rank
         checks = 2 * probe.get("blocks", 4) if layout.startswith("zero3") else 0  # a unit-order check per gather
         t += (checks + 1) * probe["small_world_collective"]  # + the end-of-backward flag exchange

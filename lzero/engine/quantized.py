@@ -14,7 +14,9 @@ Both are opt-in and change results (the acceptance is convergence, not equality)
   rounding is unbiased and a gradient much smaller than its block's largest still moves the weights on average);
   the sums are exact fp32. About 1.06 (int8) or 0.56 (int4) bytes per element instead of 4. The rounding draws come
   from a generator per rank seeded by its rank: reproducible run to run, but not part of a checkpoint, so a resumed
-  run draws other noise than the uninterrupted one.
+  run draws other noise than the uninterrupted one. Under hybrid sharding the all-reduce of the shard across the
+  replicas is quantized too (:func:`all_reduce`: a quantized reduce-scatter, then an all-gather of int8 sums), so
+  the links between nodes carry codes as well; each gradient is then rounded twice.
 Codes are symmetric about zero, so a block of zeros stays zero. A non-finite value makes its
 block's scale non-finite and its dequantized values NaN or inf, so fp16 overflow is still seen by every rank. A
 world of one sends nothing and quantizes nothing.
@@ -143,3 +145,23 @@ def reduce_scatter(output: Tensor, flat: Tensor, group: Optional[dist.ProcessGro
     if not async_op:
         handle.wait()
     return handle
+
+
+@torch.no_grad()
+def all_reduce(tensor: Tensor, group: Optional[dist.ProcessGroup] = None, bits: int = 8,
+               generator: Optional[torch.Generator] = None) -> Tensor:
+    """qgZ across the replicas of hybrid sharding: ``tensor`` (1-D) summed over ``group`` in place, as a quantized
+    reduce-scatter (:func:`reduce_scatter`) then an all-gather of the int8 sums. Every rank dequantizes the same codes,
+    its own chunk's included, so the replicas hold equal values. Synchronous."""
+    if collectives.local(group):
+        return tensor
+    world, numel = collectives.world_size(group), tensor.numel()
+    chunk = -(-numel // world)
+    padded = torch.zeros(world * chunk, dtype=torch.float32, device=tensor.device)
+    padded[:numel] = tensor
+    mine = torch.empty(chunk, dtype=torch.float32, device=tensor.device)
+    reduce_scatter(mine, padded, group, bits=bits, generator=generator).wait()
+    summed = torch.empty(world * chunk, dtype=torch.float32, device=tensor.device)
+    all_gather(summed, mine, group).wait()
+    tensor.copy_(summed[:numel])
+    return tensor

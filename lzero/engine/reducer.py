@@ -177,7 +177,9 @@ class Reducer:
     def _finish_oldest(self) -> None:
         done = self._inflight.popleft()
         done.handle.wait()
-        if self.replicas is not None:  # the other groups' sums of the same shard
+        if self.replicas is not None and self.config.quantized_gradients is not None:  # qgZ between nodes too
+            quantized.all_reduce(done.out, self.replicas, self.config.quantized_gradients, self._rounding)
+        elif self.replicas is not None:  # the other groups' sums of the same shard
             collectives.all_reduce(done.out, group=self.replicas)
         offset = 0
         for unit in done.units:
