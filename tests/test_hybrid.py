@@ -61,8 +61,9 @@ def test_hybrid_matches_ddp_at_world_size_4(runs: Path, name: str, reference: st
     assert len(ours["losses"]) == len(ddp["losses"]) == 8
     worst = max(abs(a - b) / b for a, b in zip(ours["losses"], ddp["losses"], strict=True))
     weights = max(((ours["params"][k] - v).abs().max() / v.abs().max()).item() for k, v in ddp["params"].items())
-    print(f"{name}: losses within {worst:.2e} of DDP@4, weights within {weights:.2e}")
-    assert worst < 1e-6 and weights < 1e-6
+    validated = abs(ours["val_loss"] / ddp["val_loss"] - 1)
+    print(f"{name}: losses within {worst:.2e} of DDP@4, weights within {weights:.2e}, trainer.validate {validated:.1e}")
+    assert worst < 1e-6 and weights < 1e-6 and validated < 1e-6
 
 
 def test_quantized_collectives_within_and_across_groups_track_ddp(runs: Path) -> None:

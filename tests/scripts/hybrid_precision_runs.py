@@ -6,7 +6,7 @@ world size 4 (Lightning re-runs nothing: start 4 ranks, as torchrun does).
 skip_runs.py's regression model and batches. fp16 with rank 3 (the second shard group) injecting inf/NaN into one
 gradient at global steps 3, 4 and 9, and bf16-mixed, each flat and hybrid at stage 3; fp32 zero2 and zero3_offload
 hybrid beside DDP, zero3 hybrid with qwZ and int8 qgZ (quantized within and across the groups), zero3 with shard groups of one rank (pure replication), and zero3 hybrid with a frozen first layer
-beside DDP with it frozen. Every rank writes ``OUT_DIR/<run>_rank<r>.pt`` (tests/test_hybrid.py reads them).
+beside DDP with it frozen. Each run ends with ``trainer.validate`` of the trained model. Every rank writes ``OUT_DIR/<run>_rank<r>.pt`` (tests/test_hybrid.py reads them).
 """
 
 from __future__ import annotations
@@ -17,11 +17,22 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import lzero
 from lzero import ZeroPrecision, ZeroStrategy
 from _teardown import destroy_process_group
-from skip_runs import SCALING, Record, Toy, data
+from skip_runs import SCALING, Record, Toy, data, step_batch
+
+
+def validation_step(self: Toy, batch: Any, batch_idx: int) -> None:
+    """Fixed batches, a different one per rank and index: the mean over every rank is the reference's."""
+    x, y = step_batch(1000 + int(batch[0].item()), self.global_rank, self.trainer.world_size)
+    self.log("val_loss", nn.functional.mse_loss(self.net(x).float(), y), sync_dist=True)
+
+
+Toy.validation_step = validation_step
 
 
 def fit(out: Path, name: str, strategy: Any, precision: Any, steps: int, inject: dict[int, str],
@@ -37,8 +48,10 @@ def fit(out: Path, name: str, strategy: Any, precision: Any, steps: int, inject:
     losses = []
     model.on_train_batch_end = lambda outputs, batch, batch_idx: losses.append(outputs["loss"].item())
     trainer.fit(model, data())
+    validated = trainer.validate(model, DataLoader(TensorDataset(torch.arange(4.0)), batch_size=1),
+                                 verbose=False)[0]["val_loss"]  # the trained model, sharded, on fixed batches
     lzero.unshard(model)
-    torch.save({"rows": record.rows if record else [], "losses": losses,
+    torch.save({"rows": record.rows if record else [], "losses": losses, "val_loss": validated,
                 "skipped_steps": getattr(trainer.precision_plugin, "skipped_steps", 0),
                 "params": {n: p.detach().clone() for n, p in model.named_parameters()}},
                out / f"{name}_rank{trainer.global_rank}.pt")
