@@ -322,6 +322,8 @@ def hybrid(runs: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
                "--train-only", ranks=2)
     run_script("fabric_runs.py", "ddp", str(out / "ddp_chain"), "--devices", "4", "--resume",
                str(out / "ddp_at_2.ckpt"), "--train-only", ranks=4)
+    run_script("fabric_runs.py", "zero3_hpz", str(out / "hpz_from_flat"), "--devices", "4", "--resume",
+               str(runs / "zero3.ckpt"), "--train-only", ranks=4)
     run_script("fabric_runs.py", "zero3_hybrid", str(out / "hybrid_from_flat"), "--devices", "4", "--resume",
                str(runs / "zero3.ckpt"), ranks=4)
     return out
@@ -384,10 +386,12 @@ def test_hpz_equals_flat_zero3_and_gathers_backward_within_the_pair(hybrid: Path
         assert got == want
 
 
-@pytest.mark.parametrize(("resumed", "whole"), [("flat_from_hybrid", "zero3_hybrid"), ("hybrid_from_flat", None)])
+@pytest.mark.parametrize(("resumed", "whole"), [("flat_from_hybrid", "zero3_hybrid"), ("hybrid_from_flat", None),
+                                               ("hpz_from_flat", None)])
 def test_checkpoints_resume_across_layouts(hybrid: Path, runs: Path, resumed: str, whole: str | None) -> None:
     """Group 0 writes the checkpoint in the flat format of world size G: hybrid@4 resumes flat@2, flat@2 hybrid@4,
-    each continuing the uninterrupted run (the same global batches split over other ranks: within 1e-6)."""
+    each continuing the uninterrupted run (the same global batches split over other ranks: within 1e-6); hpZ@4
+    (primary shards over all 4, its secondary copies rebuilt by the first forward) resumes flat@2 too."""
     a = torch.load(hybrid / resumed)
     b = torch.load(hybrid / whole) if whole is not None else torch.load(runs / "zero3")
     assert a["lr"] == b["lr"]
