@@ -264,10 +264,10 @@ class ZeroConfig:
     ZeRO). Memory follows the formulas with G in place of N. DeepSpeed's ``mics_shard_size``. See [Note: hybrid
     sharding] in lzero/engine/layout.py."""
 
-    hpz_partition_size: int = 1
+    hpz_partition_size: Union[int, Literal["node"]] = 1
     """ZeRO++'s hpZ (stage 3): besides the primary shards over every rank, each block keeps a secondary copy of its
-    gathered parameters, partitioned over groups of this many consecutive ranks (a node), so that backward's
-    all-gather stays within the group. Costs 1/H of the blocks' parameters per rank in the compute dtype, counted by
+    gathered parameters, partitioned over groups of this many consecutive ranks (a node; ``"node"``: the ranks of one
+    node, ``LOCAL_WORLD_SIZE``), so that backward's all-gather stays within the group. Costs 1/H of the blocks' parameters per rank in the compute dtype, counted by
     the memory logs and ``lzero estimate``. 1: off. DeepSpeed's ``zero_hpz_partition_size``. See [Note: hpZ] in
     lzero/engine/secondary.py."""
 
@@ -385,17 +385,19 @@ class ZeroConfig:
     def _check_zero_plus_plus(self) -> None:
         """hpZ and the quantized collectives: their values, and the stages and layouts they work with."""
         hpz = self.hpz_partition_size
-        if isinstance(hpz, bool) or not isinstance(hpz, int) or hpz < 1:
-            raise ZeroConfigError(f"`hpz_partition_size={hpz!r}` must be a number of ranks >= 1 (1: off). HINT: the"
-                                  " ranks per node, e.g. 8.")
-        if hpz > 1 and self.stage < 3:
+        if hpz != "node" and (isinstance(hpz, bool) or not isinstance(hpz, int) or hpz < 1):
+            raise ZeroConfigError(f"`hpz_partition_size={hpz!r}` must be a number of ranks >= 1 (1: off) or 'node'."
+                                  " HINT: the ranks per node, e.g. 8, or 'node'.")
+        on = hpz == "node" or hpz > 1
+        hpz = repr(hpz)
+        if on and self.stage < 3:
             raise ZeroConfigError(f"`hpz_partition_size={hpz}` at stage {self.stage}: hpZ keeps a secondary copy of"
                                   " stage 3's gathered parameters, and stages 1-2 gather none. HINT: use `stage=3`.")
-        if hpz > 1 and self.shard_group_size is not None:
+        if on and self.shard_group_size is not None:
             raise ZeroConfigError(f"`hpz_partition_size={hpz}` with `shard_group_size={self.shard_group_size!r}`: both"
                                   " keep the all-gathers within a node, one by sharding states there, the other by a"
                                   " secondary copy. HINT: choose one.")
-        if hpz > 1 and self.offload_param.device != "none":
+        if on and self.offload_param.device != "none":
             raise ZeroConfigError(f"`hpz_partition_size={hpz}` with `offload_param={self.offload_param.device!r}`:"
                                   " hpZ's secondary copy lives in device memory, which offloading parameters frees."
                                   " HINT: drop one of the two.")

@@ -75,3 +75,25 @@ def test_quantized_collectives_within_and_across_groups_track_ddp(runs: Path) ->
     mean = sum(ours["losses"]) / sum(ddp["losses"]) - 1
     print(f"hybrid zero3 with qwZ + int8 qgZ: mean loss {mean:+.2%} of DDP@4's, worst step {worst:.2%}")
     assert 0 < worst < 0.05 and abs(mean) < 0.01
+
+
+def _hpz_node(rank: int, world_size: int) -> tuple[int, int]:
+    from torch import nn
+
+    from lzero import ZeroConfig
+    from lzero.engine.engine import ZeroEngine
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    engine = ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)],
+                        ZeroConfig(stage=3, hpz_partition_size="node", unit_modules=("Linear",)))
+    secondary = engine.gatherer.secondary
+    return secondary.size, secondary.held()
+
+
+def test_hpz_partition_size_node_is_the_ranks_of_one_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`hpz_partition_size="node"` reads LOCAL_WORLD_SIZE: 4 ranks as 2 nodes of 2 keep halves of each block."""
+    from _dist import run_ranks
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    for size, held in run_ranks(_hpz_node, 4):
+        assert size == 2 and held == 2 * (8 * 8 + 8) // 2  # two Linear blocks of 72 elements (padded to 4: 72)

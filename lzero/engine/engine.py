@@ -15,6 +15,7 @@ and nothing is gathered after the step.
 from __future__ import annotations
 
 import contextlib
+import os
 import datetime
 import warnings
 from contextlib import contextmanager
@@ -265,6 +266,8 @@ class ZeroEngine:
     def _secondary_partition(self, blocks: dict[str, Block]) -> Optional[SecondaryPartition]:
         """hpZ's node-local copies of every block but the root: [Note: hpZ] in secondary.py. A collective."""
         size = self.config.hpz_partition_size
+        if size == "node":
+            size = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
         if size <= 1:
             return None
         if self.world_size % size:

@@ -42,9 +42,9 @@ class SecondaryPartition:
     def tensors(self) -> list[torch.Tensor]:
         return list(self._slices.values())
 
-    def covered(self) -> int:
-        """Elements of the blocks this partition copies (padded), of which this rank holds 1/H."""
-        return sum(s.numel() for s in self._slices.values()) * self.size
+    def held(self) -> int:
+        """Elements of the copy this rank holds: 1/H of the blocks' (padded) parameters."""
+        return sum(s.numel() for s in self._slices.values())
 
     def keep(self, units: Sequence[FlatUnit]) -> None:
         """Copy this rank's slice of each of ``units``' gathered values (the block is gathered)."""

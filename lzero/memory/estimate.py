@@ -66,6 +66,7 @@ Activations, the allocator's caching and the CUDA context are not counted.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
@@ -202,8 +203,8 @@ def check_precision(precision: str) -> int:
 def model_states(config: ZeroConfig, count: ModelCount, world_size: int, precision: str = "bf16-mixed",
                  optimizer_bytes: float = ADAM_BYTES, secondary: Optional[float] = None) -> dict[str, dict[str, int]]:
     """One rank's model states under ``config`` (see [Note: lzero's layout]), every gradient present.
-    ``secondary``: with hpZ, the elements its node-local copy covers (the blocks' parameters, padded; default: the
-    whole model), of which each rank holds 1/H in the compute dtype ([Note: hpZ] in lzero/engine/secondary.py)."""
+    ``secondary``: with hpZ, the elements of its node-local copy this rank holds (1/H of the blocks' parameters,
+    padded; default: 1/H of the whole model), in the compute dtype ([Note: hpZ] in lzero/engine/secondary.py)."""
     c, mixed = check_precision(precision), precision != "32-true"
     out = _Bytes()
     psi, frozen, n, stage = count.trainable, count.frozen, world_size, config.stage
@@ -222,9 +223,12 @@ def model_states(config: ZeroConfig, count: ModelCount, world_size: int, precisi
         _stage3_parameters(out, param_store, codes, quantized / n, param.max_in_cpu)
         _stage3_parameters(out, param_store, c, frozen / n, param.max_in_cpu)
         hpz = config.hpz_partition_size
-        if 1 < hpz < n:
-            covered = secondary if secondary is not None else psi + frozen + quantized
-            out.add("device", "parameters", c * covered / hpz)
+        if hpz == "node":
+            hpz = int(os.environ.get("LOCAL_WORLD_SIZE", n))
+        if secondary is not None:
+            out.add("device", "parameters", c * secondary)
+        elif 1 < hpz < n:
+            out.add("device", "parameters", c * (psi + frozen + quantized) / hpz)
     for share, store in ((1.0 - offloaded, "device"), (offloaded, host_store)):
         elements = share * psi / n
         memory = "cpu" if store == "nvme" else store  # NVMe keeps gradients in host memory

@@ -181,7 +181,7 @@ def _expected(engine: Any, optimizers: list) -> float:
     count = ModelCount(trainable, frozen + quantized, quantized=quantized, **({"quantization": kinds.pop()} if kinds else {}))
     secondary = engine.gatherer.secondary if engine.gatherer is not None else None
     expected = model_states(engine.config, count, engine.world_size, precision, optimizer_bytes=per_element.pop(),
-                            secondary=secondary.covered() if secondary is not None else None)
+                            secondary=secondary.held() if secondary is not None else None)
     steps = sum(4 * len(z.units) for z in optimizers if type(z.optimizer).__name__ in ADAM_LIKE)  # a 0-dim `step`
     return float(sum(v for kinds in expected.values() for k, v in kinds.items() if k != "gradients")) + steps
 
