@@ -20,7 +20,7 @@ DDP = "ddp_find_unused_parameters_true"
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("trainer_runs")
     run_script("trainer_runs.py", "ws2", str(out), ranks=2)
-    run_script("trainer_runs.py", "ws1", str(out))
+    run_script("trainer_runs.py", "ws1", str(out), ranks=1)
     return out
 
 
