@@ -49,7 +49,7 @@ def _collectives(rank: int, world: int) -> dict:
     shard = torch.randn(300, generator=gen)
     exact, ours = torch.empty(300 * world), torch.empty(300 * world)
     collectives.all_gather(exact, shard)
-    quantized.all_gather(ours, shard, async_op=True).wait()
+    quantized.all_gather(ours, shard).wait()
     flat = torch.randn(300 * world, generator=gen)
     summed = flat.clone()
     dist.all_reduce(summed)
@@ -57,7 +57,7 @@ def _collectives(rank: int, world: int) -> dict:
            "gather_bound": exact.abs().max().item() / 127 / 2, "reduce_exact": summed.view(world, -1)[rank]}
     for bits in (8, 4):
         mine = torch.empty(300)
-        quantized.reduce_scatter(mine, flat.clone(), bits=bits, generator=torch.Generator().manual_seed(rank)).wait()
+        quantized.reduce_scatter(mine, flat.clone(), bits=bits, generator=torch.Generator().manual_seed(rank))
         out[f"reduce_{bits}"] = mine
         out[f"reduce_bound_{bits}"] = world * flat.abs().max().item() / quantized.LEVELS[bits]
     shard = flat[:301].clone()  # hybrid's replica all-reduce: an odd length, padded to the ranks

@@ -85,17 +85,18 @@ class _Dequantized:
     """Handle of a quantized collective: waiting lands the dequantized values in the output."""
 
     def __init__(self, work: Any, finish: Any) -> None:
-        self.work, self.finish = work, finish
+        self.work, self.finish = work, finish  # work None: the collective ran synchronously
 
     def wait(self) -> bool:
-        if self.work is not None:
-            self.work.wait()
+        if self.finish is not None:
+            if self.work is not None:
+                self.work.wait()
             self.finish()
             self.work = self.finish = None  # the packed buffers can go
         return True
 
     def is_completed(self) -> bool:
-        return self.work is None or self.work.is_completed()
+        return self.finish is None or self.work is None or self.work.is_completed()
 
 
 @torch.no_grad()
@@ -108,7 +109,8 @@ def all_gather(flat: Tensor, shard: Tensor, group: Optional[dist.ProcessGroup] =
     mine = quantize(shard, 8)
     every = torch.empty(world * mine.numel(), dtype=torch.uint8, device=mine.device)
     collectives.TRAFFIC["all_gather"] += every.numel()
-    work = dist.all_gather_single(every, mine, group=group, async_op=True)
+    work = dist.all_gather_single(every, mine, group=group, async_op=async_op) if async_op else \
+        dist.all_gather_single(every, mine, group=group)
     numel = shard.numel()
 
     def finish() -> None:
@@ -133,7 +135,8 @@ def reduce_scatter(output: Tensor, flat: Tensor, group: Optional[dist.ProcessGro
     sent = torch.stack([quantize(chunks[r], bits, generator) for r in range(world)])  # (world, packed bytes)
     received = torch.empty_like(sent)
     collectives.TRAFFIC["reduce"] += sent.numel()
-    work = dist.all_to_all_single(received, sent, group=group, async_op=True)
+    work = dist.all_to_all_single(received, sent, group=group, async_op=async_op) if async_op else \
+        dist.all_to_all_single(received, sent, group=group)
 
     def finish() -> None:
         total = torch.zeros(numel, dtype=torch.float32, device=output.device)
