@@ -109,8 +109,7 @@ def all_gather(flat: Tensor, shard: Tensor, group: Optional[dist.ProcessGroup] =
     mine = quantize(shard, 8)
     every = torch.empty(world * mine.numel(), dtype=torch.uint8, device=mine.device)
     collectives.TRAFFIC["all_gather"] += every.numel()
-    work = dist.all_gather_single(every, mine, group=group, async_op=async_op) if async_op else \
-        dist.all_gather_single(every, mine, group=group)
+    work = dist.all_gather_single(every, mine, group=group, async_op=async_op)  # None when synchronous
     numel = shard.numel()
 
     def finish() -> None:
@@ -135,8 +134,7 @@ def reduce_scatter(output: Tensor, flat: Tensor, group: Optional[dist.ProcessGro
     sent = torch.stack([quantize(chunks[r], bits, generator) for r in range(world)])  # (world, packed bytes)
     received = torch.empty_like(sent)
     collectives.TRAFFIC["reduce"] += sent.numel()
-    work = dist.all_to_all_single(received, sent, group=group, async_op=async_op) if async_op else \
-        dist.all_to_all_single(received, sent, group=group)
+    work = dist.all_to_all_single(received, sent, group=group, async_op=async_op)  # None when synchronous
 
     def finish() -> None:
         total = torch.zeros(numel, dtype=torch.float32, device=output.device)
