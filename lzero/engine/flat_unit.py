@@ -243,17 +243,37 @@ class FlatUnit:
             self._unclaimed.clear()
 
     @torch.no_grad()
-    def pack_grads(self, scale: float) -> Tensor:
-        """Stage 2: a new bucket holding ``scale * p.grad`` for every param (zeros where a param
-        has none); the params' full gradients are released."""
-        bucket = torch.zeros(self.spec.padded_numel, device=self.flat_param.device, dtype=self.reduce_dtype)
+    def pack_grads(self, scale: float, out: Optional[Tensor] = None) -> Tensor:
+        """Stage 2: ``scale * p.grad`` for every param (zeros where a param has none, and in the padding), laid out
+        as the flat buffer; the params' full gradients are released. ``out``: a (world, shard_numel) view to write
+        into, row r taking rank r's shard (a coalesced bucket's columns for this unit: [Note: coalesced
+        reductions]); by default a new 1D bucket. Every element is written once, so nothing is zeroed first."""
+        shard = self.spec.shard_numel
+        bucket = None
+        if out is None:
+            bucket = torch.empty(self.spec.padded_numel, device=self.flat_param.device, dtype=self.reduce_dtype)
+            out = bucket.view(-1, shard)
+
+        def write(start: int, end: int, values: Optional[Tensor]) -> None:
+            while start < end:  # row by row: a range may cross from one rank's shard into the next
+                row, col = divmod(start, shard)
+                stop = min(end, (row + 1) * shard)
+                piece = out[row, col : col + stop - start]
+                if values is None:
+                    piece.zero_()
+                else:
+                    torch.mul(values[: stop - start], scale, out=piece)
+                    values = values[stop - start :]
+                start = stop
+
         with quiet_params():
             for p, (start, end) in zip(self.params, self.ranges):
                 grad = raw_grad(p)
+                write(start, end, None if grad is None else grad.reshape(-1))
                 if grad is not None:
-                    torch.mul(grad.reshape(-1), scale, out=bucket[start:end])
                     set_grad_quietly(p, None)
-        return bucket
+        write(self.spec.numel, self.spec.padded_numel, None)
+        return out if bucket is None else bucket
 
     @torch.no_grad()
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -27,6 +27,7 @@ rank in the flag exchange (a deadlock seen on the wide GPT-2 benchmark; the hook
 from __future__ import annotations
 
 import collections
+import functools
 from typing import NamedTuple, Optional, Sequence
 
 import torch
@@ -162,8 +163,15 @@ class Reducer:
             bucket.mul_(scale)
         elif len(units) == 1:
             bucket = units[0].pack_grads(scale)
-        else:  # rank by rank: every unit's slice of rank 0, then of rank 1, ...
-            bucket = torch.cat([u.pack_grads(scale).view(self.world_size, -1) for u in units], dim=1).view(-1)
+        else:  # rank by rank: every unit's slice of rank 0, then of rank 1, ..., each unit packed in place
+            dtype = functools.reduce(torch.promote_types, (u.reduce_dtype for u in units))  # kept-fp32 units: fp32
+            rows = torch.empty(self.world_size, sum(u.spec.shard_numel for u in units), dtype=dtype,
+                               device=units[0].flat_param.device)
+            column = 0
+            for unit in units:
+                unit.pack_grads(scale, out=rows[:, column : column + unit.spec.shard_numel])
+                column += unit.spec.shard_numel
+            bucket = rows.view(-1)
         out = torch.empty(sum(u.spec.shard_numel for u in units), dtype=bucket.dtype, device=bucket.device)
         if self.config.quantized_gradients is not None:  # qgZ: [Note: quantized collectives] in quantized.py
             handle = quantized.reduce_scatter(out, bucket, self.group, async_op=self.config.overlap_comm,
