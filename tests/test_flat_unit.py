@@ -68,3 +68,36 @@ def test_stage1_gradients_accumulate_in_the_flat_buffer_and_unused_ones_stay_non
         else:
             assert torch.equal(p.grad, ref), name
             assert p.grad.data_ptr() == unit.grad_view(index[id(p)]).data_ptr(), name
+
+
+def test_gradients_pack_rank_by_rank_into_a_shared_bucket() -> None:
+    """A coalesced reduction's bucket holds every unit's rank-0 slice, then every unit's rank-1 slice, ...: each unit
+    packs ``scale * grad`` straight into its columns. With 3 ranks a param crosses from one rank's shard into the
+    next, a param without a gradient and the padding read zeros, and the result equals the units' own padded
+    buckets laid side by side (the torch.cat the reducer used to do)."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(3, 2), nn.Linear(2, 2)]  # 8 and 6 elements over 3 ranks: shards of 3 and 2, padding 1 and 0
+    units = []
+    for i, layer in enumerate(layers):
+        specs = [ParamSpec(f"l{i}.{n}", tuple(p.shape), (0, 0)) for n, p in layer.named_parameters()]
+        (spec,) = partition_by_label(specs, 3, {s.name: "l" for s in specs}).units
+        units.append(FlatUnit(spec, list(layer.parameters()), rank=0, stage=2))
+    grads = [[torch.randn(2, 3), None], [torch.randn(2, 2), torch.randn(2)]]
+    expected = []
+    for unit, layer, gs in zip(units, layers, grads):
+        flat = torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1) * 0.25
+                          for p, g in zip(layer.parameters(), gs)])
+        expected.append(torch.cat([flat, torch.zeros(unit.spec.padded_numel - flat.numel())]).view(3, -1))
+    for alone in (True, False):
+        for layer, gs in zip(layers, grads):
+            for p, g in zip(layer.parameters(), gs):
+                p.grad = None if g is None else g.clone()
+        if alone:
+            for unit, want in zip(units, expected):
+                assert torch.equal(unit.pack_grads(0.25), want.reshape(-1))
+            continue
+        rows = torch.full((3, 5), float("nan"))  # every element must be written
+        units[0].pack_grads(0.25, out=rows[:, :3])
+        units[1].pack_grads(0.25, out=rows[:, 3:])
+        assert torch.equal(rows, torch.cat(expected, dim=1))
+        assert all(p.grad is None for layer in layers for p in layer.parameters())  # the full gradients are released

@@ -89,7 +89,8 @@ def main() -> None:
                 print(rate, layout, f"{result['step_s']:.3f} s/step", f"{result['link_bytes_per_step'] / 1e6:.1f} MB")
     finally:
         down()
-    lines = ["| link | layout | s/step | vs DDP | link bytes per step | vs DDP |", "|---|---|---|---|---|---|"]
+    lines = ["| link | layout | s/step | vs DDP | rank 0 CPU s/step | link bytes per step | vs DDP |",
+             "|---|---|---|---|---|---|---|"]
     for rate in args.rates:
         ddp = next((r for k, r in rows if k == rate and r["layout"] == "ddp"), None)
         for k, r in rows:
@@ -97,13 +98,14 @@ def main() -> None:
                 continue
             t = f"{r['step_s'] / ddp['step_s']:.2f}x" if ddp else "-"
             b = f"{r['link_bytes_per_step'] / ddp['link_bytes_per_step']:.2f}x" if ddp else "-"
-            lines.append(f"| {rate} | {r['layout']} | {r['step_s']:.3f} | {t} | {r['link_bytes_per_step'] / 1e6:.1f} MB |"
-                         f" {b} |")
+            lines.append(f"| {rate} | {r['layout']} | {r['step_s']:.3f} | {t} | {r['cpu_s']:.3f} |"
+                         f" {r['link_bytes_per_step'] / 1e6:.1f} MB | {b} |")
     params = rows[0][1]["params"] if rows else 0
     text = (f"# Hybrid sharding on a simulated two-node cluster\n\n`{' '.join(sys.argv)}`: 2 network namespaces x 2"
             f" ranks (gloo), the link between them shaped with tc tbf; {params / 1e6:.1f}M fp32 parameters in"
             f" 4 wide linear blocks, {args.batch} rows per rank, AdamW, median of {args.steps} steps after 2 of warm-up."
-            " Link bytes: both directions of the veth, per step.\n\n" + "\n".join(lines) + "\n")
+            " Link bytes: both directions of the veth, per step. Rank 0 CPU: its process's CPU time per step (user +"
+            " system, every thread; the 4 ranks share 2 cores).\n\n" + "\n".join(lines) + "\n")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     args.out.with_suffix(".json").write_text(json.dumps([{"rate": k, **r} for k, r in rows], indent=1))

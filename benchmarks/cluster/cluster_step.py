@@ -1,6 +1,6 @@
 """One rank of the simulated-cluster benchmark (started by torchrun in a network namespace; see bench_cluster.py):
-a model of wide linear blocks trained for a few steps under a layout, rank 0 timing the steps and reading the bytes
-its namespace's link to the other "node" carried meanwhile.
+a model of wide linear blocks trained for a few steps under a layout, rank 0 timing the steps (wall clock, and its
+process's CPU time) and reading the bytes its namespace's link to the other "node" carried meanwhile.
 
     layouts: ddp, and those of LAYOUTS: zero2/zero3 flat over the 4 ranks, *_hybrid (shard groups of 2 = one node
     each), zero3_hpz (hpZ within the node), zero3_qwz (int8 weight all-gathers), *_qwz_qgz8 (and int8 reductions)
@@ -65,12 +65,12 @@ def counters() -> int:
     return int((folder / "tx_bytes").read_text()) + int((folder / "rx_bytes").read_text())
 
 
-times, bytes_at, losses = [], None, []
+times, cpu, bytes_at, losses = [], [], None, []
 for step in range(args.warmup + args.steps):
     if step == args.warmup:
         fabric.barrier()
         bytes_at = counters()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     loss = model(x).pow(2).mean()
     fabric.backward(loss)
     optimizer.step()
@@ -78,10 +78,12 @@ for step in range(args.warmup + args.steps):
     fabric.barrier()
     if step >= args.warmup:
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - cpu_start)  # this process's threads (gloo's too), user + system
     losses.append(fabric.all_reduce(loss.detach(), reduce_op="mean").item())
 link_bytes = counters() - bytes_at
 if fabric.global_rank == 0:
     params = sum(p.numel() for p in nn.Sequential(*[Block(args.width) for _ in range(args.blocks)]).parameters())
     Path(args.out).write_text(json.dumps({"layout": args.layout, "step_s": sorted(times)[len(times) // 2],
+                                          "cpu_s": sorted(cpu)[len(cpu) // 2],
                                           "link_bytes_per_step": link_bytes / args.steps, "params": params,
                                           "losses": losses, "batch": args.batch}))
