@@ -51,7 +51,8 @@ def test_bf16_mixed_hybrid_as_flat(runs: Path) -> None:
 
 
 @pytest.mark.parametrize(("name", "reference"), [("zero2_hybrid", "ddp"), ("zero3_offload_hybrid", "ddp"),
-                                                 ("zero3_groups_of_one", "ddp"), ("zero3_hybrid_frozen", "ddp_frozen")])
+                                                 ("zero3_hybrid_per_layer", "ddp"), ("zero3_groups_of_one", "ddp"),
+                                                 ("zero3_hybrid_frozen", "ddp_frozen")])
 def test_hybrid_matches_ddp_at_world_size_4(runs: Path, name: str, reference: str) -> None:
     """fp32, 8 steps: losses and final weights within 1e-6 of DDP's (the two reductions sum in another order); a
     frozen layer keeps its initial weights exactly."""

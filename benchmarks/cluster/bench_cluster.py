@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,33 +65,64 @@ def run(layout: str, out: Path, steps: int, batch: int, script: str = "cluster_s
     return json.loads(out.read_text())
 
 
+def combine(results: list[dict]) -> dict:
+    """One layout's runs as one row: the run of median step time (its CPU time and bytes with it), and the spread."""
+    ordered = sorted(results, key=lambda r: r["step_s"])
+    return {**ordered[len(ordered) // 2], "step_s_runs": [r["step_s"] for r in results]}
+
+
+def median_probe(probes: list[dict]) -> dict:
+    """The probe's rounds as one: every figure the median of its rounds (the collectives size by size)."""
+    out = {}
+    for key, value in probes[0].items():
+        if isinstance(value, list):
+            out[key] = [[size, statistics.median(p[key][i][1] for p in probes)] for i, (size, _) in enumerate(value)]
+        elif key == "params":
+            out[key] = value
+        else:
+            out[key] = statistics.median(p[key] for p in probes)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rates", nargs="+", default=["1gbit", "10gbit"])
     parser.add_argument("--layouts", nargs="+", default=LAYOUTS)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every layout this many times, interleaved; report the median run of each")
     parser.add_argument("--batch", type=int, default=8, help="rows per rank and step")
     parser.add_argument("--probe", action="store_true",
-                        help="also run cluster_probe.py at each rate (two_level.py's fit), into OUT's .probe.json")
+                        help="also run cluster_probe.py at each rate, once per round (two_level.py's fit: the median of the"
+                        " rounds), into OUT's .probe.json")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cluster.md")
     args = parser.parse_args()
     rows, probes = [], {}
     try:
         for rate in args.rates:
             up(rate)
-            if args.probe:
-                with tempfile.TemporaryDirectory() as folder:
-                    probes[rate] = run("probe", Path(folder) / "probe.json", args.steps, args.batch, "cluster_probe.py")
-                print(rate, "probe", probes[rate])
-            for layout in args.layouts:
-                with tempfile.TemporaryDirectory() as folder:
-                    result = run(layout, Path(folder) / "result.json", args.steps, args.batch)
-                rows.append((rate, result))
-                print(rate, layout, f"{result['step_s']:.3f} s/step", f"{result['link_bytes_per_step'] / 1e6:.1f} MB")
+            runs: dict[str, list[dict]] = {layout: [] for layout in args.layouts}
+            probed = []
+            for round_ in range(args.rounds):  # layouts interleaved: a drift of the machine's speed hits them all
+                if args.probe:
+                    with tempfile.TemporaryDirectory() as folder:
+                        probed.append(run("probe", Path(folder) / "probe.json", args.steps, args.batch,
+                                          "cluster_probe.py"))
+                    print(rate, f"round {round_ + 1}", "probe", probed[-1], flush=True)
+                for layout in args.layouts:
+                    with tempfile.TemporaryDirectory() as folder:
+                        result = run(layout, Path(folder) / "result.json", args.steps, args.batch)
+                    runs[layout].append(result)
+                    print(rate, f"round {round_ + 1}", layout, f"{result['step_s']:.3f} s/step",
+                          f"{result['link_bytes_per_step'] / 1e6:.1f} MB", flush=True)
+            for layout, results in runs.items():
+                rows.append((rate, combine(results)))
+            if probed:
+                probes[rate] = median_probe(probed)
     finally:
         down()
-    lines = ["| link | layout | s/step | vs DDP | rank 0 CPU s/step | link bytes per step | vs DDP |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| link | layout | s/step | vs DDP | runs (s/step) | rank 0 CPU s/step | link bytes per step | vs DDP |",
+             "|---|---|---|---|---|---|---|---|"]
     for rate in args.rates:
         ddp = next((r for k, r in rows if k == rate and r["layout"] == "ddp"), None)
         for k, r in rows:
@@ -98,12 +130,14 @@ def main() -> None:
                 continue
             t = f"{r['step_s'] / ddp['step_s']:.2f}x" if ddp else "-"
             b = f"{r['link_bytes_per_step'] / ddp['link_bytes_per_step']:.2f}x" if ddp else "-"
-            lines.append(f"| {rate} | {r['layout']} | {r['step_s']:.3f} | {t} | {r['cpu_s']:.3f} |"
+            spread = " ".join(f"{x:.3f}" for x in r["step_s_runs"])
+            lines.append(f"| {rate} | {r['layout']} | {r['step_s']:.3f} | {t} | {spread} | {r['cpu_s']:.3f} |"
                          f" {r['link_bytes_per_step'] / 1e6:.1f} MB | {b} |")
     params = rows[0][1]["params"] if rows else 0
     text = (f"# Hybrid sharding on a simulated two-node cluster\n\n`{' '.join(sys.argv)}`: 2 network namespaces x 2"
             f" ranks (gloo), the link between them shaped with tc tbf; {params / 1e6:.1f}M fp32 parameters in"
-            f" 4 wide linear blocks, {args.batch} rows per rank, AdamW, median of {args.steps} steps after 2 of warm-up."
+            f" 4 wide linear blocks, {args.batch} rows per rank, AdamW; a run's time is the median of {args.steps} steps after"
+            f" 2 of warm-up, and each layout ran {args.rounds} times, the layouts interleaved (the median run is shown)."
             " Link bytes: both directions of the veth, per step. Rank 0 CPU: its process's CPU time per step (user +"
             " system, every thread; the 4 ranks share 2 cores).\n\n" + "\n".join(lines) + "\n")
     args.out.parent.mkdir(parents=True, exist_ok=True)

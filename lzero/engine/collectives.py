@@ -131,6 +131,15 @@ def all_reduce(tensor: Tensor, op: Any = None, group: Optional[dist.ProcessGroup
 
 
 @torch.no_grad()
+def start_all_reduce(tensor: Tensor, group: Optional[dist.ProcessGroup] = None) -> Handle:
+    """In-place asynchronous SUM all-reduce: ``tensor`` holds the sum once the handle's ``wait()`` returns."""
+    _require_contiguous(tensor)
+    if local(group):
+        return _Done()
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+@torch.no_grad()
 def broadcast_(tensors: Sequence[Tensor], src: int = 0, group: Optional[dist.ProcessGroup] = None) -> None:
     """Overwrite every tensor in place with rank ``src``'s values (as DDP does at construction)."""
     if local(group):

@@ -22,13 +22,24 @@ forms the same buckets; held gradients stay alive until their bucket launches (a
 there is room for it without waiting: a hook that flushed the held bucket and then launched a large unit could
 block on that bucket's reduction while the peer, which had deferred it to the end of backward, waited for this
 rank in the flag exchange (a deadlock seen on the wide GPT-2 benchmark; the hooks never block).
+
+[Note: the sum across replicas overlaps]
+Under hybrid sharding a reduction has two phases: the reduce-scatter within the shard group, then an all-reduce
+of the resulting shard across the replicas (the slow inter-node link). The second phase is started asynchronously
+as soon as the first is seen done (by a hook's check for room, or by landing a reduction), so the inter-node sum
+of one bucket runs while backward computes and the next bucket reduces within the node, as FSDP's HSDP does.
+Replica all-reduces start strictly oldest first: every rank of a replica group issues them in the same order.
+A hook never waits for one: a blocking all-reduce across replicas in a hook could wait for a replica that is
+itself waiting for this rank in the flag exchange. Quantized sums across replicas (qgZ: an all-to-all, then an
+all-gather) run synchronously, so they run only where the reducer may block (end of backward, ``wait``).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
-from typing import NamedTuple, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -39,13 +50,16 @@ from lzero.config import ZeroConfig
 from lzero.engine.flat_unit import FlatUnit
 
 
-class InflightReduction(NamedTuple):
-    """A launched reduce-scatter: what to wait on and where its result lands."""
+@dataclasses.dataclass
+class InflightReduction:
+    """A launched reduce-scatter: what to wait on and where its result lands. Under hybrid sharding a second phase
+    follows, the sum of ``out`` across the replicas (``across``): [Note: the sum across replicas overlaps]."""
 
     handle: collectives.Handle
     units: list[FlatUnit]
     out: Tensor  # 1D, the units' shard_numel in order: this rank's shards of the averaged gradients once done
     bucket: Tensor  # 1D, the units' padded_numel: the scaled gradients being reduced; kept alive until then
+    across: Optional[collectives.Handle] = None  # hybrid: the replicas' all-reduce of ``out``, once started
 
 
 class Reducer:
@@ -80,6 +94,7 @@ class Reducer:
         """Launch complete units in unit order, without ever blocking: a rank whose backward skips
         a parameter launches that unit only at the end of backward, and a peer blocked here
         waiting for it would never reach the flag exchange. See [Note: reduction order]."""
+        self._start_sums_across()
         while self.next < len(self.units):
             unit = self.units[self.next]
             if unit.waiting_for_grads:
@@ -108,11 +123,26 @@ class Reducer:
         return not self._small(unit) or self._held_numel + unit.spec.padded_numel >= self.config.reduce_bucket_size
 
     def _room_without_waiting(self) -> bool:
+        self._start_sums_across()
         while len(self._inflight) >= self.config.max_inflight_reductions:
-            if not self._inflight[0].handle.is_completed():
+            oldest = self._inflight[0]
+            if not oldest.handle.is_completed() or (self.replicas is not None and not (
+                    oldest.across is not None and oldest.across.is_completed())):
                 return False
             self._finish_oldest()
         return True
+
+    def _start_sums_across(self) -> None:
+        """Hybrid sharding: start, oldest first, the replicas' sum of every reduction whose reduce-scatter is done;
+        never blocks. See [Note: the sum across replicas overlaps]."""
+        if self.replicas is None or self.config.quantized_gradients is not None:
+            return
+        for reduction in self._inflight:
+            if reduction.across is None:
+                if not reduction.handle.is_completed():
+                    return  # later ones wait: every rank of a replica group starts them in the same order
+                reduction.handle.wait()  # completed: lands gloo's slice of the all-reduce in ``out``
+                reduction.across = collectives.start_all_reduce(reduction.out, group=self.replicas)
 
     def reduce_remaining(self, units: Sequence[FlatUnit]) -> None:
         """Launch, in unit order, every unit that has a gradient on any rank. See [Note: reduction order]."""
@@ -183,12 +213,14 @@ class Reducer:
             self._finish_oldest()
 
     def _finish_oldest(self) -> None:
+        """Land the oldest reduction (blocking until it is done)."""
+        self._inflight[0].handle.wait()
+        self._start_sums_across()  # this one's sum across replicas first, then any later ones already reduced
         done = self._inflight.popleft()
-        done.handle.wait()
         if self.replicas is not None and self.config.quantized_gradients is not None:  # qgZ between nodes too
             quantized.all_reduce(done.out, self.replicas, self.config.quantized_gradients, self._rounding)
-        elif self.replicas is not None:  # the other groups' sums of the same shard
-            collectives.all_reduce(done.out, group=self.replicas)
+        elif self.replicas is not None:  # the other groups' sums of the same shard, started above
+            done.across.wait()
         offset = 0
         for unit in done.units:
             unit.land_reduced(done.out[offset : offset + unit.spec.shard_numel])

@@ -5,7 +5,7 @@ world size 4 (Lightning re-runs nothing: start 4 ranks, as torchrun does).
 
 skip_runs.py's regression model and batches. fp16 with rank 3 (the second shard group) injecting inf/NaN into one
 gradient at global steps 3, 4 and 9, and bf16-mixed, each flat and hybrid at stage 3; fp32 zero2 and zero3_offload
-hybrid beside DDP, zero3 hybrid with qwZ and int8 qgZ (quantized within and across the groups), zero3 with shard groups of one rank (pure replication), and zero3 hybrid with a frozen first layer
+hybrid beside DDP, zero3 hybrid with qwZ and int8 qgZ (quantized within and across the groups), zero3 hybrid reducing layer by layer, zero3 with shard groups of one rank (pure replication), and zero3 hybrid with a frozen first layer
 beside DDP with it frozen. Each run ends with ``trainer.validate`` of the trained model. Every rank writes ``OUT_DIR/<run>_rank<r>.pt`` (tests/test_hybrid.py reads them).
 """
 
@@ -69,6 +69,11 @@ def main(out: Path) -> None:
                                                   offload_param="cpu"), ZeroPrecision("32-true"), 8, {})
     fit(out, "zero3_hybrid_quantized", ZeroStrategy(stage=3, shard_group_size=2, quantized_weights=True,
                                                     quantized_gradients=8), ZeroPrecision("32-true"), 8, {})
+    # one reduction per layer, at most one in flight: the second layer's launch waits in its hook for the first
+    # one's sum across the groups, started there asynchronously ([Note: the sum across replicas overlaps])
+    fit(out, "zero3_hybrid_per_layer", ZeroStrategy(stage=3, shard_group_size=2, unit_modules=("Linear",),
+                                                    reduce_bucket_size=1, max_inflight_reductions=1),
+        ZeroPrecision("32-true"), 8, {})
     fit(out, "zero3_groups_of_one", ZeroStrategy(stage=3, shard_group_size=1), ZeroPrecision("32-true"), 8, {})
     fit(out, "ddp_frozen", "ddp", None, 8, {}, frozen=True)
     fit(out, "zero3_hybrid_frozen", ZeroStrategy(stage=3, shard_group_size=2), ZeroPrecision("32-true"), 8, {},
