@@ -353,8 +353,9 @@ def test_hybrid_sharding_matches_ddp(hybrid: Path, layout: str) -> None:
 def test_checkpoint_chain_hybrid_flat_hybrid_equals_ddp_resumed_alike(hybrid: Path) -> None:
     """hybrid@4 saves at step 2, flat zero2@2 resumes it and saves at step 3, hybrid@4 resumes that to step 4; DDP goes
     4 -> 2 -> 4 ranks the same way. The last step's losses and norm agree within 1e-6 (every layout sums the gradients
-    in another order). The weights are the uninterrupted hybrid run's within 1e-6, and DDP's within Adam's
-    amplification of those sums' rounding on small tensors (5e-5, as for flat zero3 against DDP)."""
+    in another order). The weights are the uninterrupted hybrid run's within 1e-5 and DDP's within 5e-5: Adam's 1/sqrt(v)
+    amplifies those sums' rounding on small tensors (as for flat zero3 against DDP; the flat@2 step alone moves the
+    hybrid run's weights by 1.0e-6 to 1.2e-6 on an AVX-512 CPU)."""
     ours, ref = torch.load(hybrid / "chain"), torch.load(hybrid / "ddp_chain")
     assert len(ours["losses"]) == len(ref["losses"]) == 2 and ours["lr"] == ref["lr"]
     rel = max(abs(a - b) / abs(b) for a, b in zip(ours["losses"] + ours["norms"], ref["losses"] + ref["norms"]))
@@ -364,7 +365,7 @@ def test_checkpoint_chain_hybrid_flat_hybrid_equals_ddp_resumed_alike(hybrid: Pa
     weights = max((ours["final"][k] - v).abs().max().item() for k, v in ref["final"].items())
     print(f"hybrid@4 -> flat@2 -> hybrid@4 against DDP 4 -> 2 -> 4: losses and norm within {rel:.1e}; weights within"
           f" {resumed:.1e} of the uninterrupted hybrid run, {weights:.1e} of DDP's chain")
-    assert resumed < 1e-6 and weights < 5e-5
+    assert resumed < 1e-5 and weights < 5e-5
 
 
 def test_hpz_equals_flat_zero3_and_gathers_backward_within_the_pair(hybrid: Path) -> None:

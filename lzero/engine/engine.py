@@ -565,23 +565,29 @@ class ZeroEngine:
 
     @torch.no_grad()
     def grad_norm(self, units: Sequence[FlatUnit]) -> Tensor:
-        """Global L2 norm of the reduced gradients of ``units``: one all-reduce. A collective."""
-        self.prepare_step(units)
-        total = self._sum_over(units, lambda g: g.float().pow(2).sum())
-        return collectives.all_reduce(total, group=self.group).sqrt()
+        """Global L2 norm (fp32) of the reduced gradients of ``units``: one all-reduce. A collective.
 
-    def _sum_over(self, units: Sequence[FlatUnit], term: Callable[[Tensor], Tensor]) -> Tensor:
-        """The fp32 sum of ``term(shard gradient)`` over ``units`` that have one, on the compute device. Terms
-        are summed where the gradients live (no device sync per unit); host partial sums join at the end."""
+        The squares are summed in fp64: shards split the gradients differently at each stage, world size and layout,
+        and fp32 partial sums would round differently with each split (a 1-ulp different norm, and so different
+        clipped weights, for a run resumed at another stage); in fp64 the splits' rounding stays far below fp32's."""
+        self.prepare_step(units)
+        total = self._sum_over(units, lambda g: torch.linalg.vector_norm(g, dtype=torch.float64).square(),
+                               dtype=torch.float64)
+        return collectives.all_reduce(total, group=self.group).sqrt().float()
+
+    def _sum_over(self, units: Sequence[FlatUnit], term: Callable[[Tensor], Tensor],
+                  dtype: torch.dtype = torch.float32) -> Tensor:
+        """The sum (in ``dtype``) of ``term(shard gradient)`` over ``units`` that have one, on the compute device.
+        Terms are summed where the gradients live (no device sync per unit); host partial sums join at the end."""
         device = units[0].flat_param.device if units else None
         totals: dict[torch.device, Tensor] = {}
         for unit in units:
             if unit.has_step_grad:
                 where = unit.shard_grad.device
                 if where not in totals:
-                    totals[where] = torch.zeros((), dtype=torch.float32, device=where)
+                    totals[where] = torch.zeros((), dtype=dtype, device=where)
                 totals[where] += term(unit.shard_grad)
-        total = torch.zeros((), dtype=torch.float32, device=device)
+        total = torch.zeros((), dtype=dtype, device=device)
         for part in totals.values():
             total += part.to(device)
         return total
