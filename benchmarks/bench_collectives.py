@@ -1,4 +1,5 @@
-"""Time gloo collectives on flat fp32 buffers, 2 ranks: why lzero reduces by all-reduce on gloo.
+"""Time gloo's collectives and lzero's pairwise ones (collectives.py) on flat fp32 buffers, 2 and 4 ranks: why lzero
+runs its reduce-scatters and all-gathers point to point on gloo.
 
     python benchmarks/bench_collectives.py     # writes benchmarks/results_collectives.md
 """
@@ -13,6 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from lzero.engine import collectives
 
 SIZES = (5_000_000, 50_000_000)  # elements
 REPEATS = 5
@@ -40,29 +43,39 @@ def _rank(rank: int, world_size: int, port: int, queue) -> None:
             "all_reduce": _time(lambda: dist.all_reduce(flat)),
             "reduce_scatter": _time(lambda: dist.reduce_scatter_single(shard, flat)),
             "all_gather": _time(lambda: dist.all_gather_single(full, shard)),
+            "lzero_reduce_scatter": _time(lambda: collectives.reduce_scatter(shard, flat)),
+            "lzero_all_gather": _time(lambda: collectives.all_gather(full, shard)),
         }))
     if rank == 0:
         queue.put(rows)
     dist.destroy_process_group()
 
 
-def main() -> None:
+def _measure(world_size: int) -> list:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, 2, port, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, world_size, port, queue)) for r in range(world_size)]
     for p in procs:
         p.start()
     rows = queue.get()
     for p in procs:
         p.join()
-    lines = [f"gloo, 2 ranks on this machine ({os.cpu_count()} CPUs), 1 thread each, fp32, mean of {REPEATS}; torch {torch.__version__}.",
-             "", "| elements | MB | all_reduce ms | reduce_scatter ms | all_gather ms |", "|---|---|---|---|---|"]
-    for n, t in rows:
-        lines.append(f"| {n:,} | {4 * n / 1e6:.0f} | {1e3 * t['all_reduce']:.0f} | {1e3 * t['reduce_scatter']:.0f}"
-                     f" | {1e3 * t['all_gather']:.0f} |")
+    return rows
+
+
+def main() -> None:
+    lines = [f"gloo on this machine ({os.cpu_count()} CPUs), 1 thread per rank, fp32, mean of {REPEATS}; torch"
+             f" {torch.__version__}. gloo's own collectives, then lzero's (collectives.py: point to point on gloo).", "",
+             "| ranks | elements | MB | gloo all_reduce ms | gloo reduce_scatter ms | gloo all_gather ms"
+             " | lzero reduce_scatter ms | lzero all_gather ms |", "|---|---|---|---|---|---|---|---|"]
+    for world_size in (2, 4):
+        for n, t in _measure(world_size):
+            lines.append(f"| {world_size} | {n:,} | {4 * n / 1e6:.0f} | " + " | ".join(
+                f"{1e3 * t[k]:.0f}" for k in ("all_reduce", "reduce_scatter", "all_gather", "lzero_reduce_scatter",
+                                              "lzero_all_gather")) + " |")
     text = "\n".join(lines) + "\n"
     print(text)
     OUT.write_text(text)

@@ -13,7 +13,9 @@ Step time of one rank, data parallel over N ranks (an alpha-beta network model):
   latency term takes 2 log2(N) steps instead of N-1: NCCL's trees and pipelined rings at scale).
   DDP all-reduces Ψ in 25 MB buckets; zero1/2 reduce-scatter Ψ and all-gather Ψ in their buckets; zero3 gathers
   every block in forward and again in backward and reduce-scatters it (3Ψ); its order checks, started a block
-  ahead, overlap the gathers and are not counted. On gloo lzero runs a reduce-scatter as an all-reduce.
+  ahead, overlap the gathers and are not counted. The committed runs (results_scale_runs.json) were measured when
+  lzero ran gloo's reduce-scatter as an all-reduce, and ``--validate`` models them so; lzero now runs gloo's
+  reduce-scatters and all-gathers point to point (collectives.py), which new runs would need modelled.
   On CPU (gloo, one thread per rank) communication is not hidden; on GPUs (NCCL on its own streams) it hides
   behind compute, and only what exceeds the compute is exposed.
 - On CPU, ranks beyond the core count time-share the cores: compute and optimizer are multiplied by
@@ -55,7 +57,8 @@ class Network:
     beta: float  # seconds per byte
     # measured per collective kind (``measure_network``): kind -> (alpha, beta); others use the two above
     kinds: Optional[dict] = None
-    # lzero on gloo runs a reduce-scatter as an all-reduce plus a slice (``collectives.reduces_by_all_reduce``)
+    # a reduce-scatter charged as an all-reduce plus a slice: how lzero ran it on gloo when the committed runs were
+    # measured (it now runs pairwise, collectives.py)
     reduce_scatter_by_all_reduce: bool = False
 
     def ring(self, kind: str, nbytes: float, n: int, messages: int = 1) -> float:

@@ -38,6 +38,6 @@ def test_switch_routes_world_size_1_through_the_backend_without_changing_results
     assert not plain["switch"] and routed["switch"]
     for cfg, a, b in zip(CONFIGS, plain["results"], routed["results"], strict=True):
         assert a["bitwise"] and b["bitwise"], (cfg, a, b)  # both equal DDP at world size 1, bit for bit
-    # (DDP reduces in C++, outside these counters.) gloo reduce-scatters by all-reduce + slice
+    # (DDP reduces in C++, outside these counters.) at world size 1 the switch sends gloo its own collectives
     assert plain["calls"] == {"all_reduce": 0, "all_gather_single": 0, "reduce_scatter_single": 0}
     assert routed["calls"]["all_reduce"] > 0 and routed["calls"]["all_gather_single"] > 0

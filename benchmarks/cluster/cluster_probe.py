@@ -1,7 +1,8 @@
 """One rank of the simulated cluster's probe (started like cluster_step.py by bench_cluster.py --probe): what the
 two-level model in two_level.py is fitted on, every measurement taken with all 4 ranks running at once, as in a step.
 
-- ``intra``: all-gathers and all-reduces within each "node" (ranks 0-1, 2-3; both nodes at once) at three sizes;
+- ``intra``: lzero's all-gathers and reduce-scatters (collectives.py: pairwise on gloo) and gloo's all-reduces within
+  each "node" (ranks 0-1, 2-3; both nodes at once) at three sizes;
 - ``inter``: all-reduces between the two nodes (pairs 0-2 and 1-3 at once: the shaped link carries both) at three
   sizes;
 - ``small_world_collective``: an 8-byte all-gather over all 4 ranks (lzero's unit-order check before each stage-3
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lzero.engine import quantized
+from lzero.engine import collectives, quantized
 
 parser = argparse.ArgumentParser()
 parser.add_argument("layout")  # unused: bench_cluster.py passes its arguments to both scripts alike
@@ -55,10 +56,11 @@ def timed(fn, reps: int = 15) -> float:
 
 
 SIZES = [2**18, 2**20, 2**22]  # fp32 elements: 1, 4, 16 MB
-result = {"intra_all_gather": [], "intra_all_reduce": [], "inter_all_reduce": []}
+result = {"intra_all_gather": [], "intra_reduce_scatter": [], "intra_all_reduce": [], "inter_all_reduce": []}
 for numel in SIZES:
     out, shard, buf = torch.empty(numel), torch.randn(numel // 2), torch.randn(numel)
-    result["intra_all_gather"].append((4 * numel, timed(lambda: dist.all_gather_into_tensor(out, shard, group=node))))
+    result["intra_all_gather"].append((4 * numel, timed(lambda: collectives.all_gather(out, shard, group=node))))
+    result["intra_reduce_scatter"].append((4 * numel, timed(lambda: collectives.reduce_scatter(shard, buf, group=node))))
     result["intra_all_reduce"].append((4 * numel, timed(lambda: dist.all_reduce(buf, group=node))))
     if numel <= 2**21:  # the shaped link: 8 MB at most
         result["inter_all_reduce"].append((4 * numel, timed(lambda: dist.all_reduce(buf, group=pair))))

@@ -12,7 +12,7 @@ per node, R = N/G nodes, q the quantized bytes per element (qwZ: 1.0625; qgZ int
 | layout | inter-node (per rank's link) | intra-node |
 |---|---|---|
 | DDP | all-reduce Ψe over N | - |
-| zero2 flat | reduce-scatter Ψe (gloo: an all-reduce) + all-gather Ψe, over N | - |
+| zero2 flat | reduce-scatter Ψe + all-gather Ψe, over N | - |
 | zero2 hybrid | all-reduce of the shard Ψe/G over R | reduce-scatter + all-gather Ψe over G |
 | zero3 flat | 2 all-gathers + reduce-scatter Ψe over N | - |
 | zero3 hybrid | all-reduce of the shard Ψe/G over R | 2 all-gathers + reduce-scatter Ψe over G |
@@ -69,7 +69,7 @@ def _ring(kind: str, nbytes: float, n: int) -> tuple[float, float]:
 def collectives(layout: str, psi: float, e: float, n: int, g: int) -> list[tuple[str, str, float, int]]:
     """(level, kind, bytes, ranks) of one step's collectives: the table of [Note: the two-level model]."""
     b, r = psi * e, n // g
-    reduce = "all_reduce"  # lzero's reduce-scatter runs as an all-reduce on gloo (NCCL: see communication)
+    reduce = "reduce_scatter"
     rows = {
         "ddp": [("inter", "all_reduce", b, n)],
         "zero2": [("inter", reduce, b, n), ("inter", "all_gather", b, n)],
@@ -88,12 +88,10 @@ def collectives(layout: str, psi: float, e: float, n: int, g: int) -> list[tuple
     return rows[layout]
 
 
-def communication(layout: str, psi: float, e: float, n: int, cluster: Cluster, gloo: bool) -> float:
+def communication(layout: str, psi: float, e: float, n: int, cluster: Cluster) -> float:
     """Seconds of one step's collectives, one after another (GPU clusters: each GPU its own NIC)."""
     total = 0.0
     for level, kind, nbytes, ranks in collectives(layout, psi, e, n, cluster.per_node):
-        if not gloo and kind == "all_reduce" and layout != "ddp" and not (level == "inter" and "hybrid" in layout):
-            kind = "reduce_scatter"  # NCCL runs lzero's reduce-scatter as one
         net = cluster.intra if level == "intra" else cluster.inter
         steps, moved = _ring(kind, nbytes, ranks)
         total += steps * net.alpha + moved * net.beta
@@ -128,8 +126,9 @@ def predict_cpu(layout: str, probe: dict, cluster: Cluster, n: int = 4) -> float
     every rank, the collectives within a node, and the bytes between nodes, which cost the larger of two times: the
     shaped link's (inter alpha-beta), or the CPU's, which must move the same bytes (at the intra level's per-byte
     cost: the 4 ranks share 2 cores) and do the stage-3 engine's own work (``stage3_overhead``). At 1 Gbit/s the
-    link is the larger and hides the engine's work; at 10 Gbit/s the CPU is. A flat collective's inter bytes are the
-    node's link's (one hop each way carrying B(N-1)/N); the replica all-reduce's G pairs share the link."""
+    link is the larger and hides the engine's work; at 10 Gbit/s the CPU is. DDP's flat all-reduce (gloo's ring)
+    crosses the link one hop each way, carrying B(N-1)/N per phase; lzero's flat reduce-scatters and all-gathers are
+    pairwise and carry G(N-G)/N; the replica all-reduce's G pairs share the link."""
     psi, g = probe["params"], cluster.per_node
     stepped = psi if layout == "ddp" else psi / (g if "hybrid" in layout else n)
     t = probe["compute"] + probe["adam_per_element"] * stepped
@@ -151,10 +150,13 @@ def predict_cpu(layout: str, probe: dict, cluster: Cluster, n: int = 4) -> float
         if level == "intra":
             t += steps * cluster.intra.alpha + moved * cluster.intra.beta
             continue
-        if ranks < n:  # the replica all-reduce: G pairs share the link at once
-            moved *= g
-        link += steps * cluster.inter.alpha + moved * cluster.inter.beta
-        cpu += moved * cluster.intra.beta
+        on_link = moved * g if ranks < n else moved  # the replica all-reduce: G pairs share the link at once
+        if kind != "all_reduce" and ranks == n:
+            # lzero's gloo collectives and gloo's all-to-all are pairwise (collectives.py): every rank sends each peer
+            # its slice at once, so a node's link carries G x (N - G)/N of the buffer each way (a ring: (N - 1)/N)
+            steps, on_link = 1.0, nbytes * g * (n - g) / n
+        link += steps * cluster.inter.alpha + on_link * cluster.inter.beta
+        cpu += moved * cluster.intra.beta  # what this rank sends
     return t + max(link, cpu)
 
 
@@ -196,7 +198,7 @@ def gpu_step(layout: str, psi: float, n: int, link: Level, tokens: int, per_node
     compute = 6 * psi * tokens / (GPU["flops"] * GPU["mfu"])
     stepped = psi if layout == "ddp" else psi / (per_node if "hybrid" in layout else n)
     optimizer = 16 * stepped / GPU["hbm"]
-    comm = communication(layout, psi, 2.0, n, Cluster(NVLINK, link, per_node), gloo=False)
+    comm = communication(layout, psi, 2.0, n, Cluster(NVLINK, link, per_node))
     return compute + optimizer + max(0.0, comm - compute)
 
 

@@ -10,7 +10,9 @@ all-gather with the data lzero gives them. An asynchronous call returns a handle
 from __future__ import annotations
 
 import os
-from typing import Any, Optional, Protocol, Sequence
+import queue
+import threading
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -59,53 +61,148 @@ def _require_contiguous(*tensors: Tensor) -> None:
             )
 
 
-class _SliceAfter:
-    """Handle of an all-reduce whose result this rank reads one slice of."""
-
-    def __init__(self, work: Any, flat: Tensor, output: Tensor, start: int) -> None:
-        self.work, self.flat, self.output, self.start = work, flat, output, start
-
-    def wait(self) -> bool:
-        if self.work is not None:
-            self.work.wait()
-            self.output.copy_(self.flat[self.start : self.start + self.output.numel()])
-            self.work = self.flat = None  # the bucket can go as soon as its slice is out
-        return True
-
-    def is_completed(self) -> bool:
-        return self.work is None or self.work.is_completed()
-
-
 TRAFFIC: dict[str, int] = {"reduce": 0, "all_gather": 0}
 """Bytes this process has handed to reduce-scatters (the full flat input) and received from all-gathers (the
 full output) since it started; the memory monitor logs their growth per step. Local (world size 1) copies count
 too: they stand where the collectives would be."""
 
+# [Note: pairwise collectives on gloo]
+# gloo's reduce-scatter is slower than its all-reduce, and its all-gather slows down with the ranks (2 CPU ranks,
+# 16 MB: all-reduce 15 ms, reduce-scatter 40 ms; 4 ranks: all-gather 38 ms; benchmarks/results_collectives.md).
+# On gloo with CPU tensors both are therefore point-to-point: each rank sends every peer that peer's slice (or its
+# own shard) and receives one slice from every peer, all posted at once, so a rank sends (N-1)/N of the buffer
+# where the all-reduce sent 2(N-1)/N. The received slices are summed in rank order: the same result on every
+# backend layout, and at N = 2 bitwise the all-reduce's (a + b == b + a). Messages are matched by gloo in the
+# order a pair of ranks posts them on one tag, and every rank issues lzero's collectives in the same order.
+# gloo's send/recv works report completion only from ``wait()``, so a daemon thread per process group waits them in
+# posting order and each handle answers ``is_completed()`` without blocking (the reducer's hooks must never block:
+# [Note: coalesced reductions] in reducer.py). One thread per group, not one for all: a stage-3 backward gather
+# must not queue behind a reduction that the peer defers to the end of backward (a deadlock seen in the tests).
+# Within one group order is harmless: every rank posts that group's messages in the same order.
+_TAG = 0x1E20  # lzero's point-to-point messages; anything else a user sends on its own tag never matches them
 
-def reduces_by_all_reduce(group: Optional[dist.ProcessGroup] = None) -> bool:
-    """gloo's all-reduce is faster than its reduce-scatter (benchmarks/results_collectives.md), so on gloo
-    a reduce-scatter is an all-reduce plus a slice."""
-    return dist.get_backend(group) == "gloo"
+
+def _pairwise(group: Optional[dist.ProcessGroup], *tensors: Tensor) -> bool:
+    """Whether a collective runs point to point: gloo, CPU tensors, and peers to talk to (at world size 1 the switch
+    ``LZERO_COLLECTIVES_AT_WORLD_SIZE_1`` asks for the backend's own collectives)."""
+    return dist.get_backend(group) == "gloo" and world_size(group) > 1 and all(t.device.type == "cpu" for t in tensors)
+
+
+class _Pairwise:
+    """Handle of point-to-point sends and receives, with a ``finish`` to run once all arrived."""
+
+    def __init__(self, works: list[Any], finish: Optional[Callable[[], None]]) -> None:
+        self.works, self.finish = works, finish
+        self.arrived = threading.Event()
+        self.error: Optional[BaseException] = None
+        self.submitted = False  # to the waiter thread, which then waits the works; else wait() does
+
+    def wait(self) -> bool:
+        if self.works is not None:
+            if self.submitted:
+                self.arrived.wait()
+            else:
+                self._wait_works()
+            self.works = None
+            if self.error is not None:
+                raise self.error
+            if self.finish is not None:
+                self.finish()
+                self.finish = None  # drop the scratch as soon as the result is out
+        return True
+
+    def is_completed(self) -> bool:
+        return self.works is None or self.arrived.is_set()
+
+    def _wait_works(self) -> None:
+        try:
+            for work in self.works:
+                work.wait()
+        except BaseException as error:  # handed to the caller's wait()
+            self.error = error
+        self.arrived.set()
+
+
+class _Waiters:
+    """Daemon threads that wait asynchronous pairwise handles, one per process group, each in posting order:
+    [Note: pairwise collectives on gloo]. A thread starts on its group's first handle and ends after
+    ``_IDLE_S`` without one; a forked child starts its own."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pid = os.getpid()
+        self.queues: dict[int, queue.SimpleQueue[_Pairwise]] = {}
+
+    def submit(self, group: Optional[dist.ProcessGroup], handle: _Pairwise) -> _Pairwise:
+        key = id(group if group is not None else dist.group.WORLD)
+        with self.lock:
+            if self.pid != os.getpid():  # a forked child: the parent's threads did not come along
+                self.pid, self.queues = os.getpid(), {}
+            handles = self.queues.get(key)
+            if handles is None:
+                handles = self.queues[key] = queue.SimpleQueue()
+                threading.Thread(target=self._run, args=(key, handles), name="lzero-gloo-waiter", daemon=True).start()
+            handle.submitted = True
+            handles.put(handle)
+        return handle
+
+    def _run(self, key: int, handles: queue.SimpleQueue[_Pairwise]) -> None:
+        while True:
+            try:
+                handle = handles.get(timeout=_IDLE_S)
+            except queue.Empty:
+                with self.lock:  # nothing is submitted to this queue while the lock is held
+                    if handles.empty():
+                        if self.queues.get(key) is handles:
+                            del self.queues[key]
+                        return
+                continue
+            handle._wait_works()
+
+
+_IDLE_S = 30.0
+_waiters = _Waiters()
+
+
+def _post(sends: Sequence[tuple[Tensor, int]], receives: Sequence[tuple[Tensor, int]],
+          group: Optional[dist.ProcessGroup], async_op: bool, finish: Optional[Callable[[], None]]) -> Handle:
+    works = [dist.isend(t, group=group, tag=_TAG, group_dst=peer) for t, peer in sends]
+    works += [dist.irecv(t, group=group, tag=_TAG, group_src=peer) for t, peer in receives]
+    handle = _Pairwise(works, finish)
+    if async_op:
+        return _waiters.submit(group, handle)
+    handle.wait()
+    return _Done()
 
 
 @torch.no_grad()
 def reduce_scatter(output: Tensor, flat: Tensor, group: Optional[dist.ProcessGroup] = None,
                    async_op: bool = False) -> Handle:
     """Sum ``flat`` (1-D, N * len(output)) over ranks; this rank receives its slice in ``output``.
-    ``flat`` is scratch: on gloo it ends up holding the whole sum."""
+    ``flat`` must stay untouched until the handle is waited."""
     _require_contiguous(output, flat)
     TRAFFIC["reduce"] += flat.numel() * flat.element_size()
     if local(group):
         output.copy_(flat)
         return _Done()
-    if reduces_by_all_reduce(group):
-        work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        handle = _SliceAfter(work, flat, output, rank(group) * output.numel())
-        if not async_op:
-            handle.wait()
-        return handle
-    work = dist.reduce_scatter_single(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-    return work if async_op else _Done()
+    if not _pairwise(group, output, flat):
+        work = dist.reduce_scatter_single(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        return work if async_op else _Done()
+    n, me = world_size(group), rank(group)
+    slices = flat.view(n, -1)
+    peers = [p for p in range(n) if p != me]
+    if n == 2:  # the peer's slice lands in ``output`` itself: no scratch
+        def finish() -> None:
+            output.add_(slices[me])
+        return _post([(slices[peers[0]], peers[0])], [(output, peers[0])], group, async_op, finish)
+    received = torch.empty(n - 1, output.numel(), dtype=flat.dtype, device=flat.device)
+
+    def finish_in_rank_order() -> None:
+        parts = [received[i] for i in range(me)] + [slices[me]] + [received[i] for i in range(me, n - 1)]
+        output.copy_(parts[0])
+        for part in parts[1:]:
+            output.add_(part)
+    return _post([(slices[p], p) for p in peers], list(zip(received, peers)), group, async_op, finish_in_rank_order)
 
 
 @torch.no_grad()
@@ -117,8 +214,14 @@ def all_gather(flat: Tensor, shard: Tensor, group: Optional[dist.ProcessGroup] =
     if local(group):
         flat.copy_(shard)
         return _Done()
-    work = dist.all_gather_single(flat, shard, group=group, async_op=async_op)
-    return work if async_op else _Done()
+    if not _pairwise(group, flat, shard):
+        work = dist.all_gather_single(flat, shard, group=group, async_op=async_op)
+        return work if async_op else _Done()
+    n, me = world_size(group), rank(group)
+    slices = flat.view(n, -1)
+    slices[me].copy_(shard)
+    peers = [p for p in range(n) if p != me]
+    return _post([(slices[me], p) for p in peers], [(slices[p], p) for p in peers], group, async_op, None)
 
 
 @torch.no_grad()

@@ -141,7 +141,7 @@ class Reducer:
             if reduction.across is None:
                 if not reduction.handle.is_completed():
                     return  # later ones wait: every rank of a replica group starts them in the same order
-                reduction.handle.wait()  # completed: lands gloo's slice of the all-reduce in ``out``
+                reduction.handle.wait()  # completed: lands this rank's sums in ``out``
                 reduction.across = collectives.start_all_reduce(reduction.out, group=self.replicas)
 
     def reduce_remaining(self, units: Sequence[FlatUnit]) -> None:

@@ -1,0 +1,109 @@
+"""gloo's reduce-scatter and all-gather run point to point ([Note: pairwise collectives on gloo] in collectives.py):
+the results are checked against sums and concatenations computed locally from every rank's input."""
+
+from __future__ import annotations
+
+import pytest
+
+from _dist import run_ranks
+
+
+def _inputs(world_size: int, numel: int) -> list:
+    import torch
+
+    return [torch.randn(numel, generator=torch.Generator().manual_seed(r)) for r in range(world_size)]
+
+
+def pairwise_cases(rank: int, world_size: int) -> dict:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from lzero.engine import collectives
+
+    numel = 6 * 1000
+    every = _inputs(world_size, numel)
+    mine = slice(rank * numel // world_size, (rank + 1) * numel // world_size)
+    in_rank_order = every[0].clone()
+    for other in every[1:]:
+        in_rank_order += other
+    results = {}
+    # asynchronous, then a synchronous one while the first is still unwaited, then land the first
+    flat, out = every[rank].clone(), torch.empty(numel // world_size)
+    first = collectives.reduce_scatter(out, flat, async_op=True)
+    flat2, out2 = (2 * every[rank]).contiguous(), torch.empty(numel // world_size)
+    collectives.reduce_scatter(out2, flat2)
+    first.wait()
+    results["reduce_scatter_async"] = torch.equal(out, in_rank_order[mine])
+    results["reduce_scatter_sync"] = torch.equal(out2, (2 * in_rank_order)[mine])
+    reference = every[rank].clone()
+    dist.all_reduce(reference)
+    results["all_reduce_slice"] = torch.equal(out, reference[mine])  # the old path; bitwise at world size 2
+    # an all-gather, asynchronous
+    gathered = torch.empty(numel)
+    collectives.all_gather(gathered, every[rank][mine].clone(), async_op=True).wait()
+    k = numel // world_size
+    results["all_gather"] = torch.equal(gathered, torch.cat([e[r * k : (r + 1) * k] for r, e in enumerate(every)]))
+    # completion is seen without waiting, and not before the peers posted: rank 0 posts late
+    if rank == 0:
+        time.sleep(0.5)
+    flat, out = every[rank].clone(), torch.empty(numel // world_size)
+    handle = collectives.reduce_scatter(out, flat, async_op=True)
+    results["complete_before_peer_posted"] = handle.is_completed() if rank != 0 else None
+    deadline = time.monotonic() + 20
+    while not handle.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    results["completed_without_wait"] = handle.is_completed()
+    handle.wait()
+    results["late"] = torch.equal(out, in_rank_order[mine])
+    return results
+
+
+def one_group_does_not_wait_for_another(rank: int, world_size: int) -> dict:
+    """Rank 0 starts a reduce-scatter on group A, which rank 1 starts only after a later collective, then an
+    all-gather on group B, which rank 1 starts at once: B completes while A still waits (a shared waiter would wait
+    A first and deadlock, as a stage-3 backward gather did behind a deferred reduction)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from lzero.engine import collectives
+
+    a, b, sync = dist.new_group(), dist.new_group(), dist.new_group()
+    flat, out = torch.full((8,), float(rank + 1)), torch.empty(4)
+    shard, gathered = torch.full((3,), float(rank)), torch.empty(6)
+    completed = None
+    if rank == 0:
+        first = collectives.reduce_scatter(out, flat, a, async_op=True)
+        second = collectives.all_gather(gathered, shard, b, async_op=True)
+        deadline = time.monotonic() + 10
+        while not second.is_completed() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        completed = second.is_completed() and not first.is_completed()
+        collectives.all_reduce(torch.zeros(1), group=sync)  # lets rank 1 start A
+        second.wait()
+        first.wait()
+    else:
+        collectives.all_gather(gathered, shard, b, async_op=True).wait()
+        collectives.all_reduce(torch.zeros(1), group=sync)
+        collectives.reduce_scatter(out, flat, a)
+    return {"b_before_a": completed, "sum": out.tolist(), "gathered": gathered.tolist()}
+
+
+def test_a_group_completes_while_another_waits() -> None:
+    r0, r1 = run_ranks(one_group_does_not_wait_for_another, 2)
+    assert r0["b_before_a"] is True, r0
+    assert r0["sum"] == r1["sum"] == [3.0] * 4 and r0["gathered"] == r1["gathered"] == [0.0] * 3 + [1.0] * 3
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_pairwise_gloo_collectives_sum_in_rank_order(world_size: int) -> None:
+    for rank, result in enumerate(run_ranks(pairwise_cases, world_size)):
+        print(rank, result)
+        assert result["reduce_scatter_async"] and result["reduce_scatter_sync"] and result["all_gather"], result
+        assert result["completed_without_wait"] and result["late"], result
+        assert result["complete_before_peer_posted"] in (None, False), result  # rank 0 had not posted yet
+        if world_size == 2:
+            assert result["all_reduce_slice"], result  # a + b == b + a: bitwise the all-reduce's
