@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -63,26 +64,29 @@ def run(layout: str, out: Path, steps: int, batch: int, script: str = "cluster_s
                    "--nproc-per-node", "2", "--node-rank", str(node), "--master-addr", NODES[0][2], "--master-port",
                    str(29577 + attempt), str(HERE / script), layout, str(out), "--link", dev, "--steps", str(steps),
                    "--batch", str(batch)]
-            log = tempfile.TemporaryFile("w+")
+            log = tempfile.TemporaryFile("a+")  # O_APPEND: the ranks append wherever this process reads
             logs.append(log)
-            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True))
-        deadline = time.monotonic() + 900
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if any(p.returncode for p in procs):
-                break  # one node failed: the other would wait for it
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                          start_new_session=True))
+        deadline, failed = time.monotonic() + 900, False
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline and not failed:
             time.sleep(0.5)
+            # a node whose rank failed reports it, then waits for the other node (torchrun's exit barrier): end both
+            failed = any(p.returncode for p in procs) or any("failed (exitcode" in _text(log) for log in logs)
         for p in procs:
             if p.poll() is None:
-                p.kill()
+                os.killpg(p.pid, signal.SIGKILL)  # torchrun and the ranks it started
             p.wait()
-        if not any(p.returncode for p in procs):
+        if not failed and not any(p.returncode for p in procs):
             return {**json.loads(out.read_text()), "attempts": attempt}
-        text = []
-        for log in logs:
-            log.seek(0)
-            text.append(log.read()[-3000:])
+        text = [_text(log)[-3000:] for log in logs]
         print(f"{layout} failed (attempt {attempt} of {attempts}):\n" + "\n".join(text), file=sys.stderr, flush=True)
     raise RuntimeError(f"{layout} failed {attempts} times")
+
+
+def _text(log) -> str:
+    log.seek(0)
+    return log.read()
 
 
 def combine(results: list[dict]) -> dict:
