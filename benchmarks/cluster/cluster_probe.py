@@ -3,8 +3,8 @@ two-level model in two_level.py is fitted on, every measurement taken with all 4
 
 - ``intra``: lzero's all-gathers and reduce-scatters (collectives.py: pairwise on gloo) and gloo's all-reduces within
   each "node" (ranks 0-1, 2-3; both nodes at once) at three sizes;
-- ``inter``: all-reduces between the two nodes (pairs 0-2 and 1-3 at once: the shaped link carries both) at three
-  sizes;
+- ``inter``: all-reduces between the two nodes (pairs 0-2 and 1-3 at once: the shaped link carries both) at two
+  sizes, and lzero's all-gather over all 4 ranks (``flat_all_gather``: four pairwise flows each way on the link);
 - ``small_world_collective``: an 8-byte all-gather over all 4 ranks (lzero's unit-order check before each stage-3
   gather, and the end-of-backward flag exchange, are such);
 - ``compute``: forward + backward of cluster_step.py's model (no collective); ``adam``: AdamW's step per element;
@@ -64,6 +64,9 @@ for numel in SIZES:
     result["intra_all_reduce"].append((4 * numel, timed(lambda: dist.all_reduce(buf, group=node))))
     if numel <= 2**21:  # the shaped link: 8 MB at most
         result["inter_all_reduce"].append((4 * numel, timed(lambda: dist.all_reduce(buf, group=pair))))
+        # lzero's all-gather over all 4 ranks (pairwise: each rank sends its shard to the 3 others, 2 of them across)
+        whole, quarter = torch.empty(numel), torch.randn(numel // 4)
+        result.setdefault("flat_all_gather", []).append((4 * numel, timed(lambda: collectives.all_gather(whole, quarter))))
 
 tiny_in, tiny_out = torch.zeros(2), torch.zeros(8)  # lzero's unit-order check: a tiny all-gather over every rank
 result["small_world_collective"] = timed(lambda: dist.all_gather_into_tensor(tiny_out, tiny_in), reps=20)

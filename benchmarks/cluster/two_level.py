@@ -39,6 +39,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 Q8, Q4 = 1.0625, 0.5625  # bytes per element of lzero's blockwise int8 / int4 codes with fp32 scales per 64
 
@@ -54,6 +55,7 @@ class Cluster:
     intra: Level
     inter: Level
     per_node: int  # G
+    flat: Optional[Level] = None  # the simulated cluster: lzero's pairwise collectives over every rank, link bytes
 
 
 def _ring(kind: str, nbytes: float, n: int) -> tuple[float, float]:
@@ -118,7 +120,14 @@ def fit(probe: dict, g: int = 2) -> Cluster:
     # (an all-reduce over 2 ranks moves B each way): the busiest link's bytes per collective are those of the node
     a, b = _fit([(g * nbytes, t) for nbytes, t in probe["inter_all_reduce"]])
     inter = Level(alpha=a / 2, beta=b)
-    return Cluster(intra, inter, g)
+    # lzero's pairwise collectives over all N ranks: G x (N - G)/N of the buffer crosses the link each way, in 2 x G
+    # flows at once (the pairs' all-reduces above are G flows), which the shaped link carries less well
+    flat = None
+    if "flat_all_gather" in probe:
+        n = 2 * g
+        a, b = _fit([(nbytes * g * (n - g) / n, t) for nbytes, t in probe["flat_all_gather"]])
+        flat = Level(alpha=a, beta=b)
+    return Cluster(intra, inter, g, flat)
 
 
 def predict_cpu(layout: str, probe: dict, cluster: Cluster, n: int = 4) -> float:
@@ -155,6 +164,10 @@ def predict_cpu(layout: str, probe: dict, cluster: Cluster, n: int = 4) -> float
             # lzero's gloo collectives and gloo's all-to-all are pairwise (collectives.py): every rank sends each peer
             # its slice at once, so a node's link carries G x (N - G)/N of the buffer each way (a ring: (N - 1)/N)
             steps, on_link = 1.0, nbytes * g * (n - g) / n
+            if cluster.flat is not None:  # measured as such by the probe
+                link += cluster.flat.alpha + on_link * cluster.flat.beta
+                cpu += moved * cluster.intra.beta
+                continue
         link += steps * cluster.inter.alpha + on_link * cluster.inter.beta
         cpu += moved * cluster.intra.beta  # what this rank sends
     return t + max(link, cpu)
@@ -173,6 +186,8 @@ def validate(results: Path, probes: Path) -> str:
         lines.append(f"| {row['rate']} | {row['layout']} | {row['step_s']:.3f} | {predicted:.3f} | {error:+.0%} |")
     fits = [f"{rate}: intra alpha {fit(p).intra.alpha * 1e6:.0f} us, beta {1 / fit(p).intra.beta / 1e9:.2f} GB/s;"
             f" inter alpha {fit(p).inter.alpha * 1e6:.0f} us, beta {1 / fit(p).inter.beta / 1e9:.3f} GB/s;"
+            + (f" lzero's all-gather over all ranks alpha {fit(p).flat.alpha * 1e6:.0f} us, beta"
+               f" {1 / fit(p).flat.beta / 1e9:.3f} GB/s of link bytes;" if fit(p).flat else "") +
             f" compute {p['compute'] * 1e3:.1f} ms, AdamW {1 / p['adam_per_element'] / 1e6:.0f} M elements/s,"
             f" int8 quantize+dequantize {1 / p['quantize_per_element'] / 1e6:.0f} M elements/s, an 8-byte collective"
             f" over all ranks {p['small_world_collective'] * 1e3:.1f} ms, engine work at stage 2"
