@@ -60,13 +60,15 @@ result = {"intra_all_gather": [], "intra_reduce_scatter": [], "intra_all_reduce"
 for numel in SIZES:
     out, shard, buf = torch.empty(numel), torch.randn(numel // 2), torch.randn(numel)
     result["intra_all_gather"].append((4 * numel, timed(lambda: collectives.all_gather(out, shard, group=node))))
-    result["intra_reduce_scatter"].append((4 * numel, timed(lambda: collectives.reduce_scatter(shard, buf, group=node))))
+    result["intra_reduce_scatter"].append(
+        (4 * numel, timed(lambda: collectives.reduce_scatter(shard, buf, group=node))))
     result["intra_all_reduce"].append((4 * numel, timed(lambda: dist.all_reduce(buf, group=node))))
     if numel <= 2**21:  # the shaped link: 8 MB at most
         result["inter_all_reduce"].append((4 * numel, timed(lambda: dist.all_reduce(buf, group=pair))))
         # lzero's all-gather over all 4 ranks (pairwise: each rank sends its shard to the 3 others, 2 of them across)
         whole, quarter = torch.empty(numel), torch.randn(numel // 4)
-        result.setdefault("flat_all_gather", []).append((4 * numel, timed(lambda: collectives.all_gather(whole, quarter))))
+        result.setdefault("flat_all_gather", []).append(
+            (4 * numel, timed(lambda: collectives.all_gather(whole, quarter))))
 
 tiny_in, tiny_out = torch.zeros(2), torch.zeros(8)  # lzero's unit-order check: a tiny all-gather over every rank
 result["small_world_collective"] = timed(lambda: dist.all_gather_into_tensor(tiny_out, tiny_in), reps=20)

@@ -141,19 +141,21 @@ def predict_cpu(layout: str, probe: dict, cluster: Cluster, n: int = 4) -> float
     psi, g = probe["params"], cluster.per_node
     stepped = psi if layout == "ddp" else psi / (g if "hybrid" in layout else n)
     t = probe["compute"] + probe["adam_per_element"] * stepped
+    # quantization work: done while earlier blocks' codes cross the link, so it joins the CPU side of the link's max
+    quantizing = 0.0
     if "qwz" in layout:  # each gather quantizes the shard and dequantizes the whole, twice per step
-        t += 2 * probe["quantize_per_element"] * psi
+        quantizing += 2 * probe["quantize_per_element"] * psi
     if "qgz" in layout:  # every gradient quantized once (stochastically) and every received chunk dequantized;
         # hybrid: the replica all-reduce of the shard once more (a reduce-scatter, then an all-gather of the sums)
         passes = 2 if "hybrid" in layout else 1
-        t += passes * probe.get("stochastic_quantize_per_element", probe["quantize_per_element"]) * psi
+        quantizing += passes * probe.get("stochastic_quantize_per_element", probe["quantize_per_element"]) * psi
     if layout != "ddp":  # lzero's tiny collectives over every rank
         checks = 2 * probe.get("blocks", 4) if layout.startswith("zero3") else 0  # a unit-order check per gather
         t += (checks + 1) * probe["small_world_collective"]  # + the end-of-backward flag exchange
     # lzero's own stage-3 work, hidden while the link is busier. The probe's stage-2 figure is not used: at world size
     # 1 it measured more than stage 3's (115-164 ms against 52-64), which a stage-2 step at world size 4, a quarter of
     # the optimizer and no gathers in forward or backward, does not show (zero2 is 0.16 s at 10 Gbit/s in all)
-    link, cpu = 0.0, probe["stage3_overhead"] if layout.startswith("zero3") else 0.0
+    link, cpu = 0.0, quantizing + (probe["stage3_overhead"] if layout.startswith("zero3") else 0.0)
     for level, kind, nbytes, ranks in collectives(layout, psi, 4.0, n, g):
         steps, moved = _ring(kind, nbytes, ranks)
         if level == "intra":
@@ -164,7 +166,7 @@ def predict_cpu(layout: str, probe: dict, cluster: Cluster, n: int = 4) -> float
             # lzero's gloo collectives and gloo's all-to-all are pairwise (collectives.py): every rank sends each peer
             # its slice at once, so a node's link carries G x (N - G)/N of the buffer each way (a ring: (N - 1)/N)
             steps, on_link = 1.0, nbytes * g * (n - g) / n
-            if cluster.flat is not None:  # measured as such by the probe
+            if cluster.flat is not None and kind != "all_to_all":  # lzero's own, measured as such by the probe
                 link += cluster.flat.alpha + on_link * cluster.flat.beta
                 cpu += moved * cluster.intra.beta
                 continue

@@ -73,9 +73,10 @@ too: they stand where the collectives would be."""
 # sends 2(N-1)/N. On this 2-CPU machine (benchmarks/results_collectives.md), 20 MB over 2 ranks: reduce-scatter 8 ms
 # against gloo's 24 ms (its all-reduce 17 ms), all-gather 7 ms against 15 ms; over 4 ranks: 21 ms against 52 ms (all-
 # reduce 30 ms) and 19 ms against 82 ms. At 200 MB over 4 ranks the reduce-scatter is 318 ms against the all-reduce's
-# 291 ms (its scratch for 3 received slices), the all-gather 156 ms against 363 ms. The received slices are summed in rank order: the same result on every
-# backend layout, and at N = 2 bitwise the all-reduce's (a + b == b + a). Messages are matched by gloo in the
-# order a pair of ranks posts them on one tag, and every rank issues lzero's collectives in the same order.
+# 291 ms (its scratch for 3 received slices), the all-gather 156 ms against 363 ms. The received slices are summed
+# in rank order, whatever order they arrive in; at N = 2 that is bitwise the all-reduce's (a + b == b + a). gloo
+# matches messages in the order a pair of ranks posts them on one tag, and every rank issues lzero's collectives on
+# a group in the same order.
 # gloo's send/recv works report completion only from ``wait()``, so a daemon thread per process group waits them in
 # posting order and each handle answers ``is_completed()`` without blocking (the reducer's hooks must never block:
 # [Note: coalesced reductions] in reducer.py). One thread per group, not one for all: a stage-3 backward gather
