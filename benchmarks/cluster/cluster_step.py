@@ -29,6 +29,8 @@ args = parser.parse_args()
 LAYOUTS = {  # name -> ZeroFabricStrategy options (ddp: Lightning's)
     "zero2": {"stage": 2}, "zero2_hybrid": {"stage": 2, "shard_group_size": "node"},
     "zero3": {"stage": 3}, "zero3_hybrid": {"stage": 3, "shard_group_size": "node"},
+    # the last 2 of the 4 blocks (1,049,600 elements each) stay gathered from their forward to their backward
+    "zero3_hybrid_keep2": {"stage": 3, "shard_group_size": "node", "max_reuse_distance": 2_200_000},
     "zero3_hpz": {"stage": 3, "hpz_partition_size": 2},
     "zero3_qwz": {"stage": 3, "quantized_weights": True},
     "zero3_qwz_qgz8": {"stage": 3, "quantized_weights": True, "quantized_gradients": 8},
