@@ -161,16 +161,14 @@ def predict_cpu(layout: str, probe: dict, cluster: Cluster, n: int = 4) -> float
         if level == "intra":
             t += steps * cluster.intra.alpha + moved * cluster.intra.beta
             continue
-        on_link = moved * g if ranks < n else moved  # the replica all-reduce: G pairs share the link at once
+        on_link, net = (moved * g if ranks < n else moved), cluster.inter  # replica all-reduce: G pairs share the link
         if kind != "all_reduce" and ranks == n:
             # lzero's gloo collectives and gloo's all-to-all are pairwise (collectives.py): every rank sends each peer
             # its slice at once, so a node's link carries G x (N - G)/N of the buffer each way (a ring: (N - 1)/N)
             steps, on_link = 1.0, nbytes * g * (n - g) / n
             if cluster.flat is not None and kind != "all_to_all":  # lzero's own, measured as such by the probe
-                link += cluster.flat.alpha + on_link * cluster.flat.beta
-                cpu += moved * cluster.intra.beta
-                continue
-        link += steps * cluster.inter.alpha + on_link * cluster.inter.beta
+                net = cluster.flat
+        link += steps * net.alpha + on_link * net.beta
         cpu += moved * cluster.intra.beta  # what this rank sends
     return t + max(link, cpu)
 
@@ -186,15 +184,15 @@ def validate(results: Path, probes: Path) -> str:
         error = predicted / row["step_s"] - 1
         worst = max(worst, abs(error))
         lines.append(f"| {row['rate']} | {row['layout']} | {row['step_s']:.3f} | {predicted:.3f} | {error:+.0%} |")
-    fits = [f"{rate}: intra alpha {fit(p).intra.alpha * 1e6:.0f} us, beta {1 / fit(p).intra.beta / 1e9:.2f} GB/s;"
-            f" inter alpha {fit(p).inter.alpha * 1e6:.0f} us, beta {1 / fit(p).inter.beta / 1e9:.3f} GB/s;"
-            + (f" lzero's all-gather over all ranks alpha {fit(p).flat.alpha * 1e6:.0f} us, beta"
-               f" {1 / fit(p).flat.beta / 1e9:.3f} GB/s of link bytes;" if fit(p).flat else "") +
+    fits = [f"{rate}: intra alpha {c.intra.alpha * 1e6:.0f} us, beta {1 / c.intra.beta / 1e9:.2f} GB/s;"
+            f" inter alpha {c.inter.alpha * 1e6:.0f} us, beta {1 / c.inter.beta / 1e9:.3f} GB/s;"
+            + (f" lzero's all-gather over all ranks alpha {c.flat.alpha * 1e6:.0f} us, beta"
+               f" {1 / c.flat.beta / 1e9:.3f} GB/s of link bytes;" if c.flat else "") +
             f" compute {p['compute'] * 1e3:.1f} ms, AdamW {1 / p['adam_per_element'] / 1e6:.0f} M elements/s,"
             f" int8 quantize+dequantize {1 / p['quantize_per_element'] / 1e6:.0f} M elements/s, an 8-byte collective"
             f" over all ranks {p['small_world_collective'] * 1e3:.1f} ms, engine work at stage 2"
             f" {p.get('stage2_overhead', 0) * 1e3:.0f} ms and at stage 3 {p['stage3_overhead'] * 1e3:.0f} ms per step"
-            for rate, p in fitted.items()]
+            for rate, p, c in ((rate, p, fit(p)) for rate, p in fitted.items())]
     return "\n".join(["Fitted (cluster_probe.py, all 4 ranks at once):", *[f"- {f}" for f in fits], "", *lines, "",
                       f"Worst error: {worst:.0%}."]) + "\n"
 

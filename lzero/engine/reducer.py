@@ -125,12 +125,17 @@ class Reducer:
     def _room_without_waiting(self) -> bool:
         self._start_sums_across()
         while len(self._inflight) >= self.config.max_inflight_reductions:
-            oldest = self._inflight[0]
-            if not oldest.handle.is_completed() or (self.replicas is not None and not (
-                    oldest.across is not None and oldest.across.is_completed())):
+            if not self._lands_without_waiting(self._inflight[0]):
                 return False
             self._finish_oldest()
         return True
+
+    def _lands_without_waiting(self, reduction: InflightReduction) -> bool:
+        """Whether landing ``reduction`` would not block: its reduce-scatter done and, under hybrid sharding, its sum
+        across the replicas too (qgZ's, synchronous, is never started here: it always waits)."""
+        if not reduction.handle.is_completed():
+            return False
+        return self.replicas is None or (reduction.across is not None and reduction.across.is_completed())
 
     def _start_sums_across(self) -> None:
         """Hybrid sharding: start, oldest first, the replicas' sum of every reduction whose reduce-scatter is done;
