@@ -40,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -219,6 +220,8 @@ def fit_once(job: Job) -> RunResult:
         trainer.fit(model, datamodule=data)
     except Exception as err:  # noqa: BLE001 - reported to the parent, which decides
         kind = "oom" if _is_oom(err) else type(err).__name__
+        if kind != "oom":
+            traceback.print_exc()  # into the child's log: where it failed, not only what
         return RunResult(False, f"{kind}: {str(err).splitlines()[0][:160] if str(err) else ''}")
     return RunResult(True, times=probe.times, phases=probe.phases, gpu_peak=probe.gpu_peak,
                      gpu_start=probe.gpu_start, rss_peak_mb=peak_rss_mb())

@@ -107,3 +107,75 @@ def test_pairwise_gloo_collectives_sum_in_rank_order(world_size: int) -> None:
         assert result["complete_before_peer_posted"] in (None, False), result  # rank 0 had not posted yet
         if world_size == 2:
             assert result["all_reduce_slice"], result  # a + b == b + a: bitwise the all-reduce's
+
+
+def staged_cases(rank: int, world_size: int) -> dict:
+    """Every collective with host tensors staged through copies ([Note: host tensors on an accelerator's group]), as
+    on an NCCL group: here the "accelerator" is the CPU itself, so the staging is a copy the backend sees instead of
+    the caller's tensor, and each result must land back in the caller's tensor."""
+    import torch
+    import torch.distributed as dist
+
+    from lzero.engine import collectives
+
+    seen = []  # every tensor the backend was handed
+    for name in ("broadcast", "all_reduce"):
+        real = getattr(dist, name)
+        setattr(dist, name, lambda t, *a, _real=real, **k: (seen.append(t), _real(t, *a, **k))[1])
+    collectives.stage_device = lambda group, tensor: torch.device("cpu") if tensor.device.type == "cpu" else None
+    collectives._pairwise = lambda group, *tensors: False  # gloo's own collectives, as NCCL's would run
+    results = {}
+    seed = torch.tensor([11 + rank])
+    collectives.broadcast_([seed], src=0)
+    results["broadcast"] = seed.tolist()
+    strided = torch.arange(8.0).view(2, 4).t() * (rank + 1)  # not contiguous: broadcast through its own copy
+    collectives.broadcast_([strided], src=0)
+    results["broadcast_strided"] = torch.equal(strided, torch.arange(8.0).view(2, 4).t())
+    packed = [torch.full((3,), float(rank + 1)), torch.full((2,), float(rank + 5))]
+    collectives.broadcast_coalesced_(packed, src=0)
+    results["broadcast_coalesced"] = [t.tolist() for t in packed]
+    flag = torch.tensor([float(rank)])
+    collectives.all_reduce(flag, op=dist.ReduceOp.MAX)
+    results["all_reduce_max"] = flag.item()
+    total = torch.tensor([1.0 + rank])
+    handle = collectives.start_all_reduce(total)
+    handle.wait()
+    results["start_all_reduce"] = total.item()
+    out, flat = torch.empty(2), torch.arange(4.0) + rank
+    collectives.reduce_scatter(out, flat, async_op=True).wait()
+    results["reduce_scatter"] = out.tolist()
+    gathered = torch.empty(4)
+    collectives.all_gather(gathered, torch.full((2,), float(rank)))
+    results["all_gather"] = gathered.tolist()
+    results["caller_tensor_never_handed_over"] = not any(t is x for t in seen for x in (seed, flag, total))
+    results["backend_calls"] = len(seen)
+    return results
+
+
+def test_host_tensors_go_through_staged_copies_and_land_back() -> None:
+    for rank, result in enumerate(run_ranks(staged_cases, 2)):
+        print(rank, result)
+        assert result["broadcast"] == [11] and result["broadcast_strided"], result
+        assert result["broadcast_coalesced"] == [[1.0] * 3, [5.0] * 2], result
+        assert result["all_reduce_max"] == 1.0 and result["start_all_reduce"] == 3.0, result
+        assert result["reduce_scatter"] == ([1.0, 3.0] if rank == 0 else [5.0, 7.0]), result
+        assert result["all_gather"] == [0.0, 0.0, 1.0, 1.0], result
+        assert result["caller_tensor_never_handed_over"] and result["backend_calls"] == 5, result
+
+
+def test_stage_device_picks_the_accelerator_only_for_groups_without_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from lzero.engine import collectives
+
+    host, device = torch.zeros(1), torch.zeros(1, device="meta")
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cuda"))
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 3)
+    for backend, expected in [("nccl", torch.device("cuda", 3)), ("gloo", None), ("cpu:gloo,cuda:nccl", None)]:
+        monkeypatch.setattr(dist, "get_backend", lambda group=None, _b=backend: _b)
+        assert collectives.stage_device(None, host) == expected, backend
+        assert collectives.stage_device(None, device) is None, backend  # already on a device: as it is
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: None)
+    assert collectives.stage_device(None, host) is None  # no accelerator: the backend's own error stands

@@ -52,6 +52,69 @@ def local(group: Optional[dist.ProcessGroup] = None) -> bool:
     return world_size(group) == 1 and not (BACKEND_AT_WORLD_SIZE_1 and dist.is_available() and dist.is_initialized())
 
 
+# torch 2.13 renamed the tensor collectives (the old names warn); the GPU image and older installs have only the old.
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+"""``dist.all_gather_single`` where torch has it, else its older name ``all_gather_into_tensor``."""
+
+
+# [Note: host tensors on an accelerator's group]
+# NCCL takes only device tensors ("No backend type associated with device type cpu", seen on the first GPU run):
+# a CPU tensor handed to a collective on such a group (a seed, a run id, a size, an offloaded value) goes through a
+# copy on the current accelerator, and the result is copied back into the caller's tensor. A group with gloo in its
+# backend (gloo alone, or "cpu:gloo,cuda:nccl") takes CPU tensors as they are. Collectives of small host values
+# only: the bulk traffic (buckets, gathered units) is on the device already.
+def stage_device(group: Optional[dist.ProcessGroup], tensor: Tensor) -> Optional[torch.device]:
+    """The device a collective over ``group`` must copy ``tensor`` to first, or None (it goes as it is)."""
+    if tensor.device.type != "cpu":
+        return None
+    backend = str(dist.get_backend(group))
+    if "gloo" in backend or "mpi" in backend:
+        return None
+    if not hasattr(torch, "accelerator"):  # torch before 2.6
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None:
+        return None  # nothing to stage through: the backend reports its own error
+    index = getattr(torch.accelerator, "current_device_index", None) or torch.accelerator.current_device_idx
+    return torch.device(accelerator.type, index())
+
+
+class _CopyBack:
+    """Handle of a collective that ran on staged copies: ``wait()`` copies the result into the caller's tensor."""
+
+    def __init__(self, work: Any, copy_back: Callable[[], None]) -> None:
+        self.work, self.copy_back = work, copy_back
+
+    def wait(self) -> bool:
+        if self.copy_back is not None:
+            self.work.wait()
+            self.copy_back()
+            self.copy_back = None
+        return True
+
+    def is_completed(self) -> bool:
+        return self.copy_back is None or self.work.is_completed()
+
+
+def _backend_call(call: Callable[..., Any], out: Tensor, inputs: Sequence[Tensor], group: Optional[dist.ProcessGroup],
+                  async_op: bool) -> Handle:
+    """``call(out, *inputs, async_op=async_op)`` on the backend, through staged copies when ``out`` is a host tensor
+    on an accelerator's group ([Note: host tensors on an accelerator's group]). Inputs that alias ``out`` (in-place
+    collectives) pass an empty ``inputs``."""
+    device = stage_device(group, out)
+    if device is None:
+        work = call(out, *inputs, async_op=async_op)
+        return work if async_op else _Done()
+    staged = out.to(device, copy=True)  # copy: also when the stage is the same device (the CPU tests)
+    work = call(staged, *[t.to(device) for t in inputs], async_op=async_op)
+    copy_back = lambda: out.copy_(staged)  # noqa: E731
+    if async_op:
+        return _CopyBack(work, copy_back)
+    copy_back()
+    return _Done()
+
+
 def _require_contiguous(*tensors: Tensor) -> None:
     for t in tensors:
         if not t.is_contiguous():
@@ -189,8 +252,9 @@ def reduce_scatter(output: Tensor, flat: Tensor, group: Optional[dist.ProcessGro
         output.copy_(flat)
         return _Done()
     if not _pairwise(group, output, flat):
-        work = dist.reduce_scatter_single(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
-        return work if async_op else _Done()
+        return _backend_call(lambda o, i, async_op: _reduce_scatter_single(o, i, op=dist.ReduceOp.SUM, group=group,
+                                                                           async_op=async_op),
+                             output, [flat], group, async_op)
     n, me = world_size(group), rank(group)
     slices = flat.view(n, -1)
     peers = [p for p in range(n) if p != me]
@@ -218,8 +282,8 @@ def all_gather(flat: Tensor, shard: Tensor, group: Optional[dist.ProcessGroup] =
         flat.copy_(shard)
         return _Done()
     if not _pairwise(group, flat, shard):
-        work = dist.all_gather_single(flat, shard, group=group, async_op=async_op)
-        return work if async_op else _Done()
+        return _backend_call(lambda o, i, async_op: all_gather_single(o, i, group=group, async_op=async_op),
+                             flat, [shard], group, async_op)
     n, me = world_size(group), rank(group)
     slices = flat.view(n, -1)
     slices[me].copy_(shard)
@@ -232,7 +296,9 @@ def all_reduce(tensor: Tensor, op: Any = None, group: Optional[dist.ProcessGroup
     """In-place synchronous all-reduce (SUM unless ``op`` is given); returns ``tensor``."""
     _require_contiguous(tensor)
     if not local(group):
-        dist.all_reduce(tensor, op=op if op is not None else dist.ReduceOp.SUM, group=group)
+        op = op if op is not None else dist.ReduceOp.SUM
+        _backend_call(lambda t, async_op: dist.all_reduce(t, op=op, group=group, async_op=async_op), tensor, [], group,
+                      async_op=False)
     return tensor
 
 
@@ -242,7 +308,8 @@ def start_all_reduce(tensor: Tensor, group: Optional[dist.ProcessGroup] = None) 
     _require_contiguous(tensor)
     if local(group):
         return _Done()
-    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return _backend_call(lambda t, async_op: dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=async_op),
+                         tensor, [], group, async_op=True)
 
 
 @torch.no_grad()
@@ -251,12 +318,15 @@ def broadcast_(tensors: Sequence[Tensor], src: int = 0, group: Optional[dist.Pro
     if local(group):
         return
     for t in tensors:
-        if t.is_contiguous():
-            dist.broadcast(t, src=src, group=group)
-        else:
-            staging = t.contiguous()
-            dist.broadcast(staging, src=src, group=group)
+        staging = t if t.is_contiguous() else t.contiguous()
+        _broadcast(staging, src, group)
+        if staging is not t:
             t.copy_(staging)
+
+
+def _broadcast(t: Tensor, src: int, group: Optional[dist.ProcessGroup]) -> None:
+    _backend_call(lambda x, async_op: dist.broadcast(x, src=src, group=group, async_op=async_op), t, [], group,
+                  async_op=False)
 
 
 @torch.no_grad()
@@ -281,7 +351,7 @@ def broadcast_coalesced_(tensors: Sequence[Tensor], src: int = 0, group: Optiona
 
 def _broadcast_packed(batch: list[Tensor], src: int, group: Optional[dist.ProcessGroup]) -> None:
     flat = torch.cat([t.reshape(-1) for t in batch])
-    dist.broadcast(flat, src=src, group=group)
+    _broadcast(flat, src, group)
     offset = 0
     for t in batch:
         t.copy_(flat[offset : offset + t.numel()].view_as(t))

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lzero.engine import collectives
+
 
 class UnitOrderError(RuntimeError):
     """Ranks did not run the same stage-3 units in the same order."""
@@ -33,7 +35,7 @@ class OrderCheck:
     def _exchange(self, name: str, async_op: bool) -> tuple[Any, torch.Tensor, torch.Tensor]:
         mine = self._index[name]  # only read by the collective: one tensor per block, made once
         every = torch.empty(self._world, dtype=torch.int64)
-        return dist.all_gather_single(every, mine, group=self.group, async_op=async_op), every, mine
+        return collectives.all_gather_single(every, mine, group=self.group, async_op=async_op), every, mine
 
     def start(self, name: str) -> None:
         """Start the check of ``name`` ahead of its gather (once the order is recorded: every rank expects the same
