@@ -172,6 +172,19 @@ def test_staging_buffers_are_pooled_and_bounded() -> None:
     assert store.staging_bytes() <= 4 * (400 + 300)  # the two largest, not one per size
 
 
+def test_the_pool_drops_its_smallest_buffer_by_identity() -> None:
+    """A full pool drops its smallest buffer wherever it sits in the list (the first GPU run failed here: removing it
+    with ``list.remove`` compared it with ``==`` against a larger buffer first, a size-mismatch error)."""
+    from lzero.offload.store import HostStore
+
+    store = HostStore(torch.device("cpu"), max_staged=2)
+    buffers = [torch.zeros(n, dtype=torch.uint8) for n in (300, 100, 200, 300)]
+    for base in buffers:
+        store._recycle(base)
+    assert [b.numel() for b in store._free] == [300, 300]
+    assert store._free[0] is buffers[0] and store._free[1] is buffers[3]
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_pinned_allocation_failing_mid_run_goes_on_pageable_and_unchanged(stage: int) -> None:
     """From step 4, every pinned staging allocation fails (injected; the pools emptied so new buffers are needed):

@@ -121,3 +121,24 @@ def test_seeding_and_cpu_draws_inside_the_build_are_replayed_where_they_happened
     with meta_device():
         model = build()
     _assert_replayed_as_eager(model, eager, after_eager)
+
+
+def test_a_cuda_replay_starts_from_a_cuda_generator_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first GPU run: a model built on the meta device before CUDA had started recorded no CUDA state, and the
+    replay on CUDA was handed the CPU generator's (5056 bytes: "RNG state is wrong size"). It now starts from the
+    CUDA generator as it is (nothing has drawn from it since it started at its seed)."""
+    import torch
+
+    from lzero.engine import replay
+
+    cpu_state, cuda_state, now = torch.get_rng_state(), torch.arange(16, dtype=torch.uint8), torch.ones(16, dtype=torch.uint8)
+    monkeypatch.setattr(replay, "_get_state", lambda device: now if device.type == "cuda" else torch.get_rng_state())
+    cuda = torch.device("cuda", 0)
+    assert replay.start_state((cpu_state, None), cuda) is now
+    assert replay.start_state((cpu_state, cuda_state), cuda) is cuda_state
+    assert replay.start_state((cpu_state, cuda_state), torch.device("cpu")) is cpu_state
+    assert replay._cuda_started_since((torch.get_rng_state(), None), cuda)  # the CPU generator did not draw either
+    recorded = torch.get_rng_state()
+    torch.rand(1)
+    assert not replay._cuda_started_since((recorded, None), cuda)
+    assert not replay._cuda_started_since((torch.get_rng_state(), cuda_state), cuda)

@@ -426,6 +426,24 @@ def _set_state(device: torch.device, state: Tensor) -> None:
         torch.set_rng_state(state)
 
 
+def start_state(recorded: tuple[Tensor, Optional[Tensor]], device: torch.device) -> Tensor:
+    """The generator state eager construction on ``device`` would have started from: the one recorded when the model
+    was built, or, for a CUDA device whose generator had not started then (CUDA not yet initialized, as in a script
+    that builds its model before ``fit``), that generator as it is now: nothing has drawn from it since (it starts at
+    its seed when CUDA initializes). Never the CPU generator's state, which is another generator (and size)."""
+    cpu, cuda = recorded
+    if device.type != "cuda":
+        return cpu
+    return cuda if cuda is not None else _get_state(device)
+
+
+def _cuda_started_since(recorded: tuple[Tensor, Optional[Tensor]], device: torch.device) -> bool:
+    """The replay ran on a CUDA generator that had not started when the model was built (see :func:`start_state`):
+    it took that generator's current state, so continuing from the replay's end is what eager would do, provided
+    the CPU generator did not draw either."""
+    return device.type == "cuda" and recorded[1] is None and torch.equal(torch.get_rng_state(), recorded[0])
+
+
 def _get_state(device: torch.device) -> Tensor:
     return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
 
@@ -494,14 +512,12 @@ def replayed_weights(root: nn.Module, units: Sequence[UnitSpec], rank: int, devi
         if ranges == []:
             continue  # this rank owns nothing of it
         wanted.setdefault(_key(t), []).append((name, Ref.of(t), ranges))
-    state = recorder.start_states[1] if device.type == "cuda" and recorder.start_states[1] is not None \
-        else recorder.start_states[0]
-    state = state.clone()
+    state = start_state(recorder.start_states, device).clone()
     broadcast(state)
     replay = Replay(recorder, wanted, device)
     end = replay.run(state)
-    if _same_states(_states(), recorder.final_states):  # nothing drew since the build: continue as eager would
-        _set_state(device, end)
+    if _same_states(_states(), recorder.final_states) or _cuda_started_since(recorder.final_states, device):
+        _set_state(device, end)  # nothing drew since the build: continue as eager would
     replayed = ReplayedWeights(replay, {name for name, _ in named}, shards)
     return (replayed if provided is None else LoadedOverReplay(provided, replayed, units)), ""
 

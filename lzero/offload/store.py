@@ -239,7 +239,9 @@ class HostStore:
         """Return a staging buffer to the pool, which keeps the ``max_staged`` largest free ones."""
         self._free.append(base)
         if len(self._free) > self.max_staged:
-            self._free.remove(min(self._free, key=lambda b: b.numel()))
+            smallest = min(self._free, key=lambda b: b.numel())
+            # by identity: ``list.remove`` compares tensors with ``==`` (elementwise; raised on the GPU run's sizes)
+            self._free = [b for b in self._free if b is not smallest]
 
     def staging_bytes(self) -> int:
         """Bytes of the staging buffers this store holds now (free or in flight)."""
