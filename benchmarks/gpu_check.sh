@@ -3,7 +3,8 @@
 #
 #   bash benchmarks/gpu_check.sh          # writes under $OUT (the device tool's folder), or ./gpu_out
 #
-# 1. benchmarks/cuda_offload_check.py: offload against no offload on CUDA over NCCL, bitwise, pinned memory
+# 1. benchmarks/cuda_offload_check.py: offload against no offload on CUDA over NCCL (bitwise under SGD; AdamW's
+#    fused CUDA and CPU kernels differ at the last bit, reported), pinned memory
 #    (about 30 s; limit 90 s);
 # 2. benchmarks/bench_offload_gpu.py: step times (a, c) and the largest model under a memory cap (b), within
 #    its own wall-clock budget (BENCH_BUDGET_S, default 360 s; limit that + 30 s).

@@ -179,3 +179,29 @@ def test_stage_device_picks_the_accelerator_only_for_groups_without_cpu(monkeypa
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: None)
     assert collectives.stage_device(None, host) is None  # no accelerator: the backend's own error stands
+
+
+def test_collectives_run_on_a_torch_without_the_2_13_names(tmp_path) -> None:
+    """The GPU machine's torch (2.11) has no ``dist.reduce_scatter_single`` / ``all_gather_single`` (2.13's names):
+    lzero then uses ``reduce_scatter_tensor`` / ``all_gather_into_tensor``. A fresh interpreter without the new names
+    runs both through the backend (world size 1, ``LZERO_COLLECTIVES_AT_WORLD_SIZE_1=1``)."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "old_names.py"
+    script.write_text(
+        "import torch, torch.distributed as dist\n"
+        "del dist.reduce_scatter_single, dist.all_gather_single\n"
+        "from lzero.engine import collectives\n"
+        "assert collectives._reduce_scatter_single is dist.reduce_scatter_tensor\n"
+        "assert collectives.all_gather_single is dist.all_gather_into_tensor\n"
+        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
+        "out = torch.empty(4); collectives.reduce_scatter(out, torch.arange(4.0)); print(out.tolist())\n"
+        "flat = torch.empty(4); collectives.all_gather(flat, torch.arange(4.0) + 1); print(flat.tolist())\n"
+        "dist.destroy_process_group()\n")
+    env = {**os.environ, "LZERO_COLLECTIVES_AT_WORLD_SIZE_1": "1"}
+    done = subprocess.run([sys.executable, "-W", "ignore", str(script)], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["[0.0, 1.0, 2.0, 3.0]", "[1.0, 2.0, 3.0, 4.0]"], done.stdout
