@@ -17,14 +17,18 @@ def counted_against_ddp(rank: int, world_size: int) -> dict:
     from lzero.engine import collectives
 
     calls = {"all_reduce": 0, "all_gather_single": 0, "reduce_scatter_single": 0}
-    for name in calls:
-        original = getattr(dist, name)
+    # where collectives.py looks each one up: torch's module, or its own name bound at import (torch < 2.13 has only
+    # the older names of the tensor collectives)
+    homes = {"all_reduce": (dist, "all_reduce"), "all_gather_single": (collectives, "all_gather_single"),
+             "reduce_scatter_single": (collectives, "_reduce_scatter_single")}
+    for name, (home, attribute) in homes.items():
+        original = getattr(home, attribute)
 
         def counting(*args, _original=original, _name=name, **kwargs):
             calls[_name] += 1
             return _original(*args, **kwargs)
 
-        setattr(collectives.dist, name, counting)
+        setattr(home, attribute, counting)
     results = cases.against_ddp(rank, world_size, CONFIGS)
     return {"results": results, "calls": calls, "switch": collectives.BACKEND_AT_WORLD_SIZE_1}
 

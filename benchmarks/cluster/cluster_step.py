@@ -31,6 +31,9 @@ LAYOUTS = {  # name -> ZeroFabricStrategy options (ddp: Lightning's)
     "zero3": {"stage": 3}, "zero3_hybrid": {"stage": 3, "shard_group_size": "node"},
     # the last 2 of the 4 blocks (1,049,600 elements each) stay gathered from their forward to their backward
     "zero3_hybrid_keep2": {"stage": 3, "shard_group_size": "node", "max_reuse_distance": 2_200_000},
+    # DeepSpeed's default stage3_max_reuse_distance (1e9 elements): every block stays gathered from its forward to its
+    # backward (one all-gather per block and step), still sharded between steps
+    "zero3_hybrid_reuse": {"stage": 3, "shard_group_size": "node", "max_reuse_distance": 1_000_000_000},
     "zero3_hpz": {"stage": 3, "hpz_partition_size": 2},
     "zero3_qwz": {"stage": 3, "quantized_weights": True},
     "zero3_qwz_qgz8": {"stage": 3, "quantized_weights": True, "quantized_gradients": 8},
