@@ -34,6 +34,8 @@ LAYOUTS = {  # name -> ZeroFabricStrategy options (ddp: Lightning's)
     # DeepSpeed's default stage3_max_reuse_distance (1e9 elements): every block stays gathered from its forward to its
     # backward (one all-gather per block and step), still sharded between steps
     "zero3_hybrid_reuse": {"stage": 3, "shard_group_size": "node", "max_reuse_distance": 1_000_000_000},
+    "zero3_hybrid_reuse_nocheck": {"stage": 3, "shard_group_size": "node", "max_reuse_distance": 1_000_000_000,
+                                   "unit_order_timeout_s": 0},
     "zero3_hpz": {"stage": 3, "hpz_partition_size": 2},
     "zero3_qwz": {"stage": 3, "quantized_weights": True},
     "zero3_qwz_qgz8": {"stage": 3, "quantized_weights": True, "quantized_gradients": 8},
