@@ -79,6 +79,8 @@ def collectives(layout: str, psi: float, e: float, n: int, g: int) -> list[tuple
         "zero3": [("inter", "all_gather", b, n)] * 2 + [("inter", reduce, b, n)],
         "zero3_hybrid": [("intra", "all_gather", b, g)] * 2 + [("intra", reduce, b, g),
                                                              ("inter", "all_reduce", b / g, r)],
+        # max_reuse_distance past the model: each block stays gathered from its forward to its backward
+        "zero3_hybrid_reuse": [("intra", "all_gather", b, g), ("intra", reduce, b, g), ("inter", "all_reduce", b / g, r)],
         "zero3_hpz": [("inter", "all_gather", b, n), ("intra", "all_gather", b, g), ("inter", reduce, b, n)],
         "zero3_qwz": [("inter", "all_gather", psi * Q8, n)] * 2 + [("inter", reduce, b, n)],
         "zero3_qwz_qgz8": [("inter", "all_gather", psi * Q8, n)] * 2 + [("inter", "all_to_all", psi * Q8, n)],
