@@ -230,10 +230,15 @@ _IDLE_S = 30.0
 _waiters = _Waiters()
 
 
+def _global_rank(group: Optional[dist.ProcessGroup], peer: int) -> int:
+    return peer if group is None else dist.get_global_rank(group, peer)
+
+
 def _post(sends: Sequence[tuple[Tensor, int]], receives: Sequence[tuple[Tensor, int]],
           group: Optional[dist.ProcessGroup], async_op: bool, finish: Optional[Callable[[], None]]) -> Handle:
-    works = [dist.isend(t, group=group, tag=_TAG, group_dst=peer) for t, peer in sends]
-    works += [dist.irecv(t, group=group, tag=_TAG, group_src=peer) for t, peer in receives]
+    # global ranks: ``group_dst``/``group_src`` would need torch >= 2.6, and lzero runs on the torch it declares
+    works = [dist.isend(t, dst=_global_rank(group, peer), group=group, tag=_TAG) for t, peer in sends]
+    works += [dist.irecv(t, src=_global_rank(group, peer), group=group, tag=_TAG) for t, peer in receives]
     handle = _Pairwise(works, finish)
     if async_op:
         return _waiters.submit(group, handle)
