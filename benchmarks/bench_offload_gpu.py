@@ -14,7 +14,11 @@ subprocess so that an out-of-memory error, a hang or a crash cannot spoil the ne
     doubling then bisection within the wall-clock ``--budget-s``;
 (c) where an offloaded step's time goes, from timers around the engine's gradient wait
     (``ZeroEngine.wait``), its step and publish (``ZeroEngine.step_and_gather``) and each host
-    optimizer step, taken in the runs of (a): no extra runs.
+    optimizer step, taken in the runs of (a): no extra runs;
+(s) (``--parts s``, not run by default) step time against DDP of ``--s-strategies`` (DDP, zero1-3, both offloads,
+    torch FSDP2 through Lightning's ModelParallelStrategy) on a ~1.2B GPT in bf16-mixed, with the GPU peak, the GPU
+    bytes per parameter between steps, and the host's CPU milliseconds per step (the process's CPU time: Python,
+    launches, host optimizer threads).
 
 ``LZERO_COLLECTIVES_AT_WORLD_SIZE_1=1`` is set before lzero is imported, so the reduce-scatters and
 all-gathers really run through NCCL at world size 1 (see lzero/engine/collectives.py).
@@ -110,6 +114,10 @@ class RunResult:
     """Host peak RSS from the start of training (VmHWM after a reset), MB."""
     seconds: float = 0.0
     """Wall time of the whole child process, as the parent measured it."""
+    cpu: list[float] = field(default_factory=list)
+    """The process's CPU seconds in each timed step (every thread)."""
+    gpu_between: Optional[float] = None
+    """memory_allocated at the start of the last timed step (between steps), bytes (None without CUDA)."""
 
 
 # --- the child: one Trainer.fit ----------------------------------------------------------------
@@ -127,8 +135,9 @@ def _probe_class():
             self.times: list[float] = []
             self.phases: dict[str, list[float]] = {"wait": [], "step": [], "host": []}
             self._open = {"wait": 0.0, "step": 0.0, "host": 0.0}
-            self._start = 0.0
-            self.gpu_start = self.gpu_peak = None
+            self._start = self._cpu_start = 0.0
+            self.cpu: list[float] = []
+            self.gpu_start = self.gpu_peak = self.gpu_between = None
 
         def _sync(self) -> None:
             if self.cuda:
@@ -143,8 +152,11 @@ def _probe_class():
             reset_peak_rss()
 
         def _install_timers(self, strategy) -> None:
-            """Instance attributes shadowing the engine's and the host optimizers' methods (this run only)."""
-            engine = strategy.engine
+            """Instance attributes shadowing the engine's and the host optimizers' methods (this run only; lzero's
+            strategies: DDP and FSDP2 have no engine)."""
+            engine = getattr(strategy, "engine", None)
+            if engine is None:
+                return
             engine.wait = self._timed(engine.wait, "wait")
             engine.step_and_gather = self._timed(engine.step_and_gather, "step")
             for optimizer in strategy.optimizers:
@@ -164,13 +176,16 @@ def _probe_class():
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             self._sync()
+            if self.cuda and batch_idx >= self.warmup:
+                self.gpu_between = torch.cuda.memory_allocated()
             self._open = dict.fromkeys(self._open, 0.0)
-            self._start = time.perf_counter()
+            self._start, self._cpu_start = time.perf_counter(), time.process_time()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self._sync()
             if batch_idx >= self.warmup:
                 self.times.append(time.perf_counter() - self._start)
+                self.cpu.append(time.process_time() - self._cpu_start)
                 for phase, seconds in self._open.items():
                     self.phases[phase].append(seconds)
 
@@ -204,10 +219,16 @@ def fit_once(job: Job) -> RunResult:
     data = TextDataModule(block_size=shape["block_size"], batch_size=job.batch_size,
                           steps_per_epoch=job.warmup + job.steps)
     strategy: Any = job.strategy
+    model_class = DemoGPT
     if job.strategy == DELAYED:  # the host step of step t runs while the GPU computes step t+1
         from lzero import ZeroStrategy
 
         strategy = ZeroStrategy(stage=2, offload_optimizer={"device": "cpu", "delayed_update": True})
+    elif job.strategy == "fsdp2":  # fully_shard per block, then the GPT (bench_step_time.py's FSDP2DemoGPT)
+        from bench_step_time import FSDP2DemoGPT
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        strategy, model_class = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1), FSDP2DemoGPT
     trainer = Trainer(accelerator="gpu" if cuda else "cpu", devices=1, strategy=strategy,
                       precision=job.precision, max_steps=job.warmup + job.steps, limit_val_batches=0,
                       num_sanity_val_steps=0, callbacks=[probe], enable_checkpointing=False, logger=False,
@@ -216,7 +237,7 @@ def fit_once(job: Job) -> RunResult:
         # zero3: built on the meta device and materialized unit by unit, so the whole model never sits on the
         # GPU (what lets zero3_offload train a model larger than the GPU); zero2: built on the GPU directly
         with trainer.init_module(empty_init=job.strategy.startswith("zero3")):
-            model = DemoGPT(vocab_size=256, **shape)
+            model = model_class(vocab_size=256, **shape)
         trainer.fit(model, datamodule=data)
     except Exception as err:  # noqa: BLE001 - reported to the parent, which decides
         kind = "oom" if _is_oom(err) else type(err).__name__
@@ -224,7 +245,8 @@ def fit_once(job: Job) -> RunResult:
             traceback.print_exc()  # into the child's log: where it failed, not only what
         return RunResult(False, f"{kind}: {str(err).splitlines()[0][:160] if str(err) else ''}")
     return RunResult(True, times=probe.times, phases=probe.phases, gpu_peak=probe.gpu_peak,
-                     gpu_start=probe.gpu_start, rss_peak_mb=peak_rss_mb())
+                     gpu_start=probe.gpu_start, rss_peak_mb=peak_rss_mb(), cpu=probe.cpu,
+                     gpu_between=probe.gpu_between)
 
 
 def child_main(spec: str) -> None:
@@ -337,6 +359,36 @@ def table_c(results: dict) -> list[str]:
         wait, stepped, host = (statistics.median(r.phases[p]) for p in ("wait", "step", "host"))
         lines.append(f"| {precision} | {strategy} | {step:.3f} | {wait:.3f} | {stepped:.3f} | {host:.3f} |"
                      f" {host / step:.0%} |")
+    return lines
+
+
+# --- (s) -------------------------------------------------------------------------------------------
+
+
+def measure_against_ddp(runner: Runner, args: argparse.Namespace, deadline: float) -> dict:
+    results = {}
+    for strategy in args.s_strategies:
+        job = Job(strategy, "bf16-mixed", args.s_shape, args.s_batch_size, args.warmup, args.steps)
+        budget = min(args.run_timeout, deadline - time.monotonic())
+        results[strategy] = runner.run(job, f"s_{strategy}", budget)
+    return results
+
+
+def table_s(results: dict, args: argparse.Namespace) -> list[str]:
+    params = args.s_shape.parameters()
+    lines = ["| strategy | s/step median | vs DDP | GPU peak GiB | GPU GiB between steps | GPU bytes per parameter"
+             " between steps | host CPU ms per step |", "|---|---|---|---|---|---|---|"]
+    ddp = results.get("ddp")
+    for strategy, r in results.items():
+        if not r.ok:
+            shown = r.error if r.error.startswith("skipped") else f"failed: {r.error}"
+            lines.append(f"| {strategy} | {shown} | | | | | |")
+            continue
+        median = statistics.median(r.times)
+        ratio = f"{median / statistics.median(ddp.times):.2f}x" if ddp is not None and ddp.ok else "n/a"
+        per_param = "n/a" if r.gpu_between is None else f"{r.gpu_between / params:.2f}"
+        lines.append(f"| {strategy} | {median:.3f} | {ratio} | {_gib(r.gpu_peak)} | {_gib(r.gpu_between)} |"
+                     f" {per_param} | {1e3 * statistics.median(r.cpu):.0f} |")
     return lines
 
 
@@ -458,10 +510,21 @@ def environment() -> str:
             f" LZERO_COLLECTIVES_AT_WORLD_SIZE_1={os.environ['LZERO_COLLECTIVES_AT_WORLD_SIZE_1']}")
 
 
-def report(args: argparse.Namespace, results_a: dict, searches: list[Search], seconds: float) -> str:
+def report(args: argparse.Namespace, results_a: dict, searches: list[Search], seconds: float,
+           results_s: Optional[dict] = None) -> str:
     shape = args.shape
     lines = ["# Offload on one GPU: step time and largest model (issue 12, acceptance point 3)", "",
              f"Command: `{args.command}`", "", environment() + f"; {seconds:.0f} s in all.", ""]
+    if results_s:
+        s_shape = args.s_shape
+        lines += ["## (s) Step time against DDP", "",
+                  f"DemoGPT {s_shape.parameters():,} parameters ({asdict(s_shape)}), bf16-mixed, batch"
+                  f" {args.s_batch_size} x {s_shape.block_size} tokens, {args.warmup} warmup + {args.steps} timed"
+                  " steps, each run in a fresh process, world size 1 (lzero's collectives through the backend);"
+                  " fsdp2: torch's fully_shard per block through Lightning's ModelParallelStrategy. Between steps:"
+                  " `memory_allocated` at the start of the last timed step. Host CPU: the process's CPU time per"
+                  " step, every thread.", ""]
+        lines += table_s(results_s, args) + [""]
     if results_a:
         lines += ["## (a) Step time at the same batch", "",
                   f"DemoGPT {shape.parameters():,} parameters ({asdict(shape)}), batch {args.batch_size} x"
@@ -495,7 +558,12 @@ def report(args: argparse.Namespace, results_a: dict, searches: list[Search], se
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--small", action="store_true", help="tiny shapes and budgets: a CPU smoke test")
-    p.add_argument("--parts", default="a,b", help="comma-separated: a (step times, with c) and b (largest model)")
+    p.add_argument("--parts", default="a,b",
+                   help="comma-separated: a (step times, with c), b (largest model), s (step time against DDP)")
+    p.add_argument("--s-strategies", default="ddp,zero1,zero2,zero3,zero2_offload,zero3_offload,fsdp2",
+                   help="(s) the rows, in order (ddp first: the others' reference)")
+    p.add_argument("--s-n-layer", type=int, default=24, help="(s) model depth (24 x 2048 wide: ~1.2B parameters)")
+    p.add_argument("--s-batch-size", type=int, default=8, help="(s) sequences of --block-size per step")
     p.add_argument("--precisions", default=None, help="for (a); default bf16-mixed,32-true (32-true with --small)")
     p.add_argument("--n-layer", type=int, default=12, help="(a) model depth")
     p.add_argument("--n-embd", type=int, default=2048, help="(a) model width")
@@ -538,6 +606,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args.precisions = [s.strip() for s in args.precisions.split(",") if s.strip()]
     args.parts = {s.strip() for s in args.parts.split(",") if s.strip()}
     args.shape = Shape(args.n_layer, args.n_embd, args.n_head, args.block_size)
+    args.s_strategies = [s.strip() for s in args.s_strategies.split(",") if s.strip()]
+    args.s_shape = Shape(args.n_layer if args.small else args.s_n_layer, args.n_embd, args.n_head, args.block_size)
+    if args.small:
+        args.s_batch_size = args.batch_size
     return args
 
 
@@ -548,7 +620,11 @@ def main() -> None:
     args = parse_args()
     start = time.monotonic()
     runner = Runner(start + args.budget_s, args.log_dir)
-    results_a, searches = {}, []
+    results_a, searches, results_s = {}, [], {}
+    if "s" in args.parts:
+        share = 0.5 if args.parts - {"s"} else 1.0
+        print(f"(s) step time against DDP, {len(args.s_strategies)} runs", flush=True)
+        results_s = measure_against_ddp(runner, args, start + share * args.budget_s)
     if "a" in args.parts:
         share = args.a_share if "b" in args.parts else 1.0
         print(f"(a) step times, {len(args.precisions) * 5} runs", flush=True)
@@ -556,7 +632,7 @@ def main() -> None:
     if "b" in args.parts:
         print("(b) largest model", flush=True)
         searches = largest_models(runner, args)
-    text = report(args, results_a, searches, time.monotonic() - start)
+    text = report(args, results_a, searches, time.monotonic() - start, results_s)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)

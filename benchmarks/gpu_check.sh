@@ -9,6 +9,8 @@
 # 2. benchmarks/bench_offload_gpu.py: step times (a, c) and the largest model under a memory cap (b), within
 #    its own wall-clock budget (BENCH_BUDGET_S, default 360 s; limit that + 30 s).
 # Under 8 minutes in all. Every part runs even if an earlier one failed; the exit status is the first failure's.
+# Step time against DDP and FSDP2 on a ~1.2B GPT (not run here; about 5 minutes on an H200):
+#   PYTHONPATH=. python3 benchmarks/bench_offload_gpu.py --parts s --budget-s 300 --out $OUT/results_gpu_step.md
 set -u
 OUT="${OUT:-gpu_out}"
 mkdir -p "$OUT"
