@@ -9,6 +9,7 @@ all-gather with the data lzero gives them. An asynchronous call returns a handle
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import threading
@@ -108,7 +109,7 @@ def _backend_call(call: Callable[..., Any], out: Tensor, inputs: Sequence[Tensor
         return work if async_op else _Done()
     staged = out.to(device, copy=True)  # copy: also when the stage is the same device (the CPU tests)
     work = call(staged, *[t.to(device) for t in inputs], async_op=async_op)
-    copy_back = lambda: out.copy_(staged)  # noqa: E731
+    copy_back = functools.partial(out.copy_, staged)
     if async_op:
         return _CopyBack(work, copy_back)
     copy_back()
@@ -230,15 +231,12 @@ _IDLE_S = 30.0
 _waiters = _Waiters()
 
 
-def _global_rank(group: Optional[dist.ProcessGroup], peer: int) -> int:
-    return peer if group is None else dist.get_global_rank(group, peer)
-
-
 def _post(sends: Sequence[tuple[Tensor, int]], receives: Sequence[tuple[Tensor, int]],
           group: Optional[dist.ProcessGroup], async_op: bool, finish: Optional[Callable[[], None]]) -> Handle:
     # global ranks: ``group_dst``/``group_src`` would need torch >= 2.6, and lzero runs on the torch it declares
-    works = [dist.isend(t, dst=_global_rank(group, peer), group=group, tag=_TAG) for t, peer in sends]
-    works += [dist.irecv(t, src=_global_rank(group, peer), group=group, tag=_TAG) for t, peer in receives]
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(world_size())
+    works = [dist.isend(t, dst=ranks[peer], group=group, tag=_TAG) for t, peer in sends]
+    works += [dist.irecv(t, src=ranks[peer], group=group, tag=_TAG) for t, peer in receives]
     handle = _Pairwise(works, finish)
     if async_op:
         return _waiters.submit(group, handle)
