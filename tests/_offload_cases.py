@@ -43,11 +43,11 @@ def _run(rank: int, cfg: dict, offload: bool) -> tuple[list[torch.Tensor], list[
     acc = cfg.get("acc", 1)
     losses = []
     for step in range(cfg.get("steps", 10)):
-        if step == cfg.get("pin_fails_at"):  # from now on pinning fails, and the staging pools start empty
+        if step == cfg.get("pin_fails_at"):  # from now on pinning fails, and the persistent buffers are new
             for store in engine.stores:
                 if store.name == "cpu":
                     store.pin = True  # as on CUDA
-                    store._free.clear()
+                    store._grads.clear()
                     store._pinned = _cannot_pin
         for micro in range(acc):
             x, y = torch.randn(4, 7, generator=gen), torch.randn(4, 5, generator=gen)

@@ -60,8 +60,9 @@ def test_memory_is_labelled_by_store_and_matches_the_formula(stage: int) -> None
         # host: fp32 masters 4 bytes and AdamW's two moments 8 bytes per owned element (+ a 4-byte step per unit)
         assert host["masters"] == (0 if stage == 3 else 4 * shard)  # stage 3: the master is the parameter shard
         assert host["optimizer_state"] == 8 * shard + 4 * res["units"]
-        assert host["gradients"] == 0 and device.get("gradients", 0) == 0  # freed after the step
-        assert 0 < host["buffers"] <= 4 * 4 * res["largest_shard"]  # at most max_staged staging buffers
+        # the fp32 shard gradients stay in persistent host buffers ([Note: persistent host buffers]); nothing else
+        assert host["gradients"] == 4 * shard and device.get("gradients", 0) == 0
+        assert host["buffers"] == 0  # a CPU model without the delayed update casts straight into its parameters
         if stage == 3:  # the fp32 parameter shard is the master itself, in host memory; nothing on the device
             assert host["parameters"] == 4 * shard and device.get("parameters", 0) == 0
         else:  # full fp32 parameters on the device, as without offload
@@ -151,43 +152,40 @@ def test_pinned_allocation_failure_falls_back_to_pageable_memory_with_one_warnin
 
     monkeypatch.setattr(store, "_pinned", fail)
     with pytest.warns(UserWarning, match=r"could not allocate 4,000 bytes of pinned host memory.*`pin_memory: false`"):
-        held = store.land_grad(None, torch.ones(1000), torch.float32)
+        held = store.land_grad(None, torch.ones(1000), torch.float32, "unit0")
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # once only: a larger buffer is allocated, pageable, without a warning
-        store.land_grad(held, torch.full((1000,), 2.0), torch.float32)
-        other = store.land_grad(None, torch.ones(3000, dtype=torch.bfloat16), torch.float32)
+        warnings.simplefilter("error")  # once only: another buffer is allocated, pageable, without a warning
+        store.land_grad(held, torch.full((1000,), 2.0), torch.float32, "unit0")
+        other = store.land_grad(None, torch.ones(3000, dtype=torch.bfloat16), torch.float32, "unit1")
         store.finish()
     assert torch.equal(held, torch.full((1000,), 3.0)) and torch.equal(other, torch.ones(3000))
     assert not store.pin and not held.is_pinned()
 
 
-def test_staging_buffers_are_pooled_and_bounded() -> None:
-    """Landings reuse the smallest free buffer that fits; the pool keeps at most max_staged buffers."""
+def test_gradient_buffers_persist_across_steps() -> None:
+    """A unit's host gradient lands in the same buffer every step (no allocation on the hot path, see [Note: persistent
+    host buffers]); while the delayed update's step reads one buffer (``busy``), the next landing takes a second one,
+    and the two alternate from then on."""
     from lzero.offload.store import HostStore
 
-    store = HostStore(torch.device("cpu"), max_staged=2)
-    held = [store.land_grad(None, torch.full((n,), float(n)), torch.float32) for n in (100, 50, 400, 300, 20)]
-    store.finish()
-    assert [h[0].item() for h in held] == [100.0, 50.0, 400.0, 300.0, 20.0]
-    assert store.staging_bytes() <= 4 * (400 + 300)  # the two largest, not one per size
-
-
-def test_the_pool_drops_its_smallest_buffer_by_identity() -> None:
-    """A full pool drops its smallest buffer wherever it sits in the list (the first GPU run failed here: removing it
-    with ``list.remove`` compared it with ``==`` against a larger buffer first, a size-mismatch error)."""
-    from lzero.offload.store import HostStore
-
-    store = HostStore(torch.device("cpu"), max_staged=2)
-    buffers = [torch.zeros(n, dtype=torch.uint8) for n in (300, 100, 200, 300)]
-    for base in buffers:
-        store._recycle(base)
-    assert [b.numel() for b in store._free] == [300, 300]
-    assert store._free[0] is buffers[0] and store._free[1] is buffers[3]
+    store = HostStore(torch.device("cpu"))
+    first = store.land_grad(None, torch.full((100,), 1.0), torch.float32, "unit0")
+    again = store.land_grad(None, torch.full((100,), 2.0), torch.float32, "unit0")
+    assert again is first and torch.equal(first, torch.full((100,), 2.0))
+    assert store.land_grad(again, torch.full((100,), 3.0), torch.float32, "unit0") is first
+    assert torch.equal(first, torch.full((100,), 5.0))
+    second = store.land_grad(None, torch.full((100,), 7.0), torch.float32, "unit0", busy=first)
+    assert second is not first and torch.equal(first, torch.full((100,), 5.0))  # the busy one is left alone
+    assert store.land_grad(None, torch.ones(100), torch.float32, "unit0", busy=second) is first
+    other = store.land_grad(None, torch.ones(30, dtype=torch.bfloat16), torch.float32, "unit1")
+    assert other.dtype == torch.float32 and torch.equal(other, torch.ones(30))
+    assert sorted(b.numel() for b in store.gradient_buffers()) == [30, 100, 100]
 
 
 @pytest.mark.parametrize("stage", [2, 3])
 def test_pinned_allocation_failing_mid_run_goes_on_pageable_and_unchanged(stage: int) -> None:
-    """From step 4, every pinned staging allocation fails (injected; the pools emptied so new buffers are needed):
+    """From step 4, every pinned allocation fails (injected; the persistent gradient buffers dropped so new ones are
+    needed):
     one warning per rank naming `pin_memory: false`, and the run's losses and parameters stay bitwise those of the
     run without the failure."""
     for rank, res in enumerate(run_ranks(cases.pinned_failure_mid_run, 2, stage)):

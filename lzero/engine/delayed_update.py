@@ -13,7 +13,10 @@ run without the delay. lzero runs it as follows (``optimizer.step()`` of step t,
 1. Clipping, the non-finite check and loss scaling have run on step t's own gradients, as without the delay.
 2. ``finish``: wait for the step launched by the previous call (the worker thread's), then publish its
    masters into the compute shards and, at stages 1-2, all-gather them (stage 3 gathers on demand): the
-   parameters are now m(t).
+   parameters are now m(t). The worker already cast each stepped master into its store's outgoing buffer
+   (``FlatUnit.cast_for_publish``, right after its bucket's step), so publishing only enqueues the uploads on a
+   GPU, or swaps the outgoing buffer in as the stage-3 shard kept in host memory: the main thread does no
+   host arithmetic for the step.
 3. ``launch``: each unit with a gradient hands it to its master's ``.grad`` (``FlatUnit.hand_grad_to_step``)
    and its gradient buffers are freed for the next backward; the user's hyperparameters are copied into the
    inner optimizers now, on the main thread (an LR scheduler steps right after); then a single worker thread
@@ -78,6 +81,8 @@ class DelayedUpdate:
                 if units:
                     with self._resident(units, write=True):
                         step()
+                    for unit in units:  # the host side of the publish, while the values are fresh
+                        unit.cast_for_publish()
 
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lzero-delayed-update")

@@ -558,7 +558,7 @@ class ZeroEngine:
         benchmarks/results_step_time.md). Finite gradients large enough for their sum
         to overflow fp32 are reported too, which only skips a step that was about to explode."""
         self.prepare_step(units)
-        total = self._sum_over(units, lambda g: g.sum(dtype=torch.float32))
+        total = self._sum_over(units, "sum")
         return self.reducer.any_rank((~torch.isfinite(total)).float())
 
     # --- gradient norm and clipping ----------------------------------------------------------
@@ -571,22 +571,23 @@ class ZeroEngine:
         and fp32 partial sums would round differently with each split (a 1-ulp different norm, and so different
         clipped weights, for a run resumed at another stage); in fp64 the splits' rounding stays far below fp32's."""
         self.prepare_step(units)
-        total = self._sum_over(units, lambda g: torch.linalg.vector_norm(g, dtype=torch.float64).square(),
-                               dtype=torch.float64)
+        total = self._sum_over(units, "sq_norm", dtype=torch.float64)
         return collectives.all_reduce(total, group=self.group).sqrt().float()
 
-    def _sum_over(self, units: Sequence[FlatUnit], term: Callable[[Tensor], Tensor],
-                  dtype: torch.dtype = torch.float32) -> Tensor:
-        """The sum (in ``dtype``) of ``term(shard gradient)`` over ``units`` that have one, on the compute device.
-        Terms are summed where the gradients live (no device sync per unit); host partial sums join at the end."""
+    def _sum_over(self, units: Sequence[FlatUnit], which: str, dtype: torch.dtype = torch.float32) -> Tensor:
+        """The sum (in ``dtype``) of each shard gradient's ``GRAD_STATS[which]`` over ``units`` that have one, on the
+        compute device. Terms are summed where they were computed (no device sync per unit): an offloaded gradient's
+        on the device before it was copied off, so the host never rereads gradients for them; host partial sums join
+        at the end."""
         device = units[0].flat_param.device if units else None
         totals: dict[torch.device, Tensor] = {}
         for unit in units:
             if unit.has_step_grad:
-                where = unit.shard_grad.device
+                term = unit.grad_stat(which)
+                where = term.device
                 if where not in totals:
                     totals[where] = torch.zeros((), dtype=dtype, device=where)
-                totals[where] += term(unit.shard_grad)
+                totals[where] += term
         total = torch.zeros((), dtype=dtype, device=device)
         for part in totals.values():
             total += part.to(device)
@@ -630,7 +631,11 @@ class ZeroEngine:
         for run in runs:
             if run[0].store.name == "device":
                 buckets.append(run)
-            else:
+            elif run[0].store.in_memory:  # host memory: few, large calls (see [Note: two faces of one optimizer])
+                per_call = -(-sum(u.spec.padded_numel for u in run) // HOST_STEP_CALLS)
+                buckets.extend(_coalesce(run, min(self.config.sub_group_size,
+                                                  max(self.config.allgather_bucket_size, per_call))))
+            else:  # NVMe: a bucket is what is resident at once
                 buckets.extend(_coalesce(run, min(self.config.allgather_bucket_size, self.config.sub_group_size)))
         return buckets
 
@@ -743,6 +748,11 @@ def _warn_once(message: str) -> None:
     if message not in _WARNED and collectives.rank(None) == 0:
         _WARNED.add(message)
         warnings.warn(message, stacklevel=3)
+
+
+HOST_STEP_CALLS = 8
+"""Optimizer calls per param group that the host steps in memory: each bucket's values go up (and, at stages 1-2, are
+all-gathered) while the host steps the next, so more calls hide more of the copies and fewer cost less per call."""
 
 
 def _coalesce(units: Sequence[FlatUnit], limit: int) -> Iterator[list[FlatUnit]]:

@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from lzero.engine.packed import Binding
 from lzero.engine.parameters import mark_gathered, mark_released, name_param, quiet_params, raw_grad, set_grad_quietly
 from lzero.engine.partition import UnitSpec
-from lzero.offload.store import DeviceStore, ShardStore
+from lzero.offload.store import GRAD_STATS, DeviceStore, ShardStore
 
 
 class GradState(enum.Enum):
@@ -76,6 +76,7 @@ class FlatUnit:
                  store: Optional[ShardStore] = None, param_store: Optional[ShardStore] = None,
                  values: Optional[Tensor] = None, bindings: Optional[Sequence[Binding]] = None) -> None:
         self.spec = spec
+        self.key = f"unit{spec.index}"  # how the stores name this unit's tensors
         self.params = list(params)
         # packed (quantized) codes: each parameter's state, bound at every gather (see [Note: packed parameters])
         self.bindings = list(bindings) if bindings is not None else None
@@ -191,11 +192,17 @@ class FlatUnit:
             lo, hi = self.spec.shard_range(self.rank)
             self.shard_grad = self.local_grads()[lo:hi]
             self.shard_grad.copy_(out)
-        elif self.accumulates_locally:  # a separate master: the reduced slice replaces its gradient
-            self.shard_grad = self.store.land_grad(None, out, self.master_shard.dtype)
-        else:
-            self.shard_grad = self.store.land_grad(self.shard_grad, out, self.master_shard.dtype)
+        else:  # stage 1 with a separate master: the reduced slice replaces its gradient
+            held = None if self.accumulates_locally else self.shard_grad
+            busy = self.master_shard.grad if self.stepping else None  # the delayed update's step reads that one
+            self.shard_grad = self.store.land_grad(held, out, self.master_shard.dtype, self.key, busy)
         self.mark_reduced()
+
+    def grad_stat(self, which: str) -> Tensor:
+        """``GRAD_STATS[which]`` of this step's shard gradient (see store.py), where the gradient was reduced when the
+        store computed it there before copying it off the device."""
+        stat = self.store.grad_stat(self.shard_grad, self.key, which)
+        return stat if stat is not None else GRAD_STATS[which](self.shard_grad)
 
     # --- gradients ---------------------------------------------------------------------------
 
@@ -368,7 +375,21 @@ class FlatUnit:
         if self.param_store.holds_in_file(self):  # NVMe parameter offload: the shard's file takes the values
             self.param_store.write_param(self, self.master_shard.detach())
         else:
-            self.store.publish(self.master_shard.detach(), self.compute_shard())
+            # the compute shard is the store's own tensor (stage 3, offloaded together): its memory may be swapped
+            own = self._compute_shard is not None and self.param_store is self.store
+            self.store.publish(self.master_shard.detach(), self.compute_shard(), self.key, own)
+
+    @torch.no_grad()
+    def cast_for_publish(self) -> None:
+        """The host side of :meth:`publish`, done ahead (the delayed update's worker, right after the unit's step):
+        the stepped master cast to the compute dtype in the store's outgoing buffer. Stores that need no cast
+        (device, NVMe parameter files, the master being the compute shard) leave it to :meth:`publish`."""
+        if self.spec.frozen or self.param_store.holds_in_file(self):
+            return
+        cast = getattr(self.store, "cast_for_publish", None)
+        compute = self.compute_shard()
+        if cast is not None and compute.data_ptr() != self.master_shard.data_ptr():
+            cast(self.master_shard.detach(), compute, self.key)
 
     def resident(self, write: bool = False):  # -> ContextManager[None]
         """The master and its optimizer state in memory inside the block. See ``ShardStore.resident``."""

@@ -54,6 +54,9 @@ def _tensors(engine: "ZeroEngine", optimizers: Sequence[Any]) -> Iterator[tuple[
         for binding in unit.bindings or ():  # a quantized base's state, whole on every rank (engine/packed.py)
             for tensor in binding.tensors():
                 yield "device", "parameters", tensor
+    for store in engine.stores:  # persistent host gradient buffers ([Note: persistent host buffers])
+        for grad in getattr(store, "gradient_buffers", list)():
+            yield store.memory, "gradients", grad
     for unit in engine.units:
         for grad in (unit.flat_grad, unit.shard_grad, unit.master_shard.grad if unit.stepping else None):
             if grad is not None:  # stepping: the delayed update's step in flight holds its own gradient

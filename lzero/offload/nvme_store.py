@@ -192,7 +192,7 @@ class NvmeStore(HostStore):
         buffer = self._buffer(numel, dtype)
         self.files.read(self._key(index, name), buffer).result()
         try:
-            return self._to_device(buffer, device)  # copied out (on CUDA: the staging copy runs on the host)
+            return self._to_device(buffer, device, blocking=True)  # the buffer goes back to the pool at once
         finally:
             self._release(buffer)
 

@@ -52,10 +52,12 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from typing import Any, ContextManager, NamedTuple, Optional, Protocol
+from typing import Any, ContextManager, Optional, Protocol
 
 import torch
 from torch import Tensor
+
+from lzero.offload.host_memory import host_empty, unregister
 
 
 KINDS = ("parameters", "gradients", "masters", "optimizer_state", "buffers")
@@ -90,13 +92,21 @@ class ShardStore(Protocol):
         for stores that keep them in memory."""
         ...
 
-    def land_grad(self, held: Optional[Tensor], reduced: Tensor, dtype: torch.dtype) -> Tensor:
+    def land_grad(self, held: Optional[Tensor], reduced: Tensor, dtype: torch.dtype, key: str = "",
+                  busy: Optional[Tensor] = None) -> Tensor:
         """Add one reduced gradient shard into ``held`` (None: the first reduction since the step; the
-        result replaces it); returns the tensor that holds the sum, in ``dtype``, once :meth:`finish` ran."""
+        result replaces it); returns the tensor that holds the sum, in ``dtype``, once :meth:`finish` ran.
+        ``key`` names the unit; ``busy``: a gradient of the unit that the delayed update's step still reads."""
         ...
 
-    def publish(self, master: Tensor, compute: Tensor) -> None:
-        """Write the stepped master into the compute-dtype shard that the next all-gather reads."""
+    def grad_stat(self, held: Tensor, key: str, which: str) -> Optional[Tensor]:
+        """``GRAD_STATS[which]`` of ``held``, where the store computed it while landing it; None: compute it from
+        ``held``."""
+        ...
+
+    def publish(self, master: Tensor, compute: Tensor, key: str = "", own: bool = False) -> None:
+        """Write the stepped master into the compute-dtype shard that the next all-gather reads (``own``: that
+        shard is this store's own tensor, whose memory it may exchange)."""
         ...
 
     def fetch(self, unit: Any, device: torch.device) -> Tensor:
@@ -145,14 +155,18 @@ class DeviceStore:
         return contextlib.nullcontext()
 
     @torch.no_grad()
-    def land_grad(self, held: Optional[Tensor], reduced: Tensor, dtype: torch.dtype) -> Tensor:
+    def land_grad(self, held: Optional[Tensor], reduced: Tensor, dtype: torch.dtype, key: str = "",
+                  busy: Optional[Tensor] = None) -> Tensor:
         if held is None:
             return reduced.to(dtype)
         held.add_(reduced)
         return held
 
+    def grad_stat(self, held: Tensor, key: str, which: str) -> Optional[Tensor]:
+        return None
+
     @torch.no_grad()
-    def publish(self, master: Tensor, compute: Tensor) -> None:
+    def publish(self, master: Tensor, compute: Tensor, key: str = "", own: bool = False) -> None:
         if compute.data_ptr() != master.data_ptr():
             compute.copy_(master)
 
@@ -175,52 +189,50 @@ class DeviceStore:
         pass
 
 
-class _Landing(NamedTuple):
-    """A gradient copy to complete: add (or convert) ``staged`` into ``held`` once ``event`` has passed."""
-
-    event: Any  # torch.cuda.Event marking the end of the device->host copy; None when synchronous
-    staged: Tensor  # the reduced values in a staging buffer, in the reduce dtype
-    base: Tensor  # the staging buffer itself (bytes), returned to the pool once the landing is complete
-    held: Tensor  # the fp32 host shard gradient
-    add: bool  # add into ``held``; False: ``held`` takes the staged values (the first reduction of a step)
+GRAD_STATS = {
+    "sum": lambda g: g.sum(dtype=torch.float32),
+    "sq_norm": lambda g: torch.linalg.vector_norm(g, dtype=torch.float64).square(),
+}
+"""What the step asks of a unit's reduced gradient besides the gradient itself: its sum (the non-finite check, see
+``ZeroEngine.found_nonfinite``) and its squared L2 norm in fp64 (the clipping norm). A store that copies gradients off
+the device computes both there, before the copy (see [Note: host store copies])."""
 
 
 class HostStore:
-    """Shard state in host memory. See [Note: host store copies]."""
+    """Shard state in host memory. See [Note: host store copies] and [Note: persistent host buffers]."""
 
     name = "cpu"
     memory = "cpu"
     in_memory = True
 
-    def __init__(self, device: torch.device, pin_memory: bool = True, max_staged: int = 4) -> None:
+    def __init__(self, device: torch.device, pin_memory: bool = True, huge_pages: bool = False) -> None:
         self.device = device  # where the model computes
         self.cuda = device.type == "cuda"
         self.pin = pin_memory and self.cuda  # nothing to pin for copies between host tensors
-        self.max_staged = max_staged
+        self.huge_pages = huge_pages
         self.copy_stream = torch.cuda.Stream(device) if self.cuda else None
-        self._landings: list[_Landing] = []  # gradient copies not yet summed into their host gradient
-        self._uploads: list[tuple[Any, Tensor]] = []  # (event, staging buffer) of copies to the device
-        self._free: list[Tensor] = []  # staging buffers (bytes) not in use, at most ``max_staged``
+        self._grads: dict[str, list[Tensor]] = {}  # unit key -> its fp32 shard gradient buffers (2: delayed update)
+        self._outgoing: dict[str, Tensor] = {}  # unit key -> the compute-dtype buffer a publish casts into
+        self._cast: set[str] = set()  # keys whose outgoing buffer holds a cast not yet published
+        self._stats: dict[str, tuple[Tensor, int, dict[str, Tensor]]] = {}  # key -> (held, its version, GRAD_STATS)
+        self._landed: Any = None  # CUDA: event after the last gradient copy enqueued
+        self._uploading: dict[str, Any] = {}  # key -> event after the upload that reads its outgoing buffer
+        self._read_by: dict[int, Any] = {}  # data_ptr of a host shard -> event after the copy that reads it
+        self._registered: list[Tensor] = []  # page-locked buffers to unregister at close
         self.copied = {"to_host": 0, "to_device": 0}  # bytes copied since the start (the memory monitor logs them)
 
     # --- memory ------------------------------------------------------------------------------
 
-    def _staging(self, numel: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """``numel`` elements of ``dtype`` in a staging buffer, and the buffer: the smallest free one that is large
-        enough, or a new one, page-locked when copies to and from a GPU read it (see the Note on failures)."""
+    def _persistent(self, numel: int, dtype: torch.dtype, pin: Optional[bool] = None) -> Tensor:
+        """A buffer kept for the run ([Note: persistent host buffers]): page-locked when a GPU copies it, unless a
+        page-locked allocation failed before (then pageable, after one warning)."""
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        fits = [b for b in self._free if b.numel() >= nbytes]
-        if fits:
-            base = min(fits, key=lambda b: b.numel())
-            self._free = [b for b in self._free if b is not base]
-        else:
-            base = self._allocate(nbytes)
-        return base[:nbytes].view(dtype), base
-
-    def _allocate(self, nbytes: int) -> Tensor:
-        if self.pin:
+        pin = self.pin if pin is None else pin and self.pin
+        if pin:
             try:
-                return self._pinned(nbytes)
+                buffer = self._pinned(nbytes)
+                self._registered.append(buffer)
+                return buffer.view(dtype)
             except RuntimeError as err:
                 self.pin = False
                 warnings.warn(
@@ -228,28 +240,23 @@ class HostStore:
                     f" pinned host memory ({str(err).splitlines()[0]}); offload goes on with pageable memory, whose"
                     " copies are synchronous and slower. HINT: set `pin_memory: false` in `offload_optimizer` /"
                     " `offload_param` to start with pageable memory, or raise the page-locked memory limit.",
-                    stacklevel=2,
+                    stacklevel=3,
                 )
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return host_empty(nbytes, huge_pages=self.huge_pages).view(dtype)
 
     def _pinned(self, nbytes: int) -> Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-
-    def _recycle(self, base: Tensor) -> None:
-        """Return a staging buffer to the pool, which keeps the ``max_staged`` largest free ones."""
-        self._free.append(base)
-        if len(self._free) > self.max_staged:
-            smallest = min(self._free, key=lambda b: b.numel())
-            # by identity: ``list.remove`` compares tensors with ``==`` (elementwise; raised on the GPU run's sizes)
-            self._free = [b for b in self._free if b is not smallest]
+        return host_empty(nbytes, pin=True, huge_pages=self.huge_pages)
 
     def staging_bytes(self) -> int:
-        """Bytes of the staging buffers this store holds now (free or in flight)."""
-        busy = [landing.base for landing in self._landings] + [base for _, base in self._uploads]
-        return sum(b.numel() for b in self._free + busy)
+        """Bytes of this store's buffers that hold no model state: the outgoing compute-dtype copies."""
+        return sum(t.numel() * t.element_size() for t in list(self._outgoing.values()))
+
+    def gradient_buffers(self) -> list[Tensor]:
+        """The persistent fp32 shard gradient buffers (the memory accounting counts them as gradients)."""
+        return [t for buffers in list(self._grads.values()) for t in buffers]
 
     def hold(self, values: Tensor, key: str = "") -> Tensor:
-        out = torch.empty(values.numel(), dtype=values.dtype)
+        out = self._persistent(values.numel(), values.dtype)  # stage-3 parameter shards: gathers copy them up
         out.copy_(values.reshape(-1))
         return out
 
@@ -257,61 +264,65 @@ class HostStore:
         return False
 
     def hold_master(self, values: Tensor, alias_ok: bool, key: str) -> Tensor:
-        return HostStore.hold(self, values)  # never the device's parameters themselves
+        out = self._persistent(values.numel(), values.dtype, pin=False)  # never copied to a GPU as it is
+        out.copy_(values.reshape(-1))
+        return out
 
     def resident(self, unit: Any, write: bool) -> ContextManager[None]:
         return contextlib.nullcontext()
 
     # --- gradients down ----------------------------------------------------------------------
 
+    def _grad_buffer(self, key: str, numel: int, dtype: torch.dtype, busy: Optional[Tensor]) -> Tensor:
+        """``key``'s persistent gradient buffer that ``busy`` (the delayed update's step in flight) is not."""
+        buffers = self._grads.setdefault(key, [])
+        for buffer in buffers:
+            if buffer is not busy and buffer.numel() == numel and buffer.dtype == dtype:
+                return buffer
+        buffers.append(self._persistent(numel, dtype))
+        return buffers[-1]
+
     @torch.no_grad()
-    def land_grad(self, held: Optional[Tensor], reduced: Tensor, dtype: torch.dtype) -> Tensor:
+    def land_grad(self, held: Optional[Tensor], reduced: Tensor, dtype: torch.dtype, key: str = "",
+                  busy: Optional[Tensor] = None) -> Tensor:
         add = held is not None
         if held is None:
-            held = torch.empty(reduced.numel(), dtype=dtype)
-        self._complete_landings(block=False)
-        while len(self._landings) >= self.max_staged:  # bound the staging buffers in flight
-            self._complete(self._landings.pop(0))
-        staged, base = self._staging(reduced.numel(), reduced.dtype)
-        self.copied["to_host"] += reduced.numel() * reduced.element_size()
-        event = None
-        if self.cuda:
-            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.copy_stream):
-                staged.copy_(reduced, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self.copy_stream)
-            reduced.record_stream(self.copy_stream)  # its device memory stays allocated until the copy ran
-        else:
-            staged.copy_(reduced)
-        self._landings.append(_Landing(event, staged, base, held, add))
+            held = self._grad_buffer(key, reduced.numel(), dtype, busy)
+        self.copied["to_host"] += reduced.numel() * torch.empty((), dtype=dtype).element_size()
+        if not self.cuda:  # the "device" is this host: the landing is the copy itself
+            if add:
+                held.add_(reduced)
+            else:
+                held.copy_(reduced)
+            return held
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))  # the reduction's result is ready
+        with torch.cuda.stream(self.copy_stream):
+            grad = reduced.to(dtype)  # cast on the device
+            if add:  # accumulate on the device: the sum so far comes up, the new sum goes down
+                grad = grad + held.to(self.device, non_blocking=True)
+            stats = {which: term(grad) for which, term in GRAD_STATS.items()}
+            held.copy_(grad, non_blocking=True)
+            self._landed = torch.cuda.Event()
+            self._landed.record(self.copy_stream)
+        reduced.record_stream(self.copy_stream)  # its device memory stays allocated until the copy ran
+        self._stats[key] = (held, held._version, stats)
         return held
 
-    def _complete_landings(self, block: bool) -> None:
-        """Complete the landings whose copies have finished (``block``: all of them), oldest first."""
-        while self._landings and (block or self._landings[0].event is None or self._landings[0].event.query()):
-            self._complete(self._landings.pop(0))
-
-    def _complete(self, landing: _Landing) -> None:
-        if landing.event is not None:
-            landing.event.synchronize()
-        if landing.add:
-            landing.held.add_(landing.staged)
-        else:
-            landing.held.copy_(landing.staged)
-        self._recycle(landing.base)
-
-    def _complete_uploads(self, block: bool) -> None:
-        while self._uploads and (block or self._uploads[0][0] is None or self._uploads[0][0].query()):
-            event, base = self._uploads.pop(0)
-            if event is not None:
-                event.synchronize()
-            self._recycle(base)
+    def grad_stat(self, held: Tensor, key: str, which: str) -> Optional[Tensor]:
+        """``GRAD_STATS[which]`` of ``held`` as the device computed it at its last landing; None when the device did
+        not (a CPU model: the gradient is in the memory the model computes in), or ``held`` changed since
+        (clipping, a cleared gradient): then the caller computes it from ``held``."""
+        entry = self._stats.get(key)
+        if entry is None or entry[0] is not held or entry[1] != held._version:
+            return None
+        return entry[2][which]
 
     @torch.no_grad()
     def finish(self) -> None:
-        self._complete_landings(block=True)
-        self._complete_uploads(block=True)
+        """Wait for the gradient copies in flight (called by the step, never inside backward's hooks)."""
+        if self._landed is not None:
+            self._landed.synchronize()
+            self._landed = None
 
     def prefetch(self, unit: Any) -> None:
         pass
@@ -321,52 +332,85 @@ class HostStore:
 
     def close(self) -> None:
         self.finish()
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()  # no copy still reads a buffer about to go
+            for buffer in self._registered:
+                unregister(buffer)
+        self._registered.clear()
+        self._grads.clear()
+        self._outgoing.clear()
+        self._stats.clear()
 
     # --- parameters up -----------------------------------------------------------------------
 
-    def _upload(self, dst: Tensor, src: Tensor, stream: Any) -> None:
-        """``dst`` (device) takes ``src`` (host, any float dtype) through a staging buffer, on ``stream``."""
-        self._complete_uploads(block=False)
-        while len(self._uploads) >= self.max_staged:
-            event, base = self._uploads.pop(0)
+    def _wait_reads(self, shard: Tensor) -> None:
+        """Before the host writes ``shard``: the copy that reads it (a gather's fetch) has run."""
+        event = self._read_by.pop(shard.data_ptr(), None)
+        if event is not None:
             event.synchronize()
-            self._recycle(base)
-        staging, base = self._staging(src.numel(), dst.dtype)
-        self.copied["to_device"] += dst.numel() * dst.element_size()
-        staging.copy_(src)  # on the host: the cast to the compute dtype happens here, before the copy
-        with torch.cuda.stream(stream):
-            dst.copy_(staging, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        self._uploads.append((event, base))
 
     @torch.no_grad()
-    def publish(self, master: Tensor, compute: Tensor) -> None:
-        if compute.device.type != "cuda":  # host to host (CPU model, or offloaded stage-3 parameter shards)
-            if compute.data_ptr() != master.data_ptr():
-                # one pass, casting on the way: a staging buffer serves a copy to a GPU only (it doubled this copy)
-                self.copied["to_device"] += compute.numel() * compute.element_size()
+    def cast_for_publish(self, master: Tensor, compute: Tensor, key: str) -> None:
+        """Cast the stepped ``master`` into ``key``'s outgoing buffer (compute dtype), ready for :meth:`publish`. Host
+        work only: the delayed update's worker runs it right after the unit's step."""
+        out = self._outgoing.get(key)
+        if out is None:
+            out = self._outgoing[key] = self._persistent(compute.numel(), compute.dtype)
+        event = self._uploading.pop(key, None)
+        if event is not None:  # the previous upload from this buffer has run
+            event.synchronize()
+        out.copy_(master)
+        self._cast.add(key)
+
+    @torch.no_grad()
+    def publish(self, master: Tensor, compute: Tensor, key: str = "", own: bool = False) -> None:
+        """``compute`` takes the stepped ``master``'s values: on a GPU an upload from the outgoing buffer, enqueued on
+        the compute stream (the gather queues behind it); in host memory (a CPU model, offloaded stage-3 parameter
+        shards) the cast itself, or the outgoing buffer's storage when :meth:`cast_for_publish` ran already."""
+        if compute.data_ptr() == master.data_ptr():
+            return
+        self.copied["to_device"] += compute.numel() * compute.element_size()
+        cast = key in self._cast
+        self._cast.discard(key)
+        if compute.device.type != "cuda":
+            self._wait_reads(compute)
+            if cast and own:  # the worker's cast becomes the shard: swap the two buffers, no copy
+                _swap_storage(compute, self._outgoing[key])
+            elif cast:
+                compute.copy_(self._outgoing[key])
+            else:
                 compute.copy_(master)
             return
-        self._upload(compute, master, torch.cuda.current_stream(compute.device))  # the gather queues behind it
+        if not cast:
+            self.cast_for_publish(master, compute, key)
+            self._cast.discard(key)
+        stream = torch.cuda.current_stream(compute.device)
+        with torch.cuda.stream(stream):
+            compute.copy_(self._outgoing[key], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        self._uploading[key] = event
 
     def fetch(self, unit: Any, device: torch.device) -> Tensor:
         return self._to_device(unit.compute_shard(), device)
 
     @torch.no_grad()
-    def _to_device(self, shard: Tensor, device: torch.device) -> Tensor:
-        """A host shard copied to a new tensor on ``device`` (through a staging buffer)."""
+    def _to_device(self, shard: Tensor, device: torch.device, blocking: bool = False) -> Tensor:
+        """A host shard copied to a new tensor on ``device``; on CUDA on the side stream, straight from the shard
+        (page-locked), unless ``blocking`` (the shard's memory is reused as soon as this returns)."""
         out = torch.empty(shard.numel(), dtype=shard.dtype, device=device)  # allocated on the compute stream
+        self.copied["to_device"] += shard.numel() * shard.element_size()
         if not self.cuda:
-            self.copied["to_device"] += shard.numel() * shard.element_size()
-            staging, base = self._staging(shard.numel(), shard.dtype)
-            staging.copy_(shard)
-            out.copy_(staging)
-            self._recycle(base)
+            out.copy_(shard)
             return out
         # the side stream waits for the compute stream: ``out`` and the gather's target are free to write
         self.copy_stream.wait_stream(torch.cuda.current_stream(device))
-        self._upload(out, shard, self.copy_stream)
+        with torch.cuda.stream(self.copy_stream):
+            out.copy_(shard, non_blocking=not blocking)
+            event = torch.cuda.Event()
+            event.record(self.copy_stream)
+        if not blocking:
+            self._read_by[shard.data_ptr()] = event
         out.record_stream(self.copy_stream)
         return out
 
@@ -380,6 +424,13 @@ class HostStore:
             event = torch.cuda.Event()
             event.record(self.copy_stream)
         return handle, event
+
+
+def _swap_storage(a: Tensor, b: Tensor) -> None:
+    """``a`` and ``b`` (same shape and dtype) exchange their memory; both stay the same tensor objects."""
+    a_storage, a_offset = a.untyped_storage(), a.storage_offset()
+    a.set_(b.untyped_storage(), b.storage_offset(), b.shape, b.stride())
+    b.set_(a_storage, a_offset, a.shape, a.stride())
 
 
 def divide_host_threads(local_processes: int) -> Optional[int]:
