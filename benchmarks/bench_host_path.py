@@ -115,7 +115,10 @@ def main() -> None:
     parser.add_argument("--label", default="")
     parser.add_argument("--json", default=None, help="append the result as one JSON line to this file")
     parser.add_argument("--options", default="{}", help="extra ZeroConfig offload_optimizer keys, as JSON")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(args.width, args.width, bias=False) for _ in range(args.layers)])

@@ -51,6 +51,17 @@ class OffloadOptimizer:
     pipeline_write: bool = False
     """``device: nvme``: write a stepped group back while the next one steps, instead of waiting for it."""
 
+    host_threads: int = 0
+    """Threads of the host optimizer step per process (torch's intra-op threads; the delayed update's worker gets
+    the same team). 0: this host's cores divided evenly among its processes, since torch's default of one thread
+    per core in every process oversubscribes a host that runs one process per GPU."""
+
+    huge_pages: bool = True
+    """Back the host store's persistent buffers (fp32 masters, shard gradients, the outgoing compute-dtype copies,
+    stage-3 parameter shards in host memory) with transparent huge pages (``madvise``) where the kernel offers
+    them: fewer page faults and TLB misses for memory streamed every step. A request; a kernel without them gives
+    ordinary pages. See [Note: persistent host buffers] in lzero/offload/host_memory.py."""
+
     delayed_update: bool = False
     """``device: cpu``: the one-step delayed parameter update of the ZeRO-Offload paper ("DPU", section 5.3; not
     in DeepSpeed's releases). The host step of step t runs on a worker thread while the device computes the
@@ -476,9 +487,13 @@ def _offload_block(name: str, value: Any, cls: type) -> Any:
             f"`{name}.device={device!r}` is not an offload device: without offload the state already lives on the"
             " device the model computes on (the GPU). HINT: use 'none' (keep it there) or 'cpu' (host memory)."
         )
-    for key in ("pin_memory", "delayed_update"):
+    for key in ("pin_memory", "delayed_update", "huge_pages"):
         if key in block and not isinstance(block[key], bool):
             raise ZeroConfigError(f"`{name}.{key}={block[key]!r}` must be true or false.")
+    threads = block.get("host_threads", 0)
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+        raise ZeroConfigError(f"`{name}.host_threads={threads!r}` must be a whole number >= 0. HINT: 0 divides this"
+                              " host's cores among its processes; 8 gives each process 8 threads.")
     if "ratio" in block:
         ratio = block["ratio"]
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:

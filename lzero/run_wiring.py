@@ -53,7 +53,7 @@ def start_engine(module: torch.nn.Module, optimizers: list[Optimizer], config: Z
     for i, zopt in enumerate(attach_to):
         zopt.attach(engine, i)
     if engine.offloaded and zero:
-        announce_offload(engine, zero, divide_host_threads(num_processes))
+        announce_offload(engine, zero, divide_host_threads(num_processes, config.offload_optimizer.host_threads))
     precision.bind(engine)
     return engine, zero
 

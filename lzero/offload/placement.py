@@ -25,7 +25,7 @@ def stores_for(config: Any, device: torch.device, numels: list[int], rank: int =
     host = None
     if optimizer_offload.device == "cpu" or param_offload.device == "cpu":
         pin = optimizer_offload.pin_memory if optimizer_offload.device == "cpu" else param_offload.pin_memory
-        host = HostStore(device, pin)
+        host = HostStore(device, pin, huge_pages=optimizer_offload.huge_pages)
     param_store = host if param_offload.device == "cpu" else device_store
     nvme = None
     if optimizer_offload.device == "nvme" or param_offload.device == "nvme":

@@ -433,10 +433,14 @@ def _swap_storage(a: Tensor, b: Tensor) -> None:
     b.set_(a_storage, a_offset, a.shape, a.stride())
 
 
-def divide_host_threads(local_processes: int) -> Optional[int]:
-    """Give each of the ``local_processes`` processes of this host an equal share of its CPU cores for the
-    host optimizer step (torch's default, one thread per core in every process, oversubscribes the host).
-    Returns the new thread count, or None when the current one is already within the share."""
+def divide_host_threads(local_processes: int, requested: int = 0) -> Optional[int]:
+    """Set the host optimizer step's threads (torch's intra-op threads): ``requested`` (``offload_optimizer.host_threads``)
+    or, for 0, each of the ``local_processes`` processes of this host an equal share of its CPU cores (torch's default,
+    one thread per core in every process, oversubscribes the host). Returns the new thread count, or None when the
+    current one is already within the share."""
+    if requested:
+        torch.set_num_threads(requested)
+        return requested
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
