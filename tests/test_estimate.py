@@ -82,7 +82,9 @@ def test_buffers_add_the_working_set() -> None:
     assert busy["zero2"].per_device - plain["zero2"].per_device == 2 * 4 * 5_000_000  # 2 fp32 reduce buckets
     # stage 3, unit sizes unknown: the root and 2 gathered units in bf16 and 2 fp32 reduce buckets of 5e6 each
     assert busy["zero3"].per_device - plain["zero3"].per_device == 2 * 3 * 5_000_000 + 2 * 4 * 5_000_000
-    assert busy["zero2_offload"].per_host - plain["zero2_offload"].per_host == N * 4 * 4 * 5_000_000 // N
+    # the outgoing bf16 copies of the stepped masters: 2 bytes per offloaded element, cΨ/N on each of the N ranks
+    assert busy["zero2_offload"].per_host - plain["zero2_offload"].per_host == N * 2 * PSI // N
+    assert busy["zero3_offload"].per_host - plain["zero3_offload"].per_host == 0  # cast straight into host shards
 
 
 def test_paper_example_from_the_cli(capsys: pytest.CaptureFixture) -> None:

@@ -71,10 +71,10 @@ def test_host_memory_holds_no_optimizer_state_and_the_folder_goes(disk: Path) ->
         print(f"rank {rank}: host {host}, nvme {nvme}, live {res['live']:,} bytes; files {len(res['files'])}")
         assert nvme["masters"] == 4 * shard and nvme["optimizer_state"] == 8 * shard  # 12 bytes/element on disk
         assert host["masters"] <= 4 and host["optimizer_state"] <= 4 * res["units"] + 4  # placeholders and `step`s
-        assert host["gradients"] == 0
-        # the process holds its fp32 parameter shards and the staging buffers, not the 12 bytes/element of state
+        assert host["gradients"] == 4 * shard  # the persistent fp32 shard gradients ([Note: persistent host buffers])
+        # the process holds its fp32 parameter shards, gradients and buffers, not the 12 bytes/element of state
         assert res["by_store"]["device"]["parameters"] == 4 * shard
-        assert res["live"] <= 4 * shard + host["buffers"] + 4096, res["live"]
+        assert res["live"] <= 4 * shard + host["gradients"] + host["buffers"] + 4096, res["live"]
         assert len(res["files"]) == 3 * res["units"] and res["modes"] == ["0o600"]
         assert not res["left"]
     assert list(disk.iterdir()) == []

@@ -43,7 +43,7 @@ backward to its step; between steps the gradient terms are absent, see [Note: gr
 [Note: working set]
 ``buffers=True`` adds, as kind ``buffers``, what lzero holds besides the model states, with the
 ``ZeroConfig`` defaults (``reduce_bucket_size`` 5e6 elements, ``max_inflight_reductions`` 2, ``prefetch`` 1,
-4 staging buffers per offload store, NVMe ``buffer_count`` 4 units and parameter ``buffer_count`` 5):
+NVMe ``buffer_count`` 4 units and parameter ``buffer_count`` 5):
 
 - ddp: torch's gradient buckets, a copy of every gradient (4Ψ; ``gradient_as_bucket_view=False``, the default).
 - stages 1-2: ``max_inflight_reductions`` reduce buckets of one unit in the fp32 reduce dtype: 2 x 4U, where U
@@ -57,9 +57,12 @@ backward to its step; between steps the gradient terms are absent, see [Note: gr
   ``param_persistence_threshold`` >= B (all persistent); 2 with the defaults. With ``gather_bucket_size`` >= 4B,
   runs of floor(``gather_bucket_size`` / B) blocks are gathered together: the computing run and those prefetched
   ahead, plus one run in the staging buffer of its all-gather.
-- an offload store: 4 staging buffers of one unit's fp32 shard, 4 x 4U/N in host memory; NVMe adds the
-  ``buffer_count`` resident units (4 x (4 + O)U/N) and, when parameters are in files, 5 parameter read buffers
-  (5 x c·min(``buffer_size``, U/N)).
+- an offload store: the outgoing compute-dtype copy of every offloaded master, cΨ/N in host memory (page-locked
+  on a GPU), which the publish casts into and uploads from; none where the host casts straight into stage-3
+  parameter shards kept in host memory, unless the delayed update's worker casts ahead (a CPU model without the
+  delayed update holds none either: there the cast writes the parameters). The fp32 shard gradients are model
+  states (4Ψ/N, persistent: [Note: persistent host buffers]). NVMe adds the ``buffer_count`` resident units
+  (4 x (4 + O)U/N) and, when parameters are in files, 5 parameter read buffers (5 x c·min(``buffer_size``, U/N)).
 Activations, the allocator's caching and the CUDA context are not counted.
 """
 
@@ -321,10 +324,12 @@ def working_set(config: ZeroConfig, count: ModelCount, world_size: int, precisio
         out = {"device": c * (root + blocks * unit) + config.max_inflight_reductions * 4 * unit}
     shard = unit / n
     host = 0.0
-    if "cpu" in (config.offload_optimizer.device, config.offload_param.device):
-        host += 4 * 4 * shard
-    if "nvme" in (config.offload_optimizer.device, config.offload_param.device):
-        host += 4 * 4 * shard
+    opt, param = config.offload_optimizer, config.offload_param
+    if opt.device != "none":  # the outgoing compute-dtype copies of the stepped masters ([Note: host store copies])
+        into_shards = config.stage == 3 and param.device != "none"  # the host casts straight into host shards
+        if not into_shards or opt.delayed_update:
+            host += c * opt.ratio * count.trainable / n
+    if "nvme" in (opt.device, param.device):
         if config.offload_optimizer.device == "nvme":
             host += config.offload_optimizer.buffer_count * (4 + optimizer_bytes) * shard
         if config.offload_param.device == "nvme" and psi / n > config.offload_param.max_in_cpu:
