@@ -315,7 +315,10 @@ class HostStore:
         entry = self._stats.get(key)
         if entry is None or entry[0] is not held or entry[1] != held._version:
             return None
-        return entry[2][which]
+        stat = entry[2][which]
+        if self.cuda:  # made on the side stream, read on the compute stream: not reused before that read ran
+            stat.record_stream(torch.cuda.current_stream(self.device))
+        return stat
 
     @torch.no_grad()
     def finish(self) -> None:
