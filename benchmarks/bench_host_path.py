@@ -10,6 +10,7 @@ every tensor storage an aten op creates there (a ``TorchDispatchMode``) are summ
 in the same run: bytes read plus bytes written per second of a 1 GB ``copy_`` between reused buffers.
 
     python benchmarks/bench_host_path.py --label "new" --json out.json
+    python benchmarks/bench_host_path.py --table out.json      # the runs of out.json as a markdown table
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import sys
 import time
 from collections import defaultdict
 from typing import Any, Callable
@@ -106,7 +108,25 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     return 2 * nbytes / best
 
 
+def table(path: str) -> str:
+    """The runs appended to ``path`` (one JSON object a line) as a markdown table."""
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    out = ["| run | precision | threads | copy GB/s | bound s | landing s | host step s | publish s | host path s |"
+           " x bound | faults/step | MB allocated/step | whole step s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p = r["per_step"]
+        out.append(f"| {r['label']} | {r['precision']} | {r['threads']} | {r['bandwidth_gb_s']:.1f} | {r['bound_s']:.3f} |"
+                   f" {p['landing']['s']:.3f} | {p['host step']['s']:.3f} | {p['publish']['s']:.3f} |"
+                   f" {r['host_path_s']:.3f} | {r['host_path_s'] / r['bound_s']:.2f} | {r['faults']:,.0f} |"
+                   f" {r['bytes'] / 1e6:,.1f} | {r['wall_s']:.3f} |")
+    return "\n".join(out)
+
+
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--table":
+        print(table(sys.argv[2]))
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=48)

@@ -127,18 +127,22 @@ def train(stage: int, bf16: bool, offload: bool, optimizer: str) -> Run:
 
 
 def host_tensors_not_pinned(engine) -> list[str]:
-    """What is wrong with the host store's pinning: it copies through page-locked staging buffers (the state itself
-    stays pageable, see [Note: host store copies]); every staging buffer must be pinned and pinning still on."""
+    """What is wrong with the host store's pinning: the buffers a GPU copies to and from (the persistent shard
+    gradients, the outgoing compute-dtype copies, stage-3 parameter shards in host memory; see [Note: persistent
+    host buffers]) must be page-locked, and pinning still on."""
     found = []
     stores = [s for s in engine.stores if s.name == "cpu"]
     if not stores or not all(getattr(s, "pin", False) for s in stores):
         found.append("the host store is not pinning (pin is off or no host store)")
     for store in stores:
-        for buffer in store._free:
-            if not buffer.is_pinned():
-                found.append(f"a staging buffer of {buffer.numel():,} bytes is not pinned")
-        if not store._free:
-            found.append("the host store holds no staging buffer after a step (nothing went through it?)")
+        grads, outgoing = store.gradient_buffers(), list(store._outgoing.values())
+        shards = [u.compute_shard() for u in engine.units if u.param_store is store]
+        for what, buffers in (("gradient", grads), ("outgoing", outgoing), ("parameter shard", shards)):
+            for buffer in buffers:
+                if not buffer.is_pinned():
+                    found.append(f"a {what} buffer of {buffer.numel():,} elements is not pinned")
+        if not grads:
+            found.append("the host store holds no gradient buffer after a step (nothing landed?)")
     return found
 
 

@@ -9,9 +9,10 @@ rank's shard tensors: one instance per param group, holding the fp32 master shar
 group's units, so a step makes one optimizer call per param group whatever the number of units
 (torch's foreach and fused kernels take the whole list in one call; the for-loop kernel does per
 tensor exactly what it would do in a call of its own, so results are bitwise those of one call per
-unit). Offloaded units are the exception: the host steps them ``sub_group_size`` elements at a
-time, one call per such bucket, so their state can be swapped in and out (NVMe) and each bucket's
-values go back while the next one steps. Before every step the hyperparameters of the user's
+unit). Offloaded units are the exception: the host steps a group's units in memory in about
+``HOST_STEP_CALLS`` (8) buckets (at least ``allgather_bucket_size``, at most ``sub_group_size`` elements each),
+one call per bucket, so each bucket's values go back while the next one steps; NVMe units are stepped
+``min(allgather_bucket_size, sub_group_size)`` elements at a time, what is resident at once. Before every step the hyperparameters of the user's
 groups are copied into the inner groups, so LR schedulers and manual LR changes reach the
 sharded step.
 

@@ -10,41 +10,41 @@ on; ``HostStore`` keeps it in host memory (``ZeroConfig.offload_optimizer`` / ``
 the engine, the reducer and the optimizer wrapper do not change with the choice.
 
 [Note: host store copies]
-The host store keeps its tensors (masters, shard gradients, optimizer state, stage-3 parameter shards) in
-ordinary pageable host memory, and moves data through a small pool of page-locked ("pinned") staging
-buffers, at most ``max_staged`` of them in use per direction (``pin_memory: false``: pageable staging).
-Pinned memory is scarce on small hosts (a classic DeepSpeed offload failure) and torch's caching host
-allocator rounds each pinned block up to a power of two, so pinning the whole state could take up to
-twice its size; the pool costs a few units' worth. On CUDA:
+The host store keeps its tensors (masters, shard gradients, optimizer state, stage-3 parameter shards) in host
+memory, in buffers that live for the run (see [Note: persistent host buffers] in host_memory.py): each unit's fp32
+shard gradient (a second one while the delayed update's step reads the first), its master and, when a GPU takes the
+published values, an outgoing buffer in the compute dtype. On CUDA those that copies read or write are page-locked,
+and every copy runs ``non_blocking``. The rule that shapes the rest: nothing inside backward's hooks waits for the
+host or does arithmetic on the host, since while a hook waits, backward launches no kernel.
 
-- gradients down: a reduced shard gradient is copied device->host on a side stream (which first waits
-  for the compute stream, where the reduction's result is ready), in the dtype it was reduced in (half the
-  bytes under bf16/fp16 reductions), into a staging buffer; an event marks the end of the copy, and
-  ``record_stream`` keeps the device tensor allocated until then. Backward goes on. A landing is
-  completed (the staged values added into, or for the first reduction of a step converted into, the
-  fp32 host gradient, and the buffer returned to the pool) as soon as its event has passed, checked at
-  each new landing, and at the latest in ``finish``, which runs before anything reads a gradient
-  (clipping, the non-finite check, the step). When ``max_staged`` copies are in flight the oldest is
-  waited for.
-- parameters up: after the host step of a unit, its master is cast to the compute dtype into a staging
-  buffer on the host and copied host->device on the compute stream, so the all-gather and the next forward,
-  queued behind it, see the new values, while the host steps the next unit. The buffer returns to the
-  pool when the copy's event has passed.
-- stage-3 parameter shards (``offload_param``): each unit's shard is copied into a staging buffer and from
-  there to the device on the side stream, which first waits for the compute stream (the gather's target
-  memory is then free); the unit's all-gather is launched from the side stream too, so both run while the
-  compute stream computes the current unit (the gather is launched by the prefetch, a unit early). The
-  compute stream waits for the all-gather (and for an event after the copy) only when it gathers the unit.
+- gradients down: a reduced shard gradient is cast to fp32 on the device and copied into the unit's page-locked
+  gradient buffer, on a side stream that first waits for the compute stream (where the reduction's result is
+  ready); ``record_stream`` keeps the device tensor allocated until the copy ran. A later reduction of the same step
+  (gradient accumulation at stage 2-3) brings the sum so far back up, adds on the device and copies the new sum down:
+  twice the bus traffic of that landing, no host arithmetic. The device also computes each landed gradient's sum and
+  squared norm (``GRAD_STATS``): the non-finite check and the clipping norm read those (``grad_stat``), so the host
+  never rereads gradients for them. ``finish`` waits for the last copy's event, once, where the step needs the
+  gradients (never in a hook).
+- parameters up: after the host step of a bucket, each master is cast to the compute dtype into its outgoing
+  buffer (``cast_for_publish``; the delayed update's worker does it right after the bucket's step) and uploaded on the
+  compute stream, so the all-gather and the next forward, queued behind it, see the new values while the host steps
+  the next bucket. Before the next cast into that buffer, the host waits for its upload's event.
+- stage-3 parameter shards (``offload_param``): each unit's shard (page-locked) is copied to the device on the side
+  stream, which first waits for the compute stream (the gather's target memory is then free); the unit's all-gather
+  is launched from the side stream too, so both run while the compute stream computes the current unit (the gather
+  is launched by the prefetch, a unit early). The compute stream waits for the all-gather (and for an event after
+  the copy) only when it gathers the unit. The publish casts straight into the shard, after waiting for the copy
+  that reads it; under the delayed update the worker casts into the outgoing buffer while the next forward reads the
+  shard, and the publish swaps the two buffers' memory.
 
-When the model computes on the CPU (this project's test machine) the "device" is the host: the store
-still keeps separate tensors and runs the same staging, landing and recycling logic, with synchronous copies
-and no events, so the CPU tests exercise the logic that CUDA runs with streams. Publishing is the exception:
-there a staging buffer only adds a second copy of every stepped element, so the master is cast straight into
-the compute shard (the offloaded step's publish cost as much as the step itself through staging).
+When the model computes on the CPU (this project's test machine) the "device" is the host: a landing is the copy
+(or the sum) into the persistent gradient buffer and a publish the cast into the parameters, with no streams and no
+events; the same code runs on CUDA's path with stand-ins for streams, events and page-locked memory in
+tests/test_offload_cuda_path.py.
 
-A pinned staging buffer can fail to allocate. The store then goes on with pageable buffers for the rest
-of the run, with one warning naming ``pin_memory: false``: training continues with slower, synchronous
-copies instead of stopping a run that has everything else it needs.
+A page-locked buffer can fail to allocate. The store then goes on with pageable buffers for the rest of the run,
+with one warning naming ``pin_memory: false``: training continues with slower, synchronous copies instead of
+stopping a run that has everything else it needs.
 """
 
 from __future__ import annotations
@@ -264,7 +264,8 @@ class HostStore:
         return False
 
     def hold_master(self, values: Tensor, alias_ok: bool, key: str) -> Tensor:
-        out = self._persistent(values.numel(), values.dtype, pin=False)  # never copied to a GPU as it is
+        # page-locked too: in fp32 at stage 3 the master is the parameter shard that gathers copy up
+        out = self._persistent(values.numel(), values.dtype)
         out.copy_(values.reshape(-1))
         return out
 
