@@ -57,6 +57,7 @@ from lzero.optimizer import ZeroOptimizer, check_optimizer
 from lzero.precision import ZeroPrecision, to_zero_precision
 from lzero.checkpoint.sources import LoadedState, ShardedCheckpointWeights, StateDictWeights
 from lzero.fabric_model import SetUpModel, fresh_parameters, placeholders, state_dict_shadows, swap_parameters
+from lzero.engine.replay import settle
 from lzero.run_wiring import meta_device, start_engine, synced_generation
 
 FABRIC_KEYS = "lzero/fabric"
@@ -151,7 +152,8 @@ class ZeroFabricStrategy(DDPStrategy):
         self._close_recording()
         recording = contextlib.ExitStack()
         try:
-            with meta_device(recording), _EmptyInit(enabled=True), self.precision.module_init_context():
+            with meta_device(self.root_device, recording), _EmptyInit(enabled=True), \
+                    self.precision.module_init_context():
                 yield
         except BaseException:
             recording.close()
@@ -182,6 +184,7 @@ class ZeroFabricStrategy(DDPStrategy):
 
     def _setup(self, module: nn.Module, refresh: bool) -> nn.Module:
         self._close_recording()
+        settle(module)  # the fake tensors of `init_module(empty_init=True)` become meta ones: [Note: a fake device]
         if any(m.module is module for m in self._models):
             raise RuntimeError(f"`{type(module).__name__}` is set up already. HINT: call `fabric.setup` once per model.")
         if self._check_group is None and self.world_size > 1:  # for all_ranks_at; made while every rank is here

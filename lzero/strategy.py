@@ -41,6 +41,7 @@ from lzero.optimizer import ZeroOptimizer, check_optimizer
 from lzero.precision import ZeroPrecision, to_zero_precision
 from lzero.kept import gather_back, keep, kept_engine, take_kept
 from lzero.memory.auto import rank_budget_bytes
+from lzero.engine.replay import settle
 from lzero.run_wiring import (activation_probe, add_memory_monitor, guard_lr_schedulers, meta_device, micro_batch_size,
                               refuse_weight_averaging, start_engine, synced_generation,
                               watch_gradient_reads)
@@ -195,6 +196,7 @@ class ZeroStrategy(DDPStrategy):
                 self.setup_precision_plugin()
                 return
             gather_back(kept)
+        settle(self.model)  # a model built under `trainer.init_module(empty_init=True)`: [Note: a fake device]
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
@@ -287,7 +289,7 @@ class ZeroStrategy(DDPStrategy):
         """Stage 3 with ``empty_init=True``: build on the meta device; the engine materializes the model
         one unit at a time at setup, each rank keeping only its shard."""
         if self.config.stage >= 3 and empty_init:
-            with meta_device():
+            with meta_device(self.root_device):
                 yield
             return
         with super().tensor_init_context(empty_init):
@@ -298,8 +300,10 @@ class ZeroStrategy(DDPStrategy):
     def model_sharded_context(self) -> Generator:
         """Stage 3: ``configure_model`` builds on the meta device (see ``tensor_init_context``)."""
         if self.config.stage >= 3:
-            with meta_device():
+            with meta_device(self.root_device):
                 yield
+            if self.model is not None:
+                settle(self.model)  # the fake tensors become meta ones: [Note: a fake device]
             return
         yield
 

@@ -65,6 +65,10 @@ class ZeroEngine:
         one group, sharded and gathered as while training (stage 3: the shards, their masters, and each block
         gathered for its forward only). ``layout``: hybrid sharding, this rank's shard group in place of ``group``
         (see [Note: hybrid sharding] in layout.py)."""
+        settled = replay.settle(module)  # a model still holding fake tensors: [Note: a fake device] in replay.py
+        for optimizer in optimizers if settled else ():
+            for group_ in optimizer.param_groups:
+                group_["params"] = [settled.get(id(p), p) for p in group_["params"]]
         config, _ = auto_sizes.fill(config, module)  # "auto" sizes (the strategy has filled them already)
         self.config = config
         self.policy = policy if policy is not None else PrecisionPolicy()

@@ -4,13 +4,14 @@
 Built on the meta device (zero3's ``configure_model``, ``init_module(empty_init=True)``), a model draws no random
 numbers: an initializer on a meta tensor computes nothing. Initializing it afterwards, block by block, draws other
 numbers than the same code run eagerly under DDP from the same seed. So while lzero's meta context is open, a
-:class:`Recorder` (a ``TorchDispatchMode``) writes down every operation that creates or writes storage: factories
+:class:`Recorder` (a ``TorchDispatchMode``) builds the model on fake tensors ([Note: a fake device]) and writes down
+every operation that creates or writes storage: factories
 (``empty``), initializers (``uniform_``, ``normal_``, ``fill_``, ...), copies between tensors (tied or derived
 weights), casts (``.to(dtype)``), with each tensor argument as (storage, dtype, size, stride, offset). View operations
 are not recorded: a later use names the storage and the geometry it reads. The few ``torch.nn.init`` functions that
-skip meta tensors in Python (``trunc_normal_``, ``orthogonal_``, ``dirac_``, ``sparse_``: their rejection loops and
-QR factorizations depend on the values) are recorded as the call itself. The RNG state of the CPU (and of the
-current CUDA device) is taken when the context opens.
+skip meta tensors in Python (``trunc_normal_``, ``orthogonal_``, ``dirac_``, ``sparse_``) are recorded as the call
+itself on meta tensors; on fake tensors only ``trunc_normal_``'s value-reading loop is. The RNG state of the CPU
+(and of the current CUDA device) is taken when the context opens.
 
 At setup :class:`Replay` runs the record on real tensors, on every rank, from rank 0's RNG state: the same draws in
 the same order as eager construction, so every parameter and buffer is bitwise what eager construction gives. Each
@@ -24,6 +25,26 @@ engine then reads as it reads a pretrained checkpoint (``WeightSource``). Memory
 After the replay the global RNG is left where eager construction would have left it (when nothing drew from it
 since the context opened), so dropout and data order continue as under DDP.
 
+[Note: a fake device]
+The record runs the construction on fake tensors (torch's ``FakeTensorMode``): they hold no memory, yet report the
+device the model will compute on (``cpu`` or ``cuda:<i>``) and ``is_meta`` False, so code inside cannot tell the
+construction from an eager one and takes its eager branches. Libraries that skip their initializers on the meta
+device (Hugging Face's ``post_init``, a module whose ``reset_parameters`` returns early for ``is_meta``) draw as they
+do eagerly, whenever and wherever they were imported; no library is patched. While lzero's meta context is open
+(``building_on``), every tensor a factory makes is fake; an operation reading a fake tensor gives fake tensors, an
+operation on real tensors alone stays real (a constant computed in ``__init__`` keeps its value). After the context
+closes, operations on the fake tensors are still recorded while the recording stays open (Fabric, until setup).
+
+Two things the fake tensors cannot do, handled where they arise: ``trunc_normal_`` resamples until no value lies
+outside its bounds, a loop that reads the values, so the call is recorded whole (the module global
+``torch.nn.init._no_grad_trunc_normal_``, which every reference to ``trunc_normal_`` reaches); and a
+``Module.to()`` of a fake parameter swaps the tensor's contents (``torch.utils.swap_tensors``), which the fake mode's
+memo of its outputs would forbid, so this mode keeps none (every output is fresh), and the record keeps storages, not
+tensors, alive. Once the model is built, :func:`settle` swaps each fake parameter and buffer for a meta tensor over
+the same storage, which the engine (and Lightning) read as "not materialized"; the replay then runs as below. A
+pretrained model's parameters (``from_pretrained`` inside the context, hf/pretrained.py) are meta tensors built with
+the recording following meta tensors only (:func:`real_construction`).
+
 What the replay cannot reproduce, lzero refuses to guess: a meta tensor the record did not see created (built
 outside the context), or a read of storage never written. The engine then falls back to block-wise initialization
 ([Note: meta-device initialization] in materialize.py) with a warning that says the draws differ from eager.
@@ -34,12 +55,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -105,12 +126,18 @@ class Recorder(TorchDispatchMode):
         super().__init__()
         self.entries: list[Entry] = []
         self.nbytes: dict[int, int] = {}  # recorded storage -> its bytes
-        self._alive: list[Tensor] = []  # one tensor per storage: keeps the storage (and its key) alive
+        self._alive: list[torch.UntypedStorage] = []  # every recorded storage, kept alive (and so its key)
         self.start_states = _states()  # (CPU, current CUDA device or None) when the context opened
         self.final_states = self.start_states  # when it closed
         self._seen = self.start_states  # at the last recorded draw (meta operations draw nothing)
         self.foreign: set[int] = set()  # meta storages read before the record wrote them
         self._written: set[int] = set()  # storages the record created or overwrote whole
+        # the fake tensors' mode; ``building``: every operation runs on fake tensors (lzero's meta context is open)
+        self.fake = FakeTensorMode(allow_non_fake_inputs=True)
+        # every op's output is a fresh fake tensor: not remembered by the converter, whose weak reference would stop
+        # ``Module.to()`` from swapping a fake parameter for its converted self (``torch.utils.swap_tensors``)
+        self.fake.fake_tensor_converter.set_tensor_memo = lambda t, v: None
+        self.building = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
         kwargs = kwargs or {}
@@ -118,8 +145,13 @@ class Recorder(TorchDispatchMode):
         draws = torch.Tag.nondeterministic_seeded in func.tags  # consumes a generator
         if draws:
             self._note_reseeding()  # before the draw: where it finds the generator
-        out = func(*args, **kwargs)
-        if not _touches_meta(args, kwargs, out):
+        inputs = _tensors((args, kwargs))
+        if any(isinstance(t, FakeTensor) for t in inputs) or (self.building and not inputs):
+            with self.fake:  # storage-less tensors that report the real device: [Note: a fake device]
+                out = func(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
+        if not _touches_recorded(args, kwargs, out):
             if draws and kwargs.get("generator") is None:  # a real draw: the replay draws it again, into scratch
                 self._record_real_draw(func, args, kwargs)
             return out
@@ -134,7 +166,7 @@ class Recorder(TorchDispatchMode):
         viewing = all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns) and schema.returns
         if viewing and not writes:
             return out  # a view: a later use names its storage and geometry
-        creates = tuple(_key(t) for t in _tensors(out) if t.is_meta and _key(t) not in set(writes))
+        creates = tuple(_key(t) for t in _tensors(out) if _recorded(t) and _key(t) not in set(writes))
         for t in _tensors(out):
             self._remember(t)
         self._record(func, args, kwargs, creates, tuple(writes), tuple(overwrites), out)
@@ -145,14 +177,14 @@ class Recorder(TorchDispatchMode):
         reads = []
 
         def ref(value: Any) -> Any:
-            if isinstance(value, Tensor) and value.is_meta:
+            if isinstance(value, Tensor) and _recorded(value):
                 self._remember(value)
                 reads.append(_key(value))
                 return Ref.of(value)
             return value
 
         args, kwargs = tree_map(ref, args), tree_map(ref, kwargs)
-        outputs = tree_map(lambda t: Ref.of(t) if isinstance(t, Tensor) and t.is_meta else None, out)
+        outputs = tree_map(lambda t: Ref.of(t) if isinstance(t, Tensor) and _recorded(t) else None, out)
         reads = tuple(dict.fromkeys(k for k in reads if k not in overwrites))
         self.foreign.update(k for k in reads if k not in self._written)
         self._written.update((*creates, *overwrites))
@@ -162,11 +194,13 @@ class Recorder(TorchDispatchMode):
         key = _key(t)
         if key not in self.nbytes:
             self.nbytes[key] = t.untyped_storage().nbytes()
-            self._alive.append(t)
+            # the storage itself, not the tensor: a fake parameter converted by ``Module.to()`` swaps its contents
+            self._alive.append(t.untyped_storage())
 
     def python_init(self, name: str, original: Callable, tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        """A ``torch.nn.init`` function that skips meta tensors: recorded as a call that overwrites ``tensor``."""
-        if not tensor.is_meta:
+        """A ``torch.nn.init`` function that skips meta tensors, or whose draws depend on the values it drew
+        (``trunc_normal_``'s rejection loop): recorded as a call that overwrites ``tensor``."""
+        if not _recorded(tensor):
             return original(tensor, *args, **kwargs)
         key = _key(tensor)
         self._remember(tensor)
@@ -197,37 +231,26 @@ class Recorder(TorchDispatchMode):
             for name in _PYTHON_INITS:
                 stack.enter_context(_patched(nn.init, name, functools.partial(self.python_init, name,
                                                                               getattr(nn.init, name))))
-            stack.enter_context(self._transformers_initializes())
+            # every caller of trunc_normal_ reaches its loop through this module global, references taken at any
+            # import included (transformers' initializers): the loop reads values, so the call is recorded whole
+            loop = nn.init._no_grad_trunc_normal_
+            stack.enter_context(_patched(nn.init, "_no_grad_trunc_normal_",
+                                         functools.partial(self.python_init, "_no_grad_trunc_normal_", loop)))
             stack.enter_context(self)
             yield self
         self.final_states = _states()
 
     @contextlib.contextmanager
-    def _transformers_initializes(self) -> Iterator[None]:
-        """transformers' ``post_init`` skips its initializer on the meta device, and calls ``torch.nn.init``
-        through references taken at its import: inside the record it initializes as it does eagerly."""
-        modeling = sys.modules.get("transformers.modeling_utils")
-        initialization = sys.modules.get("transformers.initialization")
-        if modeling is None or initialization is None or not hasattr(modeling, "get_torch_context_manager_or_global_device"):
-            yield
-            return
-        functions = getattr(initialization, "TORCH_INIT_FUNCTIONS", {})
-        saved = {name: functions[name] for name in _PYTHON_INITS if name in functions}
-        for name, original in saved.items():
-            functions[name] = functools.partial(self.python_init, name, original)
-        base = modeling.PreTrainedModel
-        original_init_weights = base.__dict__["init_weights"]
-
-        def init_weights(model: nn.Module) -> None:
-            with _patched(modeling, "get_torch_context_manager_or_global_device", lambda: torch.device("cpu")):
-                original_init_weights(model)
-
-        base.init_weights = init_weights
+    def building_on(self, device: torch.device) -> Iterator[None]:
+        """Inside the block, every tensor created is a fake one on ``device`` (see [Note: a fake device])."""
+        before, self.building = self.building, True
+        _BUILDING.append(self)
         try:
-            yield
+            with torch.device(device):
+                yield
         finally:
-            base.init_weights = original_init_weights
-            functions.update(saved)
+            _BUILDING.remove(self)
+            self.building = before
 
     def unwritten(self, named: list[tuple[str, Tensor]]) -> list[str]:
         """The names of tensors only ever allocated (``torch.empty``) by the record."""
@@ -272,8 +295,33 @@ def _tensors(value: Any) -> list[Tensor]:
     return [t for t in tree_flatten(value)[0] if isinstance(t, Tensor)]
 
 
-def _touches_meta(args: tuple, kwargs: dict, out: Any) -> bool:
-    return any(t.is_meta for t in _tensors((args, kwargs, out)))
+def _recorded(t: Tensor) -> bool:
+    """A tensor without values whose construction the record follows: fake (built inside lzero's meta context) or
+    meta (a pretrained model's parameters, see hf/pretrained.py)."""
+    return isinstance(t, FakeTensor) or t.is_meta
+
+
+def _touches_recorded(args: tuple, kwargs: dict, out: Any) -> bool:
+    return any(_recorded(t) for t in _tensors((args, kwargs, out)))
+
+
+_BUILDING: list[Recorder] = []
+"""The recorders whose meta context is open (``building_on``), the innermost last."""
+
+
+@contextlib.contextmanager
+def real_construction() -> Iterator[None]:
+    """Inside the block, the open recording follows meta tensors only, and tensors are created as the code asks (a
+    pretrained model built with meta parameters and real buffers: hf/pretrained.py)."""
+    recorder = _BUILDING[-1] if _BUILDING else None
+    if recorder is None:
+        yield
+        return
+    recorder.building = False
+    try:
+        yield
+    finally:
+        recorder.building = True
 
 
 _RECORDERS: list[Recorder] = []
@@ -282,7 +330,7 @@ _RECORDERS: list[Recorder] = []
 
 @contextlib.contextmanager
 def record() -> Iterator[Recorder]:
-    """Inside the block, what builds meta tensors is recorded (lzero's meta context opens it)."""
+    """Inside the block, what builds fake and meta tensors is recorded (lzero's meta context opens it)."""
     recorder = Recorder()
     with recorder.recording():
         yield recorder
@@ -294,13 +342,48 @@ def record() -> Iterator[Recorder]:
 def recording_more(module: nn.Module) -> Iterator[None]:
     """Inside the block, operations on ``module``'s meta tensors join the recording that built them (a cast of the
     whole module before setup: bf16-true's ``convert_module``); a no-op for a module no recording built."""
-    tensors = [t for t in [*module.parameters(), *module.buffers()] if t.is_meta]
+    tensors = [t for t in [*module.parameters(), *module.buffers()] if _recorded(t)]
     recorder = recorder_for(tensors)[0] if tensors else None
     if recorder is None:
         yield
         return
     with recorder:
         yield
+
+
+def settle(module: nn.Module) -> dict[int, Tensor]:
+    """Every fake parameter and buffer of ``module`` replaced by a meta tensor over the same (recorded) storage, which
+    lzero and Lightning read as "not materialized yet"; tied tensors stay tied. Returns ``id(fake) -> meta``. Called
+    once the construction is over (the end of ``configure_model``, ``setup``), outside the recording."""
+    made: dict[int, Tensor] = {}
+    for owner in module.modules():
+        for slots, as_parameter in ((owner._parameters, True), (owner._buffers, False)):
+            for name, t in list(slots.items()):
+                if not isinstance(t, FakeTensor):
+                    continue
+                if id(t) not in made:
+                    made[id(t)] = _meta_parameter(t) if as_parameter else _meta_view(t)
+                slots[name] = made[id(t)]
+    return made
+
+
+def _meta_view(t: Tensor) -> Tensor:
+    return torch.empty(0, dtype=t.dtype, device="meta").set_(t.untyped_storage(), t.storage_offset(), t.shape,
+                                                               t.stride())
+
+
+_FAKE_KEYS: set[str] = set()  # what a fake tensor keeps in its __dict__ for itself
+
+
+def _meta_parameter(p: Tensor) -> nn.Parameter:
+    """A meta ``nn.Parameter`` over ``p``'s storage, with the attributes code set on ``p`` (not the fake tensor's own)."""
+    if not _FAKE_KEYS:
+        with FakeTensorMode():
+            _FAKE_KEYS.update(nn.Parameter(torch.empty(1)).__dict__)
+        _FAKE_KEYS.add("_is_param")
+    new = nn.Parameter(_meta_view(p), requires_grad=p.requires_grad)
+    new.__dict__.update({k: v for k, v in p.__dict__.items() if k not in _FAKE_KEYS})
+    return new
 
 
 def recorder_for(tensors: list[Tensor]) -> tuple[Optional[Recorder], str]:

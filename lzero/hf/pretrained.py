@@ -90,7 +90,10 @@ def intercept() -> Iterator[None]:
     original = base.__dict__["from_pretrained"]
 
     def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
-        return from_pretrained_into_shards(cls, *args, **kwargs)
+        from lzero.engine.replay import real_construction
+
+        with real_construction():  # meta parameters and real buffers, as built below
+            return from_pretrained_into_shards(cls, *args, **kwargs)
 
     base.from_pretrained = classmethod(from_pretrained)
     try:

@@ -4,7 +4,8 @@
 
 RUN is ``MODEL:STRATEGY:PRECISION[:init_module]``; MODEL: ``mlp`` (an embedding, 4 x [Linear, LayerNorm, GELU] and a
 head, its first Linear redrawn by ``trunc_normal_``), ``llama``, ``gpt2``, ``t5`` (Hugging Face ``from_config``) or
-``lora`` (the Llama with peft's LoRA adapters added in the same ``configure_model``). The model is built in
+``lora`` (the Llama with peft's LoRA adapters added in the same ``configure_model``) or ``branchy`` (a module whose
+``reset_parameters`` skips its draw on the meta device). The model is built in
 ``configure_model`` after ``torch.manual_seed(0)`` (``init_module``: under ``trainer.init_module(empty_init=True)``
 before fit instead). Rank 0 writes ``OUT_DIR/RUN.pt``: the parameters and buffers as the first step sees them
 (gathered), the losses, and a draw from the global RNG at the start of fit. tests/test_replay.py compares them.
@@ -27,7 +28,28 @@ from _teardown import destroy_process_group  # a sibling: scripts run from their
 VOCAB = 64
 
 
+class Branchy(nn.Module):
+    """A module whose ``reset_parameters`` branches on the meta device, as libraries do that defer work there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 32)
+        self.w = nn.Parameter(torch.empty(32, 32))
+        self.head = nn.Linear(32, VOCAB)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.w.is_meta or self.w.device.type == "meta":
+            return  # nothing to draw on the meta device: eager code never takes this branch
+        nn.init.normal_(self.w, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(x) @ self.w))
+
+
 def build(kind: str) -> nn.Module:
+    if kind == "branchy":
+        return Branchy()
     if kind == "mlp":
         net = nn.Sequential(nn.Embedding(VOCAB, 32), *[m for _ in range(4) for m in (nn.Linear(32, 32),
                                                                                         nn.LayerNorm(32), nn.GELU())],
@@ -66,7 +88,7 @@ class Built(LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         (x,) = batch
-        if self.kind == "mlp":
+        if self.kind in ("mlp", "branchy"):
             return self.net(x).float().logsumexp(-1).mean() - self.net(x).float()[..., 0].mean()
         if self.kind == "t5":
             return self.net(input_ids=x, decoder_input_ids=x, labels=x).loss
