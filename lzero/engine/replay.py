@@ -138,9 +138,12 @@ class Recorder(TorchDispatchMode):
         # ``Module.to()`` from swapping a fake parameter for its converted self (``torch.utils.swap_tensors``)
         self.fake.fake_tensor_converter.set_tensor_memo = lambda t, v: None
         self.building = False
+        self.paused = False  # nothing recorded (a pretrained base, built as eager ``from_pretrained`` builds it)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
         kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)
         schema = func._schema
         draws = torch.Tag.nondeterministic_seeded in func.tags  # consumes a generator
         if draws:
@@ -200,7 +203,7 @@ class Recorder(TorchDispatchMode):
     def python_init(self, name: str, original: Callable, tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         """A ``torch.nn.init`` function that skips meta tensors, or whose draws depend on the values it drew
         (``trunc_normal_``'s rejection loop): recorded as a call that overwrites ``tensor``."""
-        if not _recorded(tensor):
+        if self.paused or not _recorded(tensor):
             return original(tensor, *args, **kwargs)
         key = _key(tensor)
         self._remember(tensor)
@@ -307,6 +310,21 @@ def _touches_recorded(args: tuple, kwargs: dict, out: Any) -> bool:
 
 _BUILDING: list[Recorder] = []
 """The recorders whose meta context is open (``building_on``), the innermost last."""
+
+
+@contextlib.contextmanager
+def unrecorded() -> Iterator[None]:
+    """Inside the block, the open recording records nothing: construction that eager code runs on the meta device
+    too (transformers' ``from_pretrained`` builds its model there and draws nothing), whose tensors the files fill."""
+    recorder = _BUILDING[-1] if _BUILDING else None
+    if recorder is None:
+        yield
+        return
+    before, recorder.paused = recorder.paused, True
+    try:
+        yield
+    finally:
+        recorder.paused = before
 
 
 @contextlib.contextmanager
@@ -569,11 +587,12 @@ def replayed_weights(root: nn.Module, units: Sequence[UnitSpec], rank: int, devi
     win over the replay's; the replay gives only the others (non-persistent buffers, say), and what neither wrote is
     left to the modules' ``reset_parameters()`` (materialize.py), as FSDP materializes a meta model."""
     named = [(n, t) for n, t in [*root.named_parameters(), *root.named_buffers()] if t.is_meta]
+    if provided is not None:  # the tensors the load gives are not the record's to cover
+        named = [(n, t) for n, t in named if not provided.holds(n)]
     recorder, why = recorder_for([t for _, t in named])
     if recorder is None:
         return None, why
     if provided is not None:  # what neither the load nor the record wrote: the modules' reset_parameters(), as FSDP
-        named = [(n, t) for n, t in named if not provided.holds(n)]
         unwritten = set(recorder.unwritten(named))
         named = [(n, t) for n, t in named if n not in unwritten]
     else:

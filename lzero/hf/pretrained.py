@@ -130,10 +130,14 @@ def from_pretrained_into_shards(cls: type, pretrained_model_name_or_path: Any, *
     files = find_files(folder, use_safetensors)
     dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype, config, files)
     quantizer = quantized.quantizer_for(config, quantization_config, dtype)  # [Note: quantize on read]
-    model = _build(cls, config, dtype, model_args, kwargs)
-    reads = quantized.lay_out(model, quantizer, dtype) if quantizer is not None else {}
+    from lzero.engine.replay import unrecorded
+
+    with unrecorded():  # built as transformers builds it, on the meta device: no draw to replay
+        model = _build(cls, config, dtype, model_args, kwargs)
+        reads = quantized.lay_out(model, quantizer, dtype) if quantizer is not None else {}
     source = _match(model, files, ignore_mismatched_sizes, {i: r.shape for i, r in reads.items()})
     source.quantized = reads
+    _initialize_missing(model, source)
     if quantizer is not None:
         model.hf_quantizer = quantizer
         quantizer.postprocess_model(model)  # is_loaded_in_4bit/8bit, config.quantization_config: what peft reads
@@ -146,6 +150,26 @@ def from_pretrained_into_shards(cls: type, pretrained_model_name_or_path: Any, *
                 "mismatched_keys": set(source.mismatched), "error_msgs": []}
         return model, info
     return model
+
+
+def _initialize_missing(model: nn.Module, source: PretrainedSource) -> None:
+    """What transformers' ``from_pretrained`` draws: every tensor the files hold marked initialized
+    (``_is_hf_initialized``, the flag transformers' initializers skip), then the model's ``initialize_weights()``,
+    which draws for the others (a new head, keys missing from the files) in transformers' order. Inside lzero's meta
+    context the draws are recorded and replayed at setup in eager order ([Note: replayed construction])."""
+    initialize = getattr(model, "initialize_weights", None)
+    if initialize is None:  # an older transformers: the engine initializes the missing keys block by block
+        return
+    loaded = {id(tensor) for tensor, _ in source.by_tensor.values()}
+    for module in model.modules():  # the build's own initialization (unrecorded) flagged them all
+        module.__dict__.pop("_is_hf_initialized", None)
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            if id(tensor) in loaded:
+                tensor._is_hf_initialized = True
+            else:
+                tensor.__dict__.pop("_is_hf_initialized", None)
+    with torch.device("cpu"):  # as `_build`: computed buffers (rotary inv_freq) are real, on the CPU
+        initialize()
 
 
 def _refuse(cls: type, kwargs: dict[str, Any], weights_only: bool) -> None:
@@ -331,11 +355,16 @@ def _load_generation_config(model: nn.Module, folder: Path) -> None:
 
 
 class PretrainedWeights:
+    over_replay = True  # what the files do not hold comes from the model's replayed construction (replay.py)
+
     """The engine's view of every pretrained model inside one root module: which tensors (by their names in the
     root) come from a checkpoint, and their flat ranges. See [Note: reading a pretrained checkpoint into shards].
 
     Tensors are recognized by identity, not by name: wrappers added after ``from_pretrained`` (peft's LoRA
-    layers, activation checkpointing) rename the modules but keep the parameter objects."""
+    layers, activation checkpointing) rename the modules but keep the parameter objects. What the files do not hold
+    (adapters, a new head, missing keys) comes from the model's replayed construction (``over_replay``)."""
+
+    over_replay = True
 
     def __init__(self, root: nn.Module) -> None:
         self._keys: dict[str, tuple[PretrainedSource, str]] = {}  # root name -> (its source, checkpoint key)
