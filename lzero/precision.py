@@ -37,6 +37,8 @@ precisions it is counted and, with ``nonfinite_grads="raise"``, ends training in
 
 from __future__ import annotations
 
+import contextlib
+
 import logging
 from contextlib import contextmanager
 from typing import Any, Callable, Generator, Optional, Sequence, Union
@@ -171,6 +173,20 @@ class ZeroPrecision(Precision):
     def skipped_last_step(self, optimizer: Any) -> bool:
         """Whether the last step of ``optimizer`` (the user's or the ZeRO one) was skipped."""
         return self._skipped_last.get(id(optimizer), False)
+
+    @override
+    def tensor_init_context(self) -> contextlib.AbstractContextManager:
+        """bf16-true: tensors created inside are bf16 (the default dtype), as Lightning's bf16-true builds them, so a
+        model built in ``configure_model`` draws what it draws under DDP."""
+        if self.precision == "bf16-true":
+            from lightning.fabric.plugins.precision.utils import _DtypeContextManager
+
+            return _DtypeContextManager(torch.bfloat16)
+        return contextlib.nullcontext()
+
+    @override
+    def module_init_context(self) -> contextlib.AbstractContextManager:
+        return self.tensor_init_context()
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:

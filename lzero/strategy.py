@@ -289,7 +289,7 @@ class ZeroStrategy(DDPStrategy):
         """Stage 3 with ``empty_init=True``: build on the meta device; the engine materializes the model
         one unit at a time at setup, each rank keeping only its shard."""
         if self.config.stage >= 3 and empty_init:
-            with meta_device(self.root_device):
+            with meta_device(self.root_device), self.precision_plugin.tensor_init_context():
                 yield
             return
         with super().tensor_init_context(empty_init):

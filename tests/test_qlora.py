@@ -21,12 +21,14 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None
                                 reason="bitsandbytes is not installed (`pip install lzero[qlora]`)")
 
 DDP = ["llama:nf4:ddp:init:eval", "llama:fp4:ddp:init", "llama:int8:ddp:init:eval", "qwen2:nf4:ddp:init",
-       "qwen2:int8:ddp:init"]
+       "qwen2:int8:ddp:init", "llama:nf4:ddp:configure:peft", "llama:int8:ddp:configure:peft"]
 LZERO = ["llama:nf4:zero3:configure:eval", "llama:nf4:zero3:init", "llama:nf4:zero2:init", "llama:nf4:zero2:configure",
          "llama:nf4:zero3_offload:configure:ckpt", "llama:fp4:zero3:configure", "llama:int8:zero3:configure:eval",
          "llama:int8:zero3_offload:init", "qwen2:nf4:zero3:configure", "qwen2:nf4:zero3_offload:init",
          "qwen2:int8:zero3:configure", "qwen2:int8:zero2:init", "llama:nf4:zero3_offload_nvme:configure",
-         "llama:int8:zero2:configure", "qwen2:int8:zero3:init", "qwen2:int8:zero3_offload:configure"]
+         "llama:int8:zero2:configure", "qwen2:int8:zero3:init", "qwen2:int8:zero3_offload:configure",
+         # as users write it: the adapters as peft draws them, in `configure_model` (each rank reads its shard)
+         "llama:nf4:zero3:configure:peft", "llama:nf4:zero3_offload:configure:peft", "llama:int8:zero3:configure:peft"]
 
 
 RESUMED = "llama:nf4:zero3_offload:configure:resume"  # one rank, from the step-5 checkpoint of ...:ckpt
@@ -53,7 +55,8 @@ def _load(runs: Path, run: str) -> dict[str, Any]:
 
 def _reference(run: str) -> str:
     model, quant, *_ = run.split(":")
-    return next(r for r in DDP if r.startswith(f"{model}:{quant}:"))
+    peft = run.endswith(":peft")
+    return next(r for r in DDP if r.startswith(f"{model}:{quant}:") and r.endswith(":peft") == peft)
 
 
 @pytest.mark.parametrize("run", LZERO)
@@ -65,6 +68,9 @@ def test_qlora_trains_like_ddp(runs: Path, run: str) -> None:
     for name, value in want["adapters"].items():
         assert torch.equal(got["adapters"][name], value), name
         assert not torch.equal(value, got["start"][name]), name  # trained: every adapter moved
+        if run.endswith(":peft"):  # drawn by peft, in `configure_model`, as eager DDP drew them
+            assert torch.equal(got["start"][name], want["start"][name]), name
+            assert got["start"][name].std() > 0 or "lora_B" in name, name  # B starts at zero
 
 
 @pytest.mark.parametrize("run", [r for r in LZERO if r.endswith(":eval")])

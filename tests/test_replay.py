@@ -15,7 +15,7 @@ from _launch import SCRIPTS, run_script
 sys.path.insert(0, str(SCRIPTS))  # replay_runs: the models
 
 DDP = ["mlp:ddp:32-true", "llama:ddp:32-true", "gpt2:ddp:32-true", "t5:ddp:32-true", "lora:ddp:32-true",
-       "branchy:ddp:32-true"]
+       "branchy:ddp:32-true", "llama:ddp:bf16-true"]
 LZERO = ["mlp:zero3:32-true", "mlp:zero3_offload:32-true", "mlp:zero3_offload_nvme:32-true",
          "mlp:zero3:32-true:init_module", "mlp:zero3:bf16-mixed", "llama:zero3:32-true", "llama:zero3_offload:bf16-mixed",
          "gpt2:zero3:32-true", "gpt2:zero3_offload_nvme:32-true", "t5:zero3:32-true", "lora:zero3:32-true",
@@ -46,8 +46,8 @@ def _load(runs: Path, run: str) -> dict[str, Any]:
 @pytest.mark.parametrize("run", LZERO + [f"fresh/{run}" for run in FRESH])
 def test_initial_state_is_the_eager_models_and_training_is_ddps(runs: Path, run: str) -> None:
     kind, _, precision, *_ = run.removeprefix("fresh/").split(":")
-    # lzero builds the fp32 model under every precision; bf16-true casts it before setup (a cast the record holds)
-    got, want = _load(runs, run), _load(runs, f"{kind}:ddp:32-true")
+    # bf16-true builds in bf16, as Lightning's DDP does; the mixed precisions build the fp32 model
+    got, want = _load(runs, run), _load(runs, f"{kind}:ddp:{'bf16-true' if precision == 'bf16-true' else '32-true'}")
     assert got["initial"].keys() == want["initial"].keys()
     for name, value in want["initial"].items():
         mine = got["initial"][name]
@@ -55,7 +55,7 @@ def test_initial_state_is_the_eager_models_and_training_is_ddps(runs: Path, run:
         assert torch.equal(mine, value.to(mine.dtype)), name
     assert any(value.std() > 0 for value in want["initial"].values())  # random draws, not constants alone
     assert torch.equal(got["rng"], want["rng"])  # the global RNG continues where eager construction left it
-    if precision == "32-true":
+    if precision in ("32-true", "bf16-true"):
         assert got["losses"] == want["losses"] and len(got["losses"]) == 10
 
 

@@ -187,6 +187,10 @@ class Recorder(TorchDispatchMode):
             return value
 
         args, kwargs = tree_map(ref, args), tree_map(ref, kwargs)
+        if creates and kwargs.get("dtype") is None and _takes_dtype(func):
+            first = next((t for t in _tensors(out) if _recorded(t)), None)
+            if first is not None:  # a factory under a default dtype (bf16-true's build): the replay runs without it
+                kwargs = {**kwargs, "dtype": first.dtype}
         outputs = tree_map(lambda t: Ref.of(t) if isinstance(t, Tensor) and _recorded(t) else None, out)
         reads = tuple(dict.fromkeys(k for k in reads if k not in overwrites))
         self.foreign.update(k for k in reads if k not in self._written)
@@ -298,6 +302,13 @@ def _tensors(value: Any) -> list[Tensor]:
     return [t for t in tree_flatten(value)[0] if isinstance(t, Tensor)]
 
 
+def _takes_dtype(func: Callable) -> bool:
+    """A factory with a ``dtype`` keyword (``empty``, ``zeros``, ``full``, ...): absent, it means the default dtype."""
+    schema = getattr(func, "_schema", None)
+    return schema is not None and any(a.name == "dtype" and a.kwarg_only for a in schema.arguments) \
+        and not any(a.type.isSubtypeOf(torch._C.TensorType.get()) for a in schema.arguments)
+
+
 def _recorded(t: Tensor) -> bool:
     """A tensor without values whose construction the record follows: fake (built inside lzero's meta context) or
     meta (a pretrained model's parameters, see hf/pretrained.py)."""
@@ -359,9 +370,11 @@ def record() -> Iterator[Recorder]:
 @contextlib.contextmanager
 def recording_more(module: nn.Module) -> Iterator[None]:
     """Inside the block, operations on ``module``'s meta tensors join the recording that built them (a cast of the
-    whole module before setup: bf16-true's ``convert_module``); a no-op for a module no recording built."""
-    tensors = [t for t in [*module.parameters(), *module.buffers()] if _recorded(t)]
-    recorder = recorder_for(tensors)[0] if tensors else None
+    whole module before setup: bf16-true's ``convert_module``); a no-op for a module no recording built. The newest
+    recording that built any of them: a pretrained base's parameters are built unrecorded (their values come from the
+    files), the adapters beside them are recorded."""
+    keys = {_key(t) for t in [*module.parameters(), *module.buffers()] if _recorded(t)}
+    recorder = next((r for r in reversed(_RECORDERS) if keys & r.nbytes.keys()), None)
     if recorder is None:
         yield
         return

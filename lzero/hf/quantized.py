@@ -190,7 +190,8 @@ def lay_out(model: nn.Module, quantizer: Any, dtype: torch.dtype) -> dict[int, Q
         else:
             continue
         reads[id(module.weight)] = read
-    buffer = torch.zeros(sum(r.groups for r in reads.values()), device="cpu")  # built inside the meta context
+    # fp32 scales (bitsandbytes requires them), whatever the default dtype (bf16-true builds in bf16)
+    buffer = torch.zeros(sum(r.groups for r in reads.values()), dtype=torch.float32, device="cpu")
     offset = 0
     for read in reads.values():
         read.scales, read.buffer = buffer[offset : offset + read.groups], buffer

@@ -6,7 +6,8 @@ RUN is ``MODEL:QUANT:STRATEGY:BUILD[:FLAG...]``. QUANT: ``nf4`` (nf4, bf16 quant
 QLoRA's paper and DeepSpeed need), ``fp4`` (fp4, uint8 storage, no double quantization) or ``int8`` (LLM.int8).
 BUILD: ``init`` (``from_pretrained`` in ``__init__``) or ``configure`` (in ``configure_model``: under zero3 each
 rank reads and quantizes its own shard). The adapters start from fixed values (``on_fit_start``, through
-``strategy.gathered_parameters()`` under lzero). ``eval`` adds, after fit, the validation loss and 4 greedy tokens
+``strategy.gathered_parameters()`` under lzero), or with ``peft`` as peft draws them (gaussian, after
+``torch.manual_seed(1)``). ``eval`` adds, after fit, the validation loss and 4 greedy tokens
 generated inside ``strategy.generation()`` on the quantized shards. ``ckpt`` runs a sanity validation first (an
 eval-mode forward, where bitsandbytes' CPU kernels repack the 4-bit weights) and saves checkpoints every 5 steps to
 ``OUT_DIR/RUN-ckpt/``, the adapters' ``adapter_config.json`` to ``OUT_DIR/RUN-adapter-config/`` and the logits of the trained model on ``PROBE``. ``resume`` runs on one process, batches of 8
@@ -35,9 +36,9 @@ PROBE = torch.tensor([[3, 17, 42, 5, 9]])
 
 
 class QLoRA(LightningModule):
-    def __init__(self, path: str, quant: str, lazy: bool) -> None:
+    def __init__(self, path: str, quant: str, lazy: bool, peft_draws: bool = False) -> None:
         super().__init__()
-        self.path, self.quant = path, quant
+        self.path, self.quant, self.peft_draws = path, quant, peft_draws
         if not lazy:
             self.configure_model()
 
@@ -49,10 +50,24 @@ class QLoRA(LightningModule):
 
         base = AutoModelForCausalLM.from_pretrained(self.path, quantization_config=quantization(self.quant),
                                                     dtype=torch.bfloat16)
+        if self.peft_draws:
+            torch.manual_seed(1)  # as users write it: the adapters drawn by peft after a seed
         self.model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                     lora_dropout=0.0))
+                                                     lora_dropout=0.0,
+                                                     init_lora_weights="gaussian" if self.peft_draws else True))
 
     def on_fit_start(self) -> None:
+        if self.peft_draws:  # the adapters as peft drew them
+            self.start = {n: p.detach().clone() for n, p in self.named_parameters() if "lora_" in n} \
+                if not hasattr(self.trainer.strategy, "gathered_parameters") else self._gathered_start()
+            return
+        self._fixed_start()
+
+    def _gathered_start(self) -> dict:
+        with self.trainer.strategy.gathered_parameters(self):
+            return {n: p.detach().clone() for n, p in self.named_parameters() if "lora_" in n}
+
+    def _fixed_start(self) -> None:
         strategy = self.trainer.strategy
         gathered = strategy.gathered_parameters(self) if hasattr(strategy, "gathered_parameters") else \
             contextlib.nullcontext()
@@ -110,7 +125,7 @@ def fit(models: Path, out: Path, run: str) -> None:
                                          save_last=True))
     resume = "resume" in flags
     trainer = _trainer(strategy, 10, callbacks, devices=1 if resume else 2)
-    module = QLoRA(str(models / name), quant, lazy=build == "configure")
+    module = QLoRA(str(models / name), quant, lazy=build == "configure", peft_draws="peft" in flags)
     checkpoint = out / f"{tag.replace('-resume', '-ckpt')}-ckpt" / "epoch=0-step=5.ckpt" if resume else None
     val = DataLoader(TensorDataset(tokens[:16]), batch_size=4) if "ckpt" in flags else None
     trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=8 if resume else 4), val, ckpt_path=checkpoint)

@@ -132,7 +132,8 @@ class LazyNet(LightningModule):
         self.embed = nn.Embedding(16, 32)
         self.blocks = nn.Sequential(*[nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 32)) for _ in range(4)])
         self.head = nn.Linear(32, 16)
-        self.built_on = self.blocks[0][1].weight.device.type
+        weight = self.blocks[0][1].weight  # under zero3 a fake tensor: no memory, the compute device reported
+        self.built_on = (weight.device.type, weight.untyped_storage().device.type)
         if self.init_from is not None:
             self.load_state_dict(torch.load(self.init_from, weights_only=True))
 
