@@ -4,8 +4,9 @@
 
 RUN is ``MODEL:STRATEGY:PRECISION[:init_module]``; MODEL: ``mlp`` (an embedding, 4 x [Linear, LayerNorm, GELU] and a
 head, its first Linear redrawn by ``trunc_normal_``), ``llama``, ``gpt2``, ``t5`` (Hugging Face ``from_config``) or
-``lora`` (the Llama with peft's LoRA adapters added in the same ``configure_model``) or ``branchy`` (a module whose
-``reset_parameters`` skips its draw on the meta device). The model is built in
+``lora`` (the Llama with peft's LoRA adapters added in the same ``configure_model``), ``branchy`` (a module whose
+``reset_parameters`` skips its draw on the meta device), ``pre_lora`` / ``pre_head`` (``from_pretrained`` of
+``$REPLAY_PRETRAINED``, then LoRA adapters after a seed, or a new classification head). The model is built in
 ``configure_model`` after ``torch.manual_seed(0)`` (``init_module``: under ``trainer.init_module(empty_init=True)``
 before fit instead). Rank 0 writes ``OUT_DIR/RUN.pt``: the parameters and buffers as the first step sees them
 (gathered), the losses, and a draw from the global RNG at the start of fit. tests/test_replay.py compares them.
@@ -47,7 +48,27 @@ class Branchy(nn.Module):
         return self.head(torch.tanh(self.embed(x) @ self.w))
 
 
+def pretrained(kind: str) -> nn.Module:
+    """A pretrained Llama (``$REPLAY_PRETRAINED``, saved by the test) with what its files do not hold: peft's LoRA
+    adapters drawn after a seed (``pre_lora``), or a new classification head (``pre_head``)."""
+    import os
+
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    folder = os.environ["REPLAY_PRETRAINED"]
+    if kind == "pre_head":
+        return AutoModelForSequenceClassification.from_pretrained(folder, num_labels=3, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                                            init_lora_weights="gaussian"))
+
+
 def build(kind: str) -> nn.Module:
+    if kind.startswith("pre_"):
+        return pretrained(kind)
     if kind == "branchy":
         return Branchy()
     if kind == "mlp":
@@ -92,6 +113,8 @@ class Built(LightningModule):
             return self.net(x).float().logsumexp(-1).mean() - self.net(x).float()[..., 0].mean()
         if self.kind == "t5":
             return self.net(input_ids=x, decoder_input_ids=x, labels=x).loss
+        if self.kind == "pre_head":
+            return self.net(input_ids=x).logits.float().logsumexp(-1).mean()
         return self.net(input_ids=x, labels=x).loss
 
     def configure_optimizers(self) -> Any:
