@@ -301,6 +301,12 @@ class ZeroConfig:
     """Run an optimizer that is not on lzero's allow-list of elementwise optimizers. Such an optimizer
     may compute something other than it would on the whole model (e.g. a norm over a shard only)."""
 
+    exact_init: bool = False
+    """Stage 3, a model built in ``configure_model`` or ``init_module(empty_init=True)``: where lzero cannot replay
+    its construction exactly as eager code runs it (and so would start from other random draws than DDP, with a
+    warning naming the tensor and the reason), raise that as an error instead. See [Note: replayed construction] in
+    lzero/engine/replay.py."""
+
     def __post_init__(self) -> None:
         _check_stage(self.stage)
         for name in ("reduce_bucket_size", "allgather_bucket_size", "max_inflight_reductions"):
@@ -389,7 +395,7 @@ class ZeroConfig:
             object.__setattr__(self, "sub_group_size", int(self.sub_group_size))
         _check_positive_int("sub_group_size", self.sub_group_size)
         for name in ("overlap_comm", "broadcast_buffers", "find_unused_parameters", "allow_untested_optimizer",
-                     "log_memory"):
+                     "exact_init", "log_memory"):
             if not isinstance(getattr(self, name), bool):
                 raise ZeroConfigError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
 

@@ -115,6 +115,22 @@ def test_a_model_built_outside_the_record_falls_back_with_a_warning() -> None:
         engine.remove()
 
 
+def test_exact_init_turns_the_fallback_into_an_error_naming_the_tensor() -> None:
+    """``exact_init: true``: a tensor the record cannot replay (built outside lzero's context) stops setup, naming it;
+    by default the same is a warning and the model is initialized block by block."""
+    from lzero import ZeroConfig, ZeroEngine
+    from lzero.engine.engine import ZeroEngineError
+    from lzero.run_wiring import meta_device
+
+    with meta_device():
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    with torch.device("meta"):  # added outside the record
+        model.append(torch.nn.Linear(8, 4))
+    with pytest.raises(ZeroEngineError, match=r"(?s)`1.weight` \(shape \(4, 8\)\) was built outside lzero's meta"
+                                              r" context.*`exact_init: true`"):
+        ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], ZeroConfig(stage=3, exact_init=True))
+
+
 def test_a_tensor_nothing_wrote_is_named() -> None:
     from lzero.engine.materialize import UninitializedModuleError
     from lzero.run_wiring import meta_device

@@ -228,13 +228,17 @@ class ZeroEngine:
         numbers than eager); ``loaded`` alone when no record covers it and it was given."""
         source, why = replay.replayed_weights(module, self.partition.units, self.rank, device,
                                               lambda t: collectives.broadcast_([t], src=0, group=self.everyone), loaded)
-        if source is None and loaded is not None:
-            return loaded
-        if source is None:
-            _warn_once(f"lzero initializes this meta-device model block by block: {why}, so its random draws differ"
-                      " from the same code run eagerly (under DDP). HINT: build the whole model inside"
-                      " `configure_model` or `trainer.init_module(empty_init=True)`, or pass `init_fn`.")
-        return source
+        if source is not None:
+            return source
+        what = "what the files do not hold" if loaded is not None else "this meta-device model"
+        message = (f"lzero initializes {what} block by block: {why}, so its random draws differ from the same code"
+                   " run eagerly (under DDP). HINT: build the whole model inside `configure_model` or"
+                   " `trainer.init_module(empty_init=True)`, or pass `init_fn`.")
+        if self.config.exact_init:
+            raise ZeroEngineError(message + " (`exact_init: true` makes this an error; set it to false to go on with"
+                                            " other draws.)")
+        _warn_once(message)
+        return loaded
 
     def _broadcast_initial_state(self, module: nn.Module) -> None:
         """Rank 0's parameters and buffers everywhere, as DDP does, so unseeded models agree."""

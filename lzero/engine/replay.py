@@ -277,14 +277,15 @@ class Recorder(TorchDispatchMode):
                 " HINT: initialize it in the module's `__init__` or `reset_parameters()`, or pass"
                 " `ZeroStrategy(init_fn=...)`.")
 
-    def covers(self, tensors: list[Tensor]) -> Optional[str]:
-        """None if every meta tensor of ``tensors`` can be replayed; else why not."""
-        for t in tensors:
+    def covers(self, tensors: list[Tensor], names: Optional[list[str]] = None) -> Optional[str]:
+        """None if every meta tensor of ``tensors`` can be replayed; else why not (naming it, from ``names``)."""
+        for i, t in enumerate(tensors):
             key = _key(t)
+            what = f"`{names[i]}`" if names is not None else "a tensor"
             if key not in self.nbytes:
-                return f"a tensor of shape {tuple(t.shape)} was built outside lzero's meta context"
+                return f"{what} (shape {tuple(t.shape)}) was built outside lzero's meta context"
             if key in self.foreign:
-                return f"a tensor of shape {tuple(t.shape)} was read before anything in the record wrote it"
+                return f"{what} (shape {tuple(t.shape)}) was read before anything in the record wrote it"
         return None
 
 
@@ -417,16 +418,17 @@ def _meta_parameter(p: Tensor) -> nn.Parameter:
     return new
 
 
-def recorder_for(tensors: list[Tensor]) -> tuple[Optional[Recorder], str]:
-    """The recording that built every one of ``tensors``, or None and why not."""
+def recorder_for(tensors: list[Tensor], names: Optional[list[str]] = None) -> tuple[Optional[Recorder], str]:
+    """The recording that built every one of ``tensors`` (named ``names``), or None and why not."""
     if not _RECORDERS:
-        return None, "the model was not built inside lzero's meta context"
-    why = "no recording"
+        return None, "the model was built outside lzero's meta context"
+    reasons = []
     for recorder in reversed(_RECORDERS):
-        why = recorder.covers(tensors) or ""
+        why = recorder.covers(tensors, names)
         if not why:
             return recorder, ""
-    return None, why
+        reasons.append(why)
+    return None, reasons[0]  # the newest recording's: the model's own, when it has one
 
 
 class Replay:
@@ -602,7 +604,7 @@ def replayed_weights(root: nn.Module, units: Sequence[UnitSpec], rank: int, devi
     named = [(n, t) for n, t in [*root.named_parameters(), *root.named_buffers()] if t.is_meta]
     if provided is not None:  # the tensors the load gives are not the record's to cover
         named = [(n, t) for n, t in named if not provided.holds(n)]
-    recorder, why = recorder_for([t for _, t in named])
+    recorder, why = recorder_for([t for _, t in named], [n for n, _ in named])
     if recorder is None:
         return None, why
     if provided is not None:  # what neither the load nor the record wrote: the modules' reset_parameters(), as FSDP
