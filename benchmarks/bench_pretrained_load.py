@@ -8,6 +8,9 @@ A GPT-2 of about 355M parameters (24 x 1024, vocabulary 50257; fp32, 1.42 GB) is
 
 - ``lzero zero3``: ``from_pretrained`` inside lzero's meta context, then the zero3 engine reads each rank's
   shards ([Note: reading a pretrained checkpoint into shards] in lzero/hf/weights.py);
+- ``lzero zero3 + LoRA``: the same, as in ``configure_model`` (``lzero.run_wiring.meta_device``: the construction
+  recorded), with peft's LoRA adapters (r 8 on ``c_attn``, drawn after ``torch.manual_seed(1)``) added before the
+  engine reads the shards and replays the adapters' draws;
 - ``plain from_pretrained``: transformers' own, every rank holding the whole model (what a model built in
   ``__init__`` costs, and what zero1/zero2 do);
 - ``safetensors load_file``: the library reading every file whole, one process (the throughput reference);
@@ -110,6 +113,22 @@ def _rank(rank: int, world: int, port: int, way: str, folder: str, queue: object
                             weights=PretrainedWeights(model))
         held = sum(u.spec.shard_numel for u in engine.units) * 4
         largest = max(math.prod(s.shape) for u in engine.units for s in u.spec.params) * 4
+    elif way == "lzero zero3 + LoRA":  # as in configure_model: lzero's meta context, adapters drawn by peft
+        from peft import LoraConfig, get_peft_model
+
+        from lzero.run_wiring import meta_device, pretrained_weights
+
+        with meta_device():
+            model = GPT2LMHeadModel.from_pretrained(folder, dtype=torch.float32)
+            torch.manual_seed(1)
+            model = get_peft_model(model, LoraConfig(r=8, target_modules=["c_attn"], init_lora_weights="gaussian"))
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        engine = ZeroEngine(model, [torch.optim.SGD(trainable, lr=0.0)], ZeroConfig(stage=3),
+                            weights=pretrained_weights(model))
+        held = sum(u.spec.shard_numel for u in engine.units) * 4
+        largest = max(math.prod(s.shape) for u in engine.units for s in u.spec.params) * 4
+        held = sum(u.spec.shard_numel for u in engine.units) * 4
+        largest = max(math.prod(s.shape) for u in engine.units for s in u.spec.params) * 4
     else:
         model = GPT2LMHeadModel.from_pretrained(folder, dtype=torch.float32)
         held = sum(p.numel() for p in model.parameters()) * 4
@@ -117,7 +136,7 @@ def _rank(rank: int, world: int, port: int, way: str, folder: str, queue: object
         asked[0] = held
     seconds = time.perf_counter() - start
     at_load = _status("VmHWM") - rss0
-    if way != "lzero zero3":  # transformers' parameters map the files: they become this rank's memory when written
+    if not way.startswith("lzero"):  # transformers' parameters map the files: they become this rank's memory when written
         with torch.no_grad():
             for p in model.parameters():
                 p.data = p.data.clone()
@@ -183,7 +202,7 @@ def main() -> None:
     rows.append(load_file_reference(folder, owned=False))
     drop_caches()
     rows.append(load_file_reference(folder, owned=True))
-    for way in ("lzero zero3", "plain from_pretrained"):
+    for way in ("lzero zero3", "lzero zero3 + LoRA", "plain from_pretrained"):
         drop_caches()
         rows.extend(run_way(way, folder))
     if args.deepspeed_python:
@@ -214,9 +233,14 @@ def main() -> None:
     lz_rate = sum(r["asked"] for r in z3) / max(r["seconds"] for r in z3)
     growth = ", ".join(f"{r['peak_growth'] / (r['held'] + r['largest']):.2f}" for r in z3)
     asked = ", ".join(f"{r['asked'] / r['held']:.3f}" for r in z3)
+    lora = [r for r in rows if r["way"] == "lzero zero3 + LoRA"]
+    files = sum(r["asked"] for r in z3)  # both ranks together read the files once
+    lora_read = ", ".join(f"{r['asked'] / (files / len(lora)):.3f}" for r in lora)
     lines += ["",
               f"- lzero zero3, per rank: peak RSS growth / (shard + largest tensor) = {growth} (target <= 1.10);"
               f" bytes read / shard = {asked} (target <= 1.10; the shard includes its padding).",
+              f"- lzero zero3 + LoRA, per rank: bytes read / the rank's share of the files = {lora_read} (target <="
+              " 1.10): the adapters come from the replayed construction, not the files.",
               f"- Throughput, both ranks together: {lz_rate / 1e9:.2f} GB/s; load_file into owned memory"
               f" {rate(owned) / 1e9:.2f} GB/s ({lz_rate / rate(owned):.2f}x); load_file mapped"
               f" {rate(mapped) / 1e9:.2f} GB/s ({lz_rate / rate(mapped):.2f}x: it copies nothing, the tensors are views"

@@ -102,7 +102,7 @@ def run_rank(way: str, layers: int, results: Path) -> None:
     torch.set_num_threads(1)
     hf_logging.disable_progress_bar()
     if way == "block-wise":
-        replay.recorder_for = lambda tensors: (None, BLOCKWISE)  # the engine warns and initializes block by block
+        replay.recorder_for = lambda tensors, names=None: (None, BLOCKWISE)  # the engine warns, goes block by block
     seen: dict[str, object] = {}
     replayed_weights = replay.replayed_weights
 

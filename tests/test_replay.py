@@ -131,6 +131,19 @@ def test_exact_init_turns_the_fallback_into_an_error_naming_the_tensor() -> None
         ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], ZeroConfig(stage=3, exact_init=True))
 
 
+def test_construction_that_reads_values_is_refused_with_a_hint() -> None:
+    """Control flow on values (here ``bool(tensor)``) cannot run on tensors without memory: named, with the ways out."""
+    from lzero.engine.replay import ReplayError
+    from lzero.run_wiring import meta_device
+
+    with pytest.raises(ReplayError, match=r"(?s)reads tensor values.*no values to read.*HINT: build that part in"
+                                          r" `__init__`.*mean_resizing=False"):
+        with meta_device():
+            layer = torch.nn.Linear(8, 8)
+            if (layer.weight > 1).any():
+                layer.weight.data.clamp_(max=1)
+
+
 def test_a_tensor_nothing_wrote_is_named() -> None:
     from lzero.engine.materialize import UninitializedModuleError
     from lzero.run_wiring import meta_device

@@ -60,7 +60,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -150,8 +150,17 @@ class Recorder(TorchDispatchMode):
             self._note_reseeding()  # before the draw: where it finds the generator
         inputs = _tensors((args, kwargs))
         if any(isinstance(t, FakeTensor) for t in inputs) or (self.building and not inputs):
-            with self.fake:  # storage-less tensors that report the real device: [Note: a fake device]
-                out = func(*args, **kwargs)
+            try:
+                with self.fake:  # storage-less tensors that report the real device: [Note: a fake device]
+                    out = func(*args, **kwargs)
+            except DataDependentOutputException as err:
+                raise ReplayError(
+                    f"The model's construction reads tensor values (`{func}`: `.item()`, `bool(tensor)`, `.all()`"
+                    " and the like), but under zero3 `configure_model` builds it without memory (tensors on a fake"
+                    " device, see [Note: a fake device] in lzero/engine/replay.py), so there are no values to read."
+                    " HINT: build that part in `__init__` (zero3 shards it at setup), avoid the read (for"
+                    " `resize_token_embeddings`: `mean_resizing=False`), or pass `ZeroStrategy(init_fn=...)`."
+                ) from err
         else:
             out = func(*args, **kwargs)
         if not _touches_recorded(args, kwargs, out):
