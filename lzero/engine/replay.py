@@ -333,6 +333,26 @@ _BUILDING: list[Recorder] = []
 """The recorders whose meta context is open (``building_on``), the innermost last."""
 
 
+def as_fakes(module: nn.Module, skip: set[int]) -> None:
+    """Inside lzero's meta context: every plain meta parameter of ``module`` (but those whose ``id`` is in ``skip``)
+    replaced by a fake one over the same storage, as the rest of the construction's tensors are, so code that mixes
+    them (``old.weight.data = new.weight.data`` in transformers' ``resize_token_embeddings``) works as eagerly. A no-op
+    outside the context."""
+    recorder = _BUILDING[-1] if _BUILDING else None
+    if recorder is None:
+        return
+    made: dict[int, nn.Parameter] = {}
+    for owner in module.modules():
+        for name, p in list(owner._parameters.items()):
+            if p is None or type(p) is not nn.Parameter or not p.is_meta or id(p) in skip:
+                continue
+            if id(p) not in made:
+                fake = recorder.fake.fake_tensor_converter.from_meta_and_device(recorder.fake, p.detach(), p.device)
+                made[id(p)] = nn.Parameter(fake, requires_grad=p.requires_grad)
+                made[id(p)].__dict__.update({k: v for k, v in p.__dict__.items() if k != "_is_param"})
+            owner._parameters[name] = made[id(p)]
+
+
 @contextlib.contextmanager
 def unrecorded() -> Iterator[None]:
     """Inside the block, the open recording records nothing: construction that eager code runs on the meta device
@@ -445,12 +465,15 @@ class Replay:
 
     def __init__(self, recorder: Recorder,
                  wanted: dict[int, list[tuple[str, Ref, Optional[list[tuple[int, int, Tensor]]]]]],
-                 device: torch.device) -> None:
+                 device: torch.device, loads: Optional[dict[int, Callable[[Tensor], None]]] = None) -> None:
         """``wanted``: storage -> (name, the tensor's Ref, the flat [start, end) ranges to keep, each with the memory
         that takes it (a slice of a unit's shard); None: the whole tensor)."""
         self.recorder = recorder
         self.wanted = wanted
         self.device = device
+        # storage -> fills a flat uint8 view of it with a checkpoint tensor: storages the files hold that the record
+        # reads without writing (a resized embedding copies the loaded rows)
+        self.loads = loads or {}
         self.whole: dict[str, Tensor] = {}
 
     @torch.no_grad()
@@ -467,6 +490,10 @@ class Replay:
                     if key not in real:
                         real[key] = torch.empty(self.recorder.nbytes[key], dtype=torch.uint8,
                                                 device=self.device).untyped_storage()
+                for key in [k for k in e.reads if k not in real and k in self.loads]:
+                    real[key] = torch.empty(self.recorder.nbytes[key], dtype=torch.uint8,
+                                            device=self.device).untyped_storage()
+                    self.loads[key](torch.empty(0, dtype=torch.uint8, device=self.device).set_(real[key]))
                 missing = [k for k in (*e.reads, *e.writes) if k not in real]
                 if missing:
                     raise ReplayError("an operation of the record reads storage the record never wrote")
@@ -640,7 +667,8 @@ def replayed_weights(root: nn.Module, units: Sequence[UnitSpec], rank: int, devi
         wanted.setdefault(_key(t), []).append((name, Ref.of(t), ranges))
     state = start_state(recorder.start_states, device).clone()
     broadcast(state)
-    replay = Replay(recorder, wanted, device)
+    loads = provided.storage_loads() if hasattr(provided, "storage_loads") else None
+    replay = Replay(recorder, wanted, device, loads)
     end = replay.run(state)
     if _same_states(_states(), recorder.final_states) or _cuda_started_since(recorder.final_states, device):
         _set_state(device, end)  # nothing drew since the build: continue as eager would

@@ -23,6 +23,7 @@ transformers' own.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import sys
 import weakref
@@ -70,6 +71,10 @@ class PretrainedSource:
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)
     quantized: dict[int, Any] = field(default_factory=dict)  # id(weight) -> its QuantizedRead (hf/quantized.py)
+    # storage (``_cdata``) -> (checkpoint key, numel, dtype) of each matched tensor as it was matched: code after
+    # ``from_pretrained`` may give a parameter new data (a resized embedding), the storage stays the checkpoint's
+    by_storage: dict[int, tuple[str, int, torch.dtype]] = field(default_factory=dict)
+    storages: list = field(default_factory=list)  # those storages, kept alive so that their keys stay theirs
 
 
 _SOURCES: "weakref.WeakKeyDictionary[nn.Module, PretrainedSource]" = weakref.WeakKeyDictionary()
@@ -130,11 +135,12 @@ def from_pretrained_into_shards(cls: type, pretrained_model_name_or_path: Any, *
     files = find_files(folder, use_safetensors)
     dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype, config, files)
     quantizer = quantized.quantizer_for(config, quantization_config, dtype)  # [Note: quantize on read]
-    from lzero.engine.replay import unrecorded
+    from lzero.engine.replay import as_fakes, unrecorded
 
     with unrecorded():  # built as transformers builds it, on the meta device: no draw to replay
         model = _build(cls, config, dtype, model_args, kwargs)
         reads = quantized.lay_out(model, quantizer, dtype) if quantizer is not None else {}
+    as_fakes(model, skip=set(reads))  # like the rest of the construction (see [Note: a fake device])
     source = _match(model, files, ignore_mismatched_sizes, {i: r.shape for i, r in reads.items()})
     source.quantized = reads
     _initialize_missing(model, source)
@@ -320,11 +326,14 @@ def _match(model: nn.Module, files: CheckpointFiles, ignore_mismatched: bool,
             skipped.add(found)  # neither loaded nor unexpected: transformers lists it as mismatched
             continue
         by_tensor[id(tensors[first])] = (tensors[first], found)
+    by_storage = {_storage(t): (key, t.numel(), t.dtype) for t, key in by_tensor.values()}
+    storages = [t.untyped_storage() for t, _ in by_tensor.values()]
     used = {key for _, key in by_tensor.values()} | skipped
     unexpected = [k for k in files.tensors if k not in used]
     missing = _ignored(missing, getattr(model, "_keys_to_ignore_on_load_missing", None))
     unexpected = _ignored(unexpected, getattr(model, "_keys_to_ignore_on_load_unexpected", None))
-    return PretrainedSource(files, by_tensor, missing, unexpected, mismatched)
+    return PretrainedSource(files, by_tensor, missing, unexpected, mismatched, by_storage=by_storage,
+                            storages=storages)
 
 
 def _ignored(keys: list[str], patterns: Optional[list[str]]) -> list[str]:
@@ -354,6 +363,18 @@ def _load_generation_config(model: nn.Module, folder: Path) -> None:
         model.generation_config = GenerationConfig.from_pretrained(folder)
 
 
+def _storage(t: Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _load_whole(source: PretrainedSource, key: str, numel: int, dtype: torch.dtype, out: Tensor) -> None:
+    files = OpenFiles(source.files)
+    try:
+        files.read_flat_into(key, 0, numel, out[: numel * dtype.itemsize].view(dtype))
+    finally:
+        files.close()
+
+
 class PretrainedWeights:
     over_replay = True  # what the files do not hold comes from the model's replayed construction (replay.py)
 
@@ -369,13 +390,16 @@ class PretrainedWeights:
     def __init__(self, root: nn.Module) -> None:
         self._keys: dict[str, tuple[PretrainedSource, str]] = {}  # root name -> (its source, checkpoint key)
         self.sources: list[PretrainedSource] = [s for m in root.modules() if (s := _SOURCES.get(m)) is not None]
-        owner = {i: (source, key) for source in self.sources for i, (_, key) in source.by_tensor.items()}
+        # by storage: a tensor built on lzero's fake device is swapped for a meta tensor over the same storage at
+        # setup (lzero.engine.replay.settle), and one whose storage was replaced since (a resized embedding) is no
+        # longer the checkpoint's
+        owner = {storage: (source, key) for source in self.sources for storage, (key, _, _) in source.by_storage.items()}
         named = [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]
         self._quantized: dict[str, quantized.QuantizedRead] = {}  # root name -> how to quantize it on read
         for name, t in named:
-            if id(t) in owner:
-                self._keys[name] = owner[id(t)]
-                read = owner[id(t)][0].quantized.get(id(t))
+            if _storage(t) in owner:
+                self._keys[name] = owner[_storage(t)]
+                read = owner[_storage(t)][0].quantized.get(id(t))
                 if read is not None:
                     self._quantized[name] = read
 
@@ -389,6 +413,15 @@ class PretrainedWeights:
     def holds(self, name: str) -> bool:
         """Whether the root's tensor ``name`` is read from a checkpoint."""
         return name in self._keys
+
+    def storage_loads(self) -> dict[int, Callable[[Tensor], None]]:
+        """Storage -> a function that fills a flat byte view of it with the checkpoint tensor it was matched with: for
+        a replay that reads a loaded tensor the model no longer holds (a resized embedding copies the old rows)."""
+        quantized = {_storage(t) for source in self.sources for t, _ in source.by_tensor.values()
+                     if id(t) in source.quantized}
+        return {storage: functools.partial(_load_whole, source, key, numel, dtype)
+                for source in self.sources for storage, (key, numel, dtype) in source.by_storage.items()
+                if storage not in quantized}
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[Callable[[str, int, int, Tensor], None]]:

@@ -6,7 +6,8 @@ RUN is ``MODEL:STRATEGY:PRECISION[:init_module]``; MODEL: ``mlp`` (an embedding,
 head, its first Linear redrawn by ``trunc_normal_``), ``llama``, ``gpt2``, ``t5`` (Hugging Face ``from_config``) or
 ``lora`` (the Llama with peft's LoRA adapters added in the same ``configure_model``), ``branchy`` (a module whose
 ``reset_parameters`` skips its draw on the meta device), ``pre_lora`` / ``pre_head`` (``from_pretrained`` of
-``$REPLAY_PRETRAINED``, then LoRA adapters after a seed, or a new classification head). The model is built in
+``$REPLAY_PRETRAINED``, then LoRA adapters after a seed, or a new classification head); ``pre_resize``: its
+token embeddings resized. The model is built in
 ``configure_model`` after ``torch.manual_seed(0)`` (``init_module``: under ``trainer.init_module(empty_init=True)``
 before fit instead). Rank 0 writes ``OUT_DIR/RUN.pt``: the parameters and buffers as the first step sees them
 (gathered), the losses, and a draw from the global RNG at the start of fit. tests/test_replay.py compares them.
@@ -50,7 +51,8 @@ class Branchy(nn.Module):
 
 def pretrained(kind: str) -> nn.Module:
     """A pretrained Llama (``$REPLAY_PRETRAINED``, saved by the test) with what its files do not hold: peft's LoRA
-    adapters drawn after a seed (``pre_lora``), or a new classification head (``pre_head``)."""
+    adapters drawn after a seed (``pre_lora``), a new classification head (``pre_head``), or 16 new token rows
+    (``pre_resize``)."""
     import os
 
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
@@ -59,6 +61,9 @@ def pretrained(kind: str) -> nn.Module:
     if kind == "pre_head":
         return AutoModelForSequenceClassification.from_pretrained(folder, num_labels=3, dtype=torch.float32)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    if kind == "pre_resize":  # new rows drawn, the loaded ones copied (mean_resizing reads values: refused)
+        model.resize_token_embeddings(VOCAB + 16, mean_resizing=False)
+        return model
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(1)
