@@ -117,6 +117,19 @@ def test_a_model_built_outside_the_record_falls_back_with_a_warning() -> None:
         engine.remove()
 
 
+def test_fabric_init_module_then_init_equals_ddp(tmp_path: Path) -> None:
+    """Fabric, ``init_module(empty_init=True)`` then initialization after it (litgpt's pattern), at stage 3: a module
+    whose ``reset_parameters`` branches on the meta device and a Llama imported inside the build, bitwise DDP's."""
+    for strategy in ("ddp", "zero3"):
+        run_script("fabric_replay_runs.py", strategy, str(tmp_path / strategy), ranks=2, timeout=300)
+    ours, ddp = torch.load(tmp_path / "zero3", weights_only=True), torch.load(tmp_path / "ddp", weights_only=True)
+    assert ours["state"].keys() == ddp["state"].keys() and len(ddp["state"]) > 20
+    for key, value in ddp["state"].items():
+        assert torch.equal(ours["state"][key], value), key
+    assert ddp["state"]["branchy.w"].std() > 0
+    assert torch.equal(ours["rng"], ddp["rng"])
+
+
 def test_exact_init_turns_the_fallback_into_an_error_naming_the_tensor() -> None:
     """``exact_init: true``: a tensor the record cannot replay (built outside lzero's context) stops setup, naming it;
     by default the same is a warning and the model is initialized block by block."""
