@@ -146,17 +146,36 @@ def test_exact_init_turns_the_fallback_into_an_error_naming_the_tensor() -> None
         ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], ZeroConfig(stage=3, exact_init=True))
 
 
-def test_construction_that_reads_values_is_refused_with_a_hint() -> None:
-    """Control flow on values (here ``bool(tensor)``) cannot run on tensors without memory: named, with the ways out."""
+def test_construction_that_branches_on_values_is_replayed_as_eager() -> None:
+    """Control flow on values (``bool(tensor)``): the record so far is replayed on real memory to read them, so the
+    construction takes eager's branch; the setup's replay then gives eager's weights and RNG."""
+    from lzero.run_wiring import meta_device
+
+    def build() -> torch.nn.Module:
+        layer = torch.nn.Linear(8, 8)
+        if (layer.weight > 0.3).any():  # true for this seed: the clamp happens, eagerly and replayed
+            layer.weight.data.clamp_(max=0.3)
+        return torch.nn.Sequential(layer, torch.nn.Linear(8, 4))
+
+    torch.manual_seed(0)
+    eager = build().state_dict()
+    after_eager = torch.get_rng_state()
+    assert eager["0.weight"].max() == 0.3
+    torch.manual_seed(0)
+    with meta_device():
+        model = build()
+    _assert_replayed_as_eager(model, eager, after_eager)
+
+
+def test_a_shape_that_depends_on_values_is_refused_with_a_hint() -> None:
     from lzero.engine.replay import ReplayError
     from lzero.run_wiring import meta_device
 
-    with pytest.raises(ReplayError, match=r"(?s)reads tensor values.*no values to read.*HINT: build that part in"
-                                          r" `__init__`.*mean_resizing=False"):
+    with pytest.raises(ReplayError, match=r"(?s)shape depends on values.*not known until setup.*HINT: build that part"
+                                          r" in `__init__`"):
         with meta_device():
             layer = torch.nn.Linear(8, 8)
-            if (layer.weight > 1).any():
-                layer.weight.data.clamp_(max=1)
+            layer.register_buffer("big", torch.nonzero(layer.weight > 0))
 
 
 def test_a_tensor_nothing_wrote_is_named() -> None:

@@ -35,7 +35,12 @@ do eagerly, whenever and wherever they were imported; no library is patched. Whi
 operation on real tensors alone stays real (a constant computed in ``__init__`` keeps its value). After the context
 closes, operations on the fake tensors are still recorded while the recording stays open (Fabric, until setup).
 
-Two things the fake tensors cannot do, handled where they arise: ``trunc_normal_`` resamples until no value lies
+A value the construction reads (``bool(tensor)``, ``.item()``: a branch taken on it) has no memory behind it: the
+record so far is then replayed on real memory (from the recorded RNG state, in a forked generator, with the files of
+pretrained models for the tensors they hold) and the value read from it, so the construction takes eager's branch;
+the replay at setup computes the same values again. A tensor whose shape depends on values (``nonzero``) is refused.
+
+Two more things the fake tensors cannot do, handled where they arise: ``trunc_normal_`` resamples until no value lies
 outside its bounds, a loop that reads the values, so the call is recorded whole (the module global
 ``torch.nn.init._no_grad_trunc_normal_``, which every reference to ``trunc_normal_`` reaches); and a
 ``Module.to()`` of a fake parameter swaps the tensor's contents (``torch.utils.swap_tensors``), which the fake mode's
@@ -60,7 +65,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
+                                           FakeTensorMode)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -138,6 +144,7 @@ class Recorder(TorchDispatchMode):
         # ``Module.to()`` from swapping a fake parameter for its converted self (``torch.utils.swap_tensors``)
         self.fake.fake_tensor_converter.set_tensor_memo = lambda t, v: None
         self.building = False
+        self.device = torch.device("cpu")  # what the fake tensors report (``building_on``)
         self.paused = False  # nothing recorded (a pretrained base, built as eager ``from_pretrained`` builds it)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
@@ -153,13 +160,15 @@ class Recorder(TorchDispatchMode):
             try:
                 with self.fake:  # storage-less tensors that report the real device: [Note: a fake device]
                     out = func(*args, **kwargs)
-            except DataDependentOutputException as err:
+            except (DataDependentOutputException, DynamicOutputShapeException) as err:
+                if isinstance(err, DataDependentOutputException) and not any(r.type.isSubtypeOf(torch._C.TensorType.get()) for r in func._schema.returns):
+                    return self._read_values(func, args, kwargs)  # a value steering the construction
                 raise ReplayError(
-                    f"The model's construction reads tensor values (`{func}`: `.item()`, `bool(tensor)`, `.all()`"
-                    " and the like), but under zero3 `configure_model` builds it without memory (tensors on a fake"
-                    " device, see [Note: a fake device] in lzero/engine/replay.py), so there are no values to read."
-                    " HINT: build that part in `__init__` (zero3 shards it at setup), avoid the read (for"
-                    " `resize_token_embeddings`: `mean_resizing=False`), or pass `ZeroStrategy(init_fn=...)`."
+                    f"The model's construction makes a tensor whose shape depends on values (`{func}`), but under zero3"
+                    " `configure_model` builds it without memory (tensors on a fake device, see [Note: a fake device]"
+                    " in lzero/engine/replay.py), so the shape is not known until setup."
+                    " HINT: build that part in `__init__` (zero3 shards it at setup), or pass"
+                    " `ZeroStrategy(init_fn=...)`."
                 ) from err
         else:
             out = func(*args, **kwargs)
@@ -176,7 +185,9 @@ class Recorder(TorchDispatchMode):
                         and Ref.of(value).whole(self.nbytes[_key(value)]):
                     overwrites.append(_key(value))
         viewing = all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns) and schema.returns
-        if viewing and not writes:
+        outputs = [_key(t) for t in _tensors(out) if _recorded(t)]
+        aliasing = bool(outputs) and set(outputs) <= {_key(t) for t in _tensors((args, kwargs))}  # _unsafe_view
+        if (viewing or aliasing) and not writes:
             return out  # a view: a later use names its storage and geometry
         creates = tuple(_key(t) for t in _tensors(out) if _recorded(t) and _key(t) not in set(writes))
         for t in _tensors(out):
@@ -205,6 +216,22 @@ class Recorder(TorchDispatchMode):
         self.foreign.update(k for k in reads if k not in self._written)
         self._written.update((*creates, *overwrites))
         self.entries.append(Entry(func, args, kwargs, creates, writes, overwrites, reads, outputs))
+
+    def _read_values(self, func: Callable, args: tuple, kwargs: dict) -> Any:
+        """The construction reads values (``bool(tensor)``, ``.item()``: a branch taken on them, as transformers'
+        ``resize_token_embeddings`` checks its covariance): the record so far is replayed on real memory, from the
+        recorded RNG state and with the files of pretrained models for the tensors they hold, and ``func`` runs on the
+        real values. The construction goes on as eagerly; the replay at setup computes the same values again."""
+        fakes = [t for t in _tensors((args, kwargs)) if isinstance(t, FakeTensor)]
+        wanted: dict[int, list] = {}
+        for i, t in enumerate(fakes):
+            wanted.setdefault(_key(t), []).append((f"value{i}", Ref.of(t), None))
+        loads = {k: v for provide in _FILE_LOADS for k, v in provide().items()}
+        replay = Replay(self, wanted, self.device, loads)
+        replay.run(start_state(self.start_states, self.device).clone())
+        real = {id(t): replay.whole[f"value{i}"] for i, t in enumerate(fakes)}
+        args, kwargs = tree_map(lambda v: real.get(id(v), v) if isinstance(v, Tensor) else v, (args, kwargs))
+        return func(*args, **kwargs)
 
     def _remember(self, t: Tensor) -> None:
         key = _key(t)
@@ -260,6 +287,7 @@ class Recorder(TorchDispatchMode):
     def building_on(self, device: torch.device) -> Iterator[None]:
         """Inside the block, every tensor created is a fake one on ``device`` (see [Note: a fake device])."""
         before, self.building = self.building, True
+        self.device = torch.device(device)
         _BUILDING.append(self)
         try:
             with torch.device(device):
@@ -328,6 +356,10 @@ def _recorded(t: Tensor) -> bool:
 def _touches_recorded(args: tuple, kwargs: dict, out: Any) -> bool:
     return any(_recorded(t) for t in _tensors((args, kwargs, out)))
 
+
+_FILE_LOADS: list[Callable[[], dict[int, Callable[[Tensor], None]]]] = []
+"""Providers of ``storage -> fill`` for tensors that files hold (pretrained models, hf/pretrained.py registers one):
+what a replay reads that the record never wrote."""
 
 _BUILDING: list[Recorder] = []
 """The recorders whose meta context is open (``building_on``), the innermost last."""
@@ -496,7 +528,8 @@ class Replay:
                     self.loads[key](torch.empty(0, dtype=torch.uint8, device=self.device).set_(real[key]))
                 missing = [k for k in (*e.reads, *e.writes) if k not in real]
                 if missing:
-                    raise ReplayError("an operation of the record reads storage the record never wrote")
+                    raise ReplayError(f"an operation of the record (`{getattr(e.func, '__name__', e.func)}`, the"
+                                      f" {i + 1}th of {len(entries)}) reads storage the record never wrote")
                 args, kwargs = tree_map(lambda v: _real(v, real, self.device), (e.args, e.kwargs))
                 out = e.func(*args, **kwargs)
                 if e.creates:

@@ -92,6 +92,10 @@ def intercept() -> Iterator[None]:
     if base is None:
         yield
         return
+    from lzero.engine import replay
+
+    if _all_storage_loads not in replay._FILE_LOADS:  # a construction reading loaded values: [Note: a fake device]
+        replay._FILE_LOADS.append(_all_storage_loads)
     original = base.__dict__["from_pretrained"]
 
     def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
@@ -365,6 +369,11 @@ def _load_generation_config(model: nn.Module, folder: Path) -> None:
 
 def _storage(t: Tensor) -> int:
     return t.untyped_storage()._cdata
+
+
+def _all_storage_loads() -> dict[int, Callable[[Tensor], None]]:
+    """``storage -> fill`` for every tensor of every model built by :func:`from_pretrained_into_shards` (alive)."""
+    return {k: v for model in list(_SOURCES.keys()) for k, v in PretrainedWeights(model).storage_loads().items()}
 
 
 def _load_whole(source: PretrainedSource, key: str, numel: int, dtype: torch.dtype, out: Tensor) -> None:

@@ -61,8 +61,8 @@ def pretrained(kind: str) -> nn.Module:
     if kind == "pre_head":
         return AutoModelForSequenceClassification.from_pretrained(folder, num_labels=3, dtype=torch.float32)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    if kind == "pre_resize":  # new rows drawn, the loaded ones copied (mean_resizing reads values: refused)
-        model.resize_token_embeddings(VOCAB + 16, mean_resizing=False)
+    if kind == "pre_resize":  # the new rows drawn from the loaded ones' mean and covariance (values read)
+        model.resize_token_embeddings(VOCAB + 16)
         return model
     from peft import LoraConfig, get_peft_model
 
