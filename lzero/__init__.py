@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 
 _LIGHTNING_EXPORTS = {
     "ZeroStrategy": "lzero.strategy",
+    "ZeroFabricStrategy": "lzero.fabric",
     "ZeroPrecision": "lzero.precision",
     "ZeroPrecisionError": "lzero.precision",
     "MemoryMonitor": "lzero.memory.monitor",
@@ -49,6 +50,7 @@ __all__ = [
     "ZeroConfigError",
     "ZeroEngine",
     "ZeroEngineError",
+    "ZeroFabricStrategy",
     "ZeroOptimizer",
     "ZeroOptimizerError",
     "ZeroPrecision",

@@ -557,13 +557,6 @@ class ZeroFabricStrategy(DDPStrategy):
             self._check_group = None
         super().teardown()
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        import _lzero_startup
-
-        _lzero_startup.register(strategy_registry, fabric=True)
-
 
 class _ZeroBackwardSyncControl(_BackwardSyncControl):
     """``fabric.no_backward_sync(model, enabled=True)``: the accumulating micro-steps reduce nothing."""

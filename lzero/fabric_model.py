@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
@@ -16,8 +16,6 @@ from lzero.engine.engine import ZeroEngine
 from lzero.engine.materialize import has_meta
 from lzero.optimizer import ZeroOptimizer
 
-if TYPE_CHECKING:
-    from lzero.fabric import ZeroFabricStrategy
 
 
 @dataclass
@@ -87,9 +85,10 @@ def swap_parameters(module: nn.Module, optimizers: list[ZeroOptimizer], new: dic
 
 
 @contextlib.contextmanager
-def state_dict_shadows(strategy: "ZeroFabricStrategy", model: SetUpModel) -> Iterator[None]:
+def state_dict_shadows(strategy: Any, model: SetUpModel) -> Iterator[None]:
     """``module.state_dict()`` and ``module.load_state_dict(...)`` on the set-up module (Fabric's wrapper sends both
-    to it) work on the whole model, as FSDP's full state dict: collectives, on every rank. lzero's own reads of the
+    to it; ``strategy``: the ``ZeroFabricStrategy`` that set it up, not imported here: fabric.py imports this file)
+    work on the whole model, as FSDP's full state dict: collectives, on every rank. lzero's own reads of the
     module's state dict (``model.inside``) see the module's own."""
     module = model.module
     own_state, own_load = type(module).state_dict, type(module).load_state_dict

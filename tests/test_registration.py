@@ -80,7 +80,10 @@ def test_registered_factories_and_strategies_pickle() -> None:
 
     import lzero
 
-    assert "register_strategies" not in vars(lzero.ZeroStrategy)  # one registration path: the start-up hook's
+    # one registration path, the start-up hook's, for both doors; both classes are lzero's public names
+    assert "register_strategies" not in vars(lzero.ZeroStrategy)
+    assert "register_strategies" not in vars(lzero.ZeroFabricStrategy)
+    assert lzero.ZeroFabricStrategy.__module__ == "lzero.fabric" and "ZeroFabricStrategy" in lzero.__all__
     for name in _lzero_startup.PRESETS:
         factory = pickle.loads(pickle.dumps(StrategyRegistry[name]["strategy"]))
         if name in _lzero_startup.PRESETS:
