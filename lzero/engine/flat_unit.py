@@ -192,7 +192,7 @@ class FlatUnit:
             lo, hi = self.spec.shard_range(self.rank)
             self.shard_grad = self.local_grads()[lo:hi]
             self.shard_grad.copy_(out)
-        else:  # stage 1 with a separate master: the reduced slice replaces its gradient
+        else:  # stage 1 with a separate master (the reduced slice replaces its gradient), or stages 2-3 (added)
             held = None if self.accumulates_locally else self.shard_grad
             busy = self.master_shard.grad if self.stepping else None  # the delayed update's step reads that one
             self.shard_grad = self.store.land_grad(held, out, self.master_shard.dtype, self.key, busy)
@@ -386,10 +386,9 @@ class FlatUnit:
         (device, NVMe parameter files, the master being the compute shard) leave it to :meth:`publish`."""
         if self.spec.frozen or self.param_store.holds_in_file(self):
             return
-        cast = getattr(self.store, "cast_for_publish", None)
         compute = self.compute_shard()
-        if cast is not None and compute.data_ptr() != self.master_shard.data_ptr():
-            cast(self.master_shard.detach(), compute, self.key)
+        if compute.data_ptr() != self.master_shard.data_ptr():
+            self.store.cast_for_publish(self.master_shard.detach(), compute, self.key)
 
     def resident(self, write: bool = False):  # -> ContextManager[None]
         """The master and its optimizer state in memory inside the block. See ``ShardStore.resident``."""

@@ -47,8 +47,9 @@ outside its bounds, a loop that reads the values, so the call is recorded whole 
 memo of its outputs would forbid, so this mode keeps none (every output is fresh), and the record keeps storages, not
 tensors, alive. Once the model is built, :func:`settle` swaps each fake parameter and buffer for a meta tensor over
 the same storage, which the engine (and Lightning) read as "not materialized"; the replay then runs as below. A
-pretrained model's parameters (``from_pretrained`` inside the context, hf/pretrained.py) are meta tensors built with
-the recording following meta tensors only (:func:`real_construction`).
+pretrained model (``from_pretrained`` inside the context, hf/pretrained.py) is built unrecorded (:func:`unrecorded`:
+eager ``from_pretrained`` builds on the meta device and draws nothing), its parameters then made fake over their
+meta storages (:func:`as_fakes`), and what follows recorded.
 
 What the replay cannot reproduce, lzero refuses to guess: a meta tensor the record did not see created (built
 outside the context), or a read of storage never written. The engine then falls back to block-wise initialization
@@ -61,7 +62,7 @@ import contextlib
 import functools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -161,7 +162,7 @@ class Recorder(TorchDispatchMode):
                 with self.fake:  # storage-less tensors that report the real device: [Note: a fake device]
                     out = func(*args, **kwargs)
             except (DataDependentOutputException, DynamicOutputShapeException) as err:
-                if isinstance(err, DataDependentOutputException) and not any(r.type.isSubtypeOf(torch._C.TensorType.get()) for r in func._schema.returns):
+                if isinstance(err, DataDependentOutputException) and not any(map(_is_tensor, func._schema.returns)):
                     return self._read_values(func, args, kwargs)  # a value steering the construction
                 raise ReplayError(
                     f"The model's construction makes a tensor whose shape depends on values (`{func}`), but under zero3"
@@ -186,7 +187,7 @@ class Recorder(TorchDispatchMode):
                     overwrites.append(_key(value))
         viewing = all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns) and schema.returns
         outputs = [_key(t) for t in _tensors(out) if _recorded(t)]
-        aliasing = bool(outputs) and set(outputs) <= {_key(t) for t in _tensors((args, kwargs))}  # _unsafe_view
+        aliasing = bool(outputs) and set(outputs) <= {_key(t) for t in inputs}  # _unsafe_view
         if (viewing or aliasing) and not writes:
             return out  # a view: a later use names its storage and geometry
         creates = tuple(_key(t) for t in _tensors(out) if _recorded(t) and _key(t) not in set(writes))
@@ -344,7 +345,12 @@ def _takes_dtype(func: Callable) -> bool:
     """A factory with a ``dtype`` keyword (``empty``, ``zeros``, ``full``, ...): absent, it means the default dtype."""
     schema = getattr(func, "_schema", None)
     return schema is not None and any(a.name == "dtype" and a.kwarg_only for a in schema.arguments) \
-        and not any(a.type.isSubtypeOf(torch._C.TensorType.get()) for a in schema.arguments)
+        and not any(map(_is_tensor, schema.arguments))
+
+
+def _is_tensor(argument: Any) -> bool:
+    """A schema argument or return of tensor type."""
+    return argument.type.isSubtypeOf(torch._C.TensorType.get())
 
 
 def _recorded(t: Tensor) -> bool:
@@ -385,34 +391,31 @@ def as_fakes(module: nn.Module, skip: set[int]) -> None:
             owner._parameters[name] = made[id(p)]
 
 
-@contextlib.contextmanager
-def unrecorded() -> Iterator[None]:
+def unrecorded() -> ContextManager[None]:
     """Inside the block, the open recording records nothing: construction that eager code runs on the meta device
     too (transformers' ``from_pretrained`` builds its model there and draws nothing), whose tensors the files fill."""
-    recorder = _BUILDING[-1] if _BUILDING else None
-    if recorder is None:
-        yield
-        return
-    before, recorder.paused = recorder.paused, True
-    try:
-        yield
-    finally:
-        recorder.paused = before
+    return _building_set("paused", True)
+
+
+def real_construction() -> ContextManager[None]:
+    """Inside the block, the open recording follows meta tensors only, and tensors are created as the code asks (a
+    pretrained model built with meta parameters and real buffers: hf/pretrained.py)."""
+    return _building_set("building", False)
 
 
 @contextlib.contextmanager
-def real_construction() -> Iterator[None]:
-    """Inside the block, the open recording follows meta tensors only, and tensors are created as the code asks (a
-    pretrained model built with meta parameters and real buffers: hf/pretrained.py)."""
+def _building_set(flag: str, value: bool) -> Iterator[None]:
+    """Inside the block, the innermost open meta context's recorder has ``flag`` set to ``value`` (none open: no-op)."""
     recorder = _BUILDING[-1] if _BUILDING else None
     if recorder is None:
         yield
         return
-    recorder.building = False
+    before = getattr(recorder, flag)
+    setattr(recorder, flag, value)
     try:
         yield
     finally:
-        recorder.building = True
+        setattr(recorder, flag, before)
 
 
 _RECORDERS: list[Recorder] = []
@@ -469,7 +472,8 @@ _FAKE_KEYS: set[str] = set()  # what a fake tensor keeps in its __dict__ for its
 
 
 def _meta_parameter(p: Tensor) -> nn.Parameter:
-    """A meta ``nn.Parameter`` over ``p``'s storage, with the attributes code set on ``p`` (not the fake tensor's own)."""
+    """A meta ``nn.Parameter`` over ``p``'s storage, with the attributes code set on ``p`` (not the fake tensor's
+    own)."""
     if not _FAKE_KEYS:
         with FakeTensorMode():
             _FAKE_KEYS.update(nn.Parameter(torch.empty(1)).__dict__)

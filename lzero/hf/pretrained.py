@@ -402,7 +402,8 @@ class PretrainedWeights:
         # by storage: a tensor built on lzero's fake device is swapped for a meta tensor over the same storage at
         # setup (lzero.engine.replay.settle), and one whose storage was replaced since (a resized embedding) is no
         # longer the checkpoint's
-        owner = {storage: (source, key) for source in self.sources for storage, (key, _, _) in source.by_storage.items()}
+        owner = {storage: (source, key) for source in self.sources
+                 for storage, (key, _, _) in source.by_storage.items()}
         named = [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]
         self._quantized: dict[str, quantized.QuantizedRead] = {}  # root name -> how to quantize it on read
         for name, t in named:

@@ -75,11 +75,3 @@ def _advise_huge(address: int, length: int) -> None:
         _LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     _LIBC.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), _MADV_HUGEPAGE)  # a request: errors change nothing
 
-
-def huge_pages_offered() -> bool:
-    """The kernel backs ``madvise``d memory with transparent huge pages (``always`` or ``madvise``)."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-            return "[never]" not in f.read()
-    except OSError:
-        return False

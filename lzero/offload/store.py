@@ -109,6 +109,11 @@ class ShardStore(Protocol):
         shard is this store's own tensor, whose memory it may exchange)."""
         ...
 
+    def cast_for_publish(self, master: Tensor, compute: Tensor, key: str) -> None:
+        """The host side of :meth:`publish`, done ahead (the delayed update's worker, right after the step); a no-op
+        for stores whose publish needs no cast ahead."""
+        ...
+
     def fetch(self, unit: Any, device: torch.device) -> Tensor:
         """``unit``'s compute shard (held by this store) as a tensor on ``device`` for an all-gather to read."""
         ...
@@ -170,6 +175,9 @@ class DeviceStore:
         if compute.data_ptr() != master.data_ptr():
             compute.copy_(master)
 
+    def cast_for_publish(self, master: Tensor, compute: Tensor, key: str) -> None:
+        pass
+
     def fetch(self, unit: Any, device: torch.device) -> Tensor:
         return unit.compute_shard()
 
@@ -223,12 +231,11 @@ class HostStore:
 
     # --- memory ------------------------------------------------------------------------------
 
-    def _persistent(self, numel: int, dtype: torch.dtype, pin: Optional[bool] = None) -> Tensor:
+    def _persistent(self, numel: int, dtype: torch.dtype) -> Tensor:
         """A buffer kept for the run ([Note: persistent host buffers]): page-locked when a GPU copies it, unless a
         page-locked allocation failed before (then pageable, after one warning)."""
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        pin = self.pin if pin is None else pin and self.pin
-        if pin:
+        nbytes = numel * dtype.itemsize
+        if self.pin:
             try:
                 buffer = self._pinned(nbytes)
                 self._registered.append(buffer)
@@ -264,10 +271,9 @@ class HostStore:
         return False
 
     def hold_master(self, values: Tensor, alias_ok: bool, key: str) -> Tensor:
-        # page-locked too: in fp32 at stage 3 the master is the parameter shard that gathers copy up
-        out = self._persistent(values.numel(), values.dtype)
-        out.copy_(values.reshape(-1))
-        return out
+        # never the device's parameters themselves; page-locked too: in fp32 at stage 3 the master is the parameter
+        # shard that gathers copy up
+        return HostStore.hold(self, values)
 
     def resident(self, unit: Any, write: bool) -> ContextManager[None]:
         return contextlib.nullcontext()
@@ -289,7 +295,7 @@ class HostStore:
         add = held is not None
         if held is None:
             held = self._grad_buffer(key, reduced.numel(), dtype, busy)
-        self.copied["to_host"] += reduced.numel() * torch.empty((), dtype=dtype).element_size()
+        self.copied["to_host"] += reduced.numel() * dtype.itemsize
         if not self.cuda:  # the "device" is this host: the landing is the copy itself
             if add:
                 held.add_(reduced)
@@ -357,6 +363,11 @@ class HostStore:
     def cast_for_publish(self, master: Tensor, compute: Tensor, key: str) -> None:
         """Cast the stepped ``master`` into ``key``'s outgoing buffer (compute dtype), ready for :meth:`publish`. Host
         work only: the delayed update's worker runs it right after the unit's step."""
+        self._cast_outgoing(master, compute, key)
+        self._cast.add(key)
+
+    def _cast_outgoing(self, master: Tensor, compute: Tensor, key: str) -> Tensor:
+        """``master`` cast into ``key``'s outgoing buffer (allocated at first use), once its last upload has run."""
         out = self._outgoing.get(key)
         if out is None:
             out = self._outgoing[key] = self._persistent(compute.numel(), compute.dtype)
@@ -364,7 +375,7 @@ class HostStore:
         if event is not None:  # the previous upload from this buffer has run
             event.synchronize()
         out.copy_(master)
-        self._cast.add(key)
+        return out
 
     @torch.no_grad()
     def publish(self, master: Tensor, compute: Tensor, key: str = "", own: bool = False) -> None:
@@ -385,12 +396,10 @@ class HostStore:
             else:
                 compute.copy_(master)
             return
-        if not cast:
-            self.cast_for_publish(master, compute, key)
-            self._cast.discard(key)
+        out = self._outgoing[key] if cast else self._cast_outgoing(master, compute, key)
         stream = torch.cuda.current_stream(compute.device)
         with torch.cuda.stream(stream):
-            compute.copy_(self._outgoing[key], non_blocking=True)
+            compute.copy_(out, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         self._uploading[key] = event
@@ -438,10 +447,10 @@ def _swap_storage(a: Tensor, b: Tensor) -> None:
 
 
 def divide_host_threads(local_processes: int, requested: int = 0) -> Optional[int]:
-    """Set the host optimizer step's threads (torch's intra-op threads): ``requested`` (``offload_optimizer.host_threads``)
-    or, for 0, each of the ``local_processes`` processes of this host an equal share of its CPU cores (torch's default,
-    one thread per core in every process, oversubscribes the host). Returns the new thread count, or None when the
-    current one is already within the share."""
+    """Set the host optimizer step's threads (torch's intra-op threads): ``requested``
+    (``offload_optimizer.host_threads``) or, for 0, each of the ``local_processes`` processes of this host an equal
+    share of its CPU cores (torch's default, one thread per core in every process, oversubscribes the host). Returns
+    the new thread count, or None when the current one is already within the share."""
     if requested:
         torch.set_num_threads(requested)
         return requested
