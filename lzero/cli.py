@@ -51,7 +51,7 @@ def _convert_config(argv: list[str]) -> int:
 
 # Extra subcommands, name -> (handler(argv after the name) returning an exit code, one line of help).
 EXTRA_COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
-    "consolidate": (_consolidate, "write a sharded checkpoint directory as one .ckpt/.pt/.safetensors file"),
+    "consolidate": (_consolidate, "write a sharded checkpoint directory as one .ckpt/.pt/.pth/.safetensors file"),
     "export-hf": (_export_hf, "write a checkpoint as a Hugging Face folder (sharded safetensors, config, index)"),
     "inspect": (_inspect, "print a sharded checkpoint's step, stage, parameter counts and files"),
     "convert-config": (_convert_config, "print the LightningCLI strategy YAML for a DeepSpeed JSON config"),

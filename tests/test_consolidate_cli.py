@@ -131,7 +131,8 @@ def test_inputs_that_are_not_sharded_checkpoints_are_named(work: Path, capsys: p
     ("sharded.ckpt/model.ckpt", r"The output `sharded.ckpt/model.ckpt` is inside the checkpoint `sharded.ckpt`"),
     ("checkpoints/last.ckpt", r"The output `checkpoints/last.ckpt` is an lzero checkpoint directory\. HINT: name a new"),
     ("checkpoints.pt", None),  # replaced by a directory below
-    ("model.txt", r"Cannot tell the format of `model.txt`\. HINT: end the output name with .ckpt, .pt or .safetensors"),
+    ("model.txt", r"Cannot tell the format of `model.txt`\. HINT: end the output name with .ckpt, .pt, .pth \(torch.save\)"
+                  r" or .safetensors"),
 ])
 def test_bad_outputs_are_refused_before_writing(work: Path, capsys: pytest.CaptureFixture, out: str,
                                                  message: str | None) -> None:
@@ -143,6 +144,44 @@ def test_bad_outputs_are_refused_before_writing(work: Path, capsys: pytest.Captu
     err = capsys.readouterr().err
     assert re.search(message, err), err
     assert listing(work) == before  # no .partial, nothing inside the checkpoint
+
+
+def test_pth_is_torch_save_as_pt(work: Path) -> None:
+    """``.pth`` (PyTorch's usual name, litgpt's ``lit_model.pth``) writes what ``.pt`` writes."""
+    assert main(["consolidate", "sharded.ckpt", "model.pt"]) == 0
+    assert main(["consolidate", "sharded.ckpt", "model.pth"]) == 0
+    pt, pth = (torch.load(work / name, weights_only=True) for name in ("model.pt", "model.pth"))
+    assert pth.keys() == pt.keys() and pth["state_dict"].keys() == pt["state_dict"].keys()
+    assert all(torch.equal(pth["state_dict"][k], pt["state_dict"][k]) for k in pt["state_dict"])
+    assert sum(t.numel() for t in pth["state_dict"].values()) == TRAINABLE + FROZEN + BUFFERS
+
+
+def test_fabric_save_consolidates_under_its_module_key(tmp_path: Path) -> None:
+    """A Fabric save (litgpt's ``final/lit_model.pth``) consolidates as Fabric's DDP writes it: ``{"model": state}``,
+    which litgpt's ``load_checkpoint`` and ``fabric.load(path, {"model": model})`` read."""
+    import subprocess
+    import sys
+
+    import lzero
+    from lzero.checkpoint import consolidate as consolidate_module
+
+    script = (f"import torch, lightning as L\n"
+              f"fabric = L.Fabric(strategy='zero3', accelerator='cpu', devices=1)\n"
+              f"fabric.launch()\n"
+              f"torch.manual_seed(0)\n"
+              f"model = fabric.setup(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)))\n"
+              f"opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))\n"
+              f"fabric.backward(model(torch.randn(4, 8)).sum()); opt.step()\n"
+              f"fabric.save({str(tmp_path / 'lit_model.pth')!r}, {{'model': model, 'optimizer': opt, 'iter_num': 1}})\n"
+              f"torch.save(model.state_dict(), {str(tmp_path / 'reference.pt')!r})\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert main(["consolidate", str(tmp_path / "lit_model.pth"), str(tmp_path / "out.pth")]) == 0
+    written, reference = torch.load(tmp_path / "out.pth", weights_only=True), torch.load(tmp_path / "reference.pt")
+    assert list(written) == ["model"] and written["model"].keys() == reference.keys()
+    assert all(torch.equal(written["model"][k], reference[k]) for k in reference)
+    fabric_module = sys.modules[lzero.ZeroFabricStrategy.__module__]  # the key it writes is the one read here
+    assert fabric_module.FABRIC_KEYS == consolidate_module.FABRIC_KEYS
 
 
 def test_plain_file_converts_to_safetensors(work: Path) -> None:

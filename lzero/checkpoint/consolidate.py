@@ -4,10 +4,11 @@ sharded checkpoint directory (a plain ``.ckpt``, a file inside a checkpoint, a f
 a missing path) they say what it is and what to do; a plain torch/Lightning file can be converted to
 ``.safetensors``. A bad output path is refused before anything is written.
 
-``.ckpt``/``.pt`` outputs are torch's format (``torch.load(weights_only=True)`` and
+``.ckpt``/``.pt``/``.pth`` outputs are torch's format (``torch.load(weights_only=True)`` and
 ``LightningModule.load_from_checkpoint`` read them): the module's state dict under ``state_dict``
 with tied keys sharing one tensor, plus ``pytorch-lightning_version``, ``epoch``, ``global_step``
-and ``hyper_parameters``. ``.safetensors`` outputs hold the flat state dict; safetensors cannot
+and ``hyper_parameters``. A Fabric save's holds the module's state dict under the key the script saved
+the module as (``{"model": ...}``, as Fabric's DDP writes it; litgpt's ``lit_model.pth``), nothing else. ``.safetensors`` outputs hold the flat state dict; safetensors cannot
 share storage, so a tied key is stored once, under its first name, and the metadata entry
 ``aliases`` (JSON) maps every other key to it.
 """
@@ -28,11 +29,15 @@ KEPT = ("pytorch-lightning_version", "epoch", "global_step", "loops", "hyper_par
 """What a consolidated file keeps besides the state dict: what ``load_from_checkpoint`` needs, and the loops'
 progress, as DDP's ``save_checkpoint(weights_only=True)`` has them."""
 
-SUFFIXES = (".ckpt", ".pt", ".safetensors")
+SUFFIXES = (".ckpt", ".pt", ".pth", ".safetensors")
+
+FABRIC_KEYS = "lzero/fabric"
+"""The entry a Fabric save adds, naming the state keys of its module and optimizers (``lzero.fabric.FABRIC_KEYS``;
+this module imports no Lightning)."""
 
 
 def consolidate(checkpoint_dir: Any, out: Any, progress: bool = False) -> Path:
-    """Write ``checkpoint_dir`` as one plain fp32 file at ``out`` (``.ckpt``, ``.pt`` or ``.safetensors``);
+    """Write ``checkpoint_dir`` as one plain fp32 file at ``out`` (``.ckpt``, ``.pt``, ``.pth`` or ``.safetensors``);
     peak memory stays near the largest tensor. A plain torch/Lightning file instead of a directory is
     converted to ``.safetensors`` (its state dict, read with ``weights_only=True``)."""
     source, out = Path(checkpoint_dir), Path(out)
@@ -69,7 +74,10 @@ def consolidate(checkpoint_dir: Any, out: Any, progress: bool = False) -> Path:
             state[key] = writer.add(reader.state_tensor(key)) if first == key else state[first]
             bar.update(1)
         common = reader.lightning_state()
-        writer.close({"state_dict": state, **{k: common[k] for k in KEPT if k in common}})
+        if FABRIC_KEYS in common:  # a Fabric save: its module under the key the script named it
+            writer.close({common[FABRIC_KEYS]["module"]: state})
+        else:
+            writer.close({"state_dict": state, **{k: common[k] for k in KEPT if k in common}})
     bar.close()
     return out
 
@@ -116,8 +124,8 @@ def _plain_file(path: Path) -> str:
 def check_output(source: Path, out: Path) -> None:
     """Refuse an output path that could not be written, or would overwrite or sit inside the checkpoint."""
     if out.suffix not in SUFFIXES:
-        raise CheckpointError(f"Cannot tell the format of `{out}`. HINT: end the output name with .ckpt, .pt or"
-                              " .safetensors.")
+        raise CheckpointError(f"Cannot tell the format of `{out}`. HINT: end the output name with .ckpt, .pt,"
+                              " .pth (torch.save) or .safetensors.")
     src, dst = source.resolve(), out.resolve()
     if dst == src:
         raise CheckpointError(f"The output `{out}` is the checkpoint itself. HINT: name another file, e.g."
@@ -247,7 +255,7 @@ def _resume_needs(reader: ShardedCheckpoint, trainable: int, frozen: int) -> dic
 def consolidate_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lzero consolidate", description=consolidate.__doc__)
     parser.add_argument("checkpoint_dir", help="a sharded checkpoint directory (or a plain .ckpt, for .safetensors)")
-    parser.add_argument("out", help="output file: .ckpt, .pt or .safetensors (replaced if it exists)")
+    parser.add_argument("out", help="output file: .ckpt, .pt, .pth or .safetensors (replaced if it exists)")
     args = parser.parse_args(argv)
     try:
         out = consolidate(args.checkpoint_dir, args.out, progress=sys.stderr.isatty())
