@@ -35,9 +35,9 @@ class _LazyPreset:
 
     def __call__(self, **init_params):
         if self.fabric:
-            from lzero.fabric import build_preset
+            from lzero.lightning.fabric_strategy import build_preset
         else:
-            from lzero.strategy import build_preset
+            from lzero.lightning.trainer_strategy import build_preset
 
         return build_preset(self.name, **init_params)
 

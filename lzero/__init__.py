@@ -18,13 +18,14 @@ from lzero.engine.partition import ParamSpec, Partition, UnitSpec, partition_by_
 __version__ = "0.1.0"
 
 _LIGHTNING_EXPORTS = {
-    "ZeroStrategy": "lzero.strategy",
-    "ZeroFabricStrategy": "lzero.fabric",
-    "ZeroPrecision": "lzero.precision",
-    "ZeroPrecisionError": "lzero.precision",
+    "ZeroStrategy": "lzero.lightning.trainer_strategy",
+    "ZeroFabricStrategy": "lzero.lightning.fabric_strategy",
+    "ZeroPrecision": "lzero.lightning.trainer_precision",
+    "ZeroFabricPrecision": "lzero.lightning.precision",
+    "ZeroPrecisionError": "lzero.lightning.precision",
     "MemoryMonitor": "lzero.memory.monitor",
     "grad_norm": "lzero.grad_norms",
-    "unshard": "lzero.kept",
+    "unshard": "lzero.lightning.trainer_kept",
 }
 
 
@@ -50,6 +51,7 @@ __all__ = [
     "ZeroConfigError",
     "ZeroEngine",
     "ZeroEngineError",
+    "ZeroFabricPrecision",
     "ZeroFabricStrategy",
     "ZeroOptimizer",
     "ZeroOptimizerError",

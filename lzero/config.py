@@ -228,7 +228,7 @@ class ZeroConfig:
     parameter in fp32). Off (the default): the model stays sharded, only this rank's shard resident, and a later
     ``validate``/``test``/``predict``, ``strategy.gathered_parameters()``, ``strategy.generation()`` and
     ``trainer.save_checkpoint`` work on the shards; ``lzero.unshard(model)`` gathers it for good. See [Note: the
-    model stays sharded after fit] in kept.py."""
+    model stays sharded after fit] in lightning/trainer_kept.py."""
 
     broadcast_buffers: bool = True
     """Before every training step, overwrite module buffers (BatchNorm running statistics...) with

@@ -106,7 +106,8 @@ class ZeroOptimizer(Optimizer):
     def __init__(self, optimizer: Optimizer, engine: Optional[ZeroEngine], index: int = 0,
                  start: Optional[Callable[[], None]] = None) -> None:
         """``engine`` None: the engine does not exist yet (Fabric's ``setup_optimizers`` comes before the model's first
-        use, see [Note: the engine starts at first use] in fabric.py); ``start()`` builds it and calls :meth:`attach`."""
+        use, see [Note: the engine starts at first use] in lightning/fabric_strategy.py); ``start()`` builds it and
+        calls :meth:`attach`."""
         self._building = True
         super().__init__([p for g in optimizer.param_groups for p in g["params"]] or [torch.zeros(0)],
                          dict(optimizer.defaults))

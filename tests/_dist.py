@@ -25,7 +25,7 @@ def _free_port() -> int:
 
 
 _CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "lightning.pytorch", "lzero", "lzero.strategy"])
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "lightning.pytorch", "lzero", "lzero.lightning.trainer_strategy"])
 _SERVER_ENV: dict = {}  # the LZERO_* variables the fork server started with
 
 

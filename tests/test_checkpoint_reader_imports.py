@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 STORAGE = ["reader.py", "files.py", "tree.py", "stream.py", "consolidate.py", "__init__.py"]
 FORBIDDEN = ("lightning", "pytorch_lightning", "torch.distributed", "lzero.engine.engine", "lzero.optimizer",
-             "lzero.strategy", "lzero.engine.collectives", "lzero.checkpoint.sharded", "lzero.checkpoint.resume")
+             "lzero.lightning", "lzero.engine.collectives", "lzero.checkpoint.sharded", "lzero.checkpoint.resume")
 
 # lzero/__init__.py imports the engine for its public names; an empty stand-in package takes its place,
 # so that what is loaded below is what the reader itself imports.

@@ -15,11 +15,14 @@ FLOORS = [  # bottom first: (floor, the modules and packages on it)
     ("engine", ["lzero.engine"]),
     ("memory", ["lzero.memory"]),
     ("checkpoint", ["lzero.checkpoint", "lzero.state_dict"]),
-    ("optimizer and precision", ["lzero.optimizer", "lzero.precision", "lzero.grad_norms"]),
+    ("optimizer", ["lzero.optimizer", "lzero.grad_norms"]),
     ("deepspeed", ["lzero.deepspeed"]),
     ("hugging face", ["lzero.hf"]),
-    ("strategy", ["lzero.strategy", "lzero.fabric", "lzero.fabric_model", "lzero.strategy_args", "lzero.kept",
-                  "lzero.run_wiring"]),
+    ("lightning: both doors", ["lzero.lightning", "lzero.lightning.args", "lzero.lightning.precision",
+                               "lzero.lightning.wiring"]),
+    ("lightning: Fabric's door", ["lzero.lightning.fabric_strategy", "lzero.lightning.fabric_model"]),
+    ("lightning: the Trainer's door", ["lzero.lightning.trainer_strategy", "lzero.lightning.trainer_precision",
+                                       "lzero.lightning.trainer_wiring", "lzero.lightning.trainer_kept"]),
     ("entry points", ["lzero.cli", "lzero.demo", "lzero"]),
 ]
 
@@ -72,3 +75,44 @@ def test_no_module_imports_from_a_floor_above_its_own() -> None:
 def test_every_module_is_on_a_floor() -> None:
     for path in PACKAGE.rglob("*.py"):
         floor_of(module_name(path))
+
+
+FABRIC_DOOR = ["lzero.lightning.fabric_strategy", "lzero.lightning.fabric_model"]
+
+
+def lightning_pytorch_imports(tree: ast.AST) -> list[int]:
+    """Lines importing ``lightning.pytorch`` (or ``pytorch_lightning``, or a name of it through ``lightning``)."""
+    trainer_names = {"Trainer", "LightningModule", "LightningDataModule", "Callback", "pytorch"}
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + ([f"lightning.{a.name}" for a in node.names if a.name in trainer_names]
+                                     if node.module == "lightning" else [])
+        else:
+            continue
+        trainer_paths = {f"lightning.{t}" for t in trainer_names}
+        if any(n.startswith(("lightning.pytorch", "pytorch_lightning")) or n in trainer_paths for n in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_fabric_door_reaches_no_lightning_pytorch() -> None:
+    """Fabric's door and every lzero module it imports, however deep (lazy imports too), import nothing of
+    ``lightning.pytorch``: Fabric stands without the Trainer, as in Lightning itself."""
+    seen, todo, found = set(), list(FABRIC_DOOR), []
+    while todo:
+        me = todo.pop()
+        if me in seen:
+            continue
+        seen.add(me)
+        path = PACKAGE.parent / me.replace(".", "/")
+        path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+        tree = ast.parse(path.read_text())
+        found += [f"{path.relative_to(PACKAGE.parent)}:{line}" for line in lightning_pytorch_imports(tree)]
+        for _, target in imports(tree):
+            parts = target.split(".")
+            todo += [".".join(parts[:i]) for i in range(2, len(parts) + 1)]  # a module runs its packages first
+    assert "lzero.lightning.wiring" in seen and "lzero.engine.engine" in seen  # the walk reached the shared floor
+    assert not found, "Fabric's door reaches lightning.pytorch:\n" + "\n".join(found)

@@ -37,7 +37,7 @@ def test_import_lightning_registers_names_but_does_not_import_lzero() -> None:
 def test_trainer_by_name_in_fresh_interpreter(tmp_path: Path) -> None:
     out = tmp_path / "result.txt"
     run_script("fresh_interpreter.py", str(out))
-    assert out.read_text().strip() == "lzero.strategy.ZeroStrategy stage=2 world_size=2 steps=4 moved=True"
+    assert out.read_text().strip() == "lzero.lightning.trainer_strategy.ZeroStrategy stage=2 world_size=2 steps=4 moved=True"
 
 
 def test_missing_hook_module_never_breaks_start() -> None:
@@ -83,7 +83,7 @@ def test_registered_factories_and_strategies_pickle() -> None:
     # one registration path, the start-up hook's, for both doors; both classes are lzero's public names
     assert "register_strategies" not in vars(lzero.ZeroStrategy)
     assert "register_strategies" not in vars(lzero.ZeroFabricStrategy)
-    assert lzero.ZeroFabricStrategy.__module__ == "lzero.fabric" and "ZeroFabricStrategy" in lzero.__all__
+    assert lzero.ZeroFabricStrategy.__module__ == "lzero.lightning.fabric_strategy" and "ZeroFabricStrategy" in lzero.__all__
     for name in _lzero_startup.PRESETS:
         factory = pickle.loads(pickle.dumps(StrategyRegistry[name]["strategy"]))
         if name in _lzero_startup.PRESETS:

@@ -96,7 +96,7 @@ def _assert_replayed_as_eager(model: torch.nn.Module, eager: dict, rng_after_eag
 
 def test_replayed_in_one_process_with_the_rng_where_eager_leaves_it() -> None:
     """The engine alone (world size 1): a model built in lzero's meta context materializes to the eager weights."""
-    from lzero.run_wiring import meta_device
+    from lzero.lightning.wiring import meta_device
     from replay_runs import build
 
     torch.manual_seed(0)
@@ -138,7 +138,7 @@ def test_exact_init_turns_the_fallback_into_an_error_naming_the_tensor() -> None
     by default the same is a warning and the model is initialized block by block."""
     from lzero import ZeroConfig, ZeroEngine
     from lzero.engine.engine import ZeroEngineError
-    from lzero.run_wiring import meta_device
+    from lzero.lightning.wiring import meta_device
 
     with meta_device():
         model = torch.nn.Sequential(torch.nn.Linear(8, 8))
@@ -152,7 +152,7 @@ def test_exact_init_turns_the_fallback_into_an_error_naming_the_tensor() -> None
 def test_construction_that_branches_on_values_is_replayed_as_eager() -> None:
     """Control flow on values (``bool(tensor)``): the record so far is replayed on real memory to read them, so the
     construction takes eager's branch; the setup's replay then gives eager's weights and RNG."""
-    from lzero.run_wiring import meta_device
+    from lzero.lightning.wiring import meta_device
 
     def build() -> torch.nn.Module:
         layer = torch.nn.Linear(8, 8)
@@ -172,7 +172,7 @@ def test_construction_that_branches_on_values_is_replayed_as_eager() -> None:
 
 def test_a_shape_that_depends_on_values_is_refused_with_a_hint() -> None:
     from lzero.engine.replay import ReplayError
-    from lzero.run_wiring import meta_device
+    from lzero.lightning.wiring import meta_device
 
     with pytest.raises(ReplayError, match=r"(?s)shape depends on values.*not known until setup.*HINT: build that part"
                                           r" in `__init__`"):
@@ -183,7 +183,7 @@ def test_a_shape_that_depends_on_values_is_refused_with_a_hint() -> None:
 
 def test_a_tensor_nothing_wrote_is_named() -> None:
     from lzero.engine.materialize import UninitializedModuleError
-    from lzero.run_wiring import meta_device
+    from lzero.lightning.wiring import meta_device
 
     with meta_device():
         model = torch.nn.Sequential(torch.nn.Linear(8, 8))
@@ -195,7 +195,7 @@ def test_a_tensor_nothing_wrote_is_named() -> None:
 def test_seeding_and_cpu_draws_inside_the_build_are_replayed_where_they_happened() -> None:
     """``torch.manual_seed`` inside ``configure_model``, and a real CPU draw between two layers: eager construction's
     RNG sequence, so the eager weights and the RNG after them."""
-    from lzero.run_wiring import meta_device
+    from lzero.lightning.wiring import meta_device
 
     def build() -> torch.nn.Module:
         torch.manual_seed(0)

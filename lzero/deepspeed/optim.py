@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import difflib
 import math
-from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.fabric.utilities import rank_zero_info
 
 from lzero.config import ZeroConfigError
 from lzero.deepspeed.schedules import OneCycle, Warmup
@@ -147,33 +147,3 @@ def build_optimizer(spec: dict[str, Any], params: Iterable[torch.nn.Parameter]) 
     if "betas" in p:
         p["betas"] = tuple(p["betas"])
     return (torch.optim.AdamW if decoupled else torch.optim.Adam)(params, **p)
-
-
-def from_blocks(optimizer: Optional[dict], scheduler: Optional[dict], module: Any, optimizers: list,
-                scheduler_configs: list) -> tuple[list, list]:
-    """The fit's optimizers and LR scheduler configs once the blocks are built: ``optimizers`` and
-    ``scheduler_configs`` are what ``configure_optimizers`` gave (Lightning's placeholder optimizer for none). Each
-    ``"auto"`` is filled from ``module``'s hparams, its Trainer and the optimizer."""
-    from lightning.pytorch.core.optimizer import _MockOptimizer
-    from lightning.pytorch.utilities.types import LRSchedulerConfig
-
-    from lzero.deepspeed.schedules import build_scheduler
-
-    real = [o for o in optimizers if not isinstance(o, _MockOptimizer)]
-    hparams, steps = module.hparams, lambda: module.trainer.estimated_stepping_batches
-    if optimizer is not None:
-        if real:
-            raise ZeroConfigError(
-                "Both the DeepSpeed configuration (its `optimizer` block) and `configure_optimizers` define an"
-                " optimizer. HINT: drop one: remove the block, or return nothing from `configure_optimizers`.")
-        trainable = [p for p in module.parameters() if p.requires_grad]
-        real = optimizers = [build_optimizer(fill_auto(optimizer, hparams, steps, []), trainable)]
-    if scheduler is not None:
-        if len(real) != 1 or scheduler_configs:
-            raise ZeroConfigError(
-                "The DeepSpeed configuration's `scheduler` block needs exactly one optimizer and no scheduler from"
-                f" `configure_optimizers` (found {len(real)} optimizer(s), {len(scheduler_configs)} scheduler(s))."
-                " HINT: drop the block, or return one optimizer and no scheduler.")
-        spec = fill_auto(scheduler, hparams, steps, [g["lr"] for g in real[0].param_groups])
-        scheduler_configs = [LRSchedulerConfig(build_scheduler(spec, real[0]), interval="step")]
-    return optimizers, scheduler_configs

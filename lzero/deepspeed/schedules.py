@@ -61,7 +61,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping, Optional
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.fabric.utilities import rank_zero_warn
 
 from lzero.config import ZeroConfigError
 

@@ -392,7 +392,7 @@ class ZeroEngine:
     def remove(self, after_failure: bool = False) -> None:
         """Detach from the module: hooks removed, side process groups destroyed. ``after_failure``: wait for
         nothing and leave the process groups alone, since other ranks may never join a collective again
-        (see [Note: teardown after a failure] in strategy.py)."""
+        (see [Note: teardown after a failure] in lightning/trainer_strategy.py)."""
         if not after_failure:
             self.wait()
         if self.delayed is not None:  # a step still in flight is waited for (the strategy flushed it at fit's end)

@@ -1,9 +1,9 @@
 """The precision policy the engine and its units follow: which dtype parameters compute in, which
 dtype gradients are reduced in, and which modules keep their parameters in fp32.
 
-``ZeroPrecision`` (precision.py, the Lightning plugin) builds one from the user's precision choice;
+``ZeroPrecision`` (lightning/precision.py, the Lightning plugin) builds one from the user's precision choice;
 the engine reads it to form units, and each unit gets its compute and reduction dtypes from it.
-See [Note: precision modes] in precision.py for what each mode means.
+See [Note: precision modes] in lightning/precision.py for what each mode means.
 """
 
 from __future__ import annotations

@@ -348,7 +348,7 @@ def _ignored(keys: list[str], patterns: Optional[list[str]]) -> list[str]:
 
 def _report(model: nn.Module, folder: Path, source: PretrainedSource) -> None:
     """The two warnings transformers gives for a non-strict load, once (rank 0)."""
-    from lightning.pytorch.utilities import rank_zero_warn
+    from lightning.fabric.utilities import rank_zero_warn
 
     name = type(model).__name__
     if source.missing or source.mismatched:

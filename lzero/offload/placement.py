@@ -74,7 +74,7 @@ def _nvme_store(config: Any, device: torch.device, need: float, initial: float, 
 def announce_offload(engine: Any, optimizers: list[Any], threads: Optional[int]) -> None:
     """One line on rank 0: what is offloaded, the host step's kernel and its threads (``engine``: a ZeroEngine;
     ``optimizers``: its ZeroOptimizers)."""
-    from lightning.pytorch.utilities import rank_zero_info
+    from lightning.fabric.utilities import rank_zero_info
 
     trainable = [u for u in engine.units if not u.spec.frozen]
     host = sum(u.spec.shard_numel for u in trainable if u.store.name != "device")

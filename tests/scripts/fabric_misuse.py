@@ -13,7 +13,7 @@ import lightning as L
 import torch
 
 from lzero.demo.model import GPT, GPTConfig
-from lzero.fabric import ZeroFabricStrategy
+from lzero.lightning.fabric_strategy import ZeroFabricStrategy
 
 fabric = L.Fabric(accelerator="cpu", devices=2,
                   strategy=ZeroFabricStrategy(stage=3, exception_checkpoint_timeout_s=3, unit_order_timeout_s=3))

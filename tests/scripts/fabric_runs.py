@@ -29,20 +29,20 @@ args = parser.parse_args()
 
 strategy = args.strategy
 if strategy.endswith("_full"):  # a full checkpoint file instead of a sharded directory
-    from lzero.fabric import ZeroFabricStrategy
+    from lzero.lightning.fabric_strategy import ZeroFabricStrategy
 
     strategy = ZeroFabricStrategy(stage=int(strategy[4]), checkpoint_format="full")
 elif strategy.endswith("_hybrid"):  # shard groups of 2 ranks, replicated across the groups
-    from lzero.fabric import ZeroFabricStrategy
+    from lzero.lightning.fabric_strategy import ZeroFabricStrategy
 
     offload = {"offload_optimizer": "cpu", "offload_param": "cpu"} if "offload" in strategy else {}
     strategy = ZeroFabricStrategy(stage=int(strategy[4]), shard_group_size=2, **offload)
 elif strategy.endswith("_hpz"):  # hpZ: primary shards over all 4 ranks, secondary copies within pairs
-    from lzero.fabric import ZeroFabricStrategy
+    from lzero.lightning.fabric_strategy import ZeroFabricStrategy
 
     strategy = ZeroFabricStrategy(stage=3, hpz_partition_size=2)
 elif strategy.endswith("_fp16"):  # lzero's own fp16 (Fabric would turn 16-mixed into bf16-mixed on the CPU)
-    from lzero.fabric import ZeroFabricStrategy
+    from lzero.lightning.fabric_strategy import ZeroFabricStrategy
 
     strategy = ZeroFabricStrategy(stage=int(strategy[4]), precision="16-mixed")
 fabric = L.Fabric(accelerator="cpu", devices=args.devices, strategy=strategy, precision=args.precision)

@@ -1,5 +1,5 @@
 """Generation under zero3 and zero3_offload, world size 2: ``strategy.generation()`` (every block gathered once),
-``strategy.generation("streamed")`` (blocks copied from a host copy per forward) and without it (each block gathered per forward, ranks kept stepping together), against DDP; a PPO-style rollout inside
+``strategy.generation(mode="streamed")`` (blocks copied from a host copy per forward) and without it (each block gathered per forward, ranks kept stepping together), against DDP; a PPO-style rollout inside
 ``training_step`` followed by an update, against DDP.
 
     python tests/scripts/generate_runs.py MODELS_DIR OUT_DIR
@@ -35,11 +35,11 @@ EOS = {"gpt2": 5, "llama": 37}
 
 
 def _generation(module: LightningModule, mode: str) -> Any:
-    """``mode``: "gathered" or "streamed" (``strategy.generation(mode)``), or "per_forward" (no context)."""
+    """``mode``: "gathered" or "streamed" (``strategy.generation(mode=mode)``), or "per_forward" (no context)."""
     strategy = module.trainer.strategy
     if mode == "per_forward" or not hasattr(strategy, "generation"):
         return contextlib.nullcontext()
-    return strategy.generation(mode)
+    return strategy.generation(mode=mode)
 
 
 class Generate(LightningModule):

@@ -9,21 +9,23 @@ from typing import Any, NamedTuple, Optional, Union
 from lzero.config import ZeroConfig, ZeroConfigError, optional_config
 from lzero.deepspeed import config as deepspeed_config
 from lzero.engine.loss_scale import LossScaleConfig
-from lzero.precision import ZeroPrecision
+from lzero.lightning.precision import ZeroFabricPrecision
 
 
 class StrategyArgs(NamedTuple):
     config: ZeroConfig
     auto: bool  # stage="auto": chosen at setup (see [Note: choosing a stage] in auto.py)
     deepspeed: Optional[deepspeed_config.Translated]  # what a DeepSpeed JSON said beyond the config
-    precision: Optional[ZeroPrecision]  # the strategy's own precision, which wins over the front door's
+    precision: Optional[ZeroFabricPrecision]  # the strategy's own precision, which wins over the front door's
     cpu_checkpointing: bool
 
 
 def resolve(config: Optional[Union[ZeroConfig, dict, str]], stage: Any, allow_untested_optimizer: Optional[bool],
             precision: Optional[str], loss_scaling: Optional[Union[dict, LossScaleConfig]], cpu_checkpointing: bool,
-            blocks: dict[str, dict], options: dict[str, Any]) -> StrategyArgs:
-    """``blocks``: DeepSpeed ``optimizer``/``scheduler`` blocks given beside ``config``; they win over the file's."""
+            blocks: dict[str, dict], options: dict[str, Any],
+            precision_type: type[ZeroFabricPrecision] = ZeroFabricPrecision) -> StrategyArgs:
+    """``blocks``: DeepSpeed ``optimizer``/``scheduler`` blocks given beside ``config``; they win over the file's.
+    ``precision_type``: the door's precision plugin class."""
     deepspeed = deepspeed_config.blocks_only(blocks) if blocks else None
     if config is not None and not isinstance(config, ZeroConfig):  # a DeepSpeed JSON (a path or a dict)
         deepspeed = deepspeed_config.translate({**deepspeed_config.load(config), **blocks})
@@ -42,5 +44,5 @@ def resolve(config: Optional[Union[ZeroConfig, dict, str]], stage: Any, allow_un
                               " HINT: drop `loss_scaling` or use `precision='16-mixed'`.")
     if isinstance(loss_scaling, dict):
         loss_scaling = LossScaleConfig(**loss_scaling)
-    plugin = ZeroPrecision(precision, loss_scaling=loss_scaling) if precision is not None else None
+    plugin = precision_type(precision, loss_scaling=loss_scaling) if precision is not None else None
     return StrategyArgs(resolved, auto, deepspeed, plugin, cpu_checkpointing)

@@ -19,7 +19,6 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
@@ -32,19 +31,22 @@ from lzero.checkpoint.full_state import gather_optimizer_state
 from lzero.checkpoint.resume import load_module_state, load_optimizer_states, open_checkpoint
 from lzero.checkpoint.sharded import AsyncSaver, save_sharded
 from lzero.checkpoint.state_dict import consolidate, has_sharded, module_state_dict
-from lzero import strategy_args
+from lzero.lightning import args as strategy_args
 from lzero.config import ZeroConfig, ZeroConfigError
 from lzero.engine.engine import ZeroEngine
 from lzero.engine.loss_scale import LossScaleConfig
 from lzero.engine.materialize import has_meta
 from lzero.optimizer import ZeroOptimizer, check_optimizer
-from lzero.precision import ZeroPrecision, to_zero_precision
-from lzero.kept import gather_back, keep, kept_engine, take_kept
+from lzero.lightning.precision import to_zero_precision
+from lzero.lightning.trainer_kept import gather_back, keep, kept_engine, take_kept
+from lzero.lightning.trainer_precision import ZeroPrecision
 from lzero.memory.auto import rank_budget_bytes
 from lzero.engine.replay import settle
-from lzero.run_wiring import (activation_probe, add_memory_monitor, guard_lr_schedulers, meta_device, micro_batch_size,
-                              refuse_weight_averaging, start_engine, synced_generation,
-                              watch_gradient_reads)
+from lzero.lightning.trainer_wiring import (activation_probe, add_memory_monitor, guard_lr_schedulers, micro_batch_size,
+                                            optimizers_from_deepspeed_blocks, refuse_weight_averaging,
+                                            watch_gradient_reads)
+from lzero.lightning.wiring import (choose_configuration, generation, meta_device, start_engine, sync_module_states,
+                                    synced_generation)
 
 
 class ZeroStrategy(DDPStrategy):
@@ -114,7 +116,7 @@ class ZeroStrategy(DDPStrategy):
         blocks = {k: v for k, v in (("optimizer", deepspeed_optimizer), ("scheduler", deepspeed_scheduler))
                   if v is not None}
         args = strategy_args.resolve(config, stage, allow_untested_optimizer, precision, loss_scaling,
-                                     cpu_checkpointing, blocks, options)
+                                     cpu_checkpointing, blocks, options, precision_type=ZeroPrecision)
         self.config, self._auto, self._deepspeed = args.config, args.auto, args.deepspeed
         self._auto_record: Optional[dict] = None
         self.memory_budget_bytes, self.memory_margin = memory_budget_bytes, memory_margin
@@ -158,7 +160,7 @@ class ZeroStrategy(DDPStrategy):
         explicit = getattr(self, "_explicit_precision", False) and self._precision_plugin is not None
         if explicit and not isinstance(plugin, ZeroPrecision):
             return  # the strategy's own precision wins over the Trainer's generic plugin
-        self._precision_plugin = None if plugin is None else to_zero_precision(plugin)
+        self._precision_plugin = None if plugin is None else to_zero_precision(plugin, ZeroPrecision)
         knobs = self._deepspeed.loss_scaling_if_fp16 if getattr(self, "_deepspeed", None) is not None else None
         if knobs and not isinstance(plugin, ZeroPrecision) and self.precision_plugin.precision == "16-mixed":
             # a DeepSpeed `fp16: {enabled: "auto", ...}` block: its loss scaling, now that the Trainer says 16-mixed
@@ -236,7 +238,7 @@ class ZeroStrategy(DDPStrategy):
                                            self.num_processes, self.init_fn, evaluating=True)
             self._marksynced_generation()
         else:
-            _sync_module_states(self.model)
+            sync_module_states(self.model)
         self.setup_precision_plugin()
 
     def _marksynced_generation(self) -> None:
@@ -253,9 +255,7 @@ class ZeroStrategy(DDPStrategy):
         super().setup_optimizers(trainer)
         ds = self._deepspeed
         if ds is not None and (ds.optimizer is not None or ds.scheduler is not None):
-            from lzero.deepspeed import optim as deepspeed_optim
-
-            self.optimizers, self.lr_scheduler_configs = deepspeed_optim.from_blocks(
+            self.optimizers, self.lr_scheduler_configs = optimizers_from_deepspeed_blocks(
                 ds.optimizer, ds.scheduler, self.lightning_module, self.optimizers, self.lr_scheduler_configs)
 
     def _fill_from_hidden_size(self) -> None:
@@ -272,16 +272,9 @@ class ZeroStrategy(DDPStrategy):
 
     def _choose_configuration(self) -> None:
         """``stage="auto"``: the configuration for this model and machine, logged in one line."""
-        from lightning.pytorch.utilities import rank_zero_info
-
-        from lzero.memory import auto
-        from lzero.memory.estimate import count_parameters
-
-        mixed = self.precision_plugin.policy.param_dtype is not None
-        self.config, self._auto_record = auto.choose(
-            self.config, count_parameters(self.model, self.config.unit_modules), self.world_size, self.num_processes,
-            "bf16-mixed" if mixed else "32-true", self.root_device, self.memory_budget_bytes, self.memory_margin)
-        rank_zero_info(auto.summary(self._auto_record))
+        self.config, self._auto_record = choose_configuration(
+            self.config, self.model, self.precision_plugin, self.world_size, self.num_processes, self.root_device,
+            self.memory_budget_bytes, self.memory_margin)
 
     @contextmanager
     @override
@@ -549,9 +542,12 @@ class ZeroStrategy(DDPStrategy):
         return _unwrap(self.optimizers[optimizer_index]).grad_norm()
 
     @contextmanager
-    def generation(self, mode: Literal["gathered", "streamed"] = "gathered") -> Generator:
+    def generation(self, module: Optional[torch.nn.Module] = None,
+                   mode: Literal["gathered", "streamed"] = "gathered") -> Generator:
         """Stage 3, for ``model.generate`` (RLHF rollouts, samples): the forwards inside run no collective, so
-        ranks that stop at different lengths cannot hang. A collective on entry: every rank enters it.
+        ranks that stop at different lengths cannot hang. A collective on entry: every rank enters it. ``module``:
+        the LightningModule (the default) or a module inside it, such as the policy of an RLHF module; the engine
+        holds the whole LightningModule, so every block is held either way. The call is the same at Fabric's door.
 
         ``mode="gathered"``: every block gathered once for the whole block and kept on the device (see [Note:
         every block gathered for generation] in gather.py): the whole model per rank, no copy per token. Refused,
@@ -566,32 +562,15 @@ class ZeroStrategy(DDPStrategy):
         Outside it, a Hugging Face ``generate`` under zero3 gathers each block per forward with the training
         prefetch (memory-bounded, one all-gather per block per token) and keeps the ranks stepping together
         (``synced_gpus``). Stages 1-2 hold whole parameters: nothing to do."""
-        if mode not in ("gathered", "streamed"):
-            raise ValueError(f"`generation(mode={mode!r})`: the modes are 'gathered' (every block on the device) and"
-                             " 'streamed' (blocks copied from host memory per forward).")
-        engine = self._live_engine
-        if engine is None or engine.gatherer is None:
-            yield
-            return
-        gatherer = engine.gatherer
-        if mode == "gathered":
-            need = sum(u.spec.padded_numel * u.flat_param.element_size() for name in gatherer.blocks
-                       if name not in gatherer.gathered_names() for u in gatherer.blocks[name].units)
-            where, free = self.root_device, rank_budget_bytes(self.root_device, self.memory_budget_bytes, self.num_processes)
-            hint = ("mode='streamed' (blocks copied from host memory per forward), or generate without the context"
-                    " (each block gathered per forward: one all-gather per block per token)")
-        else:
-            need = sum(u.spec.padded_numel * u.flat_param.element_size() for u in engine.units)
-            where, free = "host memory", rank_budget_bytes(torch.device("cpu"), None, self.num_processes)
-            hint = "generate without the context (each block gathered per forward: one all-gather per block per token)"
-        if free is not None and need > (1 - self.memory_margin) * free:
-            raise RuntimeError(
-                f"`strategy.generation(mode={mode!r})` holds the whole model on every rank: {need / 2**30:.2f} GiB more"
-                f" in {where}, where {free / 2**30:.2f} GiB are free (x {1 - self.memory_margin:g} margin). HINT:"
-                f" {hint}; or raise memory_budget_bytes / lower memory_margin if the figure is too cautious.")
-        held = gatherer.all_gathered() if mode == "gathered" else \
-            gatherer.streamed_from_host(pin=self.root_device.type == "cuda")
-        with held, synced_generation(self.lightning_module, False):
+        root = self.lightning_module
+        if module is not None and not (isinstance(module, torch.nn.Module) and root is not None
+                                       and any(m is module for m in root.modules())):
+            raise ValueError(
+                f"`strategy.generation(module=...)` takes the LightningModule or a module inside it, got"
+                f" {_named(module)}. HINT: `with trainer.strategy.generation(self.policy):` or"
+                f" `generation(mode='streamed')`; the mode is a keyword argument.")
+        with generation(self._live_engine, root, mode, self.root_device, self.memory_budget_bytes,
+                        self.memory_margin, self.num_processes):
             yield
 
     @contextmanager
@@ -694,6 +673,11 @@ def build_preset(name: str, **init_params: Any) -> ZeroStrategy:
     from lzero.presets import PRESET_CONFIGS
 
     return ZeroStrategy(**{**PRESET_CONFIGS[name], **init_params})
+
+
+def _named(value: Any) -> str:
+    """A short name of a value for an error message: a module's class, not its printed tree."""
+    return f"a {type(value).__name__}" if isinstance(value, torch.nn.Module) else repr(value)
 
 
 def _unwrap(optimizer: Any) -> ZeroOptimizer:

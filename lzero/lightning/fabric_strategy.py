@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lzero import strategy_args
+from lzero.lightning import args as strategy_args
 from lzero.checkpoint.full_state import gather_optimizer_state
 from lzero.checkpoint.reader import ShardedCheckpoint, is_sharded_checkpoint
 from lzero.checkpoint.resume import READER, load_module_state, load_optimizer_states
@@ -54,11 +54,12 @@ from lzero.engine.engine import ZeroEngine
 from lzero.engine.loss_scale import LossScaleConfig
 from lzero.engine.materialize import has_meta
 from lzero.optimizer import ZeroOptimizer, check_optimizer
-from lzero.precision import ZeroPrecision, to_zero_precision
+from lzero.lightning.precision import ZeroFabricPrecision, to_zero_precision
 from lzero.checkpoint.sources import LoadedState, ShardedCheckpointWeights, StateDictWeights
-from lzero.fabric_model import SetUpModel, fresh_parameters, placeholders, state_dict_shadows, swap_parameters
+from lzero.lightning.fabric_model import SetUpModel, fresh_parameters, placeholders, state_dict_shadows, swap_parameters
 from lzero.engine.replay import settle
-from lzero.run_wiring import meta_device, start_engine, synced_generation
+from lzero.lightning.wiring import (choose_configuration, generation, meta_device, start_engine, sync_module_states,
+                                    synced_generation)
 
 FABRIC_KEYS = "lzero/fabric"
 """The sharded checkpoint's entry naming the state keys of the module and of its optimizers (a Fabric save)."""
@@ -128,8 +129,8 @@ class ZeroFabricStrategy(DDPStrategy):
 
     @property
     @override
-    def precision(self) -> ZeroPrecision:
-        return self._precision if isinstance(self._precision, ZeroPrecision) else ZeroPrecision()
+    def precision(self) -> ZeroFabricPrecision:
+        return self._precision if isinstance(self._precision, ZeroFabricPrecision) else ZeroFabricPrecision()
 
     @precision.setter
     @override
@@ -247,14 +248,14 @@ class ZeroFabricStrategy(DDPStrategy):
             model.meta = {}
         module, optimizers = model.module, [z.optimizer for z in model.zero]
         if self._auto:
-            self._choose_configuration(module)
+            self.config, _ = choose_configuration(self.config, module, self.precision, self.world_size,
+                                                  self.num_processes, self.root_device, self.memory_budget_bytes,
+                                                  self.memory_margin)
         from lzero import auto_sizes
 
         self.config, _ = auto_sizes.fill(self.config, module)
         if not optimizers and self.config.stage < 3:
-            from lightning.pytorch.overrides.distributed import _sync_module_states
-
-            _sync_module_states(module)  # as DDP's wrapper does: rank 0's weights everywhere
+            sync_module_states(module)  # as DDP's wrapper does: rank 0's weights everywhere
             return
         checkpointed = checkpointing.apply(module, self._checkpoint_policy, self.config)
         if checkpointed is not None:
@@ -266,18 +267,6 @@ class ZeroFabricStrategy(DDPStrategy):
         model.engine = engine
         if self.config.stage >= 3 and self.world_size > 1:
             model.undo.enter_context(synced_generation(module, True))
-
-    def _choose_configuration(self, module: nn.Module) -> None:
-        from lightning.fabric.utilities import rank_zero_info
-
-        from lzero.memory import auto
-        from lzero.memory.estimate import count_parameters
-
-        mixed = self.precision.policy.param_dtype is not None
-        self.config, record = auto.choose(
-            self.config, count_parameters(module, self.config.unit_modules), self.world_size, self.num_processes,
-            "bf16-mixed" if mixed else "32-true", self.root_device, self.memory_budget_bytes, self.memory_margin)
-        rank_zero_info(auto.summary(record))
 
     def engine_of(self, optimizer: Any) -> tuple[Optional[ZeroEngine], list[ZeroOptimizer]]:
         """The engine that ``optimizer`` steps and all the optimizers of its model (for :class:`lzero.MemoryMonitor`)."""
@@ -531,15 +520,25 @@ class ZeroFabricStrategy(DDPStrategy):
     # --- the rest of Fabric's calls --------------------------------------------------------------
 
     @contextlib.contextmanager
-    def generation(self, module: nn.Module, mode: Literal["gathered"] = "gathered") -> Generator:
-        """Stage 3, for generation on some ranks only (a sample on rank 0): entered on every rank (a collective), it
-        gathers every block once, so forwards inside run no collective. See ``ZeroStrategy.generation``."""
-        model = self._model_of(module)
+    def generation(self, module: Optional[nn.Module] = None, mode: Literal["gathered", "streamed"] = "gathered"
+                   ) -> Generator:
+        """Stage 3, for generation on some ranks only (a sample on rank 0): entered on every rank (a collective), the
+        forwards inside run no collective. ``module``: a model set up by this strategy (the default: the only one).
+        The modes and their memory checks are ``ZeroStrategy.generation``'s."""
+        if module is None:
+            if len(self._models) != 1:
+                raise ValueError(f"`strategy.generation()` without a module, but {len(self._models)} models are set"
+                                 " up. HINT: name one: `fabric.strategy.generation(model)`.")
+            model = self._models[0]
+        elif isinstance(module, nn.Module):
+            model = self._model_of(module)
+        else:
+            raise ValueError(f"`strategy.generation(module=...)` takes a model set up by `fabric.setup`, got"
+                             f" {module!r}. HINT: `fabric.strategy.generation(model, mode='streamed')`; the mode is a"
+                             " keyword argument.")
         self._start(model)
-        if model.engine is None or model.engine.gatherer is None:
-            yield
-            return
-        with model.engine.gatherer.all_gathered(), synced_generation(model.module, False):
+        with generation(model.engine, model.module, mode, self.root_device, self.memory_budget_bytes,
+                        self.memory_margin, self.num_processes):
             yield
 
     @override

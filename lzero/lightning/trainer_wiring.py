@@ -1,73 +1,17 @@
-"""What an lzero run sets on, and checks of, the user's Trainer or Fabric loop and model: the meta device of
-``configure_model`` / ``init_module``, the engine's start (one place for both front doors), callbacks it adds or
-refuses, hooks it wraps on the module for one run, and what it reads of the DataLoader. The strategies
-(strategy.py, fabric.py) call these."""
+"""What an lzero run sets on, and checks of, the user's Trainer loop and LightningModule: callbacks it adds or
+refuses, hooks it wraps on the module for one run, and what it reads of the DataLoader. trainer_strategy.py calls
+these; what both doors share is in wiring.py."""
 
 from __future__ import annotations
 
-import contextlib
-import sys
-from contextlib import contextmanager
-from typing import Any, Generator, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from torch.optim import Optimizer
 
 from lzero.config import ZeroConfig, ZeroConfigError
-from lzero.precision import ZeroPrecision
-
-@contextmanager
-def meta_device(device: Optional[torch.device] = None, recording: Optional[contextlib.ExitStack] = None) -> Generator:
-    """Modules built inside hold fake tensors that report ``device`` (default: the CPU) and hold no memory, their
-    construction recorded (see [Note: a fake device] in engine/replay.py); call :func:`lzero.engine.replay.settle` on
-    the module after the block. A Hugging Face ``from_pretrained`` inside builds into shards
-    (see [Note: from_pretrained under zero3] in hf/pretrained.py). ``recording``: the construction's record stays open
-    in it after the block (until the caller closes it), so initialization run on the model before setup is recorded
-    too (Fabric: see [Note: the engine starts at first use] in fabric.py)."""
-    from lzero.engine.replay import record
-    from lzero.hf.pretrained import intercept
-
-    with contextlib.ExitStack() as stack:
-        recorder = (recording if recording is not None else stack).enter_context(record())
-        with recorder.building_on(device or torch.device("cpu")), intercept():  # [Note: replayed construction]
-            yield
-
-
-def start_engine(module: torch.nn.Module, optimizers: list[Optimizer], config: ZeroConfig, precision: ZeroPrecision,
-                 device: torch.device, num_processes: int, init_fn: Any = None, weights: Any = None,
-                 evaluating: bool = False, attach_to: Sequence[Any] = ()) -> tuple[Any, list[Any]]:
-    """The engine over ``module`` and ``optimizers`` (already checked), and the optimizers re-targeted at its shards
-    (``attach_to``: ZeroOptimizers made before the engine, one per optimizer), the precision bound to it. Both front
-    doors start a run here. A collective."""
-    from lzero.engine.engine import ZeroEngine
-    from lzero.offload.placement import announce_offload
-    from lzero.offload.store import divide_host_threads
-    from lzero.optimizer import ZeroOptimizer
-
-    from lzero.engine.layout import Layout
-
-    layout = Layout.of(config.shard_group_size) if config.shard_group_size is not None else None
-    engine = ZeroEngine(module, optimizers, config, precision.policy, device=device, init_fn=init_fn,
-                        weights=weights if weights is not None else pretrained_weights(module), evaluating=evaluating,
-                        layout=layout)
-    zero = list(attach_to) or [ZeroOptimizer(opt, engine, i) for i, opt in enumerate(optimizers)]
-    for i, zopt in enumerate(attach_to):
-        zopt.attach(engine, i)
-    if engine.offloaded and zero:
-        announce_offload(engine, zero, divide_host_threads(num_processes, config.offload_optimizer.host_threads))
-    precision.bind(engine)
-    return engine, zero
-
-
-def pretrained_weights(model: torch.nn.Module) -> Optional[Any]:
-    """The checkpoints of the pretrained models built by ``meta_device`` inside ``model``, if any."""
-    if "lzero.hf.pretrained" not in sys.modules:
-        return None
-    from lzero.hf.pretrained import PretrainedWeights
-
-    weights = PretrainedWeights(model)
-    return weights if weights else None
+from lzero.lightning.precision import ZeroFabricPrecision
 
 
 def add_memory_monitor(trainer: Trainer, config: ZeroConfig) -> None:
@@ -91,7 +35,7 @@ def activation_probe(module: LightningModule, config: ZeroConfig) -> Optional[An
     return ActivationProbe(find_blocks(module, config.unit_modules))
 
 
-def guard_lr_schedulers(module: LightningModule, precision: ZeroPrecision) -> None:
+def guard_lr_schedulers(module: LightningModule, precision: ZeroFabricPrecision) -> None:
     """Step-interval LR schedulers do not step after a skipped optimizer step (see [Note: skipped
     steps] in precision.py). Lightning steps them through ``module.lr_scheduler_step``, so for this
     fit that hook is shadowed on the instance by one that consults the precision plugin first."""
@@ -106,25 +50,6 @@ def guard_lr_schedulers(module: LightningModule, precision: ZeroPrecision) -> No
         original(scheduler, metric)
 
     module.__dict__["lr_scheduler_step"] = lr_scheduler_step
-
-
-@contextmanager
-def synced_generation(module: Optional[torch.nn.Module], synced: bool) -> Generator:
-    """Inside the block, Hugging Face ``generate`` on the models inside ``module`` defaults to ``synced_gpus=synced``:
-    transformers reads it from ``_is_fsdp_managed_module``, its mark of a model whose forward runs collectives (and
-    whose layers every rank must run, so a rank that finished keeps stepping until all have)."""
-    marked = [m for m in module.modules() if callable(getattr(m, "generate", None))] if module is not None else []
-    before = [m.__dict__.get("_is_fsdp_managed_module") for m in marked]
-    for m in marked:
-        m._is_fsdp_managed_module = synced
-    try:
-        yield
-    finally:
-        for m, value in zip(marked, before):
-            if value is None:
-                m.__dict__.pop("_is_fsdp_managed_module", None)
-            else:
-                m._is_fsdp_managed_module = value
 
 
 def watch_gradient_reads(module: LightningModule) -> None:
@@ -182,3 +107,35 @@ def micro_batch_size(loader: Any) -> Optional[int]:
     if size is None:
         size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
     return size
+
+
+def optimizers_from_deepspeed_blocks(optimizer: Optional[dict], scheduler: Optional[dict], module: Any,
+                                     optimizers: list, scheduler_configs: list) -> tuple[list, list]:
+    """A DeepSpeed configuration's ``optimizer``/``scheduler`` blocks (checked by lzero/deepspeed/optim.py), built:
+    the fit's optimizers and LR scheduler configs once the blocks are built: ``optimizers`` and
+    ``scheduler_configs`` are what ``configure_optimizers`` gave (Lightning's placeholder optimizer for none). Each
+    ``"auto"`` is filled from ``module``'s hparams, its Trainer and the optimizer."""
+    from lightning.pytorch.core.optimizer import _MockOptimizer
+    from lightning.pytorch.utilities.types import LRSchedulerConfig
+
+    from lzero.deepspeed.optim import build_optimizer, fill_auto
+    from lzero.deepspeed.schedules import build_scheduler
+
+    real = [o for o in optimizers if not isinstance(o, _MockOptimizer)]
+    hparams, steps = module.hparams, lambda: module.trainer.estimated_stepping_batches
+    if optimizer is not None:
+        if real:
+            raise ZeroConfigError(
+                "Both the DeepSpeed configuration (its `optimizer` block) and `configure_optimizers` define an"
+                " optimizer. HINT: drop one: remove the block, or return nothing from `configure_optimizers`.")
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        real = optimizers = [build_optimizer(fill_auto(optimizer, hparams, steps, []), trainable)]
+    if scheduler is not None:
+        if len(real) != 1 or scheduler_configs:
+            raise ZeroConfigError(
+                "The DeepSpeed configuration's `scheduler` block needs exactly one optimizer and no scheduler from"
+                f" `configure_optimizers` (found {len(real)} optimizer(s), {len(scheduler_configs)} scheduler(s))."
+                " HINT: drop the block, or return one optimizer and no scheduler.")
+        spec = fill_auto(scheduler, hparams, steps, [g["lr"] for g in real[0].param_groups])
+        scheduler_configs = [LRSchedulerConfig(build_scheduler(spec, real[0]), interval="step")]
+    return optimizers, scheduler_configs

@@ -1,9 +1,6 @@
-"""The precision plugin a ZeRO strategy installs: compute dtype, masters, autocast, loss scaling,
-non-finite gradients and clipping.
-
-Lightning routes clipping through the precision plugin; its generic plugin would clip the module's
-``p.grad`` (None under stage 2, partial under stage 1). This plugin asks the engine for the
-global norm over all shards instead.
+"""The precision plugin both front doors install: compute dtype, masters, autocast, loss scaling and non-finite
+gradients. It is a ``lightning.fabric`` plugin, as Fabric's door needs; the Trainer's :class:`lzero.ZeroPrecision`
+(trainer_precision.py) adds the Trainer's step hooks and clipping over it.
 
 [Note: precision modes]
 - ``32-true``: fp32 everywhere; the master is the parameter shard itself.
@@ -41,12 +38,11 @@ import contextlib
 
 import logging
 from contextlib import contextmanager
-from typing import Any, Callable, Generator, Optional, Sequence, Union
+from typing import Any, Callable, Generator, Optional, Sequence
 
 import torch
-from lightning.pytorch.plugins.precision import Precision
+from lightning.fabric.plugins.precision import Precision
 from torch import nn
-from torch.optim import Optimizer
 from typing_extensions import override
 
 from lzero.engine.loss_scale import LossScaleConfig, LossScaler
@@ -69,8 +65,9 @@ class ZeroPrecisionError(ValueError):
     """A precision setting lzero cannot run; the message says what to use."""
 
 
-class ZeroPrecision(Precision):
-    """See [Note: precision modes] and [Note: skipped steps].
+class ZeroFabricPrecision(Precision):
+    """See [Note: precision modes] and [Note: skipped steps]. Fabric's door uses it as it is; the Trainer's
+    :class:`lzero.ZeroPrecision` is this plugin with the Trainer's hooks, and serves both doors.
 
     Args:
         precision: ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"`` or ``"bf16-true"``.
@@ -231,33 +228,6 @@ class ZeroPrecision(Precision):
             tensor = tensor * self.scaler.scale
         return super().pre_backward(tensor, module)
 
-    @override
-    def optimizer_step(self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        """Closure (forward, backward), the non-finite check, hooks and clipping, then the step or a skip.
-        See [Note: skipped steps]."""
-        from lightning.pytorch.trainer import call
-
-        zopt = _zero_optimizer(optimizer)
-        closure_result = closure()
-        if getattr(model, "automatic_optimization", False) and closure_result is None:
-            return closure_result  # training_step returned None: no backward, no step (as Lightning's AMP)
-        trainer = model.trainer
-
-        def before_step(skip: bool) -> None:  # Lightning's hooks see every step; clipping only a taken one
-            call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
-            call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
-            if not skip:
-                self._clip_gradients(model, optimizer, trainer.gradient_clip_val,
-                                     gradient_clip_algorithm=trainer.gradient_clip_algorithm)
-
-        before = self.loss_scale
-        self.step_or_skip(zopt, trainer.global_step, trainer.global_rank == 0, before_step, **kwargs)
-        if getattr(model, "_current_fx_name", None) is not None and (self.scaler is not None or self.skipped_steps):
-            if self.scaler is not None:
-                model.log("lzero/loss_scale", before, on_step=True, on_epoch=False, batch_size=1)
-            model.log("lzero/skipped_steps", float(self.skipped_steps), on_step=True, on_epoch=False, batch_size=1)
-        return closure_result
-
     def step_or_skip(self, zopt: Any, step: int, is_global_zero: bool,
                      before_step: Optional[Callable[[bool], None]] = None, **kwargs: Any) -> bool:
         """One optimizer step of either front door: the non-finite check, ``before_step(skip)`` (the Trainer's hooks
@@ -314,16 +284,6 @@ class ZeroPrecision(Precision):
             )
 
     @override
-    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        zopt = _zero_optimizer(optimizer)
-        zopt.engine.clip_grad_norm_(zopt.units, float(clip_val))
-
-    @override
-    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        zopt = _zero_optimizer(optimizer)
-        zopt.engine.clip_grad_value_(zopt.units, float(clip_val))
-
-    @override
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"skipped_steps": self.skipped_steps}
         if self.scaler is not None:
@@ -338,29 +298,17 @@ class ZeroPrecision(Precision):
             self._sync_scale()
 
 
-def _zero_optimizer(optimizer: Any) -> Any:
-    from lzero.optimizer import ZeroOptimizer
-
-    inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
-    if not isinstance(inner, ZeroOptimizer):
-        raise ZeroPrecisionError(
-            f"Gradient clipping under lzero needs the strategy's optimizer, got {type(inner).__name__}."
-            " HINT: clip the optimizer returned by `self.optimizers()`."
-        )
-    return inner
-
-
-def to_zero_precision(plugin: Any) -> ZeroPrecision:
-    """The ZeRO plugin for what Lightning assigned, or an error naming what is not supported.
-    An explicit ZeroPrecision (``plugins=[...]`` or ``ZeroStrategy(precision=...)``) is kept as is."""
-    if plugin is None or isinstance(plugin, ZeroPrecision):
-        return plugin if plugin is not None else ZeroPrecision()
+def to_zero_precision(plugin: Any, kind: type[ZeroFabricPrecision] = ZeroFabricPrecision) -> ZeroFabricPrecision:
+    """The ZeRO plugin (a ``kind``: each door passes its own) for what Lightning assigned, or an error naming what is
+    not supported. An explicit one (``plugins=[...]`` or the strategy's ``precision=...``) is kept as is."""
+    if plugin is None:
+        return kind()
+    if isinstance(plugin, kind):
+        return plugin
     name = str(getattr(plugin, "precision", type(plugin).__name__))
-    if type(plugin) is Precision:
-        name = "32-true"
     if name in SUPPORTED_PRECISION or name in REFUSED:
-        return ZeroPrecision(name)
+        return kind(name)
     raise ZeroPrecisionError(
         f"precision plugin {type(plugin).__name__} ({name!r}) is not supported by lzero."
-        f" HINT: use `Trainer(precision=...)` with one of {', '.join(SUPPORTED_PRECISION)}."
+        f" HINT: use `precision=...` with one of {', '.join(SUPPORTED_PRECISION)}."
     )

@@ -1,6 +1,6 @@
-"""A module set up by Fabric under lzero (fabric.py): what the strategy keeps for it, the parameters it is given at
-setup (fresh objects, or placeholders for meta ones) and its state-dict methods, which work on the whole sharded
-model. See [Note: the engine starts at first use] in fabric.py."""
+"""A module set up by Fabric under lzero (fabric_strategy.py): what the strategy keeps for it, the parameters it is
+given at setup (fresh objects, or placeholders for meta ones) and its state-dict methods, which work on the whole
+sharded model. See [Note: the engine starts at first use] in fabric_strategy.py."""
 
 from __future__ import annotations
 
@@ -87,7 +87,8 @@ def swap_parameters(module: nn.Module, optimizers: list[ZeroOptimizer], new: dic
 @contextlib.contextmanager
 def state_dict_shadows(strategy: Any, model: SetUpModel) -> Iterator[None]:
     """``module.state_dict()`` and ``module.load_state_dict(...)`` on the set-up module (Fabric's wrapper sends both
-    to it; ``strategy``: the ``ZeroFabricStrategy`` that set it up, not imported here: fabric.py imports this file)
+    to it; ``strategy``: the ``ZeroFabricStrategy`` that set it up, not imported here: fabric_strategy.py imports
+    this file)
     work on the whole model, as FSDP's full state dict: collectives, on every rank. lzero's own reads of the
     module's state dict (``model.inside``) see the module's own."""
     module = model.module

@@ -1,0 +1,154 @@
+"""What both front doors do alike: the meta device of ``configure_model`` / ``init_module``, the engine's start, the
+configuration ``stage="auto"`` chooses, the weights of a model whose strategy starts no engine, and generation. The
+strategies (trainer_strategy.py, fabric_strategy.py) call these; nothing here imports ``lightning.pytorch``."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from contextlib import contextmanager
+from typing import Any, Generator, Optional, Sequence
+
+import torch
+from torch.optim import Optimizer
+
+from lzero.config import ZeroConfig
+from lzero.lightning.precision import ZeroFabricPrecision
+
+@contextmanager
+def meta_device(device: Optional[torch.device] = None, recording: Optional[contextlib.ExitStack] = None) -> Generator:
+    """Modules built inside hold fake tensors that report ``device`` (default: the CPU) and hold no memory, their
+    construction recorded (see [Note: a fake device] in engine/replay.py); call :func:`lzero.engine.replay.settle` on
+    the module after the block. A Hugging Face ``from_pretrained`` inside builds into shards
+    (see [Note: from_pretrained under zero3] in hf/pretrained.py). ``recording``: the construction's record stays open
+    in it after the block (until the caller closes it), so initialization run on the model before setup is recorded
+    too (Fabric: see [Note: the engine starts at first use] in fabric_strategy.py)."""
+    from lzero.engine.replay import record
+    from lzero.hf.pretrained import intercept
+
+    with contextlib.ExitStack() as stack:
+        recorder = (recording if recording is not None else stack).enter_context(record())
+        with recorder.building_on(device or torch.device("cpu")), intercept():  # [Note: replayed construction]
+            yield
+
+
+def start_engine(module: torch.nn.Module, optimizers: list[Optimizer], config: ZeroConfig,
+                 precision: ZeroFabricPrecision, device: torch.device, num_processes: int, init_fn: Any = None, weights: Any = None,
+                 evaluating: bool = False, attach_to: Sequence[Any] = ()) -> tuple[Any, list[Any]]:
+    """The engine over ``module`` and ``optimizers`` (already checked), and the optimizers re-targeted at its shards
+    (``attach_to``: ZeroOptimizers made before the engine, one per optimizer), the precision bound to it. Both front
+    doors start a run here. A collective."""
+    from lzero.engine.engine import ZeroEngine
+    from lzero.offload.placement import announce_offload
+    from lzero.offload.store import divide_host_threads
+    from lzero.optimizer import ZeroOptimizer
+
+    from lzero.engine.layout import Layout
+
+    layout = Layout.of(config.shard_group_size) if config.shard_group_size is not None else None
+    engine = ZeroEngine(module, optimizers, config, precision.policy, device=device, init_fn=init_fn,
+                        weights=weights if weights is not None else pretrained_weights(module), evaluating=evaluating,
+                        layout=layout)
+    zero = list(attach_to) or [ZeroOptimizer(opt, engine, i) for i, opt in enumerate(optimizers)]
+    for i, zopt in enumerate(attach_to):
+        zopt.attach(engine, i)
+    if engine.offloaded and zero:
+        announce_offload(engine, zero, divide_host_threads(num_processes, config.offload_optimizer.host_threads))
+    precision.bind(engine)
+    return engine, zero
+
+
+def pretrained_weights(model: torch.nn.Module) -> Optional[Any]:
+    """The checkpoints of the pretrained models built by ``meta_device`` inside ``model``, if any."""
+    if "lzero.hf.pretrained" not in sys.modules:
+        return None
+    from lzero.hf.pretrained import PretrainedWeights
+
+    weights = PretrainedWeights(model)
+    return weights if weights else None
+
+
+@contextmanager
+def synced_generation(module: Optional[torch.nn.Module], synced: bool) -> Generator:
+    """Inside the block, Hugging Face ``generate`` on the models inside ``module`` defaults to ``synced_gpus=synced``:
+    transformers reads it from ``_is_fsdp_managed_module``, its mark of a model whose forward runs collectives (and
+    whose layers every rank must run, so a rank that finished keeps stepping until all have)."""
+    marked = [m for m in module.modules() if callable(getattr(m, "generate", None))] if module is not None else []
+    before = [m.__dict__.get("_is_fsdp_managed_module") for m in marked]
+    for m in marked:
+        m._is_fsdp_managed_module = synced
+    try:
+        yield
+    finally:
+        for m, value in zip(marked, before):
+            if value is None:
+                m.__dict__.pop("_is_fsdp_managed_module", None)
+            else:
+                m._is_fsdp_managed_module = value
+
+
+
+
+def sync_module_states(module: torch.nn.Module) -> None:
+    """Rank 0's parameters and buffers on every rank, as DDP's wrapper starts: for a run that starts no engine (stages
+    1-2 evaluating). A collective."""
+    from lzero.engine.collectives import broadcast_coalesced_
+
+    ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
+    states = {id(t): t.data for name, t in [*module.named_parameters(), *module.named_buffers()] if name not in ignored}
+    with torch.no_grad():
+        broadcast_coalesced_(list(states.values()), src=0, max_numel=2**26)  # packed 256 MB of fp32 at most
+
+
+def choose_configuration(config: ZeroConfig, module: torch.nn.Module, precision: ZeroFabricPrecision,
+                         world_size: int, num_processes: int, device: torch.device, budget_bytes: Optional[int],
+                         margin: float) -> tuple[ZeroConfig, dict]:
+    """``stage="auto"``: the configuration for this model and machine and the record of the choice, logged in one
+    line on rank 0 (see [Note: choosing a stage] in auto.py)."""
+    from lightning.fabric.utilities import rank_zero_info
+
+    from lzero.memory import auto
+    from lzero.memory.estimate import count_parameters
+
+    mixed = precision.policy.param_dtype is not None
+    config, record = auto.choose(config, count_parameters(module, config.unit_modules), world_size, num_processes,
+                                 "bf16-mixed" if mixed else "32-true", device, budget_bytes, margin)
+    rank_zero_info(auto.summary(record))
+    return config, record
+
+
+GENERATION_MODES = ("gathered", "streamed")
+
+
+@contextmanager
+def generation(engine: Any, module: torch.nn.Module, mode: str, device: torch.device, budget_bytes: Optional[int],
+               margin: float, num_processes: int) -> Generator:
+    """Both doors' ``strategy.generation(module, mode)`` over ``engine`` (None, or no gatherer: nothing to do). A
+    collective on entry. See ``ZeroStrategy.generation`` for the modes."""
+    from lzero.memory.auto import rank_budget_bytes
+
+    if mode not in GENERATION_MODES:
+        raise ValueError(f"`generation(mode={mode!r})`: the modes are 'gathered' (every block on the device) and"
+                         " 'streamed' (blocks copied from host memory per forward).")
+    if engine is None or engine.gatherer is None:
+        yield
+        return
+    gatherer = engine.gatherer
+    if mode == "gathered":
+        need = sum(u.spec.padded_numel * u.flat_param.element_size() for name in gatherer.blocks
+                   if name not in gatherer.gathered_names() for u in gatherer.blocks[name].units)
+        where, free = device, rank_budget_bytes(device, budget_bytes, num_processes)
+        hint = ("mode='streamed' (blocks copied from host memory per forward), or generate without the context"
+                " (each block gathered per forward: one all-gather per block per token)")
+    else:
+        need = sum(u.spec.padded_numel * u.flat_param.element_size() for u in engine.units)
+        where, free = "host memory", rank_budget_bytes(torch.device("cpu"), None, num_processes)
+        hint = "generate without the context (each block gathered per forward: one all-gather per block per token)"
+    if free is not None and need > (1 - margin) * free:
+        raise RuntimeError(
+            f"`strategy.generation(mode={mode!r})` holds the whole model on every rank: {need / 2**30:.2f} GiB more"
+            f" in {where}, where {free / 2**30:.2f} GiB are free (x {1 - margin:g} margin). HINT:"
+            f" {hint}; or raise memory_budget_bytes / lower memory_margin if the figure is too cautious.")
+    held = gatherer.all_gathered() if mode == "gathered" else gatherer.streamed_from_host(pin=device.type == "cuda")
+    with held, synced_generation(module, False):
+        yield
