@@ -7,8 +7,8 @@ a missing path) they say what it is and what to do; a plain torch/Lightning file
 ``.ckpt``/``.pt``/``.pth`` outputs are torch's format (``torch.load(weights_only=True)`` and
 ``LightningModule.load_from_checkpoint`` read them): the module's state dict under ``state_dict``
 with tied keys sharing one tensor, plus ``pytorch-lightning_version``, ``epoch``, ``global_step``
-and ``hyper_parameters``. A Fabric save's holds the module's state dict under the key the script saved
-the module as (``{"model": ...}``, as Fabric's DDP writes it; litgpt's ``lit_model.pth``), nothing else. ``.safetensors`` outputs hold the flat state dict; safetensors cannot
+and ``hyper_parameters``. A Fabric save's is the module's state dict alone, as ``torch.save(model.state_dict())``
+writes it (what ``fabric.load_raw`` and litgpt's ``lit_model.pth`` readers take). ``.safetensors`` outputs hold the flat state dict; safetensors cannot
 share storage, so a tied key is stored once, under its first name, and the metadata entry
 ``aliases`` (JSON) maps every other key to it.
 """
@@ -30,10 +30,6 @@ KEPT = ("pytorch-lightning_version", "epoch", "global_step", "loops", "hyper_par
 progress, as DDP's ``save_checkpoint(weights_only=True)`` has them."""
 
 SUFFIXES = (".ckpt", ".pt", ".pth", ".safetensors")
-
-FABRIC_KEYS = "lzero/fabric"
-"""The entry a Fabric save adds, naming the state keys of its module and optimizers (``lzero.fabric.FABRIC_KEYS``;
-this module imports no Lightning)."""
 
 
 def consolidate(checkpoint_dir: Any, out: Any, progress: bool = False) -> Path:
@@ -73,10 +69,10 @@ def consolidate(checkpoint_dir: Any, out: Any, progress: bool = False) -> Path:
             first = first_key[reader.param_name(key) or key]
             state[key] = writer.add(reader.state_tensor(key)) if first == key else state[first]
             bar.update(1)
-        common = reader.lightning_state()
-        if FABRIC_KEYS in common:  # a Fabric save: its module under the key the script named it
-            writer.close({common[FABRIC_KEYS]["module"]: state})
+        if reader.manifest.get("front") == "fabric":  # no load_from_checkpoint to serve: the plain state dict
+            writer.close(state)
         else:
+            common = reader.lightning_state()
             writer.close({"state_dict": state, **{k: common[k] for k in KEPT if k in common}})
     bar.close()
     return out
