@@ -4,7 +4,11 @@ clipping, a checkpoint every few steps and a resume from it. Only the strategy n
 
     python examples/fabric_train.py --strategy zero3 --out runs/fabric            # train 20 steps, save at 10 and 20
     python examples/fabric_train.py --strategy zero2 --out runs/fabric --resume runs/fabric/step-10.ckpt
-    python examples/fabric_train.py --strategy zero3 --init-from model.pt         # start from a plain state_dict
+    lzero consolidate runs/fabric/step-20.ckpt runs/fabric/model.pt               # one plain state_dict file
+    python examples/fabric_train.py --out runs/fabric-init --init-from runs/fabric/model.pt   # start from it
+
+From the repository root, with ``source .venv/bin/activate`` done (or ``.venv/bin/python``, ``.venv/bin/lzero``);
+Fabric launches the ``--devices`` processes itself.
 
 ``LT_STRATEGY=zero3_offload`` overrides ``--strategy``, as it overrides any Fabric script's. TensorBoard logs (losses,
 and lzero's memory logs) go to ``OUT/logs``.
