@@ -273,24 +273,24 @@ class ZeroConfig:
     replicated across groups, and gradients are reduce-scattered within the group, then all-reduced across the groups
     on the shard only. ``"node"``: the ranks of one node (``LOCAL_WORLD_SIZE``). None: one group of every rank (flat
     ZeRO). Memory follows the formulas with G in place of N. DeepSpeed's ``mics_shard_size``. See [Note: hybrid
-    sharding] in lzero/engine/layout.py."""
+    sharding] in lzero/engine/hybrid.py."""
 
     hpz_partition_size: Union[int, Literal["node"]] = 1
     """ZeRO++'s hpZ (stage 3): besides the primary shards over every rank, each block keeps a secondary copy of its
     gathered parameters, partitioned over groups of this many consecutive ranks (a node; ``"node"``: the ranks of one
     node, ``LOCAL_WORLD_SIZE``), so that backward's all-gather stays within the group. Costs 1/H of the blocks' parameters per rank in the compute dtype, counted by
     the memory logs and ``lzero estimate``. 1: off. DeepSpeed's ``zero_hpz_partition_size``. See [Note: hpZ] in
-    lzero/engine/secondary.py."""
+    lzero/engine/hpz.py."""
 
     quantized_weights: bool = False
     """ZeRO++'s qwZ (stage 3): parameter all-gathers send blockwise int8 codes (about 1 byte per element) and every
     rank computes with the dequantized weights; the masters stay exact. Changes results. DeepSpeed's
-    ``zero_quantized_weights``. See [Note: quantized collectives] in lzero/engine/quantized.py."""
+    ``zero_quantized_weights``. See [Note: quantized collectives] in lzero/engine/quantized_collectives.py."""
 
     quantized_gradients: Optional[int] = None
     """ZeRO++'s qgZ: gradient reductions as an all-to-all of blockwise int8 (8) or int4 (4) codes, summed in fp32 by
     the receiving rank. None: exact reductions. Changes results. DeepSpeed's ``zero_quantized_gradients`` (its
-    ``true`` reads as 4). See [Note: quantized collectives] in lzero/engine/quantized.py."""
+    ``true`` reads as 4). See [Note: quantized collectives] in lzero/engine/quantized_collectives.py."""
 
     log_memory: bool = True
     """With a logger, add :class:`lzero.MemoryMonitor`: model-state bytes per rank, store and kind, beside what

@@ -1,6 +1,6 @@
-"""ZeRO++'s quantized collectives (lzero/engine/quantized.py): the blockwise codes against the exact values, the
-collectives on 2 gloo ranks against the exact ones, and a short run of the demo GPT at world size 4 against DDP
-(benchmarks/bench_quantized.py; its 200-step table is benchmarks/results/quantized.md)."""
+"""ZeRO++'s quantized collectives (lzero/engine/quantized_collectives.py): the blockwise codes against the exact
+values, the collectives on 2 gloo ranks against the exact ones, and a short run of the demo GPT at world size 4 against
+DDP (benchmarks/bench_quantized.py; its 200-step table is benchmarks/results/quantized.md)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch.distributed as dist
 
 from _dist import run_ranks
 from _launch import run_script
-from lzero.engine import collectives, quantized
-from lzero.engine.quantized import BLOCK, dequantize, packed_bytes, quantize
+from lzero.engine import collectives, quantized_collectives
+from lzero.engine.quantized_collectives import BLOCK, dequantize, packed_bytes, quantize
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -22,7 +22,7 @@ def test_codes_round_trip_within_half_a_step_of_each_blocks_scale(bits: int) -> 
     packed = quantize(x, bits)
     assert packed.dtype == torch.uint8 and packed.numel() == packed_bytes(1000, bits)
     back = dequantize(packed, 1000, bits)
-    levels = quantized.LEVELS[bits]
+    levels = quantized_collectives.LEVELS[bits]
     padded = torch.cat([x, torch.zeros(-1000 % BLOCK)]).view(-1, BLOCK)
     step = (padded.abs().amax(dim=1, keepdim=True) / levels).expand(-1, BLOCK).reshape(-1)[:1000]
     assert ((back - x).abs() <= step / 2 * (1 + 1e-6)).all()  # to nearest: at most half a step
@@ -39,9 +39,10 @@ def test_stochastic_rounding_is_unbiased_and_within_one_step(bits: int) -> None:
     x[0] = 1.0  # the block's scale: 1 / levels per step; 0.3 falls between two codes
     draws = torch.stack([dequantize(quantize(x, bits, torch.Generator().manual_seed(s)), BLOCK, bits)
                          for s in range(200)])
-    step = 1.0 / quantized.LEVELS[bits]
+    levels = quantized_collectives.LEVELS[bits]
+    step = 1.0 / levels
     assert ((draws - x).abs() <= step * (1 + 1e-6)).all()
-    assert abs(draws[:, 1:].mean().item() - 0.3) < 0.02 * step * quantized.LEVELS[bits] / 10  # mean over 50,400
+    assert abs(draws[:, 1:].mean().item() - 0.3) < 0.02 * step * levels / 10  # mean over 50,400
 
 
 def _collectives(rank: int, world: int) -> dict:
@@ -49,7 +50,7 @@ def _collectives(rank: int, world: int) -> dict:
     shard = torch.randn(300, generator=gen)
     exact, ours = torch.empty(300 * world), torch.empty(300 * world)
     collectives.all_gather(exact, shard)
-    quantized.all_gather(ours, shard).wait()
+    quantized_collectives.all_gather(ours, shard).wait()
     flat = torch.randn(300 * world, generator=gen)
     summed = flat.clone()
     dist.all_reduce(summed)
@@ -57,13 +58,14 @@ def _collectives(rank: int, world: int) -> dict:
            "gather_bound": exact.abs().max().item() / 127 / 2, "reduce_exact": summed.view(world, -1)[rank]}
     for bits in (8, 4):
         mine = torch.empty(300)
-        quantized.reduce_scatter(mine, flat.clone(), bits=bits, generator=torch.Generator().manual_seed(rank))
+        quantized_collectives.reduce_scatter(mine, flat.clone(), bits=bits,
+                                             generator=torch.Generator().manual_seed(rank))
         out[f"reduce_{bits}"] = mine
-        out[f"reduce_bound_{bits}"] = world * flat.abs().max().item() / quantized.LEVELS[bits]
+        out[f"reduce_bound_{bits}"] = world * flat.abs().max().item() / quantized_collectives.LEVELS[bits]
     shard = flat[:301].clone()  # hybrid's replica all-reduce: an odd length, padded to the ranks
     exact = shard.clone()
     dist.all_reduce(exact)
-    out["all_reduce"] = quantized.all_reduce(shard, bits=4, generator=torch.Generator().manual_seed(rank))
+    out["all_reduce"] = quantized_collectives.all_reduce(shard, bits=4, generator=torch.Generator().manual_seed(rank))
     out["all_reduce_exact"] = exact
     out["all_reduce_bound"] = world * flat.abs().max().item() / 7 + exact.abs().max().item() / 127 / 2
     return out

@@ -8,7 +8,7 @@ two-level model in two_level.py is fitted on, every measurement taken with all 4
 - ``small_world_collective``: an 8-byte all-gather over all 4 ranks (lzero's unit-order check before each stage-3
   gather, and the end-of-backward flag exchange, are such);
 - ``compute``: forward + backward of cluster_step.py's model (no collective); ``adam``: AdamW's step per element;
-  ``quantize``: int8 quantize + dequantize per element (lzero.engine.quantized), rounded to nearest (qwZ) and
+  ``quantize``: int8 quantize + dequantize per element (lzero.engine.quantized_collectives), rounded to nearest (qwZ) and
   stochastically (qgZ); ``stage{2,3}_overhead``: what lzero's engine adds to a plain step at world size 1 (its
   hooks, gathers and reductions as copies, packing).
 Rank 0 writes OUT (JSON). Times are medians of 15 after 1 of warm-up.
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lzero.engine import collectives, quantized
+from lzero.engine import collectives, quantized_collectives
 
 parser = argparse.ArgumentParser()
 parser.add_argument("layout")  # unused: bench_cluster.py passes its arguments to both scripts alike
@@ -125,9 +125,9 @@ for stage in (2, 3):
 flat = torch.randn(params // 4)
 rounding = torch.Generator().manual_seed(rank)
 result["stochastic_quantize_per_element"] = timed(
-    lambda: quantized.dequantize(quantized.quantize(flat, 8, rounding), flat.numel(), 8)) / flat.numel()
+    lambda: quantized_collectives.dequantize(quantized_collectives.quantize(flat, 8, rounding), flat.numel(), 8)) / flat.numel()
 result["quantize_per_element"] = timed(
-    lambda: quantized.dequantize(quantized.quantize(flat, 8), flat.numel(), 8)) / flat.numel()
+    lambda: quantized_collectives.dequantize(quantized_collectives.quantize(flat, 8), flat.numel(), 8)) / flat.numel()
 result["params"] = params
 if rank == 0:
     Path(args.out).write_text(json.dumps(result))

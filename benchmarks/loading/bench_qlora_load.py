@@ -10,7 +10,7 @@ double quantization, bf16 compute and quant storage)``:
 
 - ``lzero zero3``: ``Trainer(strategy="zero3", devices=2)`` on 2 gloo ranks, ``configure_model`` calling
   ``from_pretrained(..., quantization_config=...)`` and peft's ``get_peft_model`` (LoRA r=8 on q_proj, v_proj);
-  each rank reads and quantizes its own shard ([Note: quantize on read] in lzero/hf/quantized.py); one step runs;
+  each rank reads and quantizes its own shard ([Note: quantize on read] in lzero/hf/quantize_on_read.py); one step runs;
 - ``transformers 4-bit``: transformers' own quantized load of the whole model in one process: what each DDP rank
   of a QLoRA run holds (DDP QLoRA and transformers' quantized load are the same measurement);
 - ``transformers bf16``: the unquantized load, for scale.
@@ -356,7 +356,7 @@ def write_table(rows: list[dict], folder: Path, layers: int, out: Path) -> str:
         f" in place and dropped once the double-quantized state is built ({mb(scales)} MB still held after the load).",
         f"- With the default allocator, RSS after the load is {after(default)} MB against {after(fixed)} MB with the"
         " fixed threshold: freed temporaries the heap keeps. They are small because lzero reads and quantizes"
-        " 32K weights at a time (`lzero.hf.quantized.CHUNK_WEIGHTS`). Before it did (the first run of this"
+        " 32K weights at a time (`lzero.hf.quantize_on_read.CHUNK_WEIGHTS`). Before it did (the first run of this"
         " benchmark, the same day), a block's weights were read whole: few-MB temporaries, which glibc's dynamic mmap"
         " threshold puts on the heap once the first large tensor is freed, and whose freed memory it keeps between"
         " the shards a rank holds: the peak was 338-382 MB with the default allocator and 233 MB with the fixed"

@@ -181,7 +181,7 @@ def save_sharded(path: Any, engine: "ZeroEngine", optimizers: Sequence[ShardedOp
     with the state of ``optimizers`` (none: a weights-only checkpoint) and ``fields`` in the manifest:
     at once (a collective on the engine's group), or with ``saver`` on its background thread. ``kept``: only the
     parameters whose name it accepts, and their optimizer state (Fabric's ``filter=``). Under hybrid sharding the
-    first shard group writes it, the others hold the same shards ([Note: hybrid sharding] in layout.py)."""
+    first shard group writes it, the others hold the same shards ([Note: hybrid sharding] in hybrid.py)."""
     layout = getattr(engine, "layout", None)
     if layout is not None and layout.replica_index != 0:
         return

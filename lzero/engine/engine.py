@@ -27,21 +27,21 @@ from torch import Tensor, nn
 from torch.autograd.graph import get_gradient_edge
 
 from lzero import auto_sizes
-from lzero.engine import collectives, quantized
+from lzero.engine import collectives, quantized_collectives
 from lzero.config import ZeroConfig, ZeroConfigError
 from lzero.errors import ZeroEngineError
 from lzero.engine.mixed_precision import PrecisionPolicy
 from lzero.engine.flat_unit import FlatUnit, GradState, fill_from_gathered, shard_bytes
-from lzero.engine import packed, parameters, replay
+from lzero.engine import packed_weights, parameters, replay
 from lzero.engine.blocks import Block, GatherSchedule
 from lzero.engine.delayed_update import DelayedUpdate
 from lzero.engine.gather import Gatherer, full_graphs_around
-from lzero.engine.layout import Layout
+from lzero.engine.hybrid import Layout
 from lzero.engine.materialize import (InitFn, Materializer, WeightSource, apply_order, buffers_to, common_seed, has_meta,
                                read_whole, shard_values)
 from lzero.engine.partition import FROZEN, Partition, ParamSpec, UnitSpec, partition_by_label, partition_by_size
 from lzero.engine.reducer import Reducer
-from lzero.engine.secondary import SecondaryPartition
+from lzero.engine.hpz import SecondaryPartition
 from lzero.offload.placement import stores_for
 from lzero.offload.store import ShardStore
 from lzero.engine.units import ROOT, find_blocks, label_parameters
@@ -64,7 +64,7 @@ class ZeroEngine:
         """``evaluating``: validate/test/predict, no optimizer: every parameter that requires gradients goes into
         one group, sharded and gathered as while training (stage 3: the shards, their masters, and each block
         gathered for its forward only). ``layout``: hybrid sharding, this rank's shard group in place of ``group``
-        (see [Note: hybrid sharding] in layout.py)."""
+        (see [Note: hybrid sharding] in hybrid.py)."""
         settled = replay.settle(module)  # a model still holding fake tensors: [Note: a fake device] in replay.py
         for optimizer in optimizers if settled else ():
             for group_ in optimizer.param_groups:
@@ -81,8 +81,8 @@ class ZeroEngine:
         self.world_size = collectives.world_size(group)
         self.rank = collectives.rank(group)
         kept = self.policy.kept_parameters(module)
-        packed.check_model(module)
-        self._owners = packed.owners(module)  # the modules of packed (quantized) parameters
+        packed_weights.check_model(module)
+        self._owners = packed_weights.owners(module)  # the modules of packed (quantized) parameters
         specs, by_name = _collect_params(module, optimizers, kept, frozen_too=config.stage >= 3, evaluating=evaluating)
         if config.stage >= 3:
             block_modules = find_blocks(module, config.unit_modules)
@@ -113,7 +113,7 @@ class ZeroEngine:
         self._where: dict[nn.Parameter, tuple[FlatUnit, int]] = {
             p: (unit, i) for unit in self.units for i, p in enumerate(unit.params)
         }
-        self._packed = [(n, p) for n, p in module.named_parameters() if packed.is_packed(p)]  # quantized codes
+        self._packed = [(n, p) for n, p in module.named_parameters() if packed_weights.is_packed(p)]  # quantized codes
         self._buffers = [b for b in module.buffers()]
         self._sync_buffers_next = True
         self.gatherer: Optional[Gatherer] = None
@@ -165,8 +165,8 @@ class ZeroEngine:
         return FlatUnit(spec, params, self.rank, self.config.stage, store=store, param_store=self._param_store,
                         values=values, bindings=bindings, **dtypes)
 
-    def _bindings(self, params: Sequence[nn.Parameter]) -> list[packed.Binding]:
-        return [packed.Binding(p, self._owners.get(id(p))) for p in params]
+    def _bindings(self, params: Sequence[nn.Parameter]) -> list[packed_weights.Binding]:
+        return [packed_weights.Binding(p, self._owners.get(id(p))) for p in params]
 
     def _materialize_by_unit(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer],
                              block_modules: dict[str, nn.Module], labels: dict[str, str], device: torch.device,
@@ -213,7 +213,7 @@ class ZeroEngine:
             in_units = {id(p) for unit in units for p in unit.params}
             read_whole(module, weights, lambda t: id(t) not in in_units)
             weights.finish(module, lambda t: collectives.all_reduce(t, dist.ReduceOp.MAX, self.group), device)
-            self._owners = packed.owners(module)  # of the materialized parameters
+            self._owners = packed_weights.owners(module)  # of the materialized parameters
             for unit in units:
                 if unit.spec.storage:  # quantized on read: the state is whole now ([Note: quantize on read])
                     unit.bindings = self._bindings(unit.params)
@@ -272,7 +272,7 @@ class ZeroEngine:
                         secondary=self._secondary_partition(blocks))
 
     def _secondary_partition(self, blocks: dict[str, Block]) -> Optional[SecondaryPartition]:
-        """hpZ's node-local copies of every block but the root: [Note: hpZ] in secondary.py. A collective."""
+        """hpZ's node-local copies of every block but the root: [Note: hpZ] in hpz.py. A collective."""
         size = self.config.hpz_partition_size
         if size == "node":
             size = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
@@ -381,7 +381,7 @@ class ZeroEngine:
         """Rank 0's buffers (BatchNorm running stats...) everywhere, exactly when DDP would sync them:
         before a forward that follows a forward run with gradients enabled and gradient sync on."""
         if self._packed:  # a quantized base: its codes must stay frozen
-            packed.check_still_frozen(self._packed)
+            packed_weights.check_still_frozen(self._packed)
         if self.config.broadcast_buffers and self._sync_buffers_next:
             collectives.broadcast_coalesced_(self._buffers, src=0, group=self.everyone)
         self._sync_buffers_next = torch.is_grad_enabled() and self.sync
@@ -720,8 +720,8 @@ class ZeroEngine:
                 fill_from_gathered(gather.bucket, gather.out, self.world_size)
 
     def _param_all_gather(self, flat: Tensor, shard: Tensor, group: Any, async_op: bool) -> collectives.Handle:
-        """A parameter all-gather: int8 under qwZ ([Note: quantized collectives] in quantized.py)."""
-        gather = quantized.all_gather if self.config.quantized_weights else collectives.all_gather
+        """A parameter all-gather: int8 under qwZ ([Note: quantized collectives] in quantized_collectives.py)."""
+        gather = quantized_collectives.all_gather if self.config.quantized_weights else collectives.all_gather
         return gather(flat, shard, group, async_op=async_op)
 
     def _launch_gather(self, bucket: list[FlatUnit]) -> PendingGather:
@@ -801,8 +801,8 @@ def _collect_params(module: nn.Module, optimizers: Sequence[torch.optim.Optimize
                 group_of[p] = (oi, gi)
     specs, by_name = [], {}
     for name, p in module.named_parameters():
-        packed.check_frozen(name, p)
-        if frozen_too and not p.requires_grad and packed.is_packed(p):  # see [Note: packed parameters]
+        packed_weights.check_frozen(name, p)
+        if frozen_too and not p.requires_grad and packed_weights.is_packed(p):  # see [Note: packed parameters]
             specs.append(ParamSpec(name, tuple(p.shape), FROZEN, storage=str(p.dtype).removeprefix("torch.")))
             by_name[name] = p
         elif p in group_of and p.requires_grad:

@@ -40,7 +40,7 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from lzero.engine.packed import Binding
+from lzero.engine.packed_weights import Binding
 from lzero.engine.parameters import mark_gathered, mark_released, name_param, quiet_params, raw_grad, set_grad_quietly
 from lzero.engine.partition import UnitSpec
 from lzero.offload.store import GRAD_STATS, DeviceStore, ShardStore

@@ -113,10 +113,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from lzero.engine import collectives, quantized
+from lzero.engine import collectives, quantized_collectives
 from lzero.engine.blocks import Block, BlockState, GatherSchedule, Gathering, HostCopy, RunGathering
 from lzero.engine.flat_unit import FlatUnit, shard_bytes
-from lzero.engine.secondary import SecondaryPartition
+from lzero.engine.hpz import SecondaryPartition
 from lzero.engine.unit_order import OrderCheck
 from lzero.engine.units import ROOT
 
@@ -131,8 +131,8 @@ class Gatherer:
                  accumulating: Optional[Callable[[], bool]] = None,
                  quantized_weights: bool = False, secondary: Optional[SecondaryPartition] = None) -> None:
         """``quantized_weights``: parameter all-gathers in int8 (qwZ, see [Note: quantized collectives] in
-        quantized.py); ``secondary``: hpZ's node-local copies for backward's gathers (see [Note: hpZ] in
-        secondary.py). ``on_backward(block, done)``: a backward hook of ``block`` runs, before it is gathered for its backward
+        quantized_collectives.py); ``secondary``: hpZ's node-local copies for backward's gathers (see [Note: hpZ] in
+        hpz.py). ``on_backward(block, done)``: a backward hook of ``block`` runs, before it is gathered for its backward
         (``done`` False) or once the backward of every forward of the block since the last has passed its inputs
         (``done`` True: no backward node of the block is left, the engine collects its gradients, and the block is
         released after that). See [Note: one backward hook per block]."""
@@ -221,10 +221,10 @@ class Gatherer:
 
     def _all_gather(self, flat: torch.Tensor, shard: torch.Tensor, group: Any, async_op: bool) -> collectives.Handle:
         """A parameter all-gather over all ranks: int8 under qwZ."""
-        return (quantized.all_gather if self._quantized else collectives.all_gather)(flat, shard, group, async_op=async_op)
+        return (quantized_collectives.all_gather if self._quantized else collectives.all_gather)(flat, shard, group, async_op=async_op)
 
     def _from_secondary(self, units: Sequence[FlatUnit]) -> bool:
-        """hpZ: whether a gather of ``units`` now reads the node's secondary slices ([Note: hpZ] in secondary.py)."""
+        """hpZ: whether a gather of ``units`` now reads the node's secondary slices ([Note: hpZ] in hpz.py)."""
         return self.secondary is not None and self._direction < 0 and self.secondary.holds(units)
 
     def _run_of(self, name: str) -> tuple[str, ...]:
@@ -519,7 +519,7 @@ class Gatherer:
 
     def end_backward(self) -> None:
         """The backward is over: gathers from now on (a state_dict, the next forward) read the primary shards,
-        which the optimizer step is about to change ([Note: hpZ] in secondary.py)."""
+        which the optimizer step is about to change ([Note: hpZ] in hpz.py)."""
         self._direction = 1
         if self.secondary is not None:
             self.secondary.invalidate()

@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from lzero.engine import packed
+from lzero.engine import packed_weights
 from lzero.errors import ZeroEngineError
 
 
@@ -85,7 +85,7 @@ class PrecisionPolicy:
             return cast
         for name, p in module.named_parameters():
             if p not in managed and name not in kept and p.is_floating_point() and p.dtype != self.param_dtype \
-                    and not packed.is_packed(p):  # codes in a float view: never cast (packed.py)
+                    and not packed_weights.is_packed(p):  # codes in a float view: never cast (packed_weights.py)
                 cast.append((p, p.dtype))
                 p.data = p.data.to(self.param_dtype)
         return cast

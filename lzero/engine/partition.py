@@ -9,7 +9,7 @@ A unit is a flat 1-D buffer holding its parameters back to back, padded at the e
 of the world size N. Rank r owns the contiguous slice [r * S, (r + 1) * S) with S = padded / N.
 A unit never mixes param groups (its shard is one tensor in exactly one optimizer param group) nor
 compute dtypes (mixed precision may keep some module types in fp32), nor numbers with packed codes
-(quantized weights, one storage dtype per unit: see [Note: packed parameters] in packed.py).
+(quantized weights, one storage dtype per unit: see [Note: packed parameters] in packed_weights.py).
 At stages 1 and 2 units are formed in backward order (reverse registration order) up to
 ``max_unit_numel`` elements, so the first units to complete in backward are the first reduced.
 """
@@ -35,7 +35,7 @@ class ParamSpec:
     shape: tuple[int, ...]
     group: GroupKey
     keep_fp32: bool = False  # mixed precision: computes in fp32 (a module type kept out of 16-bit)
-    storage: str = ""  # a packed (quantized) frozen weight: its storage dtype, e.g. "uint8" (see packed.py)
+    storage: str = ""  # a packed (quantized) frozen weight: its storage dtype, e.g. "uint8" (see packed_weights.py)
 
     @property
     def numel(self) -> int:

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lzero.engine import collectives, quantized
+from lzero.engine import collectives, quantized_collectives
 from lzero.config import ZeroConfig
 from lzero.engine.flat_unit import FlatUnit
 
@@ -68,7 +68,7 @@ class Reducer:
     def __init__(self, units: Sequence[FlatUnit], config: ZeroConfig, group: Optional[dist.ProcessGroup],
                  world_size: int, replicas: Optional[dist.ProcessGroup] = None, replica_count: int = 1) -> None:
         """``replicas``, ``replica_count``: hybrid sharding, the ranks holding this rank's shard in the other shard
-        groups; the reduced shard is summed over them too (see [Note: hybrid sharding] in layout.py)."""
+        groups; the reduced shard is summed over them too (see [Note: hybrid sharding] in hybrid.py)."""
         self.units = units
         self.config = config
         self.group = group
@@ -208,9 +208,11 @@ class Reducer:
                 column += unit.spec.shard_numel
             bucket = rows.view(-1)
         out = torch.empty(sum(u.spec.shard_numel for u in units), dtype=bucket.dtype, device=bucket.device)
-        if self.config.quantized_gradients is not None:  # qgZ: [Note: quantized collectives] in quantized.py
-            handle = quantized.reduce_scatter(out, bucket, self.group, async_op=self.config.overlap_comm,
-                                              bits=self.config.quantized_gradients, generator=self._rounding)
+        # qgZ: [Note: quantized collectives] in quantized_collectives.py
+        if self.config.quantized_gradients is not None:
+            handle = quantized_collectives.reduce_scatter(out, bucket, self.group,
+                                                         async_op=self.config.overlap_comm,
+                                                         bits=self.config.quantized_gradients, generator=self._rounding)
         else:
             handle = collectives.reduce_scatter(out, bucket, self.group, async_op=self.config.overlap_comm)
         self._inflight.append(InflightReduction(handle, units, out, bucket))
@@ -223,7 +225,7 @@ class Reducer:
         self._start_sums_across()  # this one's sum across replicas first, then any later ones already reduced
         done = self._inflight.popleft()
         if self.replicas is not None and self.config.quantized_gradients is not None:  # qgZ between nodes too
-            quantized.all_reduce(done.out, self.replicas, self.config.quantized_gradients, self._rounding)
+            quantized_collectives.all_reduce(done.out, self.replicas, self.config.quantized_gradients, self._rounding)
         elif self.replicas is not None:  # the other groups' sums of the same shard, started above
             done.across.wait()
         offset = 0

@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
-from lzero.hf import quantized
+from lzero.hf import quantize_on_read
 from lzero.hf.weights import CheckpointFiles, OpenFiles, PretrainedLoadError, find_files
 
 # from_pretrained arguments that change only where files come from: handed to the Hub download
@@ -70,7 +70,7 @@ class PretrainedSource:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     mismatched: list[str] = field(default_factory=list)
-    quantized: dict[int, Any] = field(default_factory=dict)  # id(weight) -> its QuantizedRead (hf/quantized.py)
+    quantized: dict[int, Any] = field(default_factory=dict)  # id(weight) -> its QuantizedRead (hf/quantize_on_read.py)
     # storage (``_cdata``) -> (checkpoint key, numel, dtype) of each matched tensor as it was matched: code after
     # ``from_pretrained`` may give a parameter new data (a resized embedding), the storage stays the checkpoint's
     by_storage: dict[int, tuple[str, int, torch.dtype]] = field(default_factory=dict)
@@ -138,12 +138,12 @@ def from_pretrained_into_shards(cls: type, pretrained_model_name_or_path: Any, *
     config, kwargs = _config(cls, folder, config, kwargs)
     files = find_files(folder, use_safetensors)
     dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype, config, files)
-    quantizer = quantized.quantizer_for(config, quantization_config, dtype)  # [Note: quantize on read]
+    quantizer = quantize_on_read.quantizer_for(config, quantization_config, dtype)  # [Note: quantize on read]
     from lzero.engine.replay import as_fakes, unrecorded
 
     with unrecorded():  # built as transformers builds it, on the meta device: no draw to replay
         model = _build(cls, config, dtype, model_args, kwargs)
-        reads = quantized.lay_out(model, quantizer, dtype) if quantizer is not None else {}
+        reads = quantize_on_read.lay_out(model, quantizer, dtype) if quantizer is not None else {}
     as_fakes(model, skip=set(reads))  # like the rest of the construction (see [Note: a fake device])
     source = _match(model, files, ignore_mismatched_sizes, {i: r.shape for i, r in reads.items()})
     source.quantized = reads
@@ -405,7 +405,7 @@ class PretrainedWeights:
         owner = {storage: (source, key) for source in self.sources
                  for storage, (key, _, _) in source.by_storage.items()}
         named = [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]
-        self._quantized: dict[str, quantized.QuantizedRead] = {}  # root name -> how to quantize it on read
+        self._quantized: dict[str, quantize_on_read.QuantizedRead] = {}  # root name -> how to quantize it on read
         for name, t in named:
             if _storage(t) in owner:
                 self._keys[name] = owner[_storage(t)]
@@ -418,7 +418,7 @@ class PretrainedWeights:
 
     def finish(self, root: nn.Module, all_reduce_max: Callable[[Tensor], None], device: torch.device) -> None:
         """Every rank has read its shards: the quantized weights get their whole quantization state (a collective)."""
-        quantized.finish(root, self._quantized, all_reduce_max, device)
+        quantize_on_read.finish(root, self._quantized, all_reduce_max, device)
 
     def holds(self, name: str) -> bool:
         """Whether the root's tensor ``name`` is read from a checkpoint."""

@@ -43,7 +43,7 @@ def start_engine(module: torch.nn.Module, optimizers: list[Optimizer], config: Z
     from lzero.offload.store import divide_host_threads
     from lzero.optimizer import ZeroOptimizer
 
-    from lzero.engine.layout import Layout
+    from lzero.engine.hybrid import Layout
 
     layout = Layout.of(config.shard_group_size) if config.shard_group_size is not None else None
     engine = ZeroEngine(module, optimizers, config, precision.policy, device=device, init_fn=init_fn,

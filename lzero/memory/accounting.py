@@ -51,7 +51,7 @@ def _tensors(engine: "ZeroEngine", optimizers: Sequence[Any]) -> Iterator[tuple[
     for unit in engine.units:
         yield "device", "parameters", unit.flat_param
         yield unit.param_store.memory, "parameters", unit.compute_shard()
-        for binding in unit.bindings or ():  # a quantized base's state, whole on every rank (engine/packed.py)
+        for binding in unit.bindings or ():  # a quantized base's state, whole on every rank (engine/packed_weights.py)
             for tensor in binding.tensors():
                 yield "device", "parameters", tensor
     for store in engine.stores:  # persistent host gradient buffers ([Note: persistent host buffers])

@@ -207,7 +207,7 @@ def model_states(config: ZeroConfig, count: ModelCount, world_size: int, precisi
                  optimizer_bytes: float = ADAM_BYTES, secondary: Optional[float] = None) -> dict[str, dict[str, int]]:
     """One rank's model states under ``config`` (see [Note: lzero's layout]), every gradient present.
     ``secondary``: with hpZ, the elements of its node-local copy this rank holds (1/H of the blocks' parameters,
-    padded; default: 1/H of the whole model), in the compute dtype ([Note: hpZ] in lzero/engine/secondary.py)."""
+    padded; default: 1/H of the whole model), in the compute dtype ([Note: hpZ] in lzero/engine/hpz.py)."""
     c, mixed = check_precision(precision), precision != "32-true"
     out = _Bytes()
     psi, frozen, n, stage = count.trainable, count.frozen, world_size, config.stage
@@ -346,9 +346,9 @@ def estimate(count: ModelCount, num_gpus: int = 1, num_nodes: int = 1, precision
     """One :class:`Estimate` per strategy (``STRATEGIES``) for ``num_gpus`` ranks on each of ``num_nodes``
     nodes. ``offload_ratio`` and ``max_in_cpu`` apply to the offload rows (``OffloadOptimizer.ratio``,
     ``OffloadParam.max_in_cpu``; None: its default). ``shard_group_size``: hybrid sharding, the zero rows shard over
-    groups of this many ranks (G in place of N; see [Note: hybrid sharding] in lzero/engine/layout.py).
+    groups of this many ranks (G in place of N; see [Note: hybrid sharding] in lzero/engine/hybrid.py).
     ``hpz_partition_size``: adds a ``zero3_hpz`` row after zero3's, with hpZ's secondary copy of 1/H of the model per
-    rank (see [Note: hpZ] in lzero/engine/secondary.py)."""
+    rank (see [Note: hpZ] in lzero/engine/hpz.py)."""
     from lzero.presets import PRESET_CONFIGS
 
     for name, value in (("num_gpus", num_gpus), ("num_nodes", num_nodes)):

@@ -15,9 +15,9 @@ storage dtype, and the engine reads every rank's shard of it as of any pretraine
   per tensor and rank.
 The scales of the blocks (rows) a rank quantized are exact; those of the others are zero on that rank. One
 all-reduce (MAX) over every quantized tensor's scales makes them whole on every rank, where the quantization state
-is replicated ([Note: packed parameters] in engine/packed.py); double quantization is then computed from the whole
-absmax, as bitsandbytes computes it (its offset is the mean over the whole tensor). No rank ever holds more than a
-few blocks or rows of a weight unquantized, nor reads a byte of another rank's shard beyond them.
+is replicated ([Note: packed parameters] in engine/packed_weights.py); double quantization is then computed from the
+whole absmax, as bitsandbytes computes it (its offset is the mean over the whole tensor). No rank ever holds more
+than a few blocks or rows of a weight unquantized, nor reads a byte of another rank's shard beyond them.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from lzero.engine import packed
+from lzero.engine import packed_weights
 from lzero.errors import ZeroEngineError
 from lzero.hf.weights import PretrainedLoadError
 
@@ -45,7 +45,7 @@ ReadWeights = Callable[[int, int, Tensor], None]
 class QuantizedRead:
     """How one pretrained weight becomes packed codes as a rank reads its shard of it."""
 
-    method: str  # packed.FOUR_BIT or packed.EIGHT_BIT
+    method: str  # packed_weights.FOUR_BIT or packed_weights.EIGHT_BIT
     shape: tuple[int, int]  # (out_features, in_features), unquantized
     dtype: torch.dtype  # the dtype the weights are quantized from (the model's)
     blocksize: int = 64  # 4-bit: weights per absmax
@@ -64,7 +64,7 @@ class QuantizedRead:
     @property
     def group(self) -> int:
         """Weights quantized together: a block (4-bit) or a row (8-bit)."""
-        return self.blocksize if self.method == packed.FOUR_BIT else self.shape[1]
+        return self.blocksize if self.method == packed_weights.FOUR_BIT else self.shape[1]
 
     @property
     def groups(self) -> int:
@@ -73,15 +73,15 @@ class QuantizedRead:
     @property
     def per_element(self) -> int:
         """Weights one packed element encodes: two per byte at 4 bits, one int8 per weight at 8."""
-        return 2 * self.storage.itemsize if self.method == packed.FOUR_BIT else 1
+        return 2 * self.storage.itemsize if self.method == packed_weights.FOUR_BIT else 1
 
     def packed_shape(self) -> tuple[int, int]:
-        if self.method == packed.EIGHT_BIT:
+        if self.method == packed_weights.EIGHT_BIT:
             return self.shape
         return ((self.numel + 1) // 2 // self.storage.itemsize, 1)  # the codes' bytes, in storage elements
 
     def packed_dtype(self) -> torch.dtype:
-        return self.storage if self.method == packed.FOUR_BIT else torch.int8
+        return self.storage if self.method == packed_weights.FOUR_BIT else torch.int8
 
     @torch.no_grad()
     def read(self, read_weights: ReadWeights, start: int, end: int, out: Tensor) -> None:
@@ -103,7 +103,7 @@ class QuantizedRead:
         a, b = lo * self.group, min(hi * self.group, self.numel)
         values = torch.empty(b - a, dtype=self.dtype, device="cpu")
         read_weights(a, b, values)
-        if self.method == packed.FOUR_BIT:
+        if self.method == packed_weights.FOUR_BIT:
             codes, absmax = torch.ops.bitsandbytes.quantize_4bit.default(values, self.blocksize, self.quant_type,
                                                                         self.storage)
             self.scales[lo:hi] = absmax.float()
@@ -116,7 +116,7 @@ class QuantizedRead:
         """The whole quantization state, once the scales are whole: what bitsandbytes' own quantization keeps."""
         import bitsandbytes.functional as F
 
-        if self.method == packed.EIGHT_BIT:
+        if self.method == packed_weights.EIGHT_BIT:
             return self.scales.to(device)
         absmax = self.scales.to(device)
         common = dict(shape=torch.Size(self.shape), dtype=self.dtype, blocksize=self.blocksize,
@@ -138,7 +138,7 @@ def quantizer_for(config: Any, quantization_config: Any, dtype: torch.dtype) -> 
     method = quantization.get("quant_method") if isinstance(quantization, dict) else \
         getattr(quantization, "quant_method", type(quantization).__name__)
     try:
-        packed.refuse_method(method)
+        packed_weights.refuse_method(method)
     except ZeroEngineError as refused:
         raise PretrainedLoadError(str(refused)) from None
     from transformers.quantizers.auto import get_hf_quantizer
@@ -172,7 +172,7 @@ def lay_out(model: nn.Module, quantizer: Any, dtype: torch.dtype) -> dict[int, Q
                 " lzero's row reads do not quantize. HINT: skip it with `llm_int8_skip_modules`, or use zero2.")
         if isinstance(module, bnb.nn.Linear4bit):
             w = module.weight
-            read = QuantizedRead(packed.FOUR_BIT, tuple(w.shape), dtype, w.blocksize, w.quant_type,
+            read = QuantizedRead(packed_weights.FOUR_BIT, tuple(w.shape), dtype, w.blocksize, w.quant_type,
                                  w.quant_storage, w.compress_statistics)
             module.weight = bnb.nn.Params4bit(
                 torch.empty(read.packed_shape(), dtype=read.packed_dtype(), device="meta"), requires_grad=False,
@@ -184,7 +184,7 @@ def lay_out(model: nn.Module, quantizer: Any, dtype: torch.dtype) -> dict[int, Q
                 raise PretrainedLoadError(
                     "`llm_int8_has_fp16_weight=True` keeps 16-bit weights that train: not a frozen quantized base."
                     " HINT: remove it (QLoRA freezes the 8-bit base).")
-            read = QuantizedRead(packed.EIGHT_BIT, tuple(w.shape), dtype)
+            read = QuantizedRead(packed_weights.EIGHT_BIT, tuple(w.shape), dtype)
             module.weight = bnb.nn.Int8Params(torch.empty(read.shape, dtype=torch.int8, device="meta"),
                                               requires_grad=False, has_fp16_weights=False)
         else:
@@ -211,7 +211,7 @@ def finish(root: nn.Module, reads: dict[str, QuantizedRead], all_reduce_max: Cal
         module_name, _, param_name = name.rpartition(".")
         owner = root.get_submodule(module_name)
         p, state = owner._parameters[param_name], read.state(device)
-        if read.method == packed.FOUR_BIT:
+        if read.method == packed_weights.FOUR_BIT:
             p.quant_state = owner.quant_state = state
         else:
             p.SCB = state
