@@ -42,21 +42,28 @@ def run_script(name: str, *args: str, timeout: float = 600, env: dict | None = N
             raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                                  f"\n--- stderr\n{proc.stderr[-8000:]}")
         return proc
-    port = str(_free_port())
-    envs = [{**full_env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(ranks), "RANK": str(r),
-             "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(ranks), "GROUP_RANK": "0", "NODE_RANK": "0",
-             "TORCHELASTIC_RUN_ID": "lzero-tests"} for r in range(ranks)]
-    ctx = _dist.context()
-    if ctx.get_start_method() == "forkserver":
-        codes, outputs = _forked(ctx, str(SCRIPTS / name), list(args), envs, timeout)
-    else:
-        codes, outputs = _fresh(cmd, envs, timeout)
+    codes, outputs = run_ranks(name, *args, ranks=ranks, timeout=timeout, env=env)
     failed = [(r, code) for r, code in enumerate(codes) if code != 0]
     if failed:
         report = "\n".join(f"--- rank {r} stdout\n{out[-3000:]}\n--- rank {r} stderr\n{err[-6000:]}"
                            for r, (out, err) in enumerate(outputs))
         raise AssertionError(f"{' '.join(cmd)}: ranks {failed} exited with an error\n{report}")
     return subprocess.CompletedProcess(cmd, 0, outputs[0][0], outputs[0][1])
+
+
+def run_ranks(name: str, *args: str, ranks: int, timeout: float = 600, env: dict | None = None
+              ) -> tuple[list[int], list[tuple[str, str]]]:
+    """Each rank's exit code and (stdout, stderr), as torchrun starts them, whether they fail or not."""
+    cmd = [sys.executable, str(SCRIPTS / name), *args]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    port = str(_free_port())
+    envs = [{**full_env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(ranks), "RANK": str(r),
+             "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(ranks), "GROUP_RANK": "0", "NODE_RANK": "0",
+             "TORCHELASTIC_RUN_ID": "lzero-tests"} for r in range(ranks)]
+    ctx = _dist.context()
+    if ctx.get_start_method() == "forkserver":
+        return _forked(ctx, str(SCRIPTS / name), list(args), envs, timeout)
+    return _fresh(cmd, envs, timeout)
 
 
 def _fresh(cmd: list[str], envs: list[dict], timeout: float) -> tuple[list[int], list[tuple[str, str]]]:

@@ -90,3 +90,33 @@ def test_rollout_in_training_step_updates_like_ddp(runs: tuple) -> None:
     assert ours.keys() == ddp.keys()
     for key, value in ddp.items():
         assert torch.equal(ours[key], value), key
+
+
+def test_generation_takes_the_same_call_at_both_doors_and_names_a_wrong_argument_briefly() -> None:
+    """``generation(module=None, mode=...)`` at both doors (the runs above pass the model inside the LightningModule,
+    as Fabric scripts pass theirs); a mode given where the module goes, or a module outside the LightningModule, is
+    refused naming the argument's class, not printing a model's whole tree."""
+    import lightning as L
+
+    import lzero
+
+    class Policy(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.policy = torch.nn.Linear(2, 2)
+
+    strategy = lzero.ZeroStrategy(stage=3, parallel_devices=[torch.device("cpu")])
+    strategy._lightning_module = Policy()
+    with pytest.raises(ValueError, match="got 'streamed'.*the mode is a keyword argument"):
+        with strategy.generation("streamed"):
+            pass
+    with pytest.raises(ValueError, match=r"got a Linear\. HINT") as refused:
+        with strategy.generation(torch.nn.Linear(2, 2)):
+            pass
+    assert "in_features" not in str(refused.value)
+    with strategy.generation(strategy.lightning_module.policy, mode="streamed"):  # no engine yet: nothing to hold
+        pass
+    fabric = lzero.ZeroFabricStrategy(stage=3)
+    with pytest.raises(ValueError, match="got 'streamed'.*the mode is a keyword argument"):
+        with fabric.generation("streamed"):
+            pass

@@ -64,7 +64,41 @@ class ZeroEngine:
         """``evaluating``: validate/test/predict, no optimizer: every parameter that requires gradients goes into
         one group, sharded and gathered as while training (stage 3: the shards, their masters, and each block
         gathered for its forward only). ``layout``: hybrid sharding, this rank's shard group in place of ``group``
-        (see [Note: hybrid sharding] in hybrid.py)."""
+        (see [Note: hybrid sharding] in hybrid.py). An error part way leaves the module as [Note: a setup that
+        stops part way] says."""
+        try:
+            self._build(module, optimizers, config, policy, group, device, init_fn, weights, evaluating, layout)
+        except BaseException:
+            self.abandon(module)
+            raise
+
+    def abandon(self, module: nn.Module) -> None:
+        """[Note: a setup that stops part way]
+        When the engine's setup (or the strategy's, right after it) raises, the error is the user's to read, so
+        nothing after it may raise another: the hooks come off, the stores close, and the parameters already
+        released to their shards become meta parameters of their shapes (``drop_released``): their values live
+        in shards across the ranks, which no collective may gather now (another rank may be elsewhere), and
+        Lightning's teardown moves nothing of a meta model, where a released parameter would refuse its ``.cpu()``
+        and print that error last. Process groups are left alone, as after a failed step (see [Note: teardown after
+        a failure] in lightning/trainer_strategy.py). Safe on a half-built engine and on a whole one."""
+        parameters.drop_released(module)
+        for h in getattr(self, "_hooks", []):
+            h.remove()
+        self._hooks = []
+        if hasattr(self, "_where"):
+            parameters.unwatch(self._where, self._on_module_zero_grad)
+        if getattr(self, "gatherer", None) is not None:
+            self.gatherer.remove()
+        for store in getattr(self, "stores", []):
+            try:
+                store.close()
+            except Exception:  # noqa: BLE001 - the error that stopped the setup is the one to raise
+                pass
+
+    def _build(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], config: ZeroConfig,
+               policy: Optional[PrecisionPolicy], group: Optional[dist.ProcessGroup], device: torch.device,
+               init_fn: Optional[InitFn], weights: Optional[WeightSource], evaluating: bool,
+               layout: Optional[Layout]) -> None:
         settled = replay.settle(module)  # a model still holding fake tensors: [Note: a fake device] in replay.py
         for optimizer in optimizers if settled else ():
             for group_ in optimizer.param_groups:
@@ -113,6 +147,9 @@ class ZeroEngine:
         self._where: dict[nn.Parameter, tuple[FlatUnit, int]] = {
             p: (unit, i) for unit in self.units for i, p in enumerate(unit.params)
         }
+        # whole on every rank, outside every unit: the frozen parameters at stages 1-2 (a frozen reference model, a
+        # LoRA or QLoRA base), at stage 3 those of other dtypes; model states all the same (lzero/memory/accounting.py)
+        self.outside: list[nn.Parameter] = [p for p in module.parameters() if p not in self._where]
         self._packed = [(n, p) for n, p in module.named_parameters() if packed_weights.is_packed(p)]  # quantized codes
         self._buffers = [b for b in module.buffers()]
         self._sync_buffers_next = True
@@ -364,6 +401,10 @@ class ZeroEngine:
         """Frozen parameters cast to the compute dtype at setup return to their own dtype (end of fit)."""
         for p, dtype in self._cast_back:
             p.data = p.data.to(dtype)
+
+    def outside_units(self) -> list[tuple[nn.Parameter, packed_weights.Whole]]:
+        """The parameters no unit holds (``outside``), each with what it keeps beside itself (a quantization state)."""
+        return [(p, packed_weights.left_whole(p, self._owners.get(id(p)))) for p in self.outside]
 
     @torch.no_grad()
     def unshard(self) -> None:

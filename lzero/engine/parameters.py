@@ -152,6 +152,20 @@ def mark_gathered(p: nn.Parameter) -> None:
         p.__class__ = _OWN_CLASSES.pop(p, ZeroParameter)
 
 
+def drop_released(module: nn.Module) -> None:
+    """Every released parameter of ``module`` (tied ones alike) replaced by a meta parameter of its shape and dtype:
+    for a setup that stopped part way, whose shards no collective may gather now (see [Note: a setup that stops part
+    way] in engine.py). Lightning moves nothing of a meta model, so nothing touches the placeholders."""
+    fresh: dict[int, nn.Parameter] = {}
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if type(p) is ReleasedParameter:
+                if id(p) not in fresh:
+                    fresh[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                                requires_grad=p.requires_grad)
+                m._parameters[name] = fresh[id(p)]
+
+
 _INSIDE_MODULE_ZERO_GRAD = [0]  # depth of wrapped ``nn.Module.zero_grad`` calls running now
 
 

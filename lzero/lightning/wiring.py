@@ -49,12 +49,16 @@ def start_engine(module: torch.nn.Module, optimizers: list[Optimizer], config: Z
     engine = ZeroEngine(module, optimizers, config, precision.policy, device=device, init_fn=init_fn,
                         weights=weights if weights is not None else pretrained_weights(module), evaluating=evaluating,
                         layout=layout)
-    zero = list(attach_to) or [ZeroOptimizer(opt, engine, i) for i, opt in enumerate(optimizers)]
-    for i, zopt in enumerate(attach_to):
-        zopt.attach(engine, i)
-    if engine.offloaded and zero:
-        announce_offload(engine, zero, divide_host_threads(num_processes, config.offload_optimizer.host_threads))
-    precision.bind(engine)
+    try:
+        zero = list(attach_to) or [ZeroOptimizer(opt, engine, i) for i, opt in enumerate(optimizers)]
+        for i, zopt in enumerate(attach_to):
+            zopt.attach(engine, i)
+        if engine.offloaded and zero:
+            announce_offload(engine, zero, divide_host_threads(num_processes, config.offload_optimizer.host_threads))
+        precision.bind(engine)
+    except BaseException:  # see [Note: a setup that stops part way] in engine.py
+        engine.abandon(module)
+        raise
     return engine, zero
 
 

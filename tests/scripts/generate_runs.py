@@ -39,7 +39,7 @@ def _generation(module: LightningModule, mode: str) -> Any:
     strategy = module.trainer.strategy
     if mode == "per_forward" or not hasattr(strategy, "generation"):
         return contextlib.nullcontext()
-    return strategy.generation(mode=mode)
+    return strategy.generation(module.model, mode=mode)  # the model inside, as a policy in RLHF: Fabric's call
 
 
 class Generate(LightningModule):
