@@ -1,8 +1,10 @@
 """lzero.MemoryMonitor at world size 2: TensorBoard event files hold the memory tags, and each rank's measured
-model states are within 3% of what the ZeRO formula expects (tests/scripts/monitor_runs.py trains the runs)."""
+model states are within 3% of what the ZeRO formula expects (tests/scripts/monitor_runs.py trains the runs); with a
+frozen reference model (DPO), the logs equal the bytes each rank holds, counted without lzero's accounting."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -63,3 +65,33 @@ def test_the_split_is_the_stage_layout(logs: Path) -> None:
     params = b2["memory/device/parameters_bytes/rank0"][-1][1]
     assert params == z2["memory/device/parameters_bytes/rank0"][-1][1] / 2
     assert b2["memory/device/masters_bytes/rank0"][-1][1] == pytest.approx(params, rel=1e-4)  # 4 x Ψ/2 = 2 x Ψ
+
+
+DPO_RUNS = [f"zero{stage}-{precision}" for precision in ("32-true", "bf16-mixed") for stage in (1, 2, 3)]
+
+
+@pytest.fixture(scope="module")
+def dpo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from _pretrained_models import save_models
+
+    out = tmp_path_factory.mktemp("dpo_memory_runs")
+    model = save_models(out / "models", ["gpt2"])["gpt2"]
+    run_script("dpo_memory_runs.py", str(model), str(out), ranks=2, timeout=300)
+    return out
+
+
+@pytest.mark.parametrize("run", DPO_RUNS)
+def test_dpo_memory_logs_are_the_bytes_held_frozen_reference_included(dpo: Path, run: str) -> None:
+    """A policy and a frozen reference, both from_pretrained in configure_model (tests/scripts/dpo_memory_runs.py):
+    the logged and the expected model states equal, within 0.01%, the storage bytes of every tensor the rank's model
+    and optimizers hold (the module's parameters, zero3's shards, the masters and the optimizer state). At zero1/2
+    the reference is whole on every rank (before: left out of both logs), at zero3 sharded."""
+    for rank in (0, 1):
+        found = json.loads((dpo / f"{run}-rank{rank}.json").read_text())
+        assert len(found["held"]) == len(found["logged"]) == len(found["expected"]) == 2  # every step of 2
+        for held, logged, expected in zip(found["held"], found["logged"], found["expected"]):
+            actual = sum(held.values())
+            print(f"{run} rank {rank}: held {actual:,} ({held}), logged {logged:,.0f} ({logged / actual - 1:+.4%}),"
+                  f" expected {expected:,.0f} ({expected / actual - 1:+.4%})")
+            assert abs(logged / actual - 1) < 1e-4
+            assert abs(expected / actual - 1) < 1e-4

@@ -197,10 +197,11 @@ def test_8bit_optimizers_are_refused_with_the_reason() -> None:
     check_optimizer(bnb.optim.AdamW32bit(p), allow_untested=True)  # elementwise: the user's call
 
 
-def test_memory_counts_the_codes_at_their_packed_size_and_the_state_whole() -> None:
+@pytest.mark.parametrize("stage", [2, 3])
+def test_memory_counts_the_codes_at_their_packed_size_and_the_state_whole(stage: int) -> None:
     """The memory logs' accounting and the estimator: a 4-bit base holds half a byte per weight (its codes, sharded
-    at stage 3) and its quantization state whole; the estimator's 4bit-dq state is the absmax bytes, nested ones included (the
-    code books, fixed per tensor, left out)."""
+    at stage 3, whole in the module at stage 2) and its quantization state whole; the estimator's 4bit-dq state is the
+    absmax bytes, nested ones included (the code books, fixed per tensor, left out)."""
     import bitsandbytes as bnb
 
     from lzero import ZeroConfig, ZeroEngine
@@ -212,20 +213,23 @@ def test_memory_counts_the_codes_at_their_packed_size_and_the_state_whole() -> N
                                                     quant_storage=torch.bfloat16).to(torch.bfloat16)
                                   for _ in range(2)], torch.nn.Linear(256, 8, bias=False, dtype=torch.bfloat16))
     model = model.to("cpu")
-    engine = ZeroEngine(model, [torch.optim.SGD(model[2].parameters(), lr=0.1)], ZeroConfig(stage=3))
+    engine = ZeroEngine(model, [torch.optim.SGD(model[2].parameters(), lr=0.1)], ZeroConfig(stage=stage))
     try:
-        bindings = [b for u in engine.units for b in u.bindings or ()]
-        assert [b.kind for b in bindings] == ["4bit-dq"] * 2 and [b.weights for b in bindings] == [256 * 256] * 2
-        state = sum(b.nbytes for b in bindings)
-        absmax = sum(t.numel() * t.element_size() for b in bindings for t in (b.quant_state.absmax,))
+        if stage == 3:
+            bindings = [(b.kind, b.weights, b.tensors(), b.quant_state) for u in engine.units for b in u.bindings or ()]
+        else:  # no unit holds the base: it stays whole in its modules
+            bindings = [(w.kind, w.weights, w.state, p.quant_state) for p, w in engine.outside_units()]
+        assert [b[:2] for b in bindings] == [("4bit-dq", 256 * 256)] * 2
+        state = sum(t.numel() * t.element_size() for b in bindings for t in b[2])
+        absmax = sum(b[3].absmax.numel() * b[3].absmax.element_size() for b in bindings)
         assert absmax == 2 * 256 * 256 // 64  # one byte per 64 weights under double quantization
         measured = model_state_bytes(engine)["device"]["parameters"]
         assert measured == 2 * 256 * 256 // 2 + state + 256 * 8 * 2  # codes + state + the bf16 trainable layer
         count = ModelCount(256 * 8, 2 * 256 * 256, quantized=2 * 256 * 256, quantization="4bit-dq")
-        estimated = model_states(ZeroConfig(stage=3), count, 1, "32-true")["device"]["parameters"]
+        estimated = model_states(ZeroConfig(stage=stage), count, 1, "32-true")["device"]["parameters"]
         codes, per_weight = QUANTIZED_BYTES["4bit-dq"]
         assert estimated == round(codes * 2 * 256 * 256 + per_weight * 2 * 256 * 256 + 4 * 256 * 8)
-        nested = sum(b.quant_state.state2.absmax.numel() * 4 for b in bindings)  # one fp32 per 256 absmax bytes
+        nested = sum(b[3].state2.absmax.numel() * 4 for b in bindings)  # one fp32 per 256 absmax bytes
         assert per_weight * 2 * 256 * 256 == absmax + nested
     finally:
         engine.remove()

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -176,6 +176,30 @@ class Binding:
     def nbytes(self) -> int:
         """Bytes of the replicated state every rank keeps."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+class Whole(NamedTuple):
+    """A packed parameter no unit holds (stages 1-2 leave a QLoRA base whole in its module), as memory counts it."""
+
+    kind: Optional[str]  # the storage as the estimator names it (``QUANTIZED_BYTES``); None: not a quantized weight
+    weights: int  # the weights its codes encode
+    state: list[torch.Tensor]  # its quantization state (absmax, code book, nested state; 8-bit: the row scales)
+
+
+def left_whole(p: nn.Parameter, owner: Optional[nn.Module]) -> Whole:
+    """What a packed parameter left whole in ``owner`` holds beside its codes; reads only (unlike :class:`Binding`)."""
+    if method(p) == FOUR_BIT:
+        state = p.quant_state if getattr(p, "quant_state", None) is not None else getattr(owner, "quant_state", None)
+        if state is None:
+            return Whole("4bit", 2 * p.numel() * p.element_size(), [])
+        return Whole("4bit-dq" if getattr(state, "nested", False) else "4bit", math.prod(state.shape),
+                     _state_tensors(state))
+    if method(p) == EIGHT_BIT:
+        scales = getattr(p, "SCB", None)
+        if scales is None:
+            scales = getattr(getattr(owner, "state", None), "SCB", None)
+        return Whole("int8", p.numel(), [scales] if isinstance(scales, torch.Tensor) else [])
+    return Whole(None, p.numel(), [])
 
 
 def _copy_state(state: Any) -> Any:

@@ -4,7 +4,8 @@ Each tensor storage is counted once, under the first kind that claims it, in the
 gradients, masters, optimizer state (then the offload stores' staging buffers): a master that is the parameters' own memory (full precision,
 not offloaded) counts as parameters, as the formulas count it. The store is the one the unit keeps
 that kind in ("device", or "cpu" for host memory under offload; "nvme" for swap files), so the split is right on a
-CPU-only machine too, where both stores are host memory.
+CPU-only machine too, where both stores are host memory. Parameters outside every unit (frozen ones at stages
+1-2: a frozen reference model, a LoRA or QLoRA base) are whole on every rank, on the device, counted as parameters.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ def _tensors(engine: "ZeroEngine", optimizers: Sequence[Any]) -> Iterator[tuple[
         for binding in unit.bindings or ():  # a quantized base's state, whole on every rank (engine/packed_weights.py)
             for tensor in binding.tensors():
                 yield "device", "parameters", tensor
+    for p, whole in engine.outside_units():  # whole on every rank: frozen parameters at stages 1-2
+        for tensor in (p.detach(), *whole.state):
+            yield "device", "parameters", tensor
+        if p.grad is not None:  # trainable, but in no optimizer
+            yield "device", "gradients", p.grad
     for store in engine.stores:  # persistent host gradient buffers ([Note: persistent host buffers])
         for grad in getattr(store, "gradient_buffers", list)():
             yield store.memory, "gradients", grad

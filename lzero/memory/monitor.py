@@ -6,11 +6,13 @@ After an optimizer step (gradients freed, see [Note: gradient buffers] in flat_u
 ``log_every_n_steps``-th step, each rank measures (no communication):
 
 - ``memory/model_states_bytes/rank{r}``: parameters, gradients, fp32 masters and optimizer state this rank holds
-  (``lzero.memory.accounting.model_state_bytes``), all stores; ``memory/{store}/{kind}_bytes/rank{r}`` split by store
+  (``lzero.memory.accounting.model_state_bytes``), all stores, frozen parameters included (whole at stages 1-2: a
+  frozen reference model, a LoRA or QLoRA base); ``memory/{store}/{kind}_bytes/rank{r}`` split by store
   (``device``, ``cpu``, ``nvme``) and kind; ``memory/{store}/buffers_bytes`` the offload staging buffers.
 - ``memory/model_states_expected_bytes/rank{r}``: what ``lzero.memory.estimate.model_states`` predicts for this
   configuration, model size and world size between steps (no gradients), for Adam-like, SGD, Adagrad and
-  RMSprop optimizers (others: not logged). Flat units are padded to a multiple of N: the measured value is
+  RMSprop optimizers (others: not logged), counting the frozen parameters as ``lzero estimate --frozen-params``
+  does (cF at stages 1-2, cF/N at stage 3). Flat units are padded to a multiple of N: the measured value is
   a little higher on tiny models.
 - ``memory/peak_device_bytes/rank{r}``: ``torch.cuda.max_memory_allocated`` since the last log (reset then);
   on CPU ``memory/peak_rss_bytes/rank{r}``: the process's VmHWM, reset through ``/proc/self/clear_refs``
@@ -173,17 +175,26 @@ def _expected(engine: Any, optimizers: list) -> float:
         return float("nan")
     trainable = sum(s.numel for u in engine.units if not u.spec.frozen for s in u.spec.params)
     frozen = sum(s.numel for u in engine.units if u.spec.frozen and not u.spec.storage for s in u.spec.params)
-    bindings = [b for u in engine.units if u.spec.storage for b in u.bindings or ()]  # a quantized base
-    kinds = {b.kind for b in bindings}
+    quantized_as = [(b.kind, b.weights) for u in engine.units if u.spec.storage for b in u.bindings or ()]
+    whole = 0  # bytes outside the formula: parameters no unit holds in a dtype it does not count them in
+    compute_bytes = 2 if engine.mixed else 4
+    for p, outside in engine.outside_units():  # stages 1-2: the frozen parameters, whole in the compute dtype
+        if engine.config.stage < 3 and outside.kind is not None:  # a quantized base (QLoRA)
+            quantized_as.append((outside.kind, outside.weights))
+        elif engine.config.stage < 3 and p.is_floating_point() and p.element_size() == compute_bytes:
+            frozen += p.numel()
+        else:  # stage 3: another dtype than the units'; or a dtype the formula does not count in
+            whole += p.numel() * p.element_size() + sum(t.numel() * t.element_size() for t in outside.state)
+    kinds = {kind for kind, _ in quantized_as}
     if len(kinds) > 1:
         return float("nan")
-    quantized = sum(b.weights for b in bindings)
+    quantized = sum(weights for _, weights in quantized_as)
     count = ModelCount(trainable, frozen + quantized, quantized=quantized, **({"quantization": kinds.pop()} if kinds else {}))
     secondary = engine.gatherer.secondary if engine.gatherer is not None else None
     expected = model_states(engine.config, count, engine.world_size, precision, optimizer_bytes=per_element.pop(),
                             secondary=secondary.held() if secondary is not None else None)
     steps = sum(4 * len(z.units) for z in optimizers if type(z.optimizer).__name__ in ADAM_LIKE)  # a 0-dim `step`
-    return float(sum(v for kinds in expected.values() for k, v in kinds.items() if k != "gradients")) + steps
+    return float(sum(v for kinds in expected.values() for k, v in kinds.items() if k != "gradients")) + steps + whole
 
 
 def _peak(device: torch.device) -> tuple[str, float]:
