@@ -147,6 +147,11 @@ def staged_cases(rank: int, world_size: int) -> dict:
     gathered = torch.empty(4)
     collectives.all_gather(gathered, torch.full((2,), float(rank)))
     results["all_gather"] = gathered.tolist()
+    before = collectives.TRAFFIC["reduce"]
+    received, sent = torch.empty(2, 2), (torch.arange(4.0) + 10 * rank).view(2, 2)  # row k goes to rank k
+    collectives.all_to_all_single(received, sent, async_op=True).wait()
+    results["all_to_all"] = received.tolist()
+    results["all_to_all_counted"] = collectives.TRAFFIC["reduce"] - before
     results["caller_tensor_never_handed_over"] = not any(t is x for t in seen for x in (seed, flag, total))
     results["backend_calls"] = len(seen)
     return results
@@ -160,6 +165,8 @@ def test_host_tensors_go_through_staged_copies_and_land_back() -> None:
         assert result["all_reduce_max"] == 1.0 and result["start_all_reduce"] == 3.0, result
         assert result["reduce_scatter"] == ([1.0, 3.0] if rank == 0 else [5.0, 7.0]), result
         assert result["all_gather"] == [0.0, 0.0, 1.0, 1.0], result
+        assert result["all_to_all"] == [[2.0 * rank, 2.0 * rank + 1], [10 + 2.0 * rank, 11 + 2.0 * rank]], result
+        assert result["all_to_all_counted"] == 16, result  # the whole input, as a reduce-scatter counts its own
         assert result["caller_tensor_never_handed_over"] and result["backend_calls"] == 5, result
 
 

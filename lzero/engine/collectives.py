@@ -26,6 +26,16 @@ class Handle(Protocol):
     def is_completed(self) -> bool: ...
 
 
+class AllGather(Protocol):
+    """A parameter all-gather: ``flat`` (1-D, N * len(shard)) receives every rank's ``shard``, in rank order. The
+    engine chooses one per run, :func:`all_gather` or qwZ's int8 one (``quantized_collectives.param_all_gather``),
+    and every parameter gather calls it; hpZ's gather within a node is one too (``SecondaryPartition.all_gather``).
+    As FSDP2 swaps its ``AllGather``."""
+
+    def __call__(self, flat: Tensor, shard: Tensor, group: Optional[dist.ProcessGroup] = None,
+                 async_op: bool = False) -> Handle: ...
+
+
 class _Done:
     """The handle of an operation that already completed locally."""
 
@@ -292,6 +302,22 @@ def all_gather(flat: Tensor, shard: Tensor, group: Optional[dist.ProcessGroup] =
     slices[me].copy_(shard)
     peers = [p for p in range(n) if p != me]
     return _post([(slices[me], p) for p in peers], [(slices[p], p) for p in peers], group, async_op, None)
+
+
+@torch.no_grad()
+def all_to_all_single(output: Tensor, input: Tensor, group: Optional[dist.ProcessGroup] = None,
+                      async_op: bool = False) -> Handle:
+    """Rank r receives row k of rank k's ``input`` as row k of its ``output`` (both N rows of equal length). lzero's
+    one all-to-all is qgZ's reduce-scatter of quantized chunks ([Note: quantized collectives] in
+    quantized_collectives.py), so its bytes count in ``TRAFFIC["reduce"]``: the whole input, as :func:`reduce_scatter`
+    counts its own."""
+    _require_contiguous(output, input)
+    TRAFFIC["reduce"] += input.numel() * input.element_size()
+    if local(group):
+        output.copy_(input)
+        return _Done()
+    return _backend_call(lambda o, i, async_op: dist.all_to_all_single(o, i, group=group, async_op=async_op),
+                         output, [input], group, async_op)
 
 
 @torch.no_grad()

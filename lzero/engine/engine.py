@@ -15,6 +15,7 @@ and nothing is gathered after the step.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import datetime
 import warnings
@@ -305,7 +306,7 @@ class ZeroEngine:
                 dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         return Gatherer(blocks, modules, self._gather_group, GatherSchedule.of(self.config), self._check_group,
                         self.config.unit_order_timeout_s, on_backward=self._on_block_backward,
-                        accumulating=self.accumulating, quantized_weights=self.config.quantized_weights,
+                        accumulating=self.accumulating, all_gather=self._param_all_gather,
                         secondary=self._secondary_partition(blocks))
 
     def _secondary_partition(self, blocks: dict[str, Block]) -> Optional[SecondaryPartition]:
@@ -760,10 +761,11 @@ class ZeroEngine:
             if gather.out is not None:
                 fill_from_gathered(gather.bucket, gather.out, self.world_size)
 
-    def _param_all_gather(self, flat: Tensor, shard: Tensor, group: Any, async_op: bool) -> collectives.Handle:
-        """A parameter all-gather: int8 under qwZ ([Note: quantized collectives] in quantized_collectives.py)."""
-        gather = quantized_collectives.all_gather if self.config.quantized_weights else collectives.all_gather
-        return gather(flat, shard, group, async_op=async_op)
+    @functools.cached_property
+    def _param_all_gather(self) -> collectives.AllGather:
+        """This run's parameter all-gather, chosen once: int8 under qwZ ([Note: quantized collectives] in
+        quantized_collectives.py). Stage 3's gathers (the ``Gatherer``) call the same one."""
+        return quantized_collectives.param_all_gather(self.config.quantized_weights)
 
     def _launch_gather(self, bucket: list[FlatUnit]) -> PendingGather:
         if len(bucket) == 1:

@@ -113,7 +113,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from lzero.engine import collectives, quantized_collectives
+from lzero.engine import collectives
 from lzero.engine.blocks import Block, BlockState, GatherSchedule, Gathering, HostCopy, RunGathering
 from lzero.engine.flat_unit import FlatUnit, shard_bytes
 from lzero.engine.hpz import SecondaryPartition
@@ -129,18 +129,19 @@ class Gatherer:
                  check_timeout_s: float = 0.0,
                  on_backward: Optional[Callable[[Block, bool], None]] = None,
                  accumulating: Optional[Callable[[], bool]] = None,
-                 quantized_weights: bool = False, secondary: Optional[SecondaryPartition] = None) -> None:
-        """``quantized_weights``: parameter all-gathers in int8 (qwZ, see [Note: quantized collectives] in
-        quantized_collectives.py); ``secondary``: hpZ's node-local copies for backward's gathers (see [Note: hpZ] in
-        hpz.py). ``on_backward(block, done)``: a backward hook of ``block`` runs, before it is gathered for its backward
-        (``done`` False) or once the backward of every forward of the block since the last has passed its inputs
-        (``done`` True: no backward node of the block is left, the engine collects its gradients, and the block is
-        released after that). See [Note: one backward hook per block]."""
+                 all_gather: collectives.AllGather = collectives.all_gather,
+                 secondary: Optional[SecondaryPartition] = None) -> None:
+        """``all_gather``: the parameter all-gather over ``group``, the engine's choice (int8 under qwZ, see [Note:
+        quantized collectives] in quantized_collectives.py); ``secondary``: hpZ's node-local copies for backward's
+        gathers (see [Note: hpZ] in hpz.py). ``on_backward(block, done)``: a backward hook of ``block`` runs, before
+        it is gathered for its backward (``done`` False) or once the backward of every forward of the block since the
+        last has passed its inputs (``done`` True: no backward node of the block is left, the engine collects its
+        gradients, and the block is released after that). See [Note: one backward hook per block]."""
         self.blocks = blocks
         self._on_backward = on_backward
         self._accumulating = accumulating  # inside backward: whether it accumulates into parameters
         self.group = group
-        self._quantized = quantized_weights
+        self._all_gather = all_gather  # over ``group``: plain or qwZ's (gather_exact's is always plain)
         self.secondary = secondary
         # every rank agrees on each block before its all-gather (None: a single process, nothing to agree on)
         self.order_check = OrderCheck(list(blocks), check_group, check_timeout_s) if check_group is not None else None
@@ -218,10 +219,6 @@ class Gatherer:
         for n in members:
             self.blocks[n].handles.append(gathering)
             self.blocks[n].state = BlockState.GATHERING
-
-    def _all_gather(self, flat: torch.Tensor, shard: torch.Tensor, group: Any, async_op: bool) -> collectives.Handle:
-        """A parameter all-gather over all ranks: int8 under qwZ."""
-        return (quantized_collectives.all_gather if self._quantized else collectives.all_gather)(flat, shard, group, async_op=async_op)
 
     def _from_secondary(self, units: Sequence[FlatUnit]) -> bool:
         """hpZ: whether a gather of ``units`` now reads the node's secondary slices ([Note: hpZ] in hpz.py)."""

@@ -63,13 +63,14 @@ class SecondaryPartition:
 
     def gather(self, unit: FlatUnit) -> collectives.Handle:
         """Launch the all-gather of ``unit``'s values from the node's slices (the unit is allocated)."""
-        return self.all_gather(unit.flat_param, self._slices[id(unit)])
+        return self.all_gather(unit.flat_param, self._slices[id(unit)], async_op=True)
 
-    def all_gather(self, out: torch.Tensor, pieces: torch.Tensor, *_: Any, **__: Any) -> collectives.Handle:
-        """Launch an all-gather of ``pieces`` (slices of this partition) within the node, counted in
-        ``gathered_bytes``."""
-        self.gathered_bytes += out.numel() * out.element_size()
-        return collectives.all_gather(out, pieces, self.group, async_op=True)
+    def all_gather(self, flat: torch.Tensor, shard: torch.Tensor, group: Any = None,
+                   async_op: bool = False) -> collectives.Handle:
+        """A :class:`~lzero.engine.collectives.AllGather` of ``shard`` (slices of this partition) over ``group``, the
+        node's (``self.group``) when None, counted in ``gathered_bytes``."""
+        self.gathered_bytes += flat.numel() * flat.element_size()
+        return collectives.all_gather(flat, shard, group if group is not None else self.group, async_op=async_op)
 
     def invalidate(self) -> None:
         self._valid.clear()

@@ -24,7 +24,7 @@ world of one sends nothing and quantizes nothing.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -84,19 +84,19 @@ def dequantize(packed: Tensor, numel: int, bits: int = 8) -> Tensor:
 class _Dequantized:
     """Handle of a quantized collective: waiting lands the dequantized values in the output."""
 
-    def __init__(self, work: Any, finish: Any) -> None:
-        self.work, self.finish = work, finish  # work None: the collective ran synchronously
+    def __init__(self, work: collectives.Handle, finish: Callable[[], None]) -> None:
+        self.work: Optional[collectives.Handle] = work  # the collective of the packed bytes
+        self.finish: Optional[Callable[[], None]] = finish
 
     def wait(self) -> bool:
         if self.finish is not None:
-            if self.work is not None:
-                self.work.wait()
+            self.work.wait()
             self.finish()
             self.work = self.finish = None  # the packed buffers can go
         return True
 
     def is_completed(self) -> bool:
-        return self.finish is None or self.work is None or self.work.is_completed()
+        return self.finish is None or self.work.is_completed()
 
 
 @torch.no_grad()
@@ -122,6 +122,13 @@ def all_gather(flat: Tensor, shard: Tensor, group: Optional[dist.ProcessGroup] =
     return handle
 
 
+def param_all_gather(quantized_weights: bool) -> collectives.AllGather:
+    """The parameter all-gather of a run (``ZeroConfig.quantized_weights``): qwZ's :func:`all_gather`, or the plain
+    :func:`collectives.all_gather`. The one place the choice is made: the engine asks once, and its gathers (stages
+    1-2's, and stage 3's ``Gatherer``) call what it got."""
+    return all_gather if quantized_weights else collectives.all_gather
+
+
 @torch.no_grad()
 def reduce_scatter(output: Tensor, flat: Tensor, group: Optional[dist.ProcessGroup] = None, async_op: bool = False,
                    bits: int = 8, generator: Optional[torch.Generator] = None) -> collectives.Handle:
@@ -132,8 +139,7 @@ def reduce_scatter(output: Tensor, flat: Tensor, group: Optional[dist.ProcessGro
     chunks = flat.view(world, numel)
     sent = torch.stack([quantize(chunks[r], bits, generator) for r in range(world)])  # (world, packed bytes)
     received = torch.empty_like(sent)
-    collectives.TRAFFIC["reduce"] += sent.numel()
-    work = dist.all_to_all_single(received, sent, group=group, async_op=async_op)  # None when synchronous
+    work = collectives.all_to_all_single(received, sent, group, async_op=async_op)
 
     def finish() -> None:
         total = torch.zeros(numel, dtype=torch.float32, device=output.device)
