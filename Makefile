@@ -30,15 +30,15 @@ test: $(STAMP)
 test-all: $(STAMP)  # the default run and the slow fault cases it leaves out (pytest -m slow)
 	$(BIN)/python -m pytest -q --durations=20 -m ""
 
-# DeepSpeed rows: DEEPSPEED_PYTHON=/path/to/a/deepspeed-venv/bin/python (see benchmarks/peer_deepspeed_step.py)
+# DeepSpeed rows: DEEPSPEED_PYTHON=/path/to/a/deepspeed-venv/bin/python (see benchmarks/peers/peer_deepspeed_step.py)
 DEEPSPEED_PYTHON ?=
 bench: $(STAMP)
-	$(BIN)/python benchmarks/bench_speed.py --repeat 2 --readme README.md $(if $(DEEPSPEED_PYTHON),--deepspeed-python $(DEEPSPEED_PYTHON))
+	$(BIN)/python -m benchmarks.step_time.bench_speed --repeat 2 --readme README.md $(if $(DEEPSPEED_PYTHON),--deepspeed-python $(DEEPSPEED_PYTHON))
 
 # the simulated two-node cluster (root: network namespaces, tc); not part of CI
 bench-cluster: $(STAMP)
-	$(BIN)/python benchmarks/cluster/bench_cluster.py --rates 1gbit 10gbit --rounds 3 --probe --out benchmarks/results/cluster.md
-	$(BIN)/python benchmarks/cluster/two_level.py --validate benchmarks/results/cluster.json --table > benchmarks/results/two_level.md
+	$(BIN)/python -m benchmarks.cluster.bench_cluster --rates 1gbit 10gbit --rounds 3 --probe
+	$(BIN)/python -m benchmarks.cluster.two_level --validate latest --table
 
 clean:
 	rm -rf runs lightning_logs .pytest_cache

@@ -144,7 +144,7 @@ class ZeroConfig:
     allgather_bucket_size: int = 5_000_000
     """Elements per parameter all-gather after the optimizer step. Consecutive units are coalesced into
     one collective up to this many elements, so small units do not each pay a collective's latency
-    (and very large gathers cost more per element: benchmarks/results_collectives.md)."""
+    (and very large gathers cost more per element: benchmarks/README.md, collectives)."""
 
     overlap_comm: bool = True
     """Launch each unit's gradient reduce-scatter asynchronously as soon as its gradients are ready, so

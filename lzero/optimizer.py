@@ -21,12 +21,12 @@ A unit whose state is offloaded (``offload_optimizer``) is stepped on the host, 
 shard, by the user's optimizer class with the user's hyperparameters. Where torch has a fused CPU
 kernel (Adam, AdamW, SGD, Adagrad) and the user did not set ``fused=False``, that kernel is used:
 one multithreaded pass over the shard, several times faster than the for-loop or foreach kernels on
-the CPU (benchmarks/results_offload_optimizer.md). It rounds differently from the other kernels at the last
+the CPU (benchmarks/README.md, offload). It rounds differently from the other kernels at the last
 bit (measured in tests/test_offload.py); ``fused=True`` on the user's optimizer makes the offloaded
 and the device step run the same kernel on a CPU model, and ``fused=False`` keeps the user's kernel on the host.
 On a GPU the device step runs torch's fused CUDA kernel and the host step its fused CPU kernel, which are not the
 same code: on an H200 (torch 2.11) 10 AdamW steps of identical values and gradients ended up to 1.1e-7 apart
-(benchmarks/results_gpu_h200.md), so there offload is not bitwise the device run under Adam-type optimizers.
+(benchmarks/README.md, gpu), so there offload is not bitwise the device run under Adam-type optimizers.
 Before the first step each offloaded optimizer is checked on a two-element host tensor, so an
 optimizer without a CPU implementation is refused at setup, by name, rather than at the first step.
 """

@@ -16,13 +16,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SAVE = r"""
 import sys
-sys.path.insert(0, sys.argv[1])
 from pathlib import Path
-from ckpt_model import build, save
+from benchmarks.checkpoint.ckpt_model import build, save
 
 model, engine, zopt = build(n_layers=16, width=880, adam_state=False)  # 16 x 775k params: 49.6 MB of fp32
-save(Path(sys.argv[2]), model, engine, zopt)
-save(Path(sys.argv[3]), *build(n_layers=1, width=8, adam_state=False))
+save(Path(sys.argv[1]), model, engine, zopt)
+save(Path(sys.argv[2]), *build(n_layers=1, width=8, adam_state=False))
 print("LARGEST", max(p.numel() * 4 for p in model.parameters()))
 """
 
@@ -49,7 +48,7 @@ for suffix in sys.argv[4:]:
 def test_consolidation_streams(tmp_path: Path) -> None:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}  # freed tensor memory goes back to the OS at once
     big, small = tmp_path / "big.ckpt", tmp_path / "small.ckpt"
-    proc = subprocess.run([sys.executable, "-c", SAVE, str(ROOT / "benchmarks"), str(big), str(small)],
+    proc = subprocess.run([sys.executable, "-c", SAVE, str(big), str(small)], cwd=ROOT,  # benchmarks: a package there
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     largest = int(proc.stdout.split("LARGEST")[1])

@@ -279,7 +279,7 @@ def test_bad_optimizer_and_scheduler_blocks_are_named(tmp_path: Path, in_process
 def test_warmup_schedulers_set_deepspeeds_rates_with_its_timing() -> None:
     """DeepSpeed's formulas and timing, by hand ([Note: DeepSpeed's scheduler timing]): the rate before optimizer
     step k is the one for DeepSpeed's iteration L = k - 1 (L = -1: the warmup's bottom; 0 for WarmupCosineLR).
-    (benchmarks/check_deepspeed_schedules.py compares with DeepSpeed's own classes: bitwise equal.)"""
+    (benchmarks/peers/check_deepspeed_schedules.py compares with DeepSpeed's own classes: bitwise equal.)"""
     import math
 
     from lzero.deepspeed.optim import build_optimizer, check

@@ -70,7 +70,7 @@ def test_hybrid_matches_ddp_at_world_size_4(runs: Path, name: str, reference: st
 def test_quantized_collectives_within_and_across_groups_track_ddp(runs: Path) -> None:
     """qwZ and int8 qgZ under hybrid sharding: the within-group all-gathers and reduce-scatters and the all-reduce
     across the groups all carry int8 codes. Over 8 steps of the toy the mean loss stays within 1% of DDP's, each step
-    within 5% (the rounded weights of a small loss; the 200-step figures: benchmarks/results/quantized.md)."""
+    within 5% (the rounded weights of a small loss; the 200-step figures: benchmarks/results/collectives/)."""
     ours, ddp = load(runs, "zero3_hybrid_quantized"), load(runs, "ddp")
     worst = max(abs(a - b) / b for a, b in zip(ours["losses"], ddp["losses"], strict=True))
     mean = sum(ours["losses"]) / sum(ddp["losses"]) - 1

@@ -1,6 +1,6 @@
 """ZeRO++'s quantized collectives (lzero/engine/quantized_collectives.py): the blockwise codes against the exact
 values, the collectives on 2 gloo ranks against the exact ones, and a short run of the demo GPT at world size 4 against
-DDP (benchmarks/bench_quantized.py; its 200-step table is benchmarks/results/quantized.md)."""
+DDP (benchmarks/collectives/bench_quantized.py; its 200-step table: benchmarks/results/collectives/quantized.*.md)."""
 
 from __future__ import annotations
 
@@ -88,13 +88,13 @@ def test_quantized_collectives_on_two_ranks_against_the_exact_ones() -> None:
 @pytest.fixture(scope="module")
 def short_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("quantized") / "runs.pt"
-    run_script("../../benchmarks/bench_quantized.py", str(out), "--steps", "40", "--runs",
-               "ddp,zero3,zero3_qwz_qgz8,zero3_qwz_qgz4", ranks=2)
+    run_script("../../benchmarks/collectives/bench_quantized.py", str(out), "--steps", "40", "--runs",
+               "ddp,zero3,zero3_qwz_qgz8,zero3_qwz_qgz4", "--out", "none", ranks=2)
     return torch.load(out)
 
 
 def test_quantized_runs_track_ddp_and_send_fewer_bytes(short_runs: dict) -> None:
-    """40 steps of the demo GPT at world size 2 (the 200-step table at world size 4: benchmarks/results/quantized.md):
+    """40 steps of the demo GPT at world size 2 (the 200-step table at world size 4: benchmarks/results/collectives/):
     the exact zero3 run is DDP's; qwZ with int8 or int4 gradients stays within 1% of DDP's loss over the last 10 steps,
     while its
     all-gathers carry >= 3.5x fewer bytes than fp32, and its reductions 3.5x (int8) and 7x (int4) fewer."""

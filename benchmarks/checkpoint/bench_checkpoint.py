@@ -1,6 +1,7 @@
 """Sharded checkpoint throughput and consolidation memory for a ~100M-parameter model.
 
-    python benchmarks/bench_checkpoint.py [--layers 25 --width 2000] [--out results_checkpoint.md]
+    python -m benchmarks.checkpoint.bench_checkpoint [--layers 25 --width 2000] [--out PATH]
+    # default: results/checkpoint/checkpoint.<machine>.<date>.md
 
 One process (world size 1: the figures are per-rank bandwidth), AdamW state present, so the
 checkpoint holds 3 fp32 values per parameter. Measured: the sharded save (SaveJob: pieces, file,
@@ -23,12 +24,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from ckpt_model import build, save  # noqa: E402
-
-from lzero.checkpoint.reader import ShardedCheckpoint  # noqa: E402
-from lzero.checkpoint.sharded import load_optimizer_shards  # noqa: E402
-from lzero.checkpoint.state_dict import load_params  # noqa: E402
+from benchmarks.checkpoint.ckpt_model import build, save
+from benchmarks.common import out_path, run_header, write_report
+from lzero.checkpoint.reader import ShardedCheckpoint
+from lzero.checkpoint.sharded import load_optimizer_shards
+from lzero.checkpoint.state_dict import load_params
 
 
 def best(fn, repeats: int) -> float:
@@ -70,8 +70,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=25)
     parser.add_argument("--width", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results_checkpoint.md"))
+    parser.add_argument("--out", default=None, help="markdown file, a result name, or none (default:"
+                        " results/checkpoint/checkpoint.<machine>.<date>.md)")
     args = parser.parse_args()
+    out = out_path(args.out, "checkpoint", "checkpoint")
     torch.set_num_threads(os.cpu_count() or 1)
     model, engine, zopt = build(args.layers, args.width, adam_state=True)
     psi = sum(p.numel() for p in model.parameters())
@@ -107,8 +109,10 @@ def main() -> None:
     lines = [
         f"# Sharded checkpoint throughput ({psi / 1e6:.1f}M parameters, AdamW state, world size 1)",
         "",
-        f"`python benchmarks/bench_checkpoint.py --layers {args.layers} --width {args.width}` on this machine"
-        f" ({os.cpu_count()} CPUs); shard file {nbytes / 1e9:.2f} GB; best of {args.repeats}.",
+        run_header(),
+        "",
+        f"`python -m {__spec__.name} --layers {args.layers} --width {args.width}`; shard file"
+        f" {nbytes / 1e9:.2f} GB; best of {args.repeats}.",
         "",
         "| operation | seconds | GB/s | time vs its plain-file bound |",
         "|---|---|---|---|",
@@ -126,7 +130,8 @@ def main() -> None:
     ]
     text = "\n".join(lines) + "\n"
     print(text)
-    Path(args.out).write_text(text)
+    if out is not None:
+        write_report(out, text)
 
 
 if __name__ == "__main__":

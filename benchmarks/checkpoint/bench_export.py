@@ -1,8 +1,9 @@
 """``lzero export-hf`` of a 355M-parameter GPT-2 trained one step under zero3 at world size 2: peak memory and time.
 
-    python benchmarks/bench_export.py [--folder /tmp/lzero-bench-gpt2-355m] [--out benchmarks/results_export.md]
+    python -m benchmarks.checkpoint.bench_export [--folder /tmp/lzero-bench-gpt2-355m] [--out PATH]
+    # default: results/checkpoint/export.<machine>.<date>.md
 
-The model folder is the one benchmarks/bench_pretrained_load.py writes. Step 1 (``fit``, a launched 2-rank run of
+The model folder is the one benchmarks.loading.bench_pretrained_load writes. Step 1 (``fit``, a launched 2-rank run of
 ``lzero.demo.finetune.FinetuneHF``, byte tokens, one step) leaves a sharded checkpoint; step 2 exports it in a fresh
 process with 500 MB output files and reports that process's peak resident memory growth (``VmHWM``) beside the
 largest output file and the largest tensor: the export streams, so it should stay near one output file.
@@ -15,6 +16,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchmarks.common import module_command, module_env, out_path, run_header, write_report
 
 
 def fit(folder: str, out: str) -> None:
@@ -58,13 +61,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--folder", default="/tmp/lzero-bench-gpt2-355m")
     parser.add_argument("--work", default="/tmp/lzero-bench-export")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results_export.md"))
+    parser.add_argument("--out", default=None, help="markdown file, a result name, or none (default:"
+                        " results/checkpoint/export.<machine>.<date>.md)")
     args = parser.parse_args()
+    out = out_path(args.out, "checkpoint", "export")
     work = Path(args.work)
-    me = str(Path(__file__).resolve())
-    subprocess.run([sys.executable, me, "fit", args.folder, str(work / "ckpt")], check=True)
-    done = subprocess.run([sys.executable, me, "export", str(work / "ckpt" / "last.ckpt"), str(work / "hf"),
-                           args.folder], check=True, capture_output=True, text=True)
+    subprocess.run(module_command(__spec__.name, "fit", args.folder, work / "ckpt"), check=True, env=module_env())
+    done = subprocess.run(module_command(__spec__.name, "export", work / "ckpt" / "last.ckpt", work / "hf",
+                                         args.folder), check=True, capture_output=True, text=True, env=module_env())
     seconds, growth = done.stdout.split("RESULT ")[1].split()
     files = sorted((work / "hf").glob("model-*.safetensors"))
     largest_file = max(f.stat().st_size for f in files)
@@ -80,13 +84,14 @@ def main() -> None:
                 for d in shape:
                     n *= d
                 largest_tensor = max(largest_tensor, 4 * n)
-    lines = ["# `lzero export-hf` of a sharded checkpoint (benchmarks/bench_export.py)", "",
+    lines = ["# `lzero export-hf` of a sharded checkpoint (benchmarks.checkpoint.bench_export)", "", run_header(), "",
              f"GPT-2 355M (24 x 1024), one zero3 step at world size 2, exported in fp32 to {len(files)} files of at most"
-             f" 500 MB ({total / 1e6:,.0f} MB in all), in a fresh process on this machine.", "",
+             f" 500 MB ({total / 1e6:,.0f} MB in all), in a fresh process.", "",
              "| time s | peak RSS growth MB | largest output file MB | largest tensor MB |", "|---|---|---|---|",
              f"| {float(seconds):.2f} | {int(growth) / 1e6:,.0f} | {largest_file / 1e6:,.0f} | {largest_tensor / 1e6:,.0f} |"]
-    Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    if out is not None:
+        write_report(out, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -3,9 +3,11 @@ link is shaped with `tc tbf`, torchrun with `--nnodes 2` and 2 processes in each
 over its own loopback (local addresses are routed through `lo`); between namespaces everything crosses the shaped
 link. Run as root (it creates and deletes the namespaces; everything is torn down at exit, after a failure too):
 
-    .venv/bin/python benchmarks/cluster/bench_cluster.py --rates 1gbit 10gbit --out benchmarks/results/cluster.md
+    .venv/bin/python -m benchmarks.cluster.bench_cluster --rates 1gbit 10gbit   # from the repository root
 
-Not part of CI. Each layout: cluster_step.py, 4 ranks, the median step after warm-up and the bytes the link carried.
+Writes results/cluster/cluster.<machine>.<date>.md, its rows as .json and, with --probe, the probe as .probe.json
+beside it (what benchmarks.cluster.two_level fits). Not part of CI. Each layout: benchmarks.cluster.cluster_step,
+4 ranks, the median step after warm-up and the bytes the link carried.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+from benchmarks.common import module_env, out_path, run_header, write_report
+
 NODES = [("lzbench0", "lzb0", "10.77.0.1"), ("lzbench1", "lzb1", "10.77.0.2")]  # namespace, veth end, address
 LAYOUTS = ["ddp", "zero2", "zero2_hybrid", "zero3", "zero3_hybrid", "zero3_hybrid_reuse", "zero3_hpz", "zero3_qwz",
            "zero3_qwz_qgz8", "zero3_hybrid_qwz_qgz8"]
@@ -51,7 +53,7 @@ def down() -> None:
         sh("ip", "netns", "del", ns, check=False)  # deletes its end of the veth, and so the pair
 
 
-def run(layout: str, out: Path, steps: int, batch: int, script: str = "cluster_step.py", attempts: int = 3) -> dict:
+def run(layout: str, out: Path, steps: int, batch: int, script: str = "cluster_step", attempts: int = 3) -> dict:
     """One layout on the cluster. A rank of the freshly created namespaces sometimes aborts right after the process
     group is set up ("terminate called without an active exception", torch's DDP layout too, about one run in 10-20);
     the other node then waits out torchrun's 300 s exit barrier. So a node that fails ends the other at once, and the
@@ -59,11 +61,11 @@ def run(layout: str, out: Path, steps: int, batch: int, script: str = "cluster_s
     for attempt in range(1, attempts + 1):
         procs, logs = [], []
         for node, (ns, dev, _) in enumerate(NODES):
-            env = {**os.environ, "GLOO_SOCKET_IFNAME": dev, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+            env = module_env(GLOO_SOCKET_IFNAME=dev, OMP_NUM_THREADS="1")
             cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                    "--nproc-per-node", "2", "--node-rank", str(node), "--master-addr", NODES[0][2], "--master-port",
-                   str(29577 + attempt), str(HERE / script), layout, str(out), "--link", dev, "--steps", str(steps),
-                   "--batch", str(batch)]
+                   str(29577 + attempt), "-m", f"benchmarks.cluster.{script}", layout, str(out), "--link", dev,
+                   "--steps", str(steps), "--batch", str(batch)]
             log = tempfile.TemporaryFile("a+")  # O_APPEND: the ranks append wherever this process reads
             logs.append(log)
             procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
@@ -118,10 +120,14 @@ def main() -> None:
                         help="run every layout this many times, interleaved; report the median run of each")
     parser.add_argument("--batch", type=int, default=8, help="rows per rank and step")
     parser.add_argument("--probe", action="store_true",
-                        help="also run cluster_probe.py at each rate, once per round (two_level.py's fit: the median of the"
+                        help="also run cluster_probe at each rate, once per round (two_level's fit: the median of the"
                         " rounds), into OUT's .probe.json")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "cluster.md")
+    parser.add_argument("--out", default=None, help="markdown file or a result name (default:"
+                        " results/cluster/cluster.<machine>.<date>.md)")
     args = parser.parse_args()
+    args.out = out_path(args.out, "cluster", "cluster")
+    if args.out is None:
+        parser.error("--out none: the rows and the probe are written beside the markdown; give a path")
     rows, probes = [], {}
     try:
         for rate in args.rates:
@@ -132,7 +138,7 @@ def main() -> None:
                 if args.probe:
                     with tempfile.TemporaryDirectory() as folder:
                         probed.append(run("probe", Path(folder) / "probe.json", args.steps, args.batch,
-                                          "cluster_probe.py"))
+                                          "cluster_probe"))
                     print(rate, f"round {round_ + 1}", "probe", probed[-1], flush=True)
                 for layout in args.layouts:
                     with tempfile.TemporaryDirectory() as folder:
@@ -159,7 +165,8 @@ def main() -> None:
             lines.append(f"| {rate} | {r['layout']} | {r['step_s']:.3f} | {t} | {spread} | {r['cpu_s']:.3f} |"
                          f" {r['link_bytes_per_step'] / 1e6:.1f} MB | {b} |")
     params = rows[0][1]["params"] if rows else 0
-    text = (f"# Hybrid sharding on a simulated two-node cluster\n\n`{' '.join(sys.argv)}`: 2 network namespaces x 2"
+    text = (f"# Hybrid sharding on a simulated two-node cluster\n\n{run_header()}\n\n"
+            f"`python -m {__spec__.name} {' '.join(sys.argv[1:])}`: 2 network namespaces x 2"
             f" ranks (gloo), the link between them shaped with tc tbf; {params / 1e6:.1f}M fp32 parameters in"
             f" 4 wide linear blocks, {args.batch} rows per rank, AdamW; a run's time is the median of {args.steps} steps after"
             f" 2 of warm-up, and each layout ran {args.rounds} times, the layouts interleaved (the median run is shown)."
@@ -167,11 +174,10 @@ def main() -> None:
             " system, every thread; the 4 ranks share 2 cores)."
             f" Runs started again after a rank aborted at start-up: {sum(r['retried'] for _, r in rows)}."
             "\n\n" + "\n".join(lines) + "\n")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    args.out.with_suffix(".json").write_text(json.dumps([{"rate": k, **r} for k, r in rows], indent=1))
+    write_report(args.out, text)
+    write_report(args.out.with_suffix(".json"), json.dumps([{"rate": k, **r} for k, r in rows], indent=1))
     if probes:
-        args.out.with_suffix(".probe.json").write_text(json.dumps(probes, indent=1))
+        write_report(args.out.with_suffix(".probe.json"), json.dumps(probes, indent=1))
     print(text)
 
 

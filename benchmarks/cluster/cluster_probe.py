@@ -1,5 +1,6 @@
-"""One rank of the simulated cluster's probe (started like cluster_step.py by bench_cluster.py --probe): what the
-two-level model in two_level.py is fitted on, every measurement taken with all 4 ranks running at once, as in a step.
+"""One rank of the simulated cluster's probe (started like cluster_step, as ``-m benchmarks.cluster.cluster_probe``,
+by bench_cluster --probe): what the two-level model in two_level is fitted on, every measurement taken with all 4
+ranks running at once, as in a step.
 
 - ``intra``: lzero's all-gathers and reduce-scatters (collectives.py: pairwise on gloo) and gloo's all-reduces within
   each "node" (ranks 0-1, 2-3; both nodes at once) at three sizes;
@@ -7,7 +8,7 @@ two-level model in two_level.py is fitted on, every measurement taken with all 4
   sizes, and lzero's all-gather over all 4 ranks (``flat_all_gather``: four pairwise flows each way on the link);
 - ``small_world_collective``: an 8-byte all-gather over all 4 ranks (lzero's unit-order check before each stage-3
   gather, and the end-of-backward flag exchange, are such);
-- ``compute``: forward + backward of cluster_step.py's model (no collective); ``adam``: AdamW's step per element;
+- ``compute``: forward + backward of cluster_step's model (no collective); ``adam``: AdamW's step per element;
   ``quantize``: int8 quantize + dequantize per element (lzero.engine.quantized_collectives), rounded to nearest (qwZ) and
   stochastically (qgZ); ``stage{2,3}_overhead``: what lzero's engine adds to a plain step at world size 1 (its
   hooks, gathers and reductions as copies, packing).
@@ -27,7 +28,7 @@ from torch import nn
 from lzero.engine import collectives, quantized_collectives
 
 parser = argparse.ArgumentParser()
-parser.add_argument("layout")  # unused: bench_cluster.py passes its arguments to both scripts alike
+parser.add_argument("layout")  # unused: bench_cluster passes its arguments to both scripts alike
 parser.add_argument("out")
 parser.add_argument("--link")
 parser.add_argument("--steps", type=int, default=5)

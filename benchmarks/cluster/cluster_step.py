@@ -1,4 +1,5 @@
-"""One rank of the simulated-cluster benchmark (started by torchrun in a network namespace; see bench_cluster.py):
+"""One rank of the simulated-cluster benchmark (started by torchrun in a network namespace as
+``-m benchmarks.cluster.cluster_step``; see benchmarks.cluster.bench_cluster):
 a model of wide linear blocks trained for a few steps under a layout, rank 0 timing the steps (wall clock, and its
 process's CPU time) and reading the bytes its namespace's link to the other "node" carried meanwhile.
 
@@ -44,7 +45,7 @@ LAYOUTS = {  # name -> ZeroFabricStrategy options (ddp: Lightning's)
 }
 strategy = args.layout
 if strategy != "ddp":
-    from lzero.fabric import ZeroFabricStrategy
+    from lzero import ZeroFabricStrategy
 
     strategy = ZeroFabricStrategy(**LAYOUTS[args.layout])
 fabric = L.Fabric(accelerator="cpu", devices=2, num_nodes=2, strategy=strategy)

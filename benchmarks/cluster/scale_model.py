@@ -13,9 +13,9 @@ Step time of one rank, data parallel over N ranks (an alpha-beta network model):
   latency term takes 2 log2(N) steps instead of N-1: NCCL's trees and pipelined rings at scale).
   DDP all-reduces Ψ in 25 MB buckets; zero1/2 reduce-scatter Ψ and all-gather Ψ in their buckets; zero3 gathers
   every block in forward and again in backward and reduce-scatters it (3Ψ); its order checks, started a block
-  ahead, overlap the gathers and are not counted. The committed runs (results_scale_runs.json) were measured when
-  lzero ran gloo's reduce-scatter as an all-reduce, and ``--validate`` models them so; lzero now runs gloo's
-  reduce-scatters and all-gathers point to point (collectives.py), which new runs would need modelled.
+  ahead, overlap the gathers and are not counted. The committed runs (results/cluster/scale_runs.*.json) were
+  measured when lzero ran gloo's reduce-scatter as an all-reduce, and ``--validate`` models them so; lzero now runs gloo's
+  reduce-scatters and all-gathers point to point (lzero/engine/collectives.py), which new runs would need modelled.
   On CPU (gloo, one thread per rank) communication is not hidden; on GPUs (NCCL on its own streams) it hides
   behind compute, and only what exceeds the compute is exposed.
 - On CPU, ranks beyond the core count time-share the cores: compute and optimizer are multiplied by
@@ -25,8 +25,11 @@ Step time of one rank, data parallel over N ranks (an alpha-beta network model):
 Memory per device comes from lzero's own estimator (``lzero.memory.estimate``, model states + working buffers,
 bf16-mixed Adam) plus activations with activation checkpointing.
 
-    python benchmarks/scale_model.py --validate runs.json   # against bench_speed.py --json at N = 1, 2, 4
-    python benchmarks/scale_model.py --table                # 7B and 70B on 8 ... 1024 GPUs, with a recommendation
+    python -m benchmarks.cluster.scale_model --validate latest   # the newest results/cluster/scale_runs.*.json
+    python -m benchmarks.cluster.scale_model --validate runs.json   # bench_speed --json at N = 1, 2, 4
+    python -m benchmarks.cluster.scale_model --table                # 7B and 70B on 8 ... 1024 GPUs, recommended
+
+Writes results/cluster/scale_model.<machine>.<date>.md unless ``--out`` says otherwise (``-``: stdout only).
 
 ``--validate`` measures α and β of gloo's all-reduce and all-gather on this machine with N ranks (for each N
 of the runs) and the AdamW step rate, then predicts the N = 2 and N = 4 runs from the N = 1 run.
@@ -46,6 +49,8 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+
+from benchmarks.common import latest_result, out_path, run_header, write_report
 
 DDP_BUCKET_BYTES = 25 * 2**20
 ZERO_BUCKET = 5_000_000  # the presets' reduce_bucket_size and allgather_bucket_size, elements
@@ -284,18 +289,31 @@ def table(tokens: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--validate", type=Path, help="bench_speed.py --json output with N = 1, 2, 4 runs")
+    parser.add_argument("--validate", help="bench_speed --json output with N = 1, 2, 4 runs, or 'latest' (the newest"
+                        " results/cluster/scale_runs.*.json)")
     parser.add_argument("--cpus", type=int, default=os.cpu_count())
     parser.add_argument("--table", action="store_true")
     parser.add_argument("--tokens", type=int, default=4 * 4096, help="tokens per GPU per step for --table")
+    parser.add_argument("--out", default=None, help="markdown file, a result name, or - for stdout only (default:"
+                        " results/cluster/scale_model.<machine>.<date>.md)")
     args = parser.parse_args()
-    if args.validate:
-        print(validate(args.validate, args.cpus))
-    if args.table:
-        print(table(args.tokens))
     if not (args.validate or args.table):
         parser.print_help()
         sys.exit(2)
+    if args.validate == "latest":
+        args.validate = latest_result("cluster", "scale_runs", "json")
+        if args.validate is None:
+            parser.error("--validate latest: no results/cluster/scale_runs.*.json")
+    parts = ["# Scale model: validation and projections\n", run_header() + "\n"]
+    if args.validate:
+        parts += [f"## Validation (`scale_model --validate {Path(args.validate).name}`)\n",
+                  validate(Path(args.validate), args.cpus)]
+    if args.table:
+        parts += [f"## Projections (`scale_model --table --tokens {args.tokens}`)\n", table(args.tokens)]
+    text = "\n".join(parts) + "\n"
+    print(text)
+    if args.out != "-":
+        write_report(out_path(args.out, "cluster", "scale_model"), text)
 
 
 if __name__ == "__main__":

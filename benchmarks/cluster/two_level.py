@@ -26,10 +26,13 @@ all 4 ranks running), the optimizer step of the rank's shard, the quantization w
 collectives and the collectives within a node; the bytes between nodes cost the larger of the shaped link's time and
 the CPU's (moving those bytes, plus the stage-3 engine's own work, measured at world size 1): see ``predict_cpu``. On
 GPUs compute comes from FLOPs and communication hides behind it; only what exceeds it is exposed (as
-benchmarks/scale_model.py assumes).
+benchmarks.cluster.scale_model assumes).
 
-    python benchmarks/cluster/two_level.py --validate benchmarks/results/cluster.json   # fit on the probe, predict
-    python benchmarks/cluster/two_level.py --table                                    # 7B/70B projections
+    python -m benchmarks.cluster.two_level --validate latest --table   # the newest cluster JSON: fit, predict, project
+    python -m benchmarks.cluster.two_level --validate benchmarks/results/cluster/cluster.<machine>.<date>.json
+    python -m benchmarks.cluster.two_level --table --out -            # 7B/70B projections, on stdout
+
+Writes results/cluster/two_level.<machine>.<date>.md unless ``--out`` says otherwise (``-``: stdout).
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+from benchmarks.common import latest_result, out_path, run_header, write_report
 
 Q8, Q4 = 1.0625, 0.5625  # bytes per element of lzero's blockwise int8 / int4 codes with fp32 scales per 64
 
@@ -202,7 +207,7 @@ def validate(results: Path, probes: Path) -> str:
 # --- GPU clusters ----------------------------------------------------------------------------------------------
 
 LARGE = {"7B": 6.7e9, "70B": 69e9}
-GPU = dict(flops=989e12, mfu=0.4, hbm=3.35e12, memory=80e9)  # H100-like, as benchmarks/scale_model.py
+GPU = dict(flops=989e12, mfu=0.4, hbm=3.35e12, memory=80e9)  # H100-like, as benchmarks.cluster.scale_model
 NVLINK = Level(alpha=5e-6, beta=1 / 450e9)
 LINKS = {"400G": Level(alpha=10e-6, beta=1 / 50e9), "100G": Level(alpha=10e-6, beta=1 / 12.5e9)}
 GPU_LAYOUTS = ("ddp", "zero3", "zero3_hybrid", "zero3_hpz", "zero3_qwz_qgz4", "zero2_hybrid")
@@ -261,18 +266,30 @@ def table(global_tokens: int = 2**22) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--validate", type=Path, help="bench_cluster.py's JSON of step times")
-    parser.add_argument("--probes", type=Path, help="bench_cluster.py --probe's .probe.json (default: beside it)")
+    parser.add_argument("--validate", help="bench_cluster's JSON of step times, or 'latest' (the newest in"
+                        " results/cluster/)")
+    parser.add_argument("--probes", type=Path, help="bench_cluster --probe's .probe.json (default: beside it)")
     parser.add_argument("--table", action="store_true")
     parser.add_argument("--global-tokens", type=int, default=2**22)
+    parser.add_argument("--out", default=None, help="markdown file, a result name, or - for stdout (default:"
+                        " results/cluster/two_level.<machine>.<date>.md)")
     args = parser.parse_args()
-    print("# The two-level scale model (benchmarks/cluster/two_level.py)\n")
+    if args.validate == "latest":
+        args.validate = latest_result("cluster", "cluster", "json")
+        if args.validate is None:
+            parser.error("--validate latest: no results/cluster/cluster.*.json (run benchmarks.cluster.bench_cluster)")
+    args.validate = Path(args.validate) if args.validate else None
+    parts = ["# The two-level scale model (benchmarks.cluster.two_level)\n", run_header() + "\n"]
     if args.validate:
-        print(f"## Against the simulated cluster (`two_level.py --validate {args.validate}`)\n")
-        print(validate(args.validate, args.probes or args.validate.with_suffix(".probe.json")))
+        parts.append(f"## Against the simulated cluster (`two_level --validate {args.validate.name}`)\n")
+        parts.append(validate(args.validate, args.probes or args.validate.with_suffix(".probe.json")))
     if args.table:
-        print(f"## 7B and 70B on GPU clusters (`two_level.py --table --global-tokens {args.global_tokens}`)\n")
-        print(table(args.global_tokens))
+        parts.append(f"## 7B and 70B on GPU clusters (`two_level --table --global-tokens {args.global_tokens}`)\n")
+        parts.append(table(args.global_tokens))
+    text = "\n".join(parts) + "\n"
+    print(text)
+    if args.out != "-":
+        write_report(out_path(args.out, "cluster", "two_level"), text)
 
 
 if __name__ == "__main__":

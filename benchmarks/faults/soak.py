@@ -1,7 +1,7 @@
 """Soak: the demo GPT for thousands of steps at world size 2 with periodic saves, SIGKILLs and resumes (by hand).
 
-    python benchmarks/soak.py --strategy zero3_offload --steps 3000
-    python benchmarks/soak.py --strategy zero3_offload_nvme --steps 3000 --swap /var/tmp/lzero-soak
+    python -m benchmarks.faults.soak --strategy zero3_offload --steps 3000
+    python -m benchmarks.faults.soak --strategy zero3_offload_nvme --steps 3000 --swap /var/tmp/lzero-soak
 
 One run: a sharded checkpoint every ``--every`` steps (``last.ckpt``), and every ``--kill-every`` steps rank 1
 SIGKILLs itself half-way between two checkpoints; the driver then starts the run again from ``last``, until
@@ -12,8 +12,9 @@ Data follows the global step (each rank's batch is drawn from a generator seeded
 step trains on the batch the killed run trained on at that step: its loss must equal the killed run's, bitwise,
 for every step replayed between the checkpoint and the kill (the loss curve is continuous across resumes).
 
-It writes ``results_soak_<strategy>.md``: the trend of each measure after warm-up, within each segment (from a
-start to the next kill) and over the whole run, the replayed losses, and what is left on disk at the end.
+It writes ``results/faults/soak_<strategy>.<machine>.<date>.md`` (or ``--report``): the trend of each measure after
+warm-up, within each segment (from a start to the next kill) and over the whole run, the replayed losses, and what
+is left on disk at the end.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import argparse
 import json
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -36,15 +36,10 @@ import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from benchmarks.common import module_command, module_env, out_path, proc_status, run_header, write_report
+
 SHAPE = dict(vocab_size=256, block_size=32, n_layer=2, n_head=2, n_embd=64)
 BATCH = 4
-
-
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return -1
 
 
 def _folder_bytes(path: Path) -> int:
@@ -63,8 +58,8 @@ class Soak(Callback):
             with open(self.out / "losses.jsonl", "a") as f:
                 f.write(json.dumps({"step": step, "loss": float(outputs["loss"]), "pid": os.getpid()}) + "\n")
         if step % self.every == 0:
-            row = {"step": step, "rank": rank, "pid": os.getpid(), "rss_kb": _status("VmRSS"),
-                   "fds": len(os.listdir("/proc/self/fd")), "threads": _status("Threads"),
+            row = {"step": step, "rank": rank, "pid": os.getpid(), "rss_kb": proc_status("VmRSS"),
+                   "fds": len(os.listdir("/proc/self/fd")), "threads": proc_status("Threads"),
                    "py_threads": threading.active_count(),
                    "swap_bytes": _folder_bytes(self.swap) if self.swap else 0}
             with open(self.out / f"measures_rank{rank}.jsonl", "a") as f:
@@ -115,9 +110,9 @@ def drive(args: argparse.Namespace) -> None:
     segments = []
     for kill_at in [*kills, -1]:
         start = time.time()
-        cmd = [sys.executable, __file__, "--worker", "--strategy", args.strategy, "--steps", str(args.steps),
-               "--every", str(args.every), "--kill-at", str(kill_at), "--out", str(out), "--swap", str(swap)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        cmd = module_command(__spec__.name, "--worker", "--strategy", args.strategy, "--steps", args.steps,
+                             "--every", args.every, "--kill-at", kill_at, "--out", out, "--swap", swap)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=module_env())
         segments.append({"kill_at": kill_at, "rc": proc.returncode, "seconds": time.time() - start})
         print(f"segment until {kill_at if kill_at > 0 else 'the end'}: exit {proc.returncode},"
               f" {time.time() - start:.0f} s", flush=True)
@@ -126,10 +121,10 @@ def drive(args: argparse.Namespace) -> None:
             raise SystemExit("the last segment failed")
     (out / "segments.json").write_text(json.dumps(segments))
     report = summarize(out, swap, args, segments)
-    target = Path(__file__).with_name(f"results_soak_{args.strategy}.md")
-    target.write_text(report)
     print(report)
-    print(f"wrote {target}")
+    target = out_path(args.report, "faults", f"soak_{args.strategy}")
+    if target is not None:
+        write_report(target, report)
 
 
 def _trend(rows: list[dict], key: str, warmup: int) -> tuple[float, float, float]:
@@ -146,7 +141,8 @@ def summarize(out: Path, swap: Path, args: argparse.Namespace, segments: list[di
         by_step.setdefault(row["step"], []).append(row["loss"])
     replayed = {s: v for s, v in by_step.items() if len(v) > 1}
     mismatched = {s: v for s, v in replayed.items() if len(set(v)) > 1}
-    lines = [f"Soak, {args.strategy}: demo GPT {SHAPE}, batch {BATCH} per rank, world size 2 (CPU, gloo),"
+    lines = [run_header(), "",
+             f"Soak, {args.strategy}: demo GPT {SHAPE}, batch {BATCH} per rank, world size 2 (CPU, gloo),"
              f" {args.steps} steps, a sharded checkpoint every {args.every} steps, rank 1 SIGKILLed at steps"
              f" {[s['kill_at'] for s in segments if s['kill_at'] > 0]} and the run resumed from `last` each time;"
              f" {sum(s['seconds'] for s in segments):.0f} s in all.", "",
@@ -182,7 +178,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--every", type=int, default=100)
     parser.add_argument("--kill-every", type=int, default=500)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="the run's working folder (default /tmp/lzero-soak-STRATEGY)")
+    parser.add_argument("--report", default=None, help="markdown file, a result name, or none (default:"
+                        " results/faults/soak_<strategy>.<machine>.<date>.md)")
     parser.add_argument("--swap", default=None)
     parser.add_argument("--worker", action="store_true")
     parser.add_argument("--kill-at", type=int, default=-1)

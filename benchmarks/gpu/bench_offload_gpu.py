@@ -23,8 +23,8 @@ subprocess so that an out-of-memory error, a hang or a crash cannot spoil the ne
 ``LZERO_COLLECTIVES_AT_WORLD_SIZE_1=1`` is set before lzero is imported, so the reduce-scatters and
 all-gathers really run through NCCL at world size 1 (see lzero/engine/collectives.py).
 
-    PYTHONPATH=. python3 benchmarks/bench_offload_gpu.py                 # on the GPU machine, ~7 minutes
-    PYTHONPATH=. python benchmarks/bench_offload_gpu.py --small          # CPU smoke test, ~1-2 minutes
+    python3 -m benchmarks.gpu.bench_offload_gpu          # the GPU machine: results/gpu/offload_gpu.<machine>.<date>.md
+    python -m benchmarks.gpu.bench_offload_gpu --small   # CPU smoke test, printed only (--out to keep it)
 
 Without CUDA the same code runs on the CPU accelerator (gloo): the GPU columns read "n/a", the memory
 cap of (b) is not applied (the search then stops at ``--max-layers``), and only the host's peak RSS is
@@ -51,12 +51,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step_time import lzero_revision, peak_rss_mb, reset_peak_rss  # noqa: E402
+from benchmarks.common import (fsdp2_demo_gpt, module_command, module_env, out_path, peak_rss_mb, reset_peak_rss,
+                               run_header, write_report)
 
-HERE = Path(__file__).resolve().parent
-DEFAULT_OUT = HERE / "results_offload_gpu.md"
-SMOKE_OUT = HERE / "results_offload_gpu_smoke.md"  # --small: never over a real result (git-ignored)
+MODULE = "benchmarks.gpu.bench_offload_gpu"
 GIB = 2**30
 PAIRS = [("zero2", "zero2_offload"), ("zero3", "zero3_offload")]
 DELAYED = "zero2_offload+delayed"  # zero2_offload with offload_optimizer.delayed_update, against zero2 too
@@ -224,11 +222,10 @@ def fit_once(job: Job) -> RunResult:
         from lzero import ZeroStrategy
 
         strategy = ZeroStrategy(stage=2, offload_optimizer={"device": "cpu", "delayed_update": True})
-    elif job.strategy == "fsdp2":  # fully_shard per block, then the GPT (bench_step_time.py's FSDP2DemoGPT)
-        from bench_step_time import FSDP2DemoGPT
+    elif job.strategy == "fsdp2":  # fully_shard per block, then the GPT
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        strategy, model_class = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1), FSDP2DemoGPT
+        strategy, model_class = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1), fsdp2_demo_gpt()
     trainer = Trainer(accelerator="gpu" if cuda else "cpu", devices=1, strategy=strategy,
                       precision=job.precision, max_steps=job.warmup + job.steps, limit_val_batches=0,
                       num_sanity_val_steps=0, callbacks=[probe], enable_checkpointing=False, logger=False,
@@ -281,10 +278,10 @@ class Runner:
         if timeout < 5:
             return RunResult(False, "skipped: wall-clock budget spent")
         self.count += 1
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(asdict(job))]
+        cmd = module_command(MODULE, "--child", json.dumps(asdict(job)))
         start = time.monotonic()
         try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=module_env())
             out, err, rc = done.stdout, done.stderr, done.returncode
         except subprocess.TimeoutExpired as exc:
             out, err, rc = _text(exc.stdout), _text(exc.stderr), None
@@ -498,24 +495,21 @@ def _verdict(count: int, base: int, bracketed: bool) -> str:
 
 
 def environment() -> str:
-    import lightning
-
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         device = f"{props.name}, {props.total_memory / GIB:.0f} GiB, CUDA {torch.version.cuda}"
     else:
         device = "no CUDA: CPU accelerator (gloo); GPU columns n/a, the cap of (b) not applied"
-    return (f"torch {torch.__version__}, lightning {lightning.__version__}, {lzero_revision()}; device: {device};"
-            f" host: {os.cpu_count()} CPUs, {_mem_available() / GIB:.0f} GiB available;"
+    return (f"{run_header()}\n\nDevice: {device}; host: {_mem_available() / GIB:.0f} GiB available;"
             f" LZERO_COLLECTIVES_AT_WORLD_SIZE_1={os.environ['LZERO_COLLECTIVES_AT_WORLD_SIZE_1']}")
 
 
-def report(args: argparse.Namespace, results_a: dict, searches: list[Search], seconds: float,
-           results_s: Optional[dict] = None) -> str:
+def report(args: argparse.Namespace, runs_a: dict, searches: list[Search], seconds: float,
+           runs_s: Optional[dict] = None) -> str:
     shape = args.shape
     lines = ["# Offload on one GPU: step time and largest model (issue 12, acceptance point 3)", "",
              f"Command: `{args.command}`", "", environment() + f"; {seconds:.0f} s in all.", ""]
-    if results_s:
+    if runs_s:
         s_shape = args.s_shape
         lines += ["## (s) Step time against DDP", "",
                   f"DemoGPT {s_shape.parameters():,} parameters ({asdict(s_shape)}), bf16-mixed, batch"
@@ -524,20 +518,20 @@ def report(args: argparse.Namespace, results_a: dict, searches: list[Search], se
                   " fsdp2: torch's fully_shard per block through Lightning's ModelParallelStrategy. Between steps:"
                   " `memory_allocated` at the start of the last timed step. Host CPU: the process's CPU time per"
                   " step, every thread.", ""]
-        lines += table_s(results_s, args) + [""]
-    if results_a:
+        lines += table_s(runs_s, args) + [""]
+    if runs_a:
         lines += ["## (a) Step time at the same batch", "",
                   f"DemoGPT {shape.parameters():,} parameters ({asdict(shape)}), batch {args.batch_size} x"
                   f" {shape.block_size} tokens, {args.warmup} warmup + {args.steps} timed steps, DemoGPT's AdamW"
                   " (torch's default kernel on the device; lzero's fused CPU kernel for offloaded units), each run"
                   " in a fresh process; 32-true at torch's default float32 matmul precision (no TF32). GPU peak: `max_memory_allocated` from the start of training (after setup);"
                   " GPU at start: `memory_allocated` then (model states).", ""]
-        lines += table_a(results_a, args) + [""]
+        lines += table_a(runs_a, args) + [""]
         lines += ["## (c) Where the offloaded step's time goes", "",
                   "Medians over the timed steps of (a), host wall time: `ZeroEngine.wait` (the host waits for the"
                   " gradient copies to land, and their sums), `ZeroEngine.step_and_gather` (host optimizer steps,"
                   " publishing the new values, all-gathers), of which the host optimizer steps themselves.", ""]
-        lines += table_c(results_a) + [""]
+        lines += table_c(runs_a) + [""]
     if searches:
         cap = f"{args.cap_gib} GiB" if args.cap_gib is not None and torch.cuda.is_available() else "none (no CUDA)"
         lines += ["## (b) Largest model that trains", "",
@@ -589,18 +583,17 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--host-mem-fraction", type=float, default=0.7)
     p.add_argument("--budget-s", type=float, default=420, help="wall-clock budget of the whole script, seconds")
     p.add_argument("--a-share", type=float, default=0.45, help="share of the budget (a) may use when (b) follows")
-    p.add_argument("--out", type=Path, default=None,
-                   help=f"markdown output (default {DEFAULT_OUT.name}; {SMOKE_OUT.name} with --small)")
+    p.add_argument("--out", default=None, help="markdown output, a result name, or none (default:"
+                   " results/gpu/offload_gpu.<machine>.<date>.md; none with --small)")
     p.add_argument("--log-dir", type=Path, default=None, help="a log file per child run (stdout and stderr)")
     args = p.parse_args(argv)
-    args.command = shlex.join([Path(sys.executable).name, sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
+    args.command = shlex.join([Path(sys.executable).name, "-m", MODULE, *(sys.argv[1:] if argv is None else argv)])
     if args.small:
         args.n_layer, args.n_embd, args.n_head, args.block_size, args.batch_size = 2, 64, 2, 32, 2
         args.warmup, args.steps, args.search_steps = 1, 2, 2
         args.search_width, args.search_heads, args.search_block_size, args.search_batch_size = 64, 2, 32, 2
         args.search_precision, args.max_layers = "32-true", 2
-    if args.out is None:
-        args.out = SMOKE_OUT if args.small else DEFAULT_OUT
+    args.out = out_path("none" if args.out is None and args.small else args.out, "gpu", "offload_gpu")
     if args.precisions is None:
         args.precisions = "32-true" if args.small else "bf16-mixed,32-true"
     args.precisions = [s.strip() for s in args.precisions.split(",") if s.strip()]
@@ -620,23 +613,22 @@ def main() -> None:
     args = parse_args()
     start = time.monotonic()
     runner = Runner(start + args.budget_s, args.log_dir)
-    results_a, searches, results_s = {}, [], {}
+    runs_a, searches, runs_s = {}, [], {}
     if "s" in args.parts:
         share = 0.5 if args.parts - {"s"} else 1.0
         print(f"(s) step time against DDP, {len(args.s_strategies)} runs", flush=True)
-        results_s = measure_against_ddp(runner, args, start + share * args.budget_s)
+        runs_s = measure_against_ddp(runner, args, start + share * args.budget_s)
     if "a" in args.parts:
         share = args.a_share if "b" in args.parts else 1.0
         print(f"(a) step times, {len(args.precisions) * 5} runs", flush=True)
-        results_a = measure_step_times(runner, args, start + share * args.budget_s)
+        runs_a = measure_step_times(runner, args, start + share * args.budget_s)
     if "b" in args.parts:
         print("(b) largest model", flush=True)
         searches = largest_models(runner, args)
-    text = report(args, results_a, searches, time.monotonic() - start, results_s)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
+    text = report(args, runs_a, searches, time.monotonic() - start, runs_s)
     print(text)
-    print(f"wrote {args.out}")
+    if args.out is not None:
+        write_report(args.out, text)
 
 
 if __name__ == "__main__":

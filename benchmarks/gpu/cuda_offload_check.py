@@ -20,7 +20,7 @@ For zero2 and zero3, in fp32 and bf16-mixed, it checks that:
   was built; cuBLAS's workspace is allocated by a warm-up first). The largest CUDA tensors alive between steps
   are listed for the offloaded runs.
 
-    PYTHONPATH=. python3 benchmarks/cuda_offload_check.py
+    python3 -m benchmarks.gpu.cuda_offload_check      # from the repository root; prints, writes nothing
 
 Exit status: 0 every check passed, 1 some check failed (each failure printed), 2 no CUDA (nothing checked).
 """
@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from benchmarks.common import run_header
 
 STEPS = 10
 
@@ -194,13 +196,17 @@ def kernels_alone(steps: int = STEPS) -> None:
 
 
 def main() -> int:
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args()
     if not torch.cuda.is_available():
-        print("no CUDA: nothing checked (benchmarks/cuda_offload_check.py needs a CUDA GPU)", file=sys.stderr)
+        print("no CUDA: nothing checked (benchmarks.gpu.cuda_offload_check needs a CUDA GPU)", file=sys.stderr)
         return 2
     import torch.distributed as dist
 
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    print(run_header(), flush=True)
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, NCCL {torch.cuda.nccl.version()},"
           f" LZERO_COLLECTIVES_AT_WORLD_SIZE_1={os.environ['LZERO_COLLECTIVES_AT_WORLD_SIZE_1']}", flush=True)
     torch.use_deterministic_algorithms(True, warn_only=True)

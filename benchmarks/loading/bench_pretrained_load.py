@@ -1,21 +1,22 @@
 """Loading a pretrained Hugging Face model at world size 2: memory, bytes read and time per rank.
 
-    python benchmarks/bench_pretrained_load.py [--layers 24 --width 1024] [--out benchmarks/results_pretrained_load.md]
+    python -m benchmarks.loading.bench_pretrained_load [--layers 24 --width 1024] [--out PATH]
         [--deepspeed-python /path/to/deepspeed-venv/bin/python]
+    # default: results/loading/pretrained_load.<machine>.<date>.md
 
 A GPT-2 of about 355M parameters (24 x 1024, vocabulary 50257; fp32, 1.42 GB) is written once with
 ``save_pretrained`` in 500 MB files. Each way of loading runs on 2 gloo ranks (one process each, one thread):
 
 - ``lzero zero3``: ``from_pretrained`` inside lzero's meta context, then the zero3 engine reads each rank's
   shards ([Note: reading a pretrained checkpoint into shards] in lzero/hf/weights.py);
-- ``lzero zero3 + LoRA``: the same, as in ``configure_model`` (``lzero.run_wiring.meta_device``: the construction
+- ``lzero zero3 + LoRA``: the same, as in ``configure_model`` (``lzero.lightning.wiring.meta_device``: the construction
   recorded), with peft's LoRA adapters (r 8 on ``c_attn``, drawn after ``torch.manual_seed(1)``) added before the
   engine reads the shards and replays the adapters' draws;
 - ``plain from_pretrained``: transformers' own, every rank holding the whole model (what a model built in
   ``__init__`` costs, and what zero1/zero2 do);
 - ``safetensors load_file``: the library reading every file whole, one process (the throughput reference);
 - with ``--deepspeed-python``: DeepSpeed's ``zero.Init`` + ``from_pretrained`` in that environment
-  (benchmarks/peer_deepspeed_load.py; DeepSpeed is never a dependency of lzero).
+  (benchmarks.peers.peer_deepspeed_load; DeepSpeed is never a dependency of lzero).
 
 Per rank: peak resident-memory growth during the load (``VmHWM`` reset through ``/proc/self/clear_refs``), bytes
 read from the disk (``/proc/self/io`` ``read_bytes``, page cache dropped first where allowed; else the bytes the
@@ -30,7 +31,6 @@ import math
 import os
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -38,23 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def _disk_read() -> int:
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("read_bytes:"):
-            return int(line.split()[1])
-    return 0
-
-
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")
+from benchmarks.common import (module_command, module_env, out_path, proc_bytes, proc_io, reset_peak, run_header,
+                               write_report)
 
 
 def drop_caches() -> bool:
@@ -103,8 +88,8 @@ def _rank(rank: int, world: int, port: int, way: str, folder: str, queue: object
 
     weights.OpenFiles.read_flat_into = counted
     dist.barrier()
-    _reset_peak()
-    rss0, disk0 = _status("VmRSS"), _disk_read()
+    reset_peak()
+    rss0, disk0 = proc_bytes("VmRSS"), proc_io("read_bytes")
     start = time.perf_counter()
     if way == "lzero zero3":
         with torch.device("meta"), intercept():
@@ -116,7 +101,7 @@ def _rank(rank: int, world: int, port: int, way: str, folder: str, queue: object
     elif way == "lzero zero3 + LoRA":  # as in configure_model: lzero's meta context, adapters drawn by peft
         from peft import LoraConfig, get_peft_model
 
-        from lzero.run_wiring import meta_device, pretrained_weights
+        from lzero.lightning.wiring import meta_device, pretrained_weights
 
         with meta_device():
             model = GPT2LMHeadModel.from_pretrained(folder, dtype=torch.float32)
@@ -127,23 +112,21 @@ def _rank(rank: int, world: int, port: int, way: str, folder: str, queue: object
                             weights=pretrained_weights(model))
         held = sum(u.spec.shard_numel for u in engine.units) * 4
         largest = max(math.prod(s.shape) for u in engine.units for s in u.spec.params) * 4
-        held = sum(u.spec.shard_numel for u in engine.units) * 4
-        largest = max(math.prod(s.shape) for u in engine.units for s in u.spec.params) * 4
     else:
         model = GPT2LMHeadModel.from_pretrained(folder, dtype=torch.float32)
         held = sum(p.numel() for p in model.parameters()) * 4
         largest = max(p.numel() for p in model.parameters()) * 4
         asked[0] = held
     seconds = time.perf_counter() - start
-    at_load = _status("VmHWM") - rss0
+    at_load = proc_bytes("VmHWM") - rss0
     if not way.startswith("lzero"):  # transformers' parameters map the files: they become this rank's memory when written
         with torch.no_grad():
             for p in model.parameters():
                 p.data = p.data.clone()
     dist.barrier()
     result = {"way": way, "rank": rank, "seconds": seconds, "peak_growth": at_load,
-              "owned_growth": _status("VmHWM") - rss0,
-              "disk_read": _disk_read() - disk0, "asked": asked[0], "held": held, "largest": largest}
+              "owned_growth": proc_bytes("VmHWM") - rss0,
+              "disk_read": proc_io("read_bytes") - disk0, "asked": asked[0], "held": held, "largest": largest}
     queue.put(result)
     dist.destroy_process_group()
 
@@ -168,8 +151,8 @@ def load_file_reference(folder: Path, owned: bool) -> dict:
     process's own memory (what a trainable parameter needs)."""
     from safetensors.torch import load_file
 
-    _reset_peak()
-    rss0, disk0 = _status("VmRSS"), _disk_read()
+    reset_peak()
+    rss0, disk0 = proc_bytes("VmRSS"), proc_io("read_bytes")
     start = time.perf_counter()
     total, kept = 0, []
     for file in sorted(folder.glob("model-*.safetensors")):
@@ -179,10 +162,11 @@ def load_file_reference(folder: Path, owned: bool) -> dict:
             kept.extend(t.clone() for t in tensors.values())
         del tensors
     seconds = time.perf_counter() - start
-    growth = _status("VmHWM") - rss0
+    growth = proc_bytes("VmHWM") - rss0
     del kept
     return {"way": "safetensors load_file" + (" + copy to owned memory" if owned else " (mapped)"), "rank": "-",
-            "seconds": seconds, "peak_growth": growth, "owned_growth": growth, "disk_read": _disk_read() - disk0,
+            "seconds": seconds, "peak_growth": growth, "owned_growth": growth,
+            "disk_read": proc_io("read_bytes") - disk0,
             "asked": total, "held": total if owned else 0, "largest": 0}
 
 
@@ -191,9 +175,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--folder", default="/tmp/lzero-bench-gpt2-355m")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results_pretrained_load.md"))
+    parser.add_argument("--out", default=None, help="markdown file, a result name, or none (default:"
+                        " results/loading/pretrained_load.<machine>.<date>.md)")
     parser.add_argument("--deepspeed-python", help="a Python with DeepSpeed (and torch, transformers) installed")
     args = parser.parse_args()
+    out = out_path(args.out, "loading", "pretrained_load")
     folder = Path(args.folder)
     files = make_model(folder, args.layers, args.width)
     size = sum(f.stat().st_size for f in folder.glob("model-*.safetensors"))
@@ -207,17 +193,19 @@ def main() -> None:
         rows.extend(run_way(way, folder))
     if args.deepspeed_python:
         drop_caches()
-        peer = subprocess.run([args.deepspeed_python, str(Path(__file__).parent / "peer_deepspeed_load.py"),
-                               str(folder)], capture_output=True, text=True, env={**os.environ, "DS_ACCELERATOR": "cpu"},
-                              check=True)
+        peer = subprocess.run(module_command("benchmarks.peers.peer_deepspeed_load", folder,
+                                             python=args.deepspeed_python),
+                              capture_output=True, text=True, env=module_env(DS_ACCELERATOR="cpu"), check=True)
         rows.extend(json.loads(line) for line in peer.stdout.splitlines() if line.startswith("{"))
     mb = lambda b: "-" if b is None else f"{b / 1e6:,.0f}"  # noqa: E731
     rate = lambda r: r["asked"] / r["seconds"] if r["asked"] is not None else size / r["seconds"]  # noqa: E731
     lines = [
-        "# Loading a pretrained model at world size 2 (benchmarks/bench_pretrained_load.py)",
+        "# Loading a pretrained model at world size 2 (benchmarks.loading.bench_pretrained_load)",
+        "",
+        run_header("transformers", "safetensors", "peft"),
         "",
         f"GPT-2, {args.layers} x {args.width}, vocabulary 50257: {size / 4e6:,.0f}M parameters, fp32, {files} safetensors"
-        f" files of {size / 1e6:,.0f} MB in all. 2 gloo ranks on this machine (2 CPUs), one thread each. Page cache"
+        f" files of {size / 1e6:,.0f} MB in all. 2 gloo ranks, one thread each. Page cache"
         f" {'dropped before each way' if dropped else 'warm (dropping it is not allowed here)'}.",
         "",
         "| way | rank | time s | peak RSS growth at load MB | once owned MB | disk read MB | bytes read MB |"
@@ -247,14 +235,13 @@ def main() -> None:
               " of the page cache until written).",
               "- transformers' `from_pretrained` maps the files too: its parameters become each rank's own memory"
               " when first written (the first optimizer step); 'once owned' shows that, after a copy of each.",
-              "- On this machine (a Firecracker VM) the first write to fresh memory costs about 0.5-1 GB/s: that, not"
-              " the disk, bounds every way that copies into owned memory.",
-              ("- DeepSpeed (its own environment, torch 2.13 CPU, DS_ACCELERATOR=cpu): rank 0 reads every file and"
+              ("- DeepSpeed (its own environment, DS_ACCELERATOR=cpu): rank 0 reads every file and"
                " each tensor is gathered, written by rank 0 and re-partitioned; bytes read per rank are not counted"
                " by the reader (GB/s: the whole model over the rank's time)." if args.deepspeed_python else
                "- DeepSpeed `zero.Init` + `from_pretrained` was not run (no --deepspeed-python).")]
-    Path(args.out).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    if out is not None:
+        write_report(out, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

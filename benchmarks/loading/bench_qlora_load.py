@@ -1,7 +1,7 @@
 """Loading a QLoRA base (4-bit NF4) at world size 2 under lzero zero3: memory, bytes read and bytes held per rank.
 
-    python benchmarks/bench_qlora_load.py [--layers 24] [--folder /tmp/lzero-bench-llama-349m]
-        [--out benchmarks/results_qlora_load.md]
+    python -m benchmarks.loading.bench_qlora_load [--layers 24] [--folder /tmp/lzero-bench-llama-349m] [--out PATH]
+    # default: results/loading/qlora_load.<machine>.<date>.md
 
 A Llama of about 349M parameters (24 x 1024, MLP 2816, 16 heads / 8 KV heads, vocabulary 32000, lm_head untied),
 random weights from a fixed seed, is written once in bf16 with ``save_pretrained`` in 200 MB files (kept in
@@ -22,7 +22,7 @@ Per process (one thread each): peak resident-memory growth during the load (``Vm
 (the engine's units: packed shards, replicated quantization state, bf16 shards). Every way runs twice: with glibc's
 default allocator, and with ``MALLOC_MMAP_THRESHOLD_=65536`` (RSS then follows the live tensors, not the freed
 memory the heap keeps). The lzero ranks run in a child process (``--rank-run``), where Lightning launches rank 1 by
-re-running this script with the same arguments; the whole run takes about 2 minutes on 2 CPUs.
+re-running this module with the same arguments.
 """
 
 from __future__ import annotations
@@ -42,20 +42,10 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_pretrained_load import _reset_peak, _status  # noqa: E402
+from benchmarks.common import (FIXED, THRESHOLD, WORLD_SIZE, module_command, module_env, out_path, proc_bytes,
+                               proc_io, reset_peak, run_header, write_report)
 
-WORLD_SIZE = 2
 SEED = 1234
-THRESHOLD = "MALLOC_MMAP_THRESHOLD_"  # glibc: a fixed threshold, every allocation above it mapped and unmapped whole
-FIXED = "65536"
-
-
-def _io(field: str) -> int:
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
 
 
 def quantization_config() -> object:
@@ -139,9 +129,9 @@ def run_rank(folder: str, results: Path) -> None:
             model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quantization_config(),
                                                          dtype=torch.bfloat16)
             self.model = get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
-            before.update(configure_peak=_status("VmHWM"))
-            _reset_peak()  # the engine's setup starts next (strategy.setup)
-            before.update(rss=_status("VmRSS"), rchar=_io("rchar"), disk=_io("read_bytes"), asked=asked[0],
+            before.update(configure_peak=proc_bytes("VmHWM"))
+            reset_peak()  # the engine's setup starts next (strategy.setup)
+            before.update(rss=proc_bytes("VmRSS"), rchar=proc_io("rchar"), disk=proc_io("read_bytes"), asked=asked[0],
                           start=time.perf_counter())
 
         def training_step(self, batch: list[torch.Tensor], _: int) -> torch.Tensor:
@@ -154,20 +144,20 @@ def run_rank(folder: str, results: Path) -> None:
 
     class Measure(Callback):
         def setup(self, trainer: L.Trainer, module: L.LightningModule, stage: str) -> None:
-            _reset_peak()  # configure_model (the model laid out on the meta device) runs next
-            before.update(setup_rss=_status("VmRSS"))
+            reset_peak()  # configure_model (the model laid out on the meta device) runs next
+            before.update(setup_rss=proc_bytes("VmRSS"))
 
         def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
             seconds = time.perf_counter() - before["start"]
-            hwm = _status("VmHWM")
+            hwm = proc_bytes("VmHWM")
             engine = trainer.strategy.engine
             source = source_of(module.model.get_base_model())
             module.result = {
                 "way": way, "rank": trainer.global_rank, "seconds": seconds, "peak_growth": hwm - before["rss"],
-                "owned_growth": hwm - before["rss"], "end_growth": _status("VmRSS") - before["rss"],
+                "owned_growth": hwm - before["rss"], "end_growth": proc_bytes("VmRSS") - before["rss"],
                 "from_setup": max(hwm, before["configure_peak"]) - before["setup_rss"],
-                "asked": asked[0] - before["asked"], "rchar": _io("rchar") - before["rchar"],
-                "disk": _io("read_bytes") - before["disk"], **held_by_engine(engine),
+                "asked": asked[0] - before["asked"], "rchar": proc_io("rchar") - before["rchar"],
+                "disk": proc_io("read_bytes") - before["disk"], **held_by_engine(engine),
                 "largest_unit": max(u.spec.shard_numel * u.flat_param.element_size() for u in engine.units),
                 "kept_scales": sum(r.scales.numel() * r.scales.element_size() for r in source.quantized.values()
                                    if r.scales is not None)}
@@ -187,8 +177,8 @@ def run_lzero(folder: Path, results: Path, env: dict[str, str]) -> list[dict]:
     results.mkdir(parents=True, exist_ok=True)
     for old in results.glob("rank*.json"):
         old.unlink()
-    done = subprocess.run([sys.executable, __file__, "--folder", str(folder), "--rank-run", str(results)],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, **env})
+    done = subprocess.run(module_command(__spec__.name, "--folder", folder, "--rank-run", results),
+                          capture_output=True, text=True, timeout=600, env=module_env(**env))
     if done.returncode != 0:
         sys.exit(f"lzero zero3 ranks failed ({done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}")
     return [json.loads((results / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
@@ -203,13 +193,13 @@ def _reference(way: str, folder: str, queue: object) -> None:
 
     torch.set_num_threads(1)
     hf_logging.disable_progress_bar()
-    _reset_peak()
-    rss0, rchar0, disk0 = _status("VmRSS"), _io("rchar"), _io("read_bytes")
+    reset_peak()
+    rss0, rchar0, disk0 = proc_bytes("VmRSS"), proc_io("rchar"), proc_io("read_bytes")
     start = time.perf_counter()
     quantization = {"quantization_config": quantization_config()} if way == "transformers 4-bit" else {}
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, **quantization)
     seconds = time.perf_counter() - start
-    at_load = _status("VmHWM") - rss0
+    at_load = proc_bytes("VmHWM") - rss0
     held = {"packed": 0, "state": 0, "frozen": 0, "trainable": 0, "quantized_params": 0}
     for p in model.parameters():
         if isinstance(p, bnb.nn.Params4bit):
@@ -223,9 +213,9 @@ def _reference(way: str, folder: str, queue: object) -> None:
             if not isinstance(p, bnb.nn.Params4bit):
                 p.data = p.data.clone()
     queue.put({"way": way, "rank": "-", "seconds": seconds, "peak_growth": at_load,
-               "owned_growth": _status("VmHWM") - rss0, "end_growth": _status("VmRSS") - rss0,
+               "owned_growth": proc_bytes("VmHWM") - rss0, "end_growth": proc_bytes("VmRSS") - rss0,
                "asked": sum(math.prod(s) * d.itemsize for d, s in checkpoint_tensors(Path(folder)).values()),
-               "rchar": _io("rchar") - rchar0, "disk": _io("read_bytes") - disk0, **held})
+               "rchar": proc_io("rchar") - rchar0, "disk": proc_io("read_bytes") - disk0, **held})
 
 
 def _state_nbytes(state: object) -> int:
@@ -255,7 +245,7 @@ def run_reference(way: str, folder: Path, env: dict[str, str]) -> dict:
 
 # --- the table ---------------------------------------------------------------------------------------------------
 
-def write_table(rows: list[dict], folder: Path, layers: int, out: Path) -> str:
+def write_table(rows: list[dict], folder: Path, layers: int, out: Path | None) -> str:
     tensors = checkpoint_tensors(folder)
     params = sum(math.prod(s) for _, s in tensors.values())
     files = sorted(folder.glob("model-*.safetensors"))
@@ -276,16 +266,18 @@ def write_table(rows: list[dict], folder: Path, layers: int, out: Path) -> str:
         return f"{ratio} {'pass' if value <= 1.1 * base else '**FAIL**'}"
 
     lines = [
-        "# Loading a QLoRA base at world size 2 (benchmarks/bench_qlora_load.py)",
+        "# Loading a QLoRA base at world size 2 (benchmarks.loading.bench_qlora_load)",
         "",
-        f"`python benchmarks/bench_qlora_load.py`, run 2026-12-03 on this machine (2 CPUs, 24 GiB, no GPU; torch CPU,"
-        f" bitsandbytes' CPU backend). Llama {layers} x 1024 (MLP 2816, 16 heads, 8 KV heads, vocabulary 32000,"
+        run_header("transformers", "bitsandbytes", "peft", "accelerate"),
+        "",
+        f"`python -m benchmarks.loading.bench_qlora_load`. Llama {layers} x 1024 (MLP 2816, 16 heads, 8 KV heads,"
+        " vocabulary 32000,"
         f" lm_head untied), random weights (seed {SEED}): {params / 1e6:,.1f}M parameters, bf16, {len(files)}"
         f" safetensors files of {mb(file_bytes)} MB in all. 4-bit config: NF4, double quantization, bf16 compute and"
         " quant storage; transformers quantizes every decoder linear and keeps embeddings, norms and lm_head in bf16."
         f" lzero zero3: N = {WORLD_SIZE} gloo ranks, one thread each, `Trainer(accelerator=\"cpu\", devices=2,"
         " strategy=\"zero3\", precision=\"bf16-true\", max_steps=1)`, LoRA r=8 on q_proj and v_proj, AdamW."
-        " Page cache warm (dropping it is not allowed here), so disk reads are not measured. Every way runs twice:"
+        " The page cache is not dropped, so disk reads are not measured. Every way runs twice:"
         f" with glibc's default allocator settings, and with `{THRESHOLD}={FIXED}` (no dynamic mmap threshold:"
         " every tensor above 64 KiB is mapped and unmapped whole, so RSS shows the live tensors, not freed memory"
         " the heap keeps).",
@@ -317,6 +309,9 @@ def write_table(rows: list[dict], folder: Path, layers: int, out: Path) -> str:
     peak = lambda rs: "/".join(mb(r["owned_growth"]) for r in rs)  # noqa: E731
     after = lambda rs: "/".join(mb(r["end_growth"]) for r in rs)  # noqa: E731
     failed = any(r["owned_growth"] > 1.1 * rss_base for r in lz)
+    read_ok = all(r["asked"] <= 1.1 * share for r in lz)
+    held_ok = all(r["packed"] + r["state"] + r["frozen"] <= 1.1 * packed_share for r in lz)
+    base_held = max(r["packed"] + r["state"] + r["frozen"] for r in lz)
     lines += [
         "",
         "How each figure is measured:",
@@ -329,7 +324,7 @@ def write_table(rows: list[dict], folder: Path, layers: int, out: Path) -> str:
         " *peak incl. configure_model*: lzero, from the Callback's `setup` hook, before `configure_model`.",
         "- *bytes read*: lzero: what its reader asked for (`lzero.hf.weights.OpenFiles.read_flat_into` wrapped:"
         " elements x the checkpoint's itemsize), the whole 64-weight blocks a shard edge cuts included; the page"
-        " cache cannot be dropped here, so this counts the reads themselves, not the disk. transformers: every tensor"
+        " cache is not dropped, so this counts the reads themselves, not the disk. transformers: every tensor"
         " of the files (each DDP rank loads the whole model). *rchar*: `/proc/self/io` rchar over the same window,"
         " the kernel's count of bytes returned by `read` calls: lzero reads with `readinto`, so it matches;"
         " transformers maps the files, which rchar does not see.",
@@ -343,9 +338,10 @@ def write_table(rows: list[dict], folder: Path, layers: int, out: Path) -> str:
         f"- Loss of the one training step, per rank: {', '.join(str(r['loss']) for r in default)}.",
         "",
         "Where the bytes go:",
-        f"- Bytes read and bytes held meet their targets: each rank reads half the files, and holds half of the codes"
-        f" and of the bf16 parameters plus the whole quantization state ({mb(q4['state'])} MB, replicated as designed;"
-        " that is the 2% over packed/N).",
+        f"- Bytes read {'meet' if read_ok else '**miss**'} their target and the frozen base held"
+        f" {'meets' if held_ok else '**misses**'} its own: each rank reads its share of the files, and holds its share"
+        f" of the codes and of the bf16 parameters plus the whole quantization state ({mb(q4['state'])} MB, replicated"
+        f" as designed): {base_held / packed_share - 1:+.1%} against packed/N.",
         f"- Peak RSS growth {'misses' if failed else 'meets'} its target: {peak(default)} MB (ranks 0/1) with the"
         f" default allocator, {peak(fixed)} MB with `{THRESHOLD}={FIXED}`, against {mb(1.1 * rss_base)} MB. With the"
         f" fixed threshold the peak is the rank's shards ({mb(held)} MB held, LoRA included) plus what one unit's"
@@ -355,15 +351,12 @@ def write_table(rows: list[dict], folder: Path, layers: int, out: Path) -> str:
         " quantized weight (one fp32 per 64 weights) lives in one buffer, allocated in `configure_model`, all-reduced"
         f" in place and dropped once the double-quantized state is built ({mb(scales)} MB still held after the load).",
         f"- With the default allocator, RSS after the load is {after(default)} MB against {after(fixed)} MB with the"
-        " fixed threshold: freed temporaries the heap keeps. They are small because lzero reads and quantizes"
-        " 32K weights at a time (`lzero.hf.quantize_on_read.CHUNK_WEIGHTS`). Before it did (the first run of this"
-        " benchmark, the same day), a block's weights were read whole: few-MB temporaries, which glibc's dynamic mmap"
-        " threshold puts on the heap once the first large tensor is freed, and whose freed memory it keeps between"
-        " the shards a rank holds: the peak was 338-382 MB with the default allocator and 233 MB with the fixed"
-        " threshold, against this target. The transformers 4-bit load shows the same effect.",
+        " fixed threshold: freed temporaries the heap keeps (lzero reads and quantizes"
+        " `lzero.hf.quantize_on_read.CHUNK_WEIGHTS` weights at a time).",
     ]
     text = "\n".join(lines) + "\n"
-    out.write_text(text)
+    if out is not None:
+        write_report(out, text)
     return text
 
 
@@ -371,7 +364,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--folder", default="/tmp/lzero-bench-llama-349m")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results_qlora_load.md"))
+    parser.add_argument("--out", default=None, help="markdown file, a result name, or none (default:"
+                        " results/loading/qlora_load.<machine>.<date>.md)")
     parser.add_argument("--rank-run", help=argparse.SUPPRESS)  # internal: the lzero ranks write their JSON here
     args = parser.parse_args()
     folder = Path(args.folder)
@@ -386,7 +380,7 @@ def main() -> None:
         rows += run_lzero(folder, folder.with_name(folder.name + "-results"), env)
         rows.append(run_reference("transformers 4-bit", folder, env))
     rows.append(run_reference("transformers bf16", folder, {}))
-    print(write_table(rows, folder, args.layers, Path(args.out)))
+    print(write_table(rows, folder, args.layers, out_path(args.out, "loading", "qlora_load")))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Materializing a model built on the meta device at world size 2 under lzero zero3: memory and time per rank.
 
-    python benchmarks/bench_replay_init.py [--layers 24] [--out benchmarks/results_replay_init.md]
+    python -m benchmarks.loading.bench_replay_init [--layers 24] [--out PATH]
+    # default: results/loading/replay_init.<machine>.<date>.md
 
 A Hugging Face Llama built from its config (no files): 24 x 1024, MLP 2816, 16 heads / 8 KV heads, vocabulary 32000,
 lm_head untied, fp32 (about 349M parameters, 1.39 GB), ``torch.manual_seed(0)`` then
@@ -9,12 +10,12 @@ lm_head untied, fp32 (about 349M parameters, 1.39 GB), ``torch.manual_seed(0)`` 
 - ``lzero zero3 replay``: ``Trainer(strategy="zero3", devices=2)`` on 2 gloo ranks, the model built in
   ``configure_model`` (on the meta device, its construction recorded); the strategy's setup replays the record from
   rank 0's RNG state, each rank keeping its shards ([Note: replayed construction] in lzero/engine/replay.py);
-- ``lzero zero3 block-wise``: the same, with ``lzero.engine.replay.recorder_for`` patched in the rank processes to
-  find no recording, so the engine warns and initializes block by block ([Note: meta-device initialization] in
+- ``lzero zero3 block-wise``: the same, with ``lzero.engine.replayed_weights.recorder_for`` patched in the rank
+  processes to find no recording, so the engine warns and initializes block by block ([Note: meta-device initialization] in
   lzero/engine/materialize.py): other random draws than eager construction;
 - ``eager``: ``from_config`` on the CPU in one process: what each DDP rank does;
 - ``lzero zero3 replay, also seeded before fit`` (a diagnostic, default allocator only): ``torch.manual_seed(0)``
-  before ``trainer.fit`` as well, which the replay needs to match eager construction (see the results file).
+  before ``trainer.fit`` as well: whether the seed set in ``configure_model`` alone is the one the replay honours.
 
 Per process (one thread each): wall time and peak resident-memory growth of the materialization (``VmHWM`` reset
 through ``/proc/self/clear_refs`` just before, minus ``VmRSS`` then; lzero: from the end of ``configure_model`` to
@@ -24,8 +25,8 @@ measurement, rank 0 builds the model eagerly from the same seed and compares it,
 ``torch.equal``, with the lzero model gathered through ``trainer.strategy.gathered_parameters`` (a collective: both
 ranks enter it). The lzero ways and eager construction run twice: with glibc's default allocator, and with
 ``MALLOC_MMAP_THRESHOLD_=65536``.
-The lzero ranks run in a child process (``--rank-run``), where Lightning launches rank 1 by re-running this script
-with the same arguments. The whole run takes a few minutes on 2 CPUs.
+The lzero ranks run in a child process (``--rank-run``), where Lightning launches rank 1 by re-running this module
+with the same arguments.
 """
 
 from __future__ import annotations
@@ -46,14 +47,13 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_qlora_load import FIXED, THRESHOLD, WORLD_SIZE, _reset_peak, _status  # noqa: E402
+from benchmarks.common import (FIXED, REPO, THRESHOLD, WORLD_SIZE, module_command, module_env, out_path, proc_bytes,
+                               reset_peak, run_header, write_report)
 
 SEED = 0
 BLOCKWISE = "benchmark: block-wise"
 WAYS = ("replay", "block-wise", "replay-seeded")
 SEEDED = "replay-seeded"  # a diagnostic: torch.manual_seed(0) before trainer.fit as well
-RUN_DATE = "2026-12-03"
 
 
 def llama_config(layers: int) -> object:
@@ -79,7 +79,7 @@ def _trimmed_rss(rss0: int) -> int:
     """``VmRSS`` minus ``rss0`` after glibc's ``malloc_trim(0)``: what the heap held free is given back (a diagnostic,
     after the measurement)."""
     ctypes.CDLL("libc.so.6").malloc_trim(0)
-    return _status("VmRSS") - rss0
+    return proc_bytes("VmRSS") - rss0
 
 
 def _way_name(way: str) -> str:
@@ -97,32 +97,33 @@ def run_rank(way: str, layers: int, results: Path) -> None:
     from transformers.utils import logging as hf_logging
 
     import lzero  # noqa: F401  registers zero3
-    from lzero.engine import replay
+    from lzero.engine import replayed_weights
 
     torch.set_num_threads(1)
     hf_logging.disable_progress_bar()
     if way == "block-wise":
-        replay.recorder_for = lambda tensors, names=None: (None, BLOCKWISE)  # the engine warns, goes block by block
+        # the engine warns, goes block by block
+        replayed_weights.recorder_for = lambda tensors, names=None, among=None: (None, BLOCKWISE)
     seen: dict[str, object] = {}
-    replayed_weights = replay.replayed_weights
+    from_replay = replayed_weights.from_replay
 
     def timed_replay(*args: object, **kwargs: object) -> object:
         """The replay itself (or the refusal to replay), timed, and the memory it leaves."""
         start = time.perf_counter()
-        source, why = replayed_weights(*args, **kwargs)
+        source, why = from_replay(*args, **kwargs)
         replayed = getattr(source, "_replay", None)
         # what the replay hands the engine: its pieces of the unit parameters (or, where lzero builds them there,
         # the units' shards) and the tensors outside the units, whole
         kept = {"pieces": getattr(replayed, "pieces", None), "shards": getattr(source, "_shards", None)}
         held = _nbytes([t for d in [*kept.values(), getattr(replayed, "whole", None)] if d for t in d.values()])
-        recorder = getattr(replayed, "recorder", None)
+        record = getattr(replayed, "record", None)
         seen.update(replayed=source is not None, why=why, replay_seconds=time.perf_counter() - start,
-                    replay_peak=_status("VmHWM"), replay_rss=_status("VmRSS"), pieces=held,
+                    replay_peak=proc_bytes("VmHWM"), replay_rss=proc_bytes("VmRSS"), pieces=held,
                     kept=next((k for k, d in kept.items() if d is not None), None),
-                    entries=len(recorder.entries) if recorder is not None else 0)
+                    entries=len(record.entries) if record is not None else 0)
         return source, why
 
-    replay.replayed_weights = timed_replay
+    replayed_weights.from_replay = timed_replay
     before: dict[str, float] = {}
 
     class Model(L.LightningModule):
@@ -131,8 +132,8 @@ def run_rank(way: str, layers: int, results: Path) -> None:
                           rng_at_open=int(torch.get_rng_state().sum()))  # the state the record takes (diagnostic)
             self.net = build(layers)
             before.update(configure_seconds=time.perf_counter() - before["configure_start"])
-            _reset_peak()  # the engine's setup starts next (strategy.setup)
-            before.update(rss=_status("VmRSS"), start=time.perf_counter())
+            reset_peak()  # the engine's setup starts next (strategy.setup)
+            before.update(rss=proc_bytes("VmRSS"), start=time.perf_counter())
 
         def training_step(self, batch: list[torch.Tensor], _: int) -> torch.Tensor:
             loss = self.net(input_ids=batch[0], labels=batch[0]).loss
@@ -145,7 +146,7 @@ def run_rank(way: str, layers: int, results: Path) -> None:
     class Measure(Callback):
         def on_fit_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
             seconds = time.perf_counter() - before["start"]
-            hwm, rss = _status("VmHWM"), _status("VmRSS")
+            hwm, rss = proc_bytes("VmHWM"), proc_bytes("VmRSS")
             rng = torch.get_rng_state()
             engine = trainer.strategy.engine
             shards = sum(u.spec.shard_numel * u.flat_param.element_size() for u in engine.units)
@@ -204,8 +205,8 @@ def run_lzero(way: str, layers: int, results: Path, env: dict[str, str]) -> list
     results.mkdir(parents=True, exist_ok=True)
     for old in results.glob("rank*.json"):
         old.unlink()
-    done = subprocess.run([sys.executable, __file__, "--layers", str(layers), "--way", way, "--rank-run",
-                           str(results)], capture_output=True, text=True, timeout=600, env={**os.environ, **env})
+    done = subprocess.run(module_command(__spec__.name, "--layers", layers, "--way", way, "--rank-run", results),
+                          capture_output=True, text=True, timeout=600, env=module_env(**env))
     if done.returncode != 0:
         sys.exit(f"lzero zero3 {way} ranks failed ({done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}")
     warned = BLOCKWISE in done.stderr or BLOCKWISE in done.stdout
@@ -225,16 +226,16 @@ def _eager(layers: int, queue: object) -> None:
     AutoModelForCausalLM.from_config(llama_config(1).__class__(hidden_size=64, intermediate_size=128,
                                                                 num_hidden_layers=1, num_attention_heads=4,
                                                                 num_key_value_heads=2, vocab_size=128))
-    _reset_peak()
-    rss0 = _status("VmRSS")
+    reset_peak()
+    rss0 = proc_bytes("VmRSS")
     start = time.perf_counter()
     model = build(layers)
     seconds = time.perf_counter() - start
     params = list(model.parameters())
     way = "eager (from_config on the CPU)" + (f" ({THRESHOLD}={os.environ[THRESHOLD]})" if THRESHOLD in os.environ
                                               else "")
-    queue.put({"way": way, "rank": "-", "seconds": seconds, "peak_growth": _status("VmHWM") - rss0,
-               "end_growth": _status("VmRSS") - rss0, "trimmed_growth": _trimmed_rss(rss0),
+    queue.put({"way": way, "rank": "-", "seconds": seconds, "peak_growth": proc_bytes("VmHWM") - rss0,
+               "end_growth": proc_bytes("VmRSS") - rss0, "trimmed_growth": _trimmed_rss(rss0),
                "shards": _nbytes(params), "buffers": _nbytes(model.buffers()), "params": sum(p.numel() for p in params),
                "largest_tensor": max(p.numel() * p.element_size() for p in params)})
 
@@ -260,25 +261,24 @@ def run_eager(layers: int, env: dict[str, str]) -> dict:
 def lzero_version() -> dict:
     """The lzero the run measured: its commit, the files changed since, and a hash of every source file's content
     (compared at the end of the run: another process may edit the tree meanwhile)."""
-    root = Path(__file__).resolve().parent.parent
-    git = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    git = lambda *a: subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()  # noqa: E731
     content = hashlib.sha256()
-    for f in sorted((root / "lzero").rglob("*.py")):
-        content.update(str(f.relative_to(root)).encode() + f.read_bytes())
+    for f in sorted((REPO / "lzero").rglob("*.py")):
+        content.update(str(f.relative_to(REPO)).encode() + f.read_bytes())
     return {"commit": git("rev-parse", "--short", "HEAD"), "hash": content.hexdigest()[:12], "load": os.getloadavg()[0],
             "changed": [line[3:] for line in git("status", "--porcelain", "--", "lzero").splitlines()]}
 
 
 def _where(path: str, snippet: str) -> str:
     """``path:line`` of the first line of lzero's source holding ``snippet`` (``path`` when none does)."""
-    root = Path(__file__).resolve().parent.parent
-    for number, line in enumerate((root / path).read_text().splitlines(), 1):
+    source = REPO / path
+    for number, line in enumerate(source.read_text().splitlines() if source.exists() else [], 1):
         if snippet in line:
             return f"{path}:{number}"
     return path
 
 
-def write_table(rows: list[dict], layers: int, out: Path, command: str, wall: float, version: dict,
+def write_table(rows: list[dict], layers: int, out: Path | None, command: str, wall: float, version: dict,
                 version_after: dict) -> str:
     eager = next(r for r in rows if r["way"].startswith("eager"))
     params, largest = eager["params"], eager["largest_tensor"]
@@ -315,16 +315,16 @@ def write_table(rows: list[dict], layers: int, out: Path, command: str, wall: fl
     losses = lambda way: "/".join(format(r["loss"][0], ".4f") for r in group(way))  # noqa: E731
     changed = f", with uncommitted changes to {', '.join(version['changed'])}" if version["changed"] else ""
     lines = [
-        "# Materializing a meta-device model at world size 2 (benchmarks/bench_replay_init.py)",
+        "# Materializing a meta-device model at world size 2 (benchmarks.loading.bench_replay_init)",
         "",
-        f"`{command}`, run {RUN_DATE} on this machine (2 CPUs, 24 GiB, no GPU; torch {torch.__version__}),"
-        f" {wall / 60:.1f} minutes in all, lzero at commit {version['commit']}{changed} (source hash"
+        run_header("transformers"),
+        "",
+        f"`{command}`, {wall / 60:.1f} minutes in all, lzero at commit {version['commit']}{changed} (source hash"
         f" {version['hash']}"
         + (", unchanged through the run)." if version_after["hash"] == version["hash"] else
            f"; **lzero's source changed during the run**, to {version_after['hash']}: the rows may mix versions).")
-        + f" Load average (1 min) {version['load']:.1f} at the start, {version_after['load']:.1f} at the end: the"
-        " machine's 2 CPUs may be shared with other work, which shows in the times (they varied up to 2x between"
-        " runs of this script; the memory figures with the fixed threshold did not)."
+        + f" Load average (1 min) {version['load']:.1f} at the start, {version_after['load']:.1f} at the end (other"
+        " work on the machine shows in the times)."
         " Model: a Hugging Face Llama from its config, no files:"
         " `AutoModelForCausalLM.from_config(LlamaConfig(hidden_size=1024, intermediate_size=2816,"
         f" num_hidden_layers={layers}, num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,"
@@ -371,19 +371,19 @@ def write_table(rows: list[dict], layers: int, out: Path, command: str, wall: fl
         " device, its construction recorded) to the first `on_fit_start` callback, i.e. the strategy's setup, which"
         " builds the engine and materializes the model into shards; eager: the `from_config` call (the Llama code"
         " imported and a tiny Llama built first, as the lzero ranks have by then). *of which replay*: the call to"
-        " `lzero.engine.replay.replayed_weights` (wrapped by the benchmark), which runs the record and keeps this"
+        " `lzero.engine.replayed_weights.from_replay` (wrapped by the benchmark), which runs the record and keeps this"
         " rank's values; the rest of the window builds the units from them. *configure_model*: the meta-device"
         " construction with its recording.",
         "- *peak RSS growth*: `VmHWM` at the end of the window minus `VmRSS` at its start, the high-water mark reset"
-        " through `/proc/self/clear_refs` at the start (the helpers of bench_qlora_load.py). *RSS growth after*:"
+        " through `/proc/self/clear_refs` at the start (`benchmarks.common.reset_peak`). *RSS growth after*:"
         " `VmRSS` at the end minus the same start. *after malloc_trim*: the same once glibc's `malloc_trim(0)` has"
         " returned the free memory its heap keeps (a diagnostic, after the measurement). *RSS growth after replay*:"
-        " `VmRSS` when `replayed_weights` returns, holding what the replay hands the engine.",
+        " `VmRSS` when `from_replay` returns, holding what the replay hands the engine.",
         "- *held*: lzero: the engine's units at `on_fit_start` (`trainer.strategy.engine.units`), sum of"
         " `spec.shard_numel x flat_param.element_size()`, plus the module's buffers (the rotary `inv_freq`, whole on"
         " each rank, 256 B); eager: every parameter and buffer.",
         "- *path*: the engine replayed the record (its number of recorded operations), or initialized block by"
-        " block: the block-wise rows patch `lzero.engine.replay.recorder_for` to"
+        " block: the block-wise rows patch `lzero.engine.replayed_weights.recorder_for` to"
         f" `lambda tensors: (None, \"{BLOCKWISE}\")` in the rank processes (\"warned\": the engine's warning with that"
         " reason was on stderr).",
         "- *equals eager*: after the measurement, rank 0 builds the model with `from_config` after"
@@ -425,38 +425,21 @@ def write_table(rows: list[dict], layers: int, out: Path, command: str, wall: fl
            f" (`shard_values`, {_where('lzero/engine/materialize.py', 'values = torch.empty(spec.shard_numel')})"
            " and drops as read; the root unit (embed_tokens, norm, lm_head:"
            f" a {mb(max(r['largest_unit'] for r in lz))} MB shard per rank) comes last, so the pieces and a copy of"
-           " the largest unit's shard coexist: held + 131.1 MB at least, the target's base, leaving only its 10%"
-           " margin." if pieces_then_shards else
+           f" the largest unit's shard coexist: held + {mb(max(r['largest_unit'] for r in lz))} MB at least." if
+           pieces_then_shards else
            "written into the units' shards, allocated before the replay starts; the tensors outside the units are"
            " kept whole.")
-        + f" When `replayed_weights` returns it holds {mb(replay[0]['pieces'])} MB; RSS is then"
+        + f" When `from_replay` returns it holds {mb(replay[0]['pieces'])} MB; RSS is then"
         f" {each(fixed, 'replay_rss_growth')} MB above the start with the fixed threshold"
         f" ({each(seeded, 'replay_rss_growth')} MB, seeded run, default allocator). With the fixed threshold the peak"
         f" is held + {'/'.join(mb(r['peak_growth'] - held) for r in fixed)} MB: every rank materializes each"
         f" tensor whole, one at a time, so the largest ({mb(largest)} MB) sits beside the shards while this rank's"
         " part of it is copied out.")
-    stale = len(fixed) == 2 and fixed[0]["peak_growth"] - fixed[1]["peak_growth"] > largest / 2
-    if stale:
-        replay_py = "lzero/engine/replay.py"
+    gap = fixed[0]["peak_growth"] - fixed[1]["peak_growth"] if len(fixed) == 2 else 0.0
+    if abs(gap) > largest / 2:
         lines.append(
-            f"- Rank 0's extra {mb(fixed[0]['peak_growth'] - fixed[1]['peak_growth'])} MB with the fixed threshold"
-            " (a lzero bug): in `Replay.run` the previous operation's result stays referenced by the loop variable"
-            f" `out` ({_where(replay_py, 'out = e.func(')}) until the next operation returns, and that result is the"
-            " tensor it wrote (an in-place initializer returns its input). `real.pop(key, None)`"
-            f" ({_where(replay_py, 'real.pop(key, None)')}) drops only the dictionary's reference, so when a"
-            " version ends and the next operation overwrites the same tensor into fresh storage"
-            f" ({_where(replay_py, 'real[key] = torch.empty(')}), both versions are in memory while it draws. The"
-            " record ends with lm_head's `uniform_` (nn.Linear's `reset_parameters`) then `normal_` (`post_init`),"
-            f" {mb(largest)} MB each: rank 0 has written all its shards by then (embed_tokens is in its half of the"
-            f" root unit) and peaks at held + 2 x {mb(largest)} MB; rank 1 has lm_head's half still to write, so the"
-            " two versions coexist beside one lm_head less, and it peaks at held + one lm_head, as it must while"
-            " its half is copied out. `out` keeps at most one tensor alive one operation too long; here it is the"
-            " largest, at the very end, on top of everything the rank holds. `del out` once an operation's storages"
-            " are handled (`args` and `kwargs` are already replaced before the next call) would leave held + the"
-            " largest tensor. A one-off check (not"
-            " part of this script, against commit ab4b15f: a copy of `Replay.run` with `del out` after each"
-            " operation, seed in `configure_model`, weights still bitwise eager's): 831.3/830.9 MB with the fixed"
-            " threshold, 877.5/908.1 MB with the default allocator: under the target, rank 1 by 3 MB.")
+            f"- With the fixed threshold the ranks' peaks differ by {mb(abs(gap))} MB, more than half the largest"
+            " tensor: one rank holds one more version of a large tensor at its peak than the other.")
     over = [(d, f) for d, f in zip(plain, fixed) if d["peak_growth"] - f["peak_growth"] > 5e6]
     if over:
         lines.append(
@@ -465,36 +448,20 @@ def write_table(rows: list[dict], layers: int, out: Path, command: str, wall: fl
             " glibc's heap keeps, not live tensors: RSS after the window is"
             f" {each(plain, 'end_growth')} MB ({each(seeded, 'end_growth')} seeded) for {mb(held)} MB held, and"
             f" {each(plain, 'trimmed_growth')} MB ({each(seeded, 'trimmed_growth')}) once `malloc_trim(0)` has run."
-            " glibc raises its mmap threshold to the size of a freed mapped block (up to 32 MB): after the first"
-            " layer weights (2.1-11.5 MB) are freed, the versions of every layer weight"
+            " glibc raises its mmap threshold to the size of a freed mapped block (up to 32 MB): once the first"
+            " layer weights are freed, the versions of every layer weight"
             + (" and every cloned piece (half a weight)" if pieces_then_shards else "")
             + " come from the brk heap, and what is freed below memory still live stays there.")
     if rank0[plain[0]["way"]]["differ"] and not rank0[seeded[0]["way"]]["differ"]:
         lines.append(
-            "- The seed (a lzero bug, correctness): the recorder takes the CPU RNG state when lzero's meta context"
-            f" opens (`Recorder.__init__`, {_where('lzero/engine/replay.py', 'torch.get_rng_state()')}), and the"
-            " replay starts from that state. Under the Trainer the context opens before `configure_model` runs"
-            f" (`ZeroStrategy.model_sharded_context`, {_where('lzero/strategy.py', 'def model_sharded_context')},"
-            f" into `meta_device()`, {_where('lzero/run_wiring.py', 'def meta_device')}), so a `torch.manual_seed(0)`"
-            " inside `configure_model` is ignored: the replay draws from whatever state the process had, and torch"
-            " 2.13 seeds its default generator randomly per process (`torch.initial_seed()` at the start of"
-            f" `configure_model`: {seeds}), so those weights differ from eager and from run to run (rank 0's loss"
-            " above; block-wise initialization, whose seed is drawn at setup from the state `configure_model` left,"
-            " repeats its loss). Eager construction and DDP honour that seed. Seeding before `trainer.fit` (as"
-            " tests/scripts/replay_runs.py does) hides the problem.")
-    lines.append(
-        "- Earlier commits, the same day, for the record: at 6eb935a the seed set in `configure_model` was ignored"
-        " (the replay started from the RNG state taken when lzero's meta context opened, before `configure_model`"
-        " ran; torch 2.13 seeds each process randomly, so the weights differed from eager and from run to run),"
-        " and the replay cloned each rank's pieces, copied afterwards into shards allocated unit by unit: rank 0"
-        " peaked at 1,167-1,391 MB with the default allocator (four runs), 962.8-962.9 MB with the fixed threshold."
-        " ab4b15f fixed both; rank 0 still peaked at 962.4 MB (fixed threshold) and 1,013 MB (default), because the"
-        " replay loop's `out` kept lm_head's `uniform_` version alive while `normal_` drew its next one. 048857b"
-        " dropped the loop's references.")
+            "- Seed: with `torch.manual_seed(0)` in `configure_model` alone the replayed weights differ from eager;"
+            " seeded before `trainer.fit` as well they equal it, so the replay did not start from the state"
+            " `configure_model` set (`torch.initial_seed()` at the start of `configure_model`:"
+            f" {seeds}). Eager construction and DDP honour that seed.")
     lines += [
         f"- Block-wise ({peak(block_fixed)} MB, fixed threshold): held + the root unit's full parameters"
-        " materialized (embed_tokens and lm_head, 262 MB) + the unit's full flat buffer they are copied into"
-        " (262 MB), on every rank.",
+        f" materialized (embed_tokens and lm_head, {mb(2 * largest)} MB) + the unit's full flat buffer they are"
+        f" copied into ({mb(2 * largest)} MB), on every rank.",
         "- Time: the replay draws every number of the model on every rank, as eager construction does, plus the"
         " copies into the shards and the page faults of fresh storage for every version:"
         f" {min(r['seconds'] for r in replay):.1f}-{max(r['seconds'] for r in replay):.1f} s against"
@@ -502,14 +469,16 @@ def write_table(rows: list[dict], layers: int, out: Path, command: str, wall: fl
         f"{max(r['seconds'] for r in rows if not r['way'].startswith('lzero')):.1f} s for eager construction.",
     ]
     text = "\n".join(lines) + "\n"
-    out.write_text(text)
+    if out is not None:
+        write_report(out, text)
     return text
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results_replay_init.md"))
+    parser.add_argument("--out", default=None, help="markdown file, a result name, or none (default:"
+                        " results/loading/replay_init.<machine>.<date>.md)")
     parser.add_argument("--way", choices=WAYS, help=argparse.SUPPRESS)  # internal, with --rank-run
     parser.add_argument("--rank-run", help=argparse.SUPPRESS)  # internal: the lzero ranks write their JSON here
     args = parser.parse_args()
@@ -525,9 +494,9 @@ def main() -> None:
             print(json.dumps(rows[-2:]), flush=True)
         rows.append(run_eager(args.layers, env))
         print(json.dumps(rows[-1]), flush=True)
-    command = "python benchmarks/bench_replay_init.py" + (f" --layers {args.layers}" if args.layers != 24 else "")
-    print(write_table(rows, args.layers, Path(args.out), command, time.perf_counter() - start, version,
-                      lzero_version()))
+    command = f"python -m {__spec__.name}" + (f" --layers {args.layers}" if args.layers != 24 else "")
+    print(write_table(rows, args.layers, out_path(args.out, "loading", "replay_init"), command,
+                      time.perf_counter() - start, version, lzero_version()))
 
 
 if __name__ == "__main__":

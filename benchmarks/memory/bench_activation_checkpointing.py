@@ -16,7 +16,8 @@ so the optimizer state exists), then the measured forward + backward:
 Gradients: every unit's reduced shard gradient after the measured backward, compared bitwise
 with the run without checkpointing at the same stage.
 
-    python benchmarks/bench_activation_checkpointing.py [--device cuda] [--out benchmarks/results_activation_checkpointing.md]
+    python -m benchmarks.memory.bench_activation_checkpointing [--device cuda] [--out PATH]
+    # default: results/memory/activation_checkpointing.<machine>.<date>.md
 """
 
 from __future__ import annotations
@@ -29,12 +30,11 @@ import argparse
 import gc
 import sys
 import time
-from pathlib import Path
 
-import lightning
 import torch
 import torch.nn.functional as F
 
+from benchmarks.common import out_path, run_header, write_report
 from lzero import ZeroConfig, ZeroEngine, ZeroOptimizer
 from lzero.engine import activation_checkpointing as ac
 from lzero.demo.model import GPT, GPTConfig
@@ -147,11 +147,13 @@ def render(rows: list[dict], device: torch.device, command: str) -> str:
     lines = [
         "# Activation checkpointing: peak memory of one forward + backward",
         "",
+        run_header(),
+        "",
         f"Command: `{command}`",
         "",
         f"DemoGPT {params:,} parameters ({SHAPE}), batch {BATCH}, fp32, AdamW, `ZeroEngine` at world size 1 on"
-        f" {device.type} ({torch.get_num_threads()} thread(s)); torch {torch.__version__}, lightning"
-        f" {lightning.__version__}. The measured step follows one full warm-up step. MB = 10^6 bytes.",
+        f" {device.type} ({torch.get_num_threads()} thread(s)). The measured step follows one full warm-up step."
+        " MB = 10^6 bytes.",
         "",
         f"Checkpointed modules (`activation_checkpointing=True`, the stage-3 unit classes): {rows[-1]['checkpointed']}.",
         "",
@@ -182,14 +184,17 @@ def render(rows: list[dict], device: torch.device, command: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", default=str(Path(__file__).with_name("results_activation_checkpointing.md")))
+    parser.add_argument("--out", default=None, help="markdown file, a result name, or none (default:"
+                        " results/memory/activation_checkpointing.<machine>.<date>.md)")
     args = parser.parse_args()
+    out = out_path(args.out, "memory", "activation_checkpointing")
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     device = torch.device(args.device)
     variants = [(False, False), (True, False)] + ([(True, True)] if device.type == "cuda" else [])
     rows = [run(stage, c, cpu, device) for stage in (1, 2, 3) for c, cpu in variants]
-    text = render(rows, device, "python " + " ".join(sys.argv))
-    Path(args.out).write_text(text)
+    text = render(rows, device, f"python -m {__spec__.name} " + " ".join(sys.argv[1:]))
+    if out is not None:
+        write_report(out, text)
     print(text)
 
 

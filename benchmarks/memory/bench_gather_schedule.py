@@ -14,7 +14,8 @@ warm-up steps (the first records the unit order), then 4 measured steps. Columns
 * loss: the last measured loss, and whether every rank's parameters after the run equal the default row's
   bitwise.
 
-    python benchmarks/bench_gather_schedule.py [--out benchmarks/results_gather_schedule.md]
+    python -m benchmarks.memory.bench_gather_schedule [--out none]
+    # default: results/memory/gather_schedule.<machine>.<date>.md
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from benchmarks.common import out_path, run_header, write_report
 
 SHAPE = dict(vocab_size=256, block_size=128, n_layer=8, n_head=4, n_embd=256, dropout=0.0)
 BATCH, WARM, STEPS = 8, 2, 4
@@ -113,8 +115,10 @@ def main() -> None:
     import torch.multiprocessing as mp
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path)
+    parser.add_argument("--out", default=None, help="markdown file, a result name, or none (default:"
+                        " results/memory/gather_schedule.<machine>.<date>.md)")
     args = parser.parse_args()
+    args.out = out_path(args.out, "memory", "gather_schedule")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -126,8 +130,8 @@ def main() -> None:
     by_rank = dict(queue.get(timeout=1800) for _ in procs)
     for p in procs:
         p.join()
-    lines = [f"Run: `python benchmarks/bench_gather_schedule.py` (torch {torch.__version__}, {os.cpu_count()} CPUs,"
-             " gloo, world size 2). Per rank and step (rank 0; rank 1 equal in every count).", "",
+    lines = [run_header(), "", "`python -m benchmarks.memory.bench_gather_schedule`: gloo, world size 2. Per rank and"
+             " step (rank 0; rank 1 equal in every count).", "",
              "| schedule | gathers | gathered MB | peak live MB | step ms | last loss | parameters equal to default |",
              "|---|---:|---:|---:|---:|---:|---|"]
     for name in ROWS:
@@ -137,9 +141,9 @@ def main() -> None:
                      f" {r['ms']:.0f} | {r['loss']:.6f} | {'yes' if r['equal'] and other['equal'] else 'NO'} |")
     text = "\n".join(lines) + "\n"
     print(text)
-    if args.out:
-        args.out.write_text("# Stage-3 gather schedule\n\n" + __doc__.split("\n\n", 1)[1].split("    python")[0]
-                            + "\n" + text)
+    if args.out is not None:
+        write_report(args.out, "# Stage-3 gather schedule\n\n" + __doc__.split("\n\n", 1)[1].split("    python")[0]
+                     + "\n" + text)
 
 
 if __name__ == "__main__":

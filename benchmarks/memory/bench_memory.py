@@ -22,16 +22,17 @@ once per strategy, for ``--profile-step + 3`` steps, and measures on every rank
 * on CUDA: ``torch.cuda.memory_allocated`` before the step and ``max_memory_allocated``
   during it (after ``reset_peak_memory_stats``); no profiler.
 
-    python benchmarks/bench_memory.py                        # ddp,zero1,zero2,zero3,fsdp2
-    /work/venv-ds/bin/python benchmarks/bench_memory.py --strategies deepspeed1,deepspeed2,deepspeed3
+    python -m benchmarks.memory.bench_memory                 # ddp,zero1,zero2,zero3,fsdp2
+    /work/venv-ds/bin/python -m benchmarks.memory.bench_memory --strategies deepspeed1,deepspeed2,deepspeed3 \\
+        --json benchmarks/results/memory/memory.<machine>.<date>.json   # the lzero run's file: rows merged into it
 
-Each run merges its rows into ``results_memory.json`` (by strategy name) and rewrites
-``results_memory.md`` from all rows, so DeepSpeed can run from another environment
-(DeepSpeed is never a dependency of lzero). ``deepspeedN`` is Lightning's
-DeepSpeedStrategy at ZeRO stage N with a plain torch AdamW
+Each run merges its rows into the ``--json`` file (by strategy name; default
+``results/memory/memory.<machine>.<date>.json``) and writes the markdown beside it (same name, ``.md``)
+from all rows, so DeepSpeed can run from another environment (DeepSpeed is never a dependency of lzero).
+``deepspeedN`` is Lightning's DeepSpeedStrategy at ZeRO stage N with a plain torch AdamW
 (``zero_force_ds_cpu_optimizer: false``), in a CPU subclass on a CPU machine.
 
-Lightning launches rank 1 by re-running this script with the same arguments.
+Lightning launches rank 1 by re-running this module with the same arguments.
 """
 
 from __future__ import annotations
@@ -43,33 +44,18 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import argparse
 import gc
 import json
-import sys
-from pathlib import Path
 
-import lightning
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, seed_everything
 from typing_extensions import override
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_step_time import (  # noqa: E402
-    WORLD_SIZE,
-    FSDP2DemoGPT,
-    bench_trainer,
-    lzero_revision,
-    make_strategy,
-    peak_rss_mb,
-    reset_peak_rss,
-)
-
-from lzero.demo import DemoGPT, TextDataModule  # noqa: E402
+from benchmarks.common import (WORLD_SIZE, bench_trainer, fsdp2_demo_gpt, make_strategy, out_path, peak_rss_mb,
+                               proc_status, reset_peak_rss, run_header, write_report)
+from lzero.demo import DemoGPT, TextDataModule
 
 SHAPE = dict(n_layer=8, n_head=8, n_embd=512, block_size=128)
 SMALL_SHAPE = dict(n_layer=2, n_head=2, n_embd=64, block_size=32)
-HERE = Path(__file__).resolve().parent
-DEFAULT_JSON = HERE / "results_memory.json"
-DEFAULT_MD = HERE / "results_memory.md"
 MB = 1e6
 TIMELINE_CATEGORIES = ["PARAMETER", "OPTIMIZER_STATE", "INPUT", "TEMPORARY", "ACTIVATION", "GRADIENT", "AUTOGRAD_DETAIL", "unknown"]
 
@@ -127,13 +113,6 @@ def live_walk(module: torch.nn.Module, optimizers) -> dict[str, int]:
     return out
 
 
-def current_rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 MARKER_BYTES = 7_777_777  # an allocation of this size marks the start of the measured step in the profile
 
 
@@ -180,7 +159,7 @@ class MemoryProbe(Callback):
         marker = torch.empty(MARKER_BYTES, dtype=torch.uint8)
         del marker
         reset_peak_rss()
-        self._rss0 = current_rss_mb()
+        self._rss0 = proc_status("VmRSS") / 1024
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -302,11 +281,11 @@ def make_deepspeed_strategy(stage: int, batch_size: int):
 def run_one(strategy: str, args: argparse.Namespace) -> dict:
     shape = SMALL_SHAPE if args.small else SHAPE
     seed_everything(0, verbose=False)
-    model = (FSDP2DemoGPT if strategy == "fsdp2" else DemoGPT)(vocab_size=256, **shape)
+    model = (fsdp2_demo_gpt() if strategy == "fsdp2" else DemoGPT)(vocab_size=256, **shape)
     steps = args.profile_step + 3
     data = TextDataModule(block_size=shape["block_size"], batch_size=args.batch_size, steps_per_epoch=steps)
     probe = MemoryProbe(args.profile_step, timeline=not args.no_timeline)
-    trainer = bench_trainer(make_any_strategy(strategy, args.batch_size), steps, probe,
+    trainer = bench_trainer(make_any_strategy(strategy, args.batch_size), steps, [probe],
                             accelerator="cuda" if torch.cuda.is_available() else "cpu")
     trainer.fit(model, datamodule=data)
     per_rank = [probe.result] * 1
@@ -389,9 +368,10 @@ def main() -> None:
     parser.add_argument("--profile-step", type=int, default=2, help="0-based index of the measured step")
     parser.add_argument("--no-timeline", action="store_true", help="skip torch's memory timeline")
     parser.add_argument("--small", action="store_true", help="tiny model, no files written")
-    parser.add_argument("--json", type=Path, default=DEFAULT_JSON)
-    parser.add_argument("--out", type=Path, default=DEFAULT_MD)
+    parser.add_argument("--json", default=None, help="rows merged into this file (default:"
+                        " results/memory/memory.<machine>.<date>.json); the markdown is written beside it")
     args = parser.parse_args()
+    args.json = out_path(args.json, "memory", "memory", "json")
     torch.set_num_threads(1)
     shape = SMALL_SHAPE if args.small else SHAPE
     n_params = DemoGPT(vocab_size=256, **shape).model.num_parameters()
@@ -401,26 +381,21 @@ def main() -> None:
         return
     for r in results:
         print(json.dumps(r))
-    if args.small:
+    if args.small or args.json is None:
         return
-    try:
-        import deepspeed
-
-        ds_version = f", deepspeed {deepspeed.__version__}"
-    except ImportError:
-        ds_version = ""
     stored = json.loads(args.json.read_text()) if args.json.exists() else {"rows": {}, "meta": {}}
     for r in results:
         stored["rows"][r["strategy"]] = r
+    ds = ("deepspeed",) if any(s.startswith("deepspeed") for s in strategies) else ()
     stored["meta"][",".join(strategies)] = (
         f"{','.join(strategies)}: DemoGPT {n_params:,} parameters ({shape}), fp32, AdamW,"
         f" {WORLD_SIZE} processes x 1 thread, batch {args.batch_size}/process, measured step"
-        f" {args.profile_step} (0-based); {lzero_revision()}, torch {torch.__version__},"
-        f" lightning {lightning.__version__}{ds_version}."
+        f" {args.profile_step} (0-based). {run_header(*ds)}"
     )
-    args.json.write_text(json.dumps(stored, indent=1))
-    args.out.write_text(render(stored["rows"], stored["meta"]))
-    print(args.out.read_text())
+    write_report(args.json, json.dumps(stored, indent=1))
+    text = render(stored["rows"], stored["meta"])
+    write_report(args.json.with_suffix(".md"), text)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -2,23 +2,24 @@
 2 CPU ranks; the measured side is ``lzero.memory.accounting.model_state_bytes`` after a step (what the memory monitor logs),
 the estimated side ``lzero.memory.estimate.model_states`` between steps (what ``lzero estimate`` and ``zero_auto`` use).
 
-    python benchmarks/bench_memory_estimate.py                     # table -> results_memory_estimate.md/.json
-    python benchmarks/plot_memory_estimate.py benchmarks/results_memory_estimate.json docs/memory.png
+    python -m benchmarks.memory.bench_memory_estimate   # -> results/memory/memory_estimate.<machine>.<date>.md/.json
+    python -m benchmarks.memory.plot_memory_estimate docs/memory.png   # the newest .json of this machine
 
-Lightning re-runs this script for rank 1; rank 0 writes the results.
+Lightning re-runs this module for rank 1; rank 0 writes the results.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import tempfile
-from pathlib import Path
 
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
-HERE = Path(__file__).resolve().parent
+from benchmarks.common import out_path, run_header, write_report
+
 PRESETS = ("zero1", "zero2", "zero3", "zero2_offload", "zero3_offload", "zero3_offload_nvme")
 PRECISIONS = ("32-true", "bf16-mixed")
 
@@ -49,6 +50,10 @@ def main() -> None:
     from lzero.demo import DemoGPT, TextDataModule
     from lzero.presets import PRESET_CONFIGS
 
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="markdown file (the JSON beside it), or a result name (default:"
+                        " results/memory/memory_estimate.<machine>.<date>.md)")
+    out = out_path(parser.parse_args().out, "memory", "memory_estimate")
     torch.set_num_threads(1)
     rows = []
     swap = tempfile.gettempdir()
@@ -69,9 +74,10 @@ def main() -> None:
                          "psi": sum(p.numel() for p in model.parameters())})
     if not trainer.is_global_zero:
         return
-    (HERE / "results_memory_estimate.json").write_text(json.dumps(rows, indent=1))
-    lines = [f"Demo GPT ({rows[0]['psi']:,} parameters), 2 CPU ranks, AdamW, after 3 steps (between steps: no gradient);"
-             f" swap files under {swap}. `python benchmarks/bench_memory_estimate.py`", "",
+    write_report(out.with_suffix(".json"), json.dumps(rows, indent=1))
+    lines = [run_header(), "",
+             f"Demo GPT ({rows[0]['psi']:,} parameters), 2 CPU ranks, AdamW, after 3 steps (between steps: no"
+             f" gradient); swap files under {swap}. `python -m benchmarks.memory.bench_memory_estimate`", "",
              "| preset | precision | measured per rank (bytes: device / cpu / nvme) | estimated | measured / estimated |",
              "|---|---|---|---|---|"]
     for row in rows:
@@ -81,7 +87,7 @@ def main() -> None:
             lines.append(f"| {row['preset']} | {row['precision']} | rank {rank}: {split} | {r['expected']:,.0f} |"
                          f" {r['total'] / r['expected']:.5f} |")
     table = "\n".join(lines) + "\n"
-    (HERE / "results_memory_estimate.md").write_text(table)
+    write_report(out, table)
     print(table)
 
 

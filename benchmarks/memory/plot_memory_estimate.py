@@ -1,15 +1,19 @@
-"""Draw benchmarks/results_memory_estimate.json (bench_memory_estimate.py) as docs/memory.png: per preset and
+"""Draw a memory_estimate JSON (benchmarks.memory.bench_memory_estimate) as docs/memory.png: per preset and
 precision, rank 0's measured model states stacked by store (device, host, NVMe) beside the estimate.
 
-    python benchmarks/plot_memory_estimate.py benchmarks/results_memory_estimate.json docs/memory.png
+    python -m benchmarks.memory.plot_memory_estimate docs/memory.png [--source RESULT.json]
+
+The source defaults to the newest ``results/memory/memory_estimate.*.json`` (this machine's first).
 
 Needs only matplotlib (``pip install 'lzero[plot]'``), not torch.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
+
+from benchmarks.common import latest_result
 
 
 def main(source: str, target: str) -> None:
@@ -42,4 +46,8 @@ def main(source: str, target: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("target", help="the PNG to write")
+    parser.add_argument("--source", default=None, help="a memory_estimate JSON (default: the newest)")
+    args = parser.parse_args()
+    main(args.source or str(latest_result("memory", "memory_estimate", "json")), args.target)

@@ -9,8 +9,10 @@ optimizers' ``step`` is wrapped, and inside it the minor page faults (``getrusag
 every tensor storage an aten op creates there (a ``TorchDispatchMode``) are summed. The copy bandwidth is measured
 in the same run: bytes read plus bytes written per second of a 1 GB ``copy_`` between reused buffers.
 
-    python benchmarks/bench_host_path.py --label "new" --json out.json
-    python benchmarks/bench_host_path.py --table out.json      # the runs of out.json as a markdown table
+    python -m benchmarks.offload.bench_host_path --label new        # a line of results/offload/host_path.*.json
+    python -m benchmarks.offload.bench_host_path --table FILE.json  # the runs of FILE.json as a markdown table
+
+Each JSON line carries its run's date, commit, machine and versions (``run``), which the table lists.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.common import out_path, run_header
 from lzero import ZeroConfig, ZeroEngine, ZeroOptimizer
 from lzero.engine.mixed_precision import PrecisionPolicy
 
@@ -111,7 +114,9 @@ def copy_bandwidth(nbytes: int = 1 << 30) -> float:
 def table(path: str) -> str:
     """The runs appended to ``path`` (one JSON object a line) as a markdown table."""
     rows = [json.loads(line) for line in open(path) if line.strip()]
-    out = ["| run | precision | threads | copy GB/s | bound s | landing s | host step s | publish s | host path s |"
+    runs = list(dict.fromkeys(r.get("run", "(not recorded)") for r in rows))
+    out = [f"- {run}" for run in runs] + [""]
+    out += ["| run | precision | threads | copy GB/s | bound s | landing s | host step s | publish s | host path s |"
            " x bound | faults/step | MB allocated/step | whole step s |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -133,10 +138,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--precision", choices=["fp32", "bf16-mixed"], default="bf16-mixed")
     parser.add_argument("--label", default="")
-    parser.add_argument("--json", default=None, help="append the result as one JSON line to this file")
+    parser.add_argument("--json", default=None, help="append the result as one JSON line to this file, or none"
+                        " (default: results/offload/host_path.<machine>.<date>.json)")
     parser.add_argument("--options", default="{}", help="extra ZeroConfig offload_optimizer keys, as JSON")
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = parser.parse_args()
+    args.json = out_path(args.json, "offload", "host_path", "json")
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -177,7 +184,8 @@ def main() -> None:
 
     phases = ["landing", "host step", "publish"]
     result = {
-        "label": args.label, "params": params, "precision": args.precision, "threads": torch.get_num_threads(),
+        "run": run_header(), "label": args.label, "params": params, "precision": args.precision,
+        "threads": torch.get_num_threads(),
         "options": offload, "bandwidth_gb_s": bandwidth / 1e9,
         "bound_s": BYTES_PER_PARAM * params / bandwidth,
         "per_step": {p: {k: mean(p, k) for k in ("s", "faults", "bytes")} for p in phases},
@@ -196,9 +204,11 @@ def main() -> None:
     print(f"  host path {result['host_path_s']:.3f} s = {result['host_path_s'] / result['bound_s']:.2f}x the bound;"
           f" {result['faults']:,.0f} faults and {result['bytes'] / 1e6:,.1f} MB allocated per step after step 2;"
           f" whole step {result['wall_s']:.3f} s")
-    if args.json:
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         with open(args.json, "a") as f:
             f.write(json.dumps(result) + "\n")
+        print(f"appended to {args.json}")
 
 
 if __name__ == "__main__":

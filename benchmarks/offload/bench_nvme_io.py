@@ -1,8 +1,8 @@
 """Throughput of lzero's NVMe swap files (lzero/offload/nvme.py) against a raw O_DIRECT sequential write and read of the
 same bytes in the same folder, in the same run: the comparison of issue 13's acceptance 3.
 
-    python benchmarks/bench_nvme_io.py                          # a temporary folder on the repository's disk
-    python benchmarks/bench_nvme_io.py --folder /mnt/nvme/tmp --total-mb 1024
+    python -m benchmarks.offload.bench_nvme_io                  # a temporary folder on the repository's disk
+    python -m benchmarks.offload.bench_nvme_io --folder /mnt/nvme/tmp --total-mb 1024
 
 For each ``threads`` x ``block_size`` x key size:
 
@@ -20,8 +20,6 @@ on one side only. GB/s is 1e9 bytes per second.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -31,12 +29,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from lzero.offload.nvme import SwapFiles, aligned_empty  # noqa: E402
-from lzero.offload.nvme_checks import raw_throughput  # noqa: E402
+from benchmarks.common import REPO, out_path, run_header, write_report
+from lzero.offload.nvme import SwapFiles, aligned_empty
+from lzero.offload.nvme_checks import raw_throughput
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = Path(__file__).with_name("results_nvme_io.md")
 MiB = 1 << 20
 
 
@@ -76,8 +72,10 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2,8", help="comma-separated worker thread counts")
     parser.add_argument("--block-kib", default="1024,8192", help="comma-separated block sizes in KiB")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; each measurement keeps its best")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", default=None, help="markdown file, a result name, or none (default:"
+                        " results/offload/nvme_io.<machine>.<date>.md)")
     args = parser.parse_args()
+    args.out = out_path(args.out, "offload", "nvme_io")
 
     folder = Path(tempfile.mkdtemp(prefix=".bench-nvme-", dir=args.folder or REPO))
     total = args.total_mb * MiB
@@ -115,13 +113,13 @@ def main() -> None:
                 w, r = best[(threads, block, "lzero", key_size)]
                 rows.append(f"| {threads} | {block // 1024:,} KiB | {key_size // MiB} MiB x {-(-total // key_size)} |"
                             f" {w:.2f} | {raw_w:.2f} | {w / raw_w:.2f} | {r:.2f} | {raw_r:.2f} | {r / raw_r:.2f} |")
-    command = "python benchmarks/bench_nvme_io.py" + "".join(f" {a}" for a in sys.argv[1:])
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout
+    command = f"python -m {__spec__.name}" + "".join(f" {a}" for a in sys.argv[1:])
     table = "\n".join([
+        run_header(),
+        "",
         f"NVMe swap-file throughput: lzero SwapFiles (queue_depth 8) vs a raw O_DIRECT sequential write/read of the"
         f" same {total:,} bytes in the same folder ({where}), same run; best of {args.rounds} alternating rounds;"
-        f" GB/s = 1e9 bytes/s; fresh files each time. lzero {commit.strip() or '?'}, torch {torch.__version__},"
-        f" Linux {platform.release()}, {os.cpu_count()} CPUs; {time.perf_counter() - started:.0f} s.",
+        f" GB/s = 1e9 bytes/s; fresh files each time; {time.perf_counter() - started:.0f} s.",
         "",
         f"`{command}`",
         "",
@@ -130,8 +128,9 @@ def main() -> None:
         *rows,
         "",
     ])
-    args.out.write_text(table)
     print(table)
+    if args.out is not None:
+        write_report(args.out, table)
 
 
 if __name__ == "__main__":

@@ -3,11 +3,12 @@ peak RSS of each training process trains under ``zero3_offload_nvme``, and its l
 swap-file throughput of its steps against a raw ``O_DIRECT`` sequential write and read of the same bytes in
 the same folder, in the same run.
 
-    python benchmarks/bench_nvme_offload.py --nvme-path /path/on/a/fast/disk
+    python -m benchmarks.offload.bench_nvme_offload --nvme-path /path/on/a/fast/disk
+    # writes results/offload/nvme_offload.<machine>.<date>.md
 
 Each strategy runs in a fresh pair of processes (2 CPU ranks, gloo, fp32, AdamW with ``fused=True`` so the
 host step and the device step run the same kernel). Peak RSS is each process's VmHWM at the end of fit
-(reset after the imports, as bench_step_time.py does). The NVMe run keeps parameter shards in files too
+(reset after the imports, as bench_step_time does). The NVMe run keeps parameter shards in files too
 (``offload_param.max_in_cpu: 0``). Swap-file throughput: bytes each rank's swap files moved during the timed
 steps over the wall time with at least one request of that direction in flight (``SwapFiles`` counters).
 """
@@ -26,8 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-DEFAULT_OUT = HERE / "results_nvme_offload.md"
+from benchmarks.common import (REPO, module_command, module_env, out_path, peak_rss_mb, reset_peak_rss, run_header,
+                               write_report)
+
 SHAPE = dict(n_layer=12, n_head=16, n_embd=1280, block_size=64)
 SMALL = dict(n_layer=2, n_head=2, n_embd=64, block_size=32)  # --small: a seconds-long smoke test
 
@@ -37,9 +39,6 @@ def run(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     from lightning.pytorch import Callback, Trainer, seed_everything
-
-    sys.path.insert(0, str(HERE))
-    from bench_step_time import peak_rss_mb, reset_peak_rss
 
     from lzero import ZeroStrategy
     from lzero.demo import DemoGPT, TextDataModule
@@ -123,7 +122,8 @@ def main() -> None:
     parser.add_argument("--nvme-path", default=None, help="swap folder (default: a folder on the work disk)")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=None, help=f"default: {DEFAULT_OUT.name} (none with --small)")
+    parser.add_argument("--out", default=None, help="markdown file, a result name, or none (default:"
+                        " results/offload/nvme_offload.<machine>.<date>.md; none with --small)")
     parser.add_argument("--small", action="store_true", help="tiny model, for a smoke test")
     parser.add_argument("--run", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--strategy", default=None, help=argparse.SUPPRESS)
@@ -134,25 +134,21 @@ def main() -> None:
     if args.run:
         run(args)
         return
-    nvme_path = args.nvme_path or str(HERE.parent / ".bench_nvme")
+    args.out = out_path("none" if args.out is None and args.small else args.out, "offload", "nvme_offload")
+    nvme_path = args.nvme_path or str(REPO / ".bench_nvme")
     Path(nvme_path).mkdir(parents=True, exist_ok=True)
     results = {}
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    env = module_env()
     for strategy in ("zero3_offload_nvme", "zero3"):
         out = Path(tempfile.mkstemp(suffix=".json")[1])
-        cmd = [sys.executable, __file__, "--run", "1", "--strategy", strategy, "--json", str(out), "--nvme-path",
-               nvme_path, "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--small"] if args.small else [])
+        cmd = module_command(__spec__.name, "--run", "1", "--strategy", strategy, "--json", out, "--nvme-path",
+                             nvme_path, "--steps", args.steps, "--warmup", args.warmup,
+                             *(["--small"] if args.small else []))
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             raise RuntimeError(f"{strategy} failed:\n{proc.stderr[-4000:]}")
         results[strategy] = json.loads(out.read_text())
         print(strategy, results[strategy]["peak_rss_mb"], flush=True)
-    import lightning
-    import torch
-
-    sys.path.insert(0, str(HERE))
-    from bench_step_time import lzero_revision
-
     nvme, plain = results["zero3_offload_nvme"], results["zero3"]
     io = nvme["io"]
     per_rank = max(max(i["read_bytes"], i["written_bytes"]) for i in io)
@@ -160,12 +156,13 @@ def main() -> None:
     psi = nvme["psi"]
     state = 16 * psi
     lines = [
+        run_header(),
+        "",
         f"DemoGPT {psi:,} parameters ({SHAPE}), fp32, AdamW (fused), 2 CPU ranks x 1 thread, batch 2 x"
         f" {SHAPE['block_size']} tokens per rank, {args.steps} steps; swap folder on `{nvme_path}`"
-        f" (O_DIRECT: {io[0]['direct']}); {lzero_revision()}, torch {torch.__version__}, lightning"
-        f" {lightning.__version__}, {os.cpu_count()} CPUs.",
+        f" (O_DIRECT: {io[0]['direct']}).",
         "",
-        f"`python benchmarks/bench_nvme_offload.py{' --nvme-path ' + args.nvme_path if args.nvme_path else ''}`",
+        f"`python -m {__spec__.name}{' --nvme-path ' + args.nvme_path if args.nvme_path else ''}`",
         "",
         "| strategy | peak RSS per rank (MB) | full training state 16Ψ (MB) / peak RSS | s/step (after warmup) | losses |",
         "|---|---|---|---|---|",
@@ -190,11 +187,8 @@ def main() -> None:
                      f" {raw.write_gbps:.2f} | {rgb / raw.read_gbps:.2f} | {wgb / raw.write_gbps:.2f} |")
     table = "\n".join(lines) + "\n"
     print(table)
-    if args.out is None and not args.small:
-        args.out = DEFAULT_OUT
     if args.out is not None:
-        args.out.write_text(table)
-        print(f"wrote {args.out}")
+        write_report(args.out, table)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Throughput of the offloaded optimizer step: lzero's host step against torch's fused AdamW on one flat
 tensor and against DeepSpeed's compiled CPU Adam, in one run.
 
-    python benchmarks/bench_offload_optimizer.py                       # lzero and torch only
-    python benchmarks/bench_offload_optimizer.py --ds-python /work/venv-ds/bin/python
+    python -m benchmarks.offload.bench_offload_optimizer                # lzero and torch only
+    python -m benchmarks.offload.bench_offload_optimizer --ds-python /work/venv-ds/bin/python
+    # writes results/offload/offload_optimizer.<machine>.<date>.md
 
 Each measurement runs in a fresh process with ``--threads`` torch/OpenMP threads (1 and 2 by default):
 
@@ -24,13 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-DEFAULT_OUT = Path(__file__).with_name("results_offload_optimizer.md")
+from benchmarks.common import module_command, module_env, out_path, run_header, write_report
 
 
 def _time(step, warmup: int, repeats: int) -> float:
@@ -108,11 +107,9 @@ def child(kind: str, numel: int, threads: int, warmup: int, repeats: int) -> Non
 
 
 def run_child(python: str, kind: str, args: argparse.Namespace, threads: int) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
-    if kind != "deepspeed":
-        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    cmd = [python, __file__, "--child", kind, "--params", str(args.params), "--threads", str(threads),
-           "--warmup", str(args.warmup), "--repeats", str(args.repeats)]
+    env = module_env(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    cmd = module_command(__spec__.name, "--child", kind, "--params", args.params, "--threads", threads,
+                         "--warmup", args.warmup, "--repeats", args.repeats, python=python)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
@@ -128,16 +125,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds; each measurement keeps its best")
     parser.add_argument("--ds-python", default=None, help="python of an environment with DeepSpeed")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", default=None, help="markdown file, a result name, or none (default:"
+                        " results/offload/offload_optimizer.<machine>.<date>.md)")
     args = parser.parse_args()
     if args.child:
         child(args.child, args.params, int(args.threads), args.warmup, args.repeats)
         return
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_step_time import lzero_revision
-
-    import torch
-
+    args.out = out_path(args.out, "offload", "offload_optimizer")
     rows = []
     for threads in [int(t) for t in args.threads.split(",")]:
         found: dict = {}
@@ -154,12 +148,14 @@ def main() -> None:
     fused = "torch fused AdamW, one flat tensor"
     first = rows[0][1]
     lines = [
+        run_header(),
+        "",
         f"Offloaded optimizer step, AdamW fp32, {first['numel']:,} elements ({first['units']} units of lzero's"
         f" default 5M-element buckets; host kernel: {first['kernel']}); best of {args.repeats} steps after"
-        f" {args.warmup} warmup, each in a fresh process, best of {args.rounds} alternating rounds; {lzero_revision()}, torch {torch.__version__},"
-        f" {os.cpu_count()} CPUs.",
+        f" {args.warmup} warmup, each in a fresh process, best of {args.rounds} alternating rounds"
+        + (f"; {ds} in its own environment." if ds else "."),
         "",
-        "`python benchmarks/bench_offload_optimizer.py" + (f" --ds-python {args.ds_python}`" if args.ds_python else "`"),
+        f"`python -m {__spec__.name}" + (f" --ds-python {args.ds_python}`" if args.ds_python else "`"),
         "",
         "| threads | " + " | ".join(f"{n} (M elements/s)" for n in names) + " | lzero / fused | lzero / DeepSpeed |",
         "|---|" + "---|" * (len(names) + 2),
@@ -171,8 +167,8 @@ def main() -> None:
         lines.append(f"| {threads} | {cells} | {vs_fused:.2f} | {vs_ds} |")
     table = "\n".join(lines) + "\n"
     print(table)
-    args.out.write_text(table)
-    print(f"wrote {args.out}")
+    if args.out is not None:
+        write_report(args.out, table)
 
 
 if __name__ == "__main__":

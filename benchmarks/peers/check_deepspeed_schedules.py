@@ -1,5 +1,5 @@
 """lzero's DeepSpeed schedulers against DeepSpeed's own classes, step by step (run in an environment that has
-DeepSpeed, which lzero never depends on; see benchmarks/results_deepspeed_schedules.md).
+DeepSpeed, which lzero never depends on; results in benchmarks/results/peers/).
 
 For random parameter sets of ``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR`` (two param groups, some resumed with
 ``last_batch_iteration``) and ``OneCycle`` (momentum cycled on AdamW's betas; stairs, decay, resumed), the learning
@@ -7,16 +7,22 @@ rate (and betas) each optimizer holds before each of 40 steps must be equal, bit
 (``deepspeed.runtime.lr_schedules``, stepped after each optimizer step as its engine does) and lzero's scheduler
 (stepped once per optimizer step as Lightning does).
 
-    PYTHONPATH=. /path/to/deepspeed-venv/bin/python benchmarks/check_deepspeed_schedules.py
+    /path/to/deepspeed-venv/bin/python -m benchmarks.peers.check_deepspeed_schedules [--out none]
+
+from the repository root (lzero is imported from there). It prints the comparison and writes it, under a
+:func:`benchmarks.common.run_header` line, to ``results/peers/deepspeed_schedules.<machine>.<date>.md``.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import random
 import warnings
 
 import torch
+
+from benchmarks.common import out_path, require, run_header, write_report
 
 STEPS, TRIALS = 40, 300
 
@@ -57,6 +63,11 @@ def one_cycle_params(rng: random.Random) -> tuple[str, dict]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="markdown file, a result name, or none (default:"
+                        " results/peers/deepspeed_schedules.<machine>.<date>.md)")
+    out = out_path(parser.parse_args().out, "peers", "deepspeed_schedules")
+    require("deepspeed", "run this with the python of an environment that has DeepSpeed (and torch, lightning)")
     import deepspeed
     from deepspeed.runtime import lr_schedules
 
@@ -65,6 +76,7 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     rng = random.Random(0)
+    lines = []
     for family, draw in (("Warmup*", warmup_params), ("OneCycle", one_cycle_params)):
         compared = mismatched = 0
         for _ in range(TRIALS):
@@ -77,13 +89,18 @@ def main() -> None:
                 compared += 1
                 if seen[0] != seen[1]:
                     mismatched += 1
-                    print(f"MISMATCH {kind} {p} before step {step}: DeepSpeed {seen[0]}, lzero {seen[1]}")
+                    lines.append(f"MISMATCH {kind} {p} before step {step}: DeepSpeed {seen[0]}, lzero {seen[1]}")
+                    print(lines[-1])
                     break
                 reference.step()
                 ours.step()
                 scheduler.step()
-        print(f"{family}: {TRIALS} parameter sets, {compared} steps compared, {mismatched} mismatched"
-              f" (DeepSpeed {deepspeed.__version__}, torch {torch.__version__})")
+        lines.append(f"{family}: {TRIALS} parameter sets, {compared} steps compared, {mismatched} mismatched"
+                     f" (DeepSpeed {deepspeed.__version__}, torch {torch.__version__})")
+        print(lines[-1])
+    if out is not None:
+        write_report(out, "# lzero's DeepSpeed schedulers against DeepSpeed's classes\n\n"
+                          f"{run_header('deepspeed')}\n\n```\n" + "\n".join(lines) + "\n```\n")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
-"""Plain DeepSpeed ZeRO step times on CPU: a peer reference for ``benchmarks/bench_speed.py``.
+"""Plain DeepSpeed ZeRO step times on CPU: a peer reference for ``benchmarks.step_time.bench_speed``.
 
 DeepSpeed is never a dependency of lzero. This script runs only in a separate environment that has DeepSpeed,
 transformers and a CPU build of torch, and it imports neither lzero nor lightning:
 
-    DS_ACCELERATOR=cpu /work/peers/deepspeed/bin/python benchmarks/peer_deepspeed_step.py \\
-        --model wide|deep --stages 1,2,3 --warmup 2 --steps 5
+    DS_ACCELERATOR=cpu /work/peers/deepspeed/bin/python -m benchmarks.peers.peer_deepspeed_step \\
+        --model wide|deep --stages 1,2,3 --warmup 2 --steps 5      # from the repository root
 
 Two processes (``torch.multiprocessing.spawn``, gloo, one thread each) train a randomly initialised
 ``transformers.GPT2LMHeadModel`` (seed 0, dropout 0) in fp32 with ``deepspeed.initialize`` and a
@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
+
+from benchmarks.common import require  # the standard library only: no lzero in this environment
 
 WORLD = 2
 
@@ -153,6 +155,7 @@ def main() -> None:
     stages = [int(s) for s in args.stages.split(",") if s.strip()]
     if any(s not in (1, 2, 3) for s in stages):
         parser.error("stages must be among 1, 2, 3")
+    require("deepspeed", "run this with the python of an environment that has DeepSpeed and transformers")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -8,8 +8,8 @@ processes with one thread each, gloo:
 
 Rows: ``ddp``, ``zero1``-``zero3`` and the offload presets through Lightning (``Trainer(strategy=name)``), ``fsdp2``
 (torch's ``fully_shard`` per block then on the whole model, through Lightning's ``ModelParallelStrategy``), and,
-with ``--deepspeed-python``, DeepSpeed ZeRO-1/2/3 run by ``peer_deepspeed_step.py`` in its own environment (plain
-DeepSpeed engine loop: Lightning's DeepSpeed strategy refuses the CPU accelerator).
+with ``--deepspeed-python``, DeepSpeed ZeRO-1/2/3 run by ``benchmarks.peers.peer_deepspeed_step`` in its own
+environment (plain DeepSpeed engine loop: Lightning's DeepSpeed strategy refuses the CPU accelerator).
 
 For each lzero row the table also counts, on rank 0 over the timed steps:
 - optimizer calls per step: ``step()`` calls of optimizers other than lzero's outer ``ZeroOptimizer`` (a global
@@ -18,11 +18,11 @@ For each lzero row the table also counts, on rank 0 over the timed steps:
 - bytes that rank 0 put into collectives per step (the input of each reduce-scatter, all-gather, all-reduce and
   broadcast through ``lzero.engine.collectives``).
 
-    python benchmarks/bench_speed.py                       # every model and strategy, writes results_speed.md
-    python benchmarks/bench_speed.py --models deep --strategies ddp,zero3 --out none
-    python benchmarks/bench_speed.py --deepspeed-python /work/peers/deepspeed/bin/python
+    python -m benchmarks.step_time.bench_speed   # every model and strategy: results/step_time/speed.<machine>.<date>.md
+    python -m benchmarks.step_time.bench_speed --models deep --strategies ddp,zero3 --out none
+    python -m benchmarks.step_time.bench_speed --deepspeed-python /work/peers/deepspeed/bin/python
 
-Lightning launches rank 1 by re-running this script with the same arguments; both ranks walk the same list.
+Lightning launches rank 1 by re-running this module with the same arguments; both ranks walk the same list.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Optional
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -47,8 +47,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer, seed_everythin
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader, Dataset
 
-sys.path.insert(0, str(Path(__file__).parent))
-from bench_step_time import gather_floats, lzero_revision, peak_rss_mb, reset_peak_rss  # noqa: E402
+from benchmarks.common import (gather_floats, module_command, module_env, out_path, peak_rss_mb, reset_peak_rss,
+                               run_header, write_report)
 
 MODELS = {
     "wide": dict(config=dict(n_layer=8, n_embd=512, n_head=8, vocab_size=8000, n_positions=128), seq=128, batch=4),
@@ -63,7 +63,6 @@ ALIASES = {  # rows that are a preset with overrides (``preset:key=value;key=val
 }
 DEFAULT_STRATEGIES = "ddp,zero1,zero2,zero3,zero3+runs,zero3+ds_defaults,zero2_offload,zero3_offload,fsdp2"
 WORLD_SIZE = int(os.environ.get("BENCH_WORLD_SIZE", "2"))  # --world-size sets it (rank 1.. inherit it)
-DEFAULT_OUT = Path(__file__).with_name("results_speed.md")
 
 
 def gpt2(config: dict):
@@ -309,11 +308,11 @@ def with_overrides(name: str):
 def deepspeed_rows(args: argparse.Namespace) -> list[Row]:
     rows = []
     for model in args.models:
-        cmd = [args.deepspeed_python, str(Path(__file__).with_name("peer_deepspeed_step.py")), "--model", model,
-               "--stages", "1,2,3", "--warmup", str(args.warmup), "--steps", str(args.steps)]
-        env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-        env.pop("PYTHONPATH", None)
-        done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        cmd = module_command("benchmarks.peers.peer_deepspeed_step", "--model", model, "--stages", "1,2,3",
+                             "--warmup", args.warmup, "--steps", args.steps, python=args.deepspeed_python)
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # none of this environment's packages
+        done = subprocess.run(cmd, capture_output=True, text=True,
+                              env=module_env(env, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1"))
         found = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
         if done.returncode != 0 or not found:
             print(done.stdout[-2000:], done.stderr[-4000:], file=sys.stderr)
@@ -386,13 +385,17 @@ def parse_args() -> argparse.Namespace:
                         help="python of an environment with DeepSpeed (never a dependency of lzero)")
     parser.add_argument("--profile", action="store_true", help="print a cProfile of rank 0's timed steps per row")
     parser.add_argument("--world-size", type=int, default=None, help="processes (default 2)")
-    parser.add_argument("--json", default=None, help="also write the rows as JSON here (scale_model.py reads it)")
+    parser.add_argument("--json", default=None,
+                        help="also write the rows as JSON here (benchmarks.cluster.scale_model reads it)")
     parser.add_argument("--readme", default="none", help="README whose bench markers get the summary table")
-    parser.add_argument("--out", default=str(DEFAULT_OUT), help="markdown file to write, or 'none'")
+    parser.add_argument("--out", default=None, help="markdown file to write, a result name, or 'none' (default:"
+                        " results/step_time/speed.<machine>.<date>.md)")
     args = parser.parse_args()
     if args.world_size is not None and str(args.world_size) != os.environ.get("BENCH_WORLD_SIZE"):
-        os.environ["BENCH_WORLD_SIZE"] = str(args.world_size)  # Lightning's launcher re-runs this script
-        os.execv(sys.executable, [sys.executable, *sys.argv])
+        os.environ["BENCH_WORLD_SIZE"] = str(args.world_size)  # Lightning's launcher re-runs this module
+        command = module_command(__spec__.name, *sys.argv[1:])
+        os.execv(command[0], command)
+    args.out = out_path(args.out, "step_time", "speed")
     args.models = [m for m in args.models.split(",") if m]
     args.strategies = [s for s in args.strategies.split(",") if s]
     return args
@@ -415,12 +418,12 @@ def main() -> None:
             rows.sort(key=lambda r: args.models.index(r.model))
     rows = merge_passes(passes)
     versions = {r.counts.get("version") for r in rows if r.strategy.startswith("deepspeed")} - {None}
-    header = (f"Hugging Face GPT-2, fp32, AdamW, {WORLD_SIZE} CPU processes x 1 thread, gloo; {args.warmup} warmup +"
+    header = (f"{run_header('transformers')}\n\n"
+              f"Hugging Face GPT-2, fp32, AdamW, {WORLD_SIZE} CPU processes x 1 thread, gloo; {args.warmup} warmup +"
               f" {args.steps} timed steps (rank 0) per row, {args.repeat} interleaved pass(es): s/step is the median of"
-              " the passes' means, the ratio the median of each pass's ratio to that pass's DDP (range in brackets);"
-              f" {lzero_revision()}, torch {torch.__version__}"
-              + (f", DeepSpeed {', '.join(sorted(versions))} (own environment, no Lightning)" if versions else "")
-              + f", {os.cpu_count()} CPUs. wide: 8 x 512, seq 128, batch 4; deep: 24 x 64, seq 32, batch 2.")
+              " the passes' means, the ratio the median of each pass's ratio to that pass's DDP (range in brackets)"
+              + (f"; DeepSpeed {', '.join(sorted(versions))} (own environment, no Lightning)" if versions else "")
+              + ". wide: 8 x 512, seq 128, batch 4; deep: 24 x 64, seq 32, batch 2.")
     if args.readme != "none":
         write_readme_table(rows, Path(args.readme))
     if args.json:
@@ -428,9 +431,8 @@ def main() -> None:
                                                     times=r.times, counts=r.counts) for r in rows], indent=1))
     table = format_table(rows, header)
     print(table)
-    if args.out != "none":
-        Path(args.out).write_text(table)
-        print(f"wrote {args.out}")
+    if args.out is not None:
+        write_report(args.out, table)
 
 
 if __name__ == "__main__":

@@ -5,15 +5,16 @@ thread each, once per strategy, and reports rank 0's wall time per step, measure
 ``on_train_batch_start`` to ``on_train_batch_end`` (forward, backward, communication and
 optimizer step; no extra barriers). The first ``--warmup`` steps are not timed.
 
-    python benchmarks/bench_step_time.py --strategies ddp,zero1,zero2,zero3,fsdp2
-    python benchmarks/bench_step_time.py --strategies ddp --small   # seconds-long smoke test
+    python -m benchmarks.step_time.bench_step_time --strategies ddp,zero1,zero2,zero3,fsdp2
+    python -m benchmarks.step_time.bench_step_time --strategies ddp --small   # seconds-long smoke test
+    python -m benchmarks.step_time.bench_step_time --strategies zero2,zero2+monitor --out monitor_overhead
 
 Strategy names are Lightning registry names (``ddp``; ``zero1``/``zero2``/``zero3`` come
 from lzero), except ``fsdp2``: torch's ``fully_shard`` applied per transformer block and
 then to the whole GPT, through Lightning's ``ModelParallelStrategy`` (data-parallel size 2,
-tensor-parallel size 1), see :class:`FSDP2DemoGPT`.
+tensor-parallel size 1), see ``benchmarks.common.fsdp2_demo_gpt``.
 
-Lightning launches rank 1 by re-running this script with the same arguments, so both
+Lightning launches rank 1 by re-running this module with the same arguments, so both
 ranks walk the strategy list in the same order and each ``Trainer.fit`` pairs up.
 """
 
@@ -26,21 +27,17 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
-import ctypes
-import gc
 import statistics
-import subprocess
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-import lightning
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Callback, Trainer, seed_everything
-from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
+from lightning.pytorch import Callback, seed_everything
 from typing_extensions import override
 
+from benchmarks.common import (WORLD_SIZE, bench_trainer, fsdp2_demo_gpt, gather_floats, make_strategy, out_path,
+                               peak_rss_mb, reset_peak_rss, run_header, write_report)
 from lzero.demo import DemoGPT, TextDataModule
 
 # GPT-2 small's width, 14 layers (~100M parameters), byte vocabulary; "small" is for smoke tests only.
@@ -48,40 +45,6 @@ MODEL_SHAPES = {
     "full": dict(n_layer=14, n_head=12, n_embd=768, block_size=128),
     "small": dict(n_layer=2, n_head=2, n_embd=64, block_size=32),
 }
-WORLD_SIZE = 2
-DEFAULT_OUT = Path(__file__).with_name("results_step_time.md")
-
-
-class FSDP2DemoGPT(DemoGPT):
-    """DemoGPT sharded with FSDP2 in ``configure_model``, as ModelParallelStrategy requires.
-
-    Like torchtitan: every transformer block is its own ``fully_shard`` group, then the
-    GPT itself takes the rest (embeddings, the tied head weight, final LayerNorm). The last
-    block keeps its parameters gathered after forward, because backward needs them first.
-    DemoGPT's ``configure_optimizers`` runs after this hook, so AdamW gets the DTensor shards.
-    """
-
-    @override
-    def configure_model(self) -> None:
-        from torch.distributed.fsdp import FSDPModule, fully_shard
-
-        if isinstance(self.model, FSDPModule):  # Lightning calls this hook again on a later fit/test
-            return
-        mesh = self.device_mesh["data_parallel"]
-        blocks = self.model.blocks
-        for i, block in enumerate(blocks):
-            fully_shard(block, mesh=mesh, reshard_after_forward=i < len(blocks) - 1)
-        fully_shard(self.model, mesh=mesh)
-
-
-def make_strategy(name: str) -> str | Strategy:
-    """What to pass as ``Trainer(strategy=...)`` for a benchmark strategy name."""
-    if name == "fsdp2":
-        # "auto" would make the tensor-parallel dimension span the node's 2 processes;
-        # here both processes are data-parallel (pure FSDP2). Nothing in the strategy
-        # is tied to CUDA: on the CPU accelerator it uses gloo and a "cpu" device mesh.
-        return ModelParallelStrategy(data_parallel_size=WORLD_SIZE, tensor_parallel_size=1)
-    return name
 
 
 class StepTimer(Callback):
@@ -112,59 +75,10 @@ class Result:
     """Peak resident memory of each rank during this strategy's run, indexed by rank."""
 
 
-def reset_peak_rss() -> bool:
-    """Restart the kernel's per-process RSS high-water mark; False where unsupported.
-
-    Memory an earlier strategy freed is first handed back to the OS (glibc keeps freed
-    heap pages otherwise), so the new mark starts near this run's own footprint.
-    """
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to trim, the mark may include retained memory
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def peak_rss_mb() -> float:
-    """VmHWM from /proc, or ru_maxrss (a high-water mark over the whole process) elsewhere."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024  # kB -> MB
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
-
-
-def gather_floats(value: float) -> list[float]:
-    """``value`` from every rank, in rank order (the process group outlives Trainer.fit)."""
-    if not dist.is_initialized():
-        return [value]
-    values: list[float] = [0.0] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return values
-
-
-def bench_trainer(strategy: Strategy | str, steps: int, callback: Callback | list[Callback],
-                  accelerator: str = "cpu") -> Trainer:
-    """A fp32 Trainer on WORLD_SIZE processes that only trains (no validation, checkpoints, logs or bars)."""
-    callbacks = callback if isinstance(callback, list) else [callback]
-    return Trainer(accelerator=accelerator, devices=WORLD_SIZE, strategy=strategy, precision="32-true",
-                   max_steps=steps, limit_val_batches=0, num_sanity_val_steps=0, callbacks=callbacks,
-                   enable_checkpointing=False, logger=False, enable_progress_bar=False, enable_model_summary=False)
-
-
 def run_one(strategy: str, args: argparse.Namespace) -> Result:
     shape = MODEL_SHAPES["small" if args.small else "full"]
     seed_everything(0, verbose=False)
-    model_class = FSDP2DemoGPT if strategy == "fsdp2" else DemoGPT
+    model_class = fsdp2_demo_gpt() if strategy == "fsdp2" else DemoGPT
     model = model_class(vocab_size=256, **shape)
     data = TextDataModule(
         block_size=shape["block_size"], batch_size=args.batch_size, steps_per_epoch=args.warmup + args.steps
@@ -187,25 +101,6 @@ def run_one(strategy: str, args: argparse.Namespace) -> Result:
         print(f"{name}: the memory monitor took {statistics.mean(costs) * 1e3:.1f} ms per step on rank 0", flush=True)
     del trainer, model, data
     return result
-
-
-def lzero_revision() -> str:
-    """Which lzero was imported: its git commit, marked when lzero/ has uncommitted changes."""
-    import lzero
-
-    package = Path(lzero.__file__).resolve().parent
-
-    def git(*cmd: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["git", "-C", str(package), *cmd], capture_output=True, text=True)
-
-    try:
-        head = git("rev-parse", "--short", "HEAD")
-        if head.returncode != 0:
-            return "lzero (not in a git checkout)"
-        dirty = git("status", "--porcelain", "--", ".").stdout.strip()
-    except OSError:
-        return "lzero (git unavailable)"
-    return f"lzero {head.stdout.strip()}" + (" + uncommitted changes" if dirty else "")
 
 
 def format_table(results: list[Result], header: str, rss_resettable: bool) -> str:
@@ -247,12 +142,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--small", action="store_true", help="tiny model for a quick smoke test")
-    parser.add_argument(
-        "--out", type=Path, default=None, help=f"markdown output (default: {DEFAULT_OUT.name}, none with --small)"
-    )
+    parser.add_argument("--out", default=None, help="markdown output: a path, a result name (monitor_overhead), or"
+                        " none (default: results/step_time/step_time.<machine>.<date>.md; none with --small)")
     args = parser.parse_args()
-    if args.out is None and not args.small:
-        args.out = DEFAULT_OUT
+    args.out = out_path("none" if args.out is None and args.small else args.out, "step_time", "step_time")
     return args
 
 
@@ -269,15 +162,13 @@ def main() -> None:
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     header = (
-        f"DemoGPT {n_params:,} parameters ({shape}), fp32, {WORLD_SIZE} CPU processes x 1 thread,"
-        f" batch {args.batch_size}/process, {args.warmup} warmup + {args.steps} timed steps;"
-        f" {lzero_revision()}, torch {torch.__version__}, lightning {lightning.__version__}, {os.cpu_count()} CPUs."
+        f"{run_header()}\n\nDemoGPT {n_params:,} parameters ({shape}), fp32, {WORLD_SIZE} CPU processes x 1 thread,"
+        f" batch {args.batch_size}/process, {args.warmup} warmup + {args.steps} timed steps."
     )
     table = format_table(results, header, rss_resettable)
     print(table)
     if args.out is not None:
-        args.out.write_text(table)
-        print(f"wrote {args.out}")
+        write_report(args.out, table)
 
 
 if __name__ == "__main__":

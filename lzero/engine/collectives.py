@@ -144,7 +144,7 @@ too: they stand where the collectives would be."""
 # gloo's reduce-scatter is slower than its all-reduce, and its all-gather slows down with the ranks. On gloo with CPU
 # tensors both are therefore point to point: each rank sends every peer that peer's slice (or its own shard) and
 # receives one slice from every peer, all posted at once, so a rank sends (N-1)/N of the buffer where an all-reduce
-# sends 2(N-1)/N. On this 2-CPU machine (benchmarks/results_collectives.md), 20 MB over 2 ranks: reduce-scatter 8 ms
+# sends 2(N-1)/N. On this 2-CPU machine (benchmarks/README.md, collectives), 20 MB over 2 ranks: reduce-scatter 8 ms
 # against gloo's 24 ms (its all-reduce 17 ms), all-gather 7 ms against 15 ms; over 4 ranks: 21 ms against 52 ms (all-
 # reduce 30 ms) and 19 ms against 82 ms. At 200 MB over 4 ranks the reduce-scatter is 318 ms against the all-reduce's
 # 291 ms (its scratch for 3 received slices), the all-gather 156 ms against 363 ms. The received slices are summed

@@ -605,7 +605,7 @@ class ZeroEngine:
 
         Checked on the sum of the gradients, as DeepSpeed does: an inf or NaN anywhere makes the sum
         inf or NaN, and one summing pass costs a small fraction of an elementwise ``isfinite`` (see
-        benchmarks/results_step_time.md). Finite gradients large enough for their sum
+        benchmarks/README.md, step time). Finite gradients large enough for their sum
         to overflow fp32 are reported too, which only skips a step that was about to explode."""
         self.prepare_step(units)
         total = self._sum_over(units, "sum")

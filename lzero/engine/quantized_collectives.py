@@ -32,7 +32,7 @@ from torch import Tensor
 
 from lzero.engine import collectives
 
-BLOCK = 64  # elements per scale: 4 scale bytes per 64 codes (benchmarks/results/quantized.md: 256 lost 1.7% at int4)
+BLOCK = 64  # elements per scale: 4 scale bytes per 64 codes (benchmarks, collectives: 256 lost 1.7% at int4)
 LEVELS = {8: 127, 4: 7}  # the largest code of each width (symmetric: -L..L)
 
 

@@ -10,7 +10,7 @@ header validated whole, a file cut short refused): ``readinto`` straight into th
 the dtypes agree, so every byte is touched once. The safetensors library's ``safe_open(...).get_slice``
 maps the file instead: its reads are rounded to whole rows, the mapped pages count in the process's
 resident memory while the file is open, and each byte costs a page fault on the mapping before the copy.
-On a 355M-parameter GPT-2 at world size 2 (benchmarks/results_pretrained_load.md), a rank's load took 7.6 s
+On a 355M-parameter GPT-2 at world size 2 (benchmarks/README.md, loading), a rank's load took 7.6 s
 with 1,350 MB of peak memory growth through ``get_slice`` (with a copy of the shard on the way), and 2.0-5.2 s
 with 736 MB (its 710 MB shard) through ``readinto``.
 
