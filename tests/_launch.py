@@ -102,8 +102,9 @@ def _forked(ctx, path: str, args: list[str], envs: list[dict], timeout: float
 
 def _run_as_main(path: str, args: list[str], environ: dict, out: str, err: str) -> None:
     """In the forked rank: what ``python PATH ARGS`` with ``environ`` would run, its stdout and stderr into the
-    files ``out`` and ``err``. An exception or ``sys.exit`` ends the process as it would end the interpreter
-    (multiprocessing prints the traceback and sets the exit code)."""
+    files ``out`` and ``err``. An exception or ``sys.exit`` ends the process as it would end the interpreter: an
+    uncaught exception printed by ``sys.excepthook`` (which lzero may have replaced: [Note: the misuse named on every
+    rank] in lzero/engine/unit_order.py), exit code 1."""
     os.environ.clear()
     os.environ.update(environ)
     for fd, name in ((1, out), (2, err)):
@@ -112,4 +113,8 @@ def _run_as_main(path: str, args: list[str], environ: dict, out: str, err: str) 
         os.close(target)
     sys.argv = [path, *args]
     sys.path.insert(0, os.path.dirname(path))
-    runpy.run_path(path, run_name="__main__")
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except Exception:
+        sys.excepthook(*sys.exc_info())
+        sys.exit(1)

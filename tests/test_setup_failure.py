@@ -12,7 +12,8 @@ import pytest
 
 from _launch import run_ranks
 
-ERROR_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception)): ?(.*)$")
+ERROR_LINE = re.compile(r"^(?:\[rank\d+\]: )?(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception)): ?(.*)$")
+"""A traceback's last line, as torch.distributed's excepthook prints it (``[rank1]: ``) or not."""
 
 EXPECTED = {
     "partition": ("RuntimeError", "injected at partition"),

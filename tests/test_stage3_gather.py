@@ -1,13 +1,17 @@
 """Stage 3's block lifecycle (lzero/engine/gather.py, [Note: stage-3 parameter lifecycle]) on gloo ranks: the
 state of every block seen from inside forward and backward, ``gathered_parameters``, and a unit run on
-only some ranks."""
+only some ranks (a sample generated on one rank: the error named on every rank)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+import _launch
 from _dist import run_ranks
 import _engine_cases as cases
+from test_setup_failure import last_error
 
 BLOCKS = ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
 
@@ -110,3 +114,24 @@ def test_a_unit_skipped_after_the_order_is_recorded_is_named_on_every_rank() -> 
         print(f"rank {rank}: {res}")
         assert res.startswith("step 3: Ranks disagree on the next unit to gather"), res
         assert "'spare'" in res and "'hidden.1.0'" in res
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from _pretrained_models import save_models
+
+    return save_models(tmp_path_factory.mktemp("generate_misuse"), ["gpt2"])["gpt2"]
+
+
+@pytest.mark.parametrize(("door", "alone"), [("trainer", 0), ("trainer", 1), ("fabric", 0)])
+def test_generate_on_one_rank_is_named_on_every_rank(gpt2: Path, door: str, alone: int) -> None:
+    """``model.generate`` on one rank alone under zero3 (tests/scripts/generate_misuse.py, the check's timeout 3 s):
+    the rank that times out raises the UnitOrderError naming ``strategy.generation()``; the one generating fails in
+    transformers' all-reduce once its peer is gone, and prints the same error, raised from that failure ([Note: the
+    misuse named on every rank]). Before, its last line was gloo's "Connection closed by peer"."""
+    codes, outputs = _launch.run_ranks("generate_misuse.py", str(gpt2), door, str(alone), ranks=2, timeout=180)
+    for rank, (code, (_, stderr)) in enumerate(zip(codes, outputs)):
+        name, message = last_error(stderr)
+        print(f"{door}, rank {alone} alone: rank {rank} exited {code}, last error {name}: {message[:100]}...")
+        assert code != 0
+        assert name == "UnitOrderError" and "`strategy.generation()`" in message, stderr[-3000:]
