@@ -601,12 +601,12 @@ ZeroConfig.__init__ = _checked_init(ZeroConfig.__init__)  # type: ignore[method-
 def _check_stage(stage: Any) -> None:
     if isinstance(stage, bool) or stage not in (0, 1, 2, 3):
         raise ZeroConfigError(
-            f"Unknown ZeRO stage {stage!r}. HINT: use stage 1 (optimizer state), 2 (+ gradients)"
+            f"`stage={stage!r}` is not a ZeRO stage. HINT: use stage 1 (optimizer state), 2 (+ gradients)"
             " or 3 (+ parameters); for plain data parallel use `strategy='ddp'`."
         )
     if stage not in BUILT_STAGES:
         raise ZeroConfigError(
-            f"ZeRO stage {stage} is not part of lzero (stages: {BUILT_STAGES})."
+            f"`stage={stage}`: ZeRO stage {stage} is not part of lzero (stages: {BUILT_STAGES})."
             " HINT: stage 0 is plain data parallel: use `strategy='ddp'`."
         )
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -12,7 +14,7 @@ from lzero.optimizer import check_optimizer
 
 @pytest.mark.parametrize("stage", [5, -1, "two", True])
 def test_unknown_stage(stage) -> None:
-    with pytest.raises(ZeroConfigError, match=f"Unknown ZeRO stage {stage!r}.*HINT"):
+    with pytest.raises(ZeroConfigError, match=re.escape(f"`stage={stage!r}` is not a ZeRO stage") + ".*HINT"):
         ZeroConfig(stage=stage)
 
 

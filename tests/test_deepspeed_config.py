@@ -157,7 +157,8 @@ def test_zero_plus_plus_keys_are_read_as_hpz_and_the_quantized_collectives() -> 
     with pytest.raises(DeepSpeedConfigError, match=r"`zero_optimization.zero_quantized_nontrainable_weights=True`: not"
                                                    r" built in lzero"):
         translate({"zero_optimization": {"stage": 3, "zero_quantized_nontrainable_weights": True}})
-    with pytest.raises(ZeroConfigError, match=r"`quantized_weights=True` at stage 2"):
+    with pytest.raises(ZeroConfigError, match=r"`zero_optimization.zero_quantized_weights=True` \(lzero's"
+                                              r" `quantized_weights`\) at stage 2"):
         translate({"zero_optimization": {"stage": 2, "zero_quantized_weights": True}})
 
 
@@ -171,7 +172,7 @@ def test_unknown_key_under_zero_optimization_names_it_and_a_suggestion() -> None
 
 
 def test_contradictions_and_unbuilt_blocks_are_refused_by_name() -> None:
-    with pytest.raises(ZeroConfigError, match=r"`offload_param=\{'device': 'cpu'\}` at stage 2"):
+    with pytest.raises(ZeroConfigError, match=r"`zero_optimization.offload_param=\{'device': 'cpu'\}` at stage 2"):
         translate({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
     with pytest.raises(ZeroConfigError, match=r"`scheduler.type='LRRangeTest'` is not built in lzero"):
         translate({"zero_optimization": {"stage": 2}, "scheduler": {"type": "LRRangeTest", "params": {}}})
@@ -215,6 +216,83 @@ def test_mics_shard_size_is_hybrid_sharding() -> None:
     assert out.options == {"stage": 3, "shard_group_size": 8}
     with pytest.raises(DeepSpeedConfigError, match="without `mics_shard_size`"):
         translate({"zero_optimization": {"stage": 3, "mics_hierarchical_params_gather": True}})
+
+
+BAD_VALUES = [  # (configuration, the key as written with its value, lzero's name where it differs)
+    ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": -2}}, "zero_optimization.zero_hpz_partition_size=-2",
+     "hpz_partition_size"),
+    ({"zero_optimization": {"stage": 9}}, "zero_optimization.stage=9", None),
+    ({"zero_optimization": {"stage": 3, "stage3_max_live_parameters": -5}},
+     "zero_optimization.stage3_max_live_parameters=-5", "max_live_parameters"),
+    ({"zero_optimization": {"stage": 3, "reduce_bucket_size": 0}}, "zero_optimization.reduce_bucket_size=0", None),
+    ({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 3}}},
+     "zero_optimization.offload_optimizer.ratio=3", None),
+    ({"zero_optimization": {"stage": 3, "cpu_offload": True, "offload_param": {"device": "nvme", "nvme_path": "/a"},
+                            "sub_group_size": 1e6}, "aio": {"block_size": 1000}}, "aio.block_size=1000", None),
+    ({"zero_optimization": {"stage": 3, "zero_quantized_gradients": 3}}, "zero_optimization.zero_quantized_gradients=3",
+     "quantized_gradients"),
+    ({"zero_optimization": {"stage": 3, "mics_shard_size": 2, "zero_hpz_partition_size": 2}},
+     "zero_optimization.mics_shard_size=2", "shard_group_size"),
+    ({"zero_optimization": {"stage": 2}, "zero_allow_untested_optimizer": "yes"}, "zero_allow_untested_optimizer",
+     "allow_untested_optimizer"),
+]
+
+
+@pytest.mark.parametrize(("config", "written", "lzero_name"), BAD_VALUES, ids=[w.split("=")[0] for _, w, _ in BAD_VALUES])
+def test_a_bad_value_is_named_by_the_deepspeed_key_it_was_written_as(config: dict, written: str,
+                                                                      lzero_name: str) -> None:
+    """lzero's own checks of a translated value name the key the user wrote ([Note: errors name the key as
+    written]), lzero's field in parentheses where its name differs; before, only lzero's field."""
+    from lzero import ZeroStrategy
+
+    for build in (translate, lambda c: ZeroStrategy(config=c)):
+        with pytest.raises(DeepSpeedConfigError) as err:
+            build(config)
+        print(err.value)
+        assert f"`{written}" in str(err.value)
+        if lzero_name is not None:
+            assert f"(lzero's `{lzero_name}`)" in str(err.value)
+
+
+def test_an_argument_beside_the_json_keeps_lzeros_name() -> None:
+    """``ZeroStrategy(config=ds, stage=2)``: the stage is the constructor's, so lzero's name; hpZ is the file's."""
+    from lzero import ZeroStrategy
+
+    with pytest.raises(DeepSpeedConfigError, match=r"^`zero_optimization.zero_hpz_partition_size=2` \(lzero's"
+                                                   r" `hpz_partition_size`\) at stage 2: .* HINT: use `stage=3`."):
+        ZeroStrategy(config={"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, stage=2)
+
+
+@pytest.mark.parametrize("door", ["trainer", "fabric"])
+def test_a_value_checked_against_the_world_size_at_setup_names_the_deepspeed_key(tmp_path: Path, in_process_fit,
+                                                                                 door: str) -> None:
+    """hpZ's partition must divide the world size, known at setup: at world size 1, ``zero_hpz_partition_size: 8``
+    from a JSON is refused by that key at both doors (a ZeroConfig's own field keeps lzero's name:
+    tests/test_setup_failure.py)."""
+    from lzero import ZeroFabricStrategy, ZeroStrategy
+    from lzero.demo import DemoGPT, TextDataModule
+
+    config = {"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 8}}
+    says = (r"^`zero_optimization.zero_hpz_partition_size=8` \(lzero's `hpz_partition_size`\) does not divide the world"
+            r" size 1")
+    with pytest.raises(DeepSpeedConfigError, match=says):
+        if door == "trainer":
+            from lightning.pytorch import Trainer
+
+            trainer = Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(config=config), max_steps=1,
+                              logger=False, enable_progress_bar=False, enable_model_summary=False,
+                              enable_checkpointing=False, limit_val_batches=0, default_root_dir=tmp_path)
+            trainer.fit(DemoGPT(vocab_size=256, block_size=8, n_layer=1, n_head=2, n_embd=16),
+                        datamodule=TextDataModule(block_size=8, batch_size=2, steps_per_epoch=4))
+        else:
+            import lightning as L
+
+            from lzero.demo.model import GPT, GPTConfig
+
+            fabric = L.Fabric(accelerator="cpu", devices=1, strategy=ZeroFabricStrategy(config=config))
+            fabric.launch()
+            module = fabric.setup(GPT(GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16)))
+            module(torch.zeros(1, 4, dtype=torch.long))  # the engine starts at the model's first use
 
 
 def test_strategy_checks_the_config_against_the_trainer_at_setup(tmp_path: Path, in_process_fit) -> None:

@@ -14,15 +14,25 @@ Each key of the configuration has one fate, and :func:`translate` records it:
   ``LRRangeTest`` scheduler), a value lzero cannot honour, or a contradiction. All refusals of one
   configuration are raised together in one :class:`DeepSpeedConfigError`.
 The keys and their fates: deepspeed_keys.py.
+
+[Note: errors name the key as written]
+lzero's checks of a value (``ZeroConfig``'s, and those at setup that need the world size: an hpZ partition or a
+shard group that must divide it) name lzero's field. A value that came from a DeepSpeed configuration is named as
+the user wrote it: the translation records each option's key (``Translated.origins``), and ``as_written`` rewrites
+an error raised for it, ``zero_optimization.zero_hpz_partition_size=8`` where lzero says ``hpz_partition_size=8``
+(lzero's name follows in parentheses). It wraps the translation's own check, the strategy's resolution of its
+arguments (the options a constructor argument overrode are lzero's again) and the engine's start at both doors.
 """
 
 from __future__ import annotations
 
 import difflib
 import json
+import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 from lzero.auto_sizes import FORMULAS
 from lzero.config import BY_HIDDEN_SIZE, ZeroConfig, ZeroConfigError
@@ -70,6 +80,10 @@ class Translated:
 
     options: dict[str, Any] = field(default_factory=dict)
     """:class:`lzero.ZeroConfig` fields."""
+
+    origins: dict[str, str] = field(default_factory=dict)
+    """The key each of ``options`` was written as (``hpz_partition_size`` -> ``zero_optimization.zero_hpz_partition_size``):
+    see [Note: errors name the key as written]."""
 
     precision: Optional[str] = None
     """The strategy's precision, from the ``fp16``/``bf16`` blocks; None when neither block says."""
@@ -169,19 +183,25 @@ class _Reader:
         """ZeRO++'s hpZ, qwZ and qgZ, read as lzero's fields ([Note: hpZ], [Note: quantized collectives])."""
         hpz = block.get("zero_hpz_partition_size", 1)
         if hpz not in (1, None):
-            opts["hpz_partition_size"] = int(hpz) if isinstance(hpz, float) and hpz.is_integer() else hpz
+            self.option("hpz_partition_size", int(hpz) if isinstance(hpz, float) and hpz.is_integer() else hpz,
+                        p + "zero_hpz_partition_size")
             self.note(p + "zero_hpz_partition_size", "notice", f"-> `hpz_partition_size: {hpz}` (hpZ)")
         if block.get("zero_quantized_weights", False):
-            opts["quantized_weights"] = block["zero_quantized_weights"]
+            self.option("quantized_weights", block["zero_quantized_weights"], p + "zero_quantized_weights")
             self.note(p + "zero_quantized_weights", "notice", "-> `quantized_weights: true` (qwZ, blockwise int8)")
         if block.get("zero_quantized_gradients", False):
             value = block["zero_quantized_gradients"]
-            opts["quantized_gradients"] = 4 if value is True else value
+            self.option("quantized_gradients", 4 if value is True else value, p + "zero_quantized_gradients")
             self.note(p + "zero_quantized_gradients", "notice",
                       f"-> `quantized_gradients: {opts['quantized_gradients']}` (qgZ; DeepSpeed's is int4)")
 
     def refuse(self, message: str) -> None:
         self.errors.append(message)
+
+    def option(self, name: str, value: Any, key: str) -> None:
+        """lzero's option ``name`` is ``value``, written as DeepSpeed's ``key``."""
+        self.out.options[name] = value
+        self.out.origins[name] = key
 
     def note(self, key: str, kind: str, text: str) -> None:
         self.out.notes.append(Note(key, kind, text))
@@ -247,7 +267,7 @@ class _Reader:
         opts, p = self.out.options, "zero_optimization."
         stage = block.get("stage", 0)
         if stage != 0:
-            opts["stage"] = stage
+            self.option("stage", stage, p + "stage")
         else:
             self.refuse("`zero_optimization.stage` is 0 (DeepSpeed's default when absent): plain data parallel."
                         " HINT: set `stage` to 1, 2 or 3, or use `strategy='ddp'`.")
@@ -256,7 +276,7 @@ class _Reader:
                 self.refuse(f"`{p}{key}={block[key]!r}` at stage {stage}: it schedules stage 3's parameter gathers"
                             f" (lzero's `{name}`). HINT: remove it, or use stage 3.")
             elif block.get(key) == AUTO and name in BY_HIDDEN_SIZE:
-                opts[name] = AUTO
+                self.option(name, AUTO, p + key)
                 self.note(p + key, "filled", f"auto -> `{name}: auto`, filled from the model's hidden size h at"
                                              f" setup ({FORMULAS[name][0]}, as the Hugging Face integration fills it)")
             elif block.get(key) == AUTO:
@@ -264,15 +284,15 @@ class _Reader:
                             f" HINT: write a number, or remove it for lzero's default.")
             elif key in block:
                 value = block[key]
-                opts[name] = int(value) if isinstance(value, float) and value.is_integer() else value
+                self.option(name, int(value) if isinstance(value, float) and value.is_integer() else value, p + key)
         if block.get("overlap_comm") is not None:
-            opts["overlap_comm"] = block["overlap_comm"]
+            self.option("overlap_comm", block["overlap_comm"], p + "overlap_comm")
         mics = block.get("mics_shard_size", -1)
         if mics not in (-1, None):  # MiCS: shard within groups of this many ranks, replicate across them
             if isinstance(mics, bool) or not isinstance(mics, int) or mics < 1:
                 self.refuse(f"`{p}mics_shard_size={mics!r}` must be a number of ranks >= 1 (or -1: off).")
             else:
-                opts["shard_group_size"] = mics
+                self.option("shard_group_size", mics, p + "mics_shard_size")
                 self.note(p + "mics_shard_size", "notice", f"-> `shard_group_size: {mics}` (hybrid sharding)")
         hierarchical = block.get("mics_hierarchical_params_gather", False)
         if hierarchical and mics in (-1, None):
@@ -304,7 +324,7 @@ class _Reader:
         self.offload(block)
 
     def offload(self, block: dict) -> None:
-        opts, p = self.out.options, "zero_optimization."
+        p = "zero_optimization."
         pin = block.get("cpu_offload_use_pin_memory")
         for old, new in (("cpu_offload", "offload_optimizer"), ("cpu_offload_params", "offload_param")):
             if old not in block:
@@ -316,7 +336,7 @@ class _Reader:
             self.note(p + old, "renamed", f"{json.dumps(block[old])} -> `{new}: {{device: "
                                           f"{'cpu' if block[old] else 'none'}}}`")
             if block[old]:
-                opts[new] = {"device": "cpu", **({"pin_memory": pin} if pin is not None else {})}
+                self.option(new, {"device": "cpu", **({"pin_memory": pin} if pin is not None else {})}, p + old)
         if pin is not None:
             self.note(p + "cpu_offload_use_pin_memory", "renamed", f"-> `pin_memory: {json.dumps(pin)}` in the"
                                                                    " offload blocks made from `cpu_offload*`")
@@ -326,9 +346,9 @@ class _Reader:
                 if "fast_init" in sub:
                     self.note(f"{p}{key}.fast_init", "notice", f"{json.dumps(sub.pop('fast_init'))} accepted: lzero"
                               " creates swap files as it writes them")
-                opts[key] = sub
+                self.option(key, sub, p + key)
             elif key in block and block[key] is not None:
-                opts[key] = block[key]
+                self.option(key, block[key], p + key)
 
     # --- precision, batch, the rest ------------------------------------------------------------------------------
 
@@ -397,7 +417,7 @@ class _Reader:
             given.append(value)
         self.out.batch = resolve_batch(BatchTriple(*given), world, micro, acc)
         if self.out.batch.train_batch_size is not None:
-            self.out.options["train_batch_size"] = self.out.batch.train_batch_size
+            self.option("train_batch_size", self.out.batch.train_batch_size, "train_batch_size")
 
     def misc(self) -> None:
         clip = self.ds.get("gradient_clipping")
@@ -408,31 +428,54 @@ class _Reader:
                 raise ZeroConfigError(f"`gradient_clipping={clip!r}` must be a number >= 0 (0: off).")
             self.out.gradient_clip_val = float(clip) if clip > 0 else None
         if "zero_allow_untested_optimizer" in self.ds:
-            self.out.options["allow_untested_optimizer"] = self.ds["zero_allow_untested_optimizer"]
+            self.option("allow_untested_optimizer", self.ds["zero_allow_untested_optimizer"],
+                        "zero_allow_untested_optimizer")
         if "zero_force_ds_cpu_optimizer" in self.ds:
             self.note("zero_force_ds_cpu_optimizer", "notice", f"{json.dumps(self.ds['zero_force_ds_cpu_optimizer'])}"
                       " accepted: with offload lzero steps the torch optimizer you return, on the host")
         if "aio" in self.ds:
-            self.out.options["aio"] = self.ds["aio"]
+            self.option("aio", self.ds["aio"], "aio")
             if isinstance(self.ds["aio"], dict) and "thread_count" in self.ds["aio"]:
                 self.note("aio.thread_count", "renamed", "read as `aio.intra_op_parallelism`")
         if "activation_checkpointing" in self.ds:
             from lzero.engine.activation_checkpointing import from_deepspeed
 
             self.out.cpu_checkpointing = from_deepspeed(self.ds["activation_checkpointing"])["cpu_checkpointing"]
-        try:  # every value checked by lzero's own rules, refused by name: the DeepSpeed key's, too
+        with as_written(self.out):  # every value checked by lzero's own rules, refused by the key as written
             ZeroConfig(**self.out.options)
-        except ZeroConfigError as err:
-            field = next((f for f in _DEEPSPEED_NAME if f"`{f}" in str(err)), None)
-            raise ZeroConfigError(str(err) if field is None else
-                                  f"{err} (from DeepSpeed's `{_DEEPSPEED_NAME[field]}`)") from err
 
 
-_DEEPSPEED_NAME = {  # ZeroConfig field -> the DeepSpeed key it comes from
-    **{field: f"zero_optimization.{key}" for key, field in {**ZERO_SIZES, **STAGE3_SCHEDULE}.items()},
-    **{key: f"zero_optimization.{key}" for key in ("stage", "overlap_comm", "offload_optimizer", "offload_param")},
-    "allow_untested_optimizer": "zero_allow_untested_optimizer", "aio": "aio", "train_batch_size": "train_batch_size",
-}
+@contextmanager
+def as_written(translated: Optional[Translated]) -> Iterator[None]:
+    """A :class:`ZeroConfigError` raised inside for an option ``translated`` holds names the DeepSpeed key it was
+    written as (see [Note: errors name the key as written]); ``translated`` None: nothing changes."""
+    try:
+        yield
+    except ZeroConfigError as err:
+        message = written_as(str(err), translated.origins) if translated is not None else str(err)
+        if message == str(err):
+            raise
+        raise DeepSpeedConfigError([message]).with_traceback(err.__traceback__) from None
+
+
+def written_as(message: str, origins: dict[str, str]) -> str:
+    """``message`` with each lzero option of ``origins`` it names in backticks (```name=...```, ```name.key```,
+    ```name```) named by its DeepSpeed key; the first mention of each adds lzero's name where the two differ."""
+    named: set[str] = set()
+
+    def rename(span: re.Match) -> str:
+        text = span.group(1)
+        name = next((n for n in sorted(origins, key=len, reverse=True)
+                     if text == n or text.startswith((f"{n}=", f"{n}."))), None)
+        if name is None:
+            return span.group(0)
+        key, also = origins[name], ""
+        if name not in named and key.rsplit(".", 1)[-1] != name:
+            also = f" (lzero's `{name}`)"
+        named.add(name)
+        return f"`{key}{text[len(name):]}`{also}"
+
+    return re.sub(r"`([^`]+)`", rename, message)
 
 
 def _normal(precision: str) -> str:

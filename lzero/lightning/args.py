@@ -29,6 +29,8 @@ def resolve(config: Optional[Union[ZeroConfig, dict, str]], stage: Any, allow_un
     deepspeed = deepspeed_config.blocks_only(blocks) if blocks else None
     if config is not None and not isinstance(config, ZeroConfig):  # a DeepSpeed JSON (a path or a dict)
         deepspeed = deepspeed_config.translate({**deepspeed_config.load(config), **blocks})
+        overridden = {k for k, v in [*options.items(), ("stage", stage)] if v is not None}  # lzero's names again
+        deepspeed.origins = {k: key for k, key in deepspeed.origins.items() if k not in overridden}
         options = {**deepspeed.options, **options}
         stage = stage if stage is not None else options.pop("stage", None)
         options.pop("stage", None)
@@ -37,8 +39,9 @@ def resolve(config: Optional[Union[ZeroConfig, dict, str]], stage: Any, allow_un
         loss_scaling = loss_scaling if loss_scaling is not None else (deepspeed.loss_scaling or None)
         cpu_checkpointing = cpu_checkpointing or deepspeed.cpu_checkpointing
     auto = stage == "auto"
-    resolved = optional_config(config, stage=None if auto else stage, allow_untested_optimizer=allow_untested_optimizer,
-                               **options)
+    with deepspeed_config.as_written(deepspeed):  # see [Note: errors name the key as written]
+        resolved = optional_config(config, stage=None if auto else stage,
+                                   allow_untested_optimizer=allow_untested_optimizer, **options)
     if loss_scaling is not None and precision != "16-mixed":
         raise ZeroConfigError(f"`loss_scaling` applies to precision='16-mixed' only, got precision={precision!r}."
                               " HINT: drop `loss_scaling` or use `precision='16-mixed'`.")
