@@ -49,6 +49,7 @@ from lzero.checkpoint.sharded import restore_rng, save_sharded
 from lzero.checkpoint.state_dict import (ShardedTensor, consolidate, keys_as_loaded, master_state_dict,
                                          sharded_state_dict)
 from lzero.config import ZeroConfig, ZeroConfigError
+from lzero.deepspeed import config as deepspeed_config
 from lzero.engine import activation_checkpointing as checkpointing
 from lzero.engine.engine import ZeroEngine
 from lzero.engine.loss_scale import LossScaleConfig
@@ -110,7 +111,7 @@ class ZeroFabricStrategy(DDPStrategy):
                 "The DeepSpeed configuration has an `optimizer` or `scheduler` block, which a Fabric script does not"
                 " use: it builds its own optimizer and passes it to `fabric.setup_optimizers`. HINT: drop the block"
                 " and build that optimizer in the script (`lzero convert-config` prints its class and arguments).")
-        self.config, self._auto = args.config, args.auto
+        self.config, self._auto, self._deepspeed = args.config, args.auto, args.deepspeed
         self.memory_budget_bytes, self.memory_margin = memory_budget_bytes, memory_margin
         self._explicit_precision = args.precision
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
@@ -260,9 +261,10 @@ class ZeroFabricStrategy(DDPStrategy):
         checkpointed = checkpointing.apply(module, self._checkpoint_policy, self.config)
         if checkpointed is not None:
             model.undo.callback(checkpointed.remove)
-        engine, _ = start_engine(module, optimizers, self.config, self.precision, self.root_device,
-                                 self.num_processes, self.init_fn, weights=weights, evaluating=not optimizers,
-                                 attach_to=model.zero)
+        with deepspeed_config.as_written(self._deepspeed):  # a value from a JSON checked against the world size
+            engine, _ = start_engine(module, optimizers, self.config, self.precision, self.root_device,
+                                     self.num_processes, self.init_fn, weights=weights, evaluating=not optimizers,
+                                     attach_to=model.zero)
         engine.automatic = False  # stage 1 reduces in the step, whether the script uses no_backward_sync or not
         model.engine = engine
         if self.config.stage >= 3 and self.world_size > 1:
