@@ -123,7 +123,7 @@ def test_checkpoint_has_ddp_format(runs: Path, stage: str) -> None:
 def test_zero3_configure_model_builds_on_meta_and_trains_as_ddp(runs: Path) -> None:
     """Built without memory and materialized by zero3; DDP trains an eager copy of the same initial weights (saved by
     rank 0 at the start of the zero3 run): 20 steps bitwise equal. Inside ``configure_model`` the weight reports the
-    CPU, where the model computes, over no memory (a meta storage): [Note: a fake device] in replay.py."""
+    CPU, where the model computes, over no memory (a meta storage): [Note: a fake device] in recording.py."""
     res = load(runs, "zero3_configure_model")
     assert torch.load(runs / "zero3_configure_model_device.pt")["built_on"] == ("cpu", "meta")
     assert res["global_step"] == 20

@@ -1,7 +1,7 @@
 """Where a meta model's values come from when its first use is a load (Fabric's ``model.load_state_dict``,
 ``fabric.load_raw``, ``fabric.load``): the state being loaded, read by flat range as the engine reads a pretrained
 checkpoint into shards (``WeightSource`` in lzero/engine/materialize.py); what the state does not hold comes from the
-model's replayed construction (``over_replay``, see ``LoadedOverReplay`` in lzero/engine/replay.py)."""
+model's replayed construction (``over_replay``, see ``LoadedOverReplay`` in lzero/engine/replayed_weights.py)."""
 
 from __future__ import annotations
 

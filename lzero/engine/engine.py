@@ -33,7 +33,7 @@ from lzero.config import ZeroConfig, ZeroConfigError
 from lzero.errors import ZeroEngineError
 from lzero.engine.mixed_precision import PrecisionPolicy
 from lzero.engine.flat_unit import FlatUnit, GradState, fill_from_gathered, shard_bytes
-from lzero.engine import packed_weights, parameters, replay
+from lzero.engine import packed_weights, parameters, recording, replayed_weights
 from lzero.engine.blocks import Block, GatherSchedule
 from lzero.engine.delayed_update import DelayedUpdate
 from lzero.engine.gather import Gatherer, full_graphs_around
@@ -100,7 +100,7 @@ class ZeroEngine:
                policy: Optional[PrecisionPolicy], group: Optional[dist.ProcessGroup], device: torch.device,
                init_fn: Optional[InitFn], weights: Optional[WeightSource], evaluating: bool,
                layout: Optional[Layout]) -> None:
-        settled = replay.settle(module)  # a model still holding fake tensors: [Note: a fake device] in replay.py
+        settled = recording.settle(module)  # a model still holding fake tensors: [Note: a fake device] in recording.py
         for optimizer in optimizers if settled else ():
             for group_ in optimizer.param_groups:
                 group_["params"] = [settled.get(id(p), p) for p in group_["params"]]
@@ -264,8 +264,9 @@ class ZeroEngine:
         """The model's recorded construction replayed, this rank keeping its pieces (under what ``loaded`` holds);
         None, with a warning, when the record does not cover the model (then block-wise initialization draws other
         numbers than eager); ``loaded`` alone when no record covers it and it was given."""
-        source, why = replay.replayed_weights(module, self.partition.units, self.rank, device,
-                                              lambda t: collectives.broadcast_([t], src=0, group=self.everyone), loaded)
+        source, why = replayed_weights.from_replay(module, self.partition.units, self.rank, device,
+                                                   lambda t: collectives.broadcast_([t], src=0, group=self.everyone),
+                                                   loaded)
         if source is not None:
             return source
         what = "what the files do not hold" if loaded is not None else "this meta-device model"

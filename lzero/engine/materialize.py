@@ -256,7 +256,7 @@ def shard_values(spec: UnitSpec, rank: int, params: list[nn.Parameter], device: 
     """``rank``'s shard of unit ``spec``'s values (1D, shard_numel): the pieces ``weights`` holds read straight into
     it, the others taken from the materialized ``params``; the padding is zero. See [Note: reading a pretrained
     checkpoint into shards] in hf/weights.py."""
-    built = getattr(weights, "unit_values", None)  # a source that builds whole shards (a replay: replay.py)
+    built = getattr(weights, "unit_values", None)  # a source that builds whole shards (a replay: replayed_weights.py)
     values = built(spec, rank) if built is not None else None
     index = {p.name: i for i, p in enumerate(spec.params)}
     if values is not None:  # its pieces of tensors it does not hold: from the materialized parameters

@@ -92,14 +92,13 @@ def intercept() -> Iterator[None]:
     if base is None:
         yield
         return
-    from lzero.engine import replay
+    from lzero.engine.recording import read_values_from_files
 
-    if _all_storage_loads not in replay._FILE_LOADS:  # a construction reading loaded values: [Note: a fake device]
-        replay._FILE_LOADS.append(_all_storage_loads)
+    read_values_from_files(_all_storage_loads)  # a construction reading loaded values: [Note: a fake device]
     original = base.__dict__["from_pretrained"]
 
     def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
-        from lzero.engine.replay import real_construction
+        from lzero.engine.recording import real_construction
 
         with real_construction():  # meta parameters and real buffers, as built below
             return from_pretrained_into_shards(cls, *args, **kwargs)
@@ -139,7 +138,7 @@ def from_pretrained_into_shards(cls: type, pretrained_model_name_or_path: Any, *
     files = find_files(folder, use_safetensors)
     dtype = _resolve_dtype(dtype if dtype is not None else torch_dtype, config, files)
     quantizer = quantize_on_read.quantizer_for(config, quantization_config, dtype)  # [Note: quantize on read]
-    from lzero.engine.replay import as_fakes, unrecorded
+    from lzero.engine.recording import as_fakes, unrecorded
 
     with unrecorded():  # built as transformers builds it, on the meta device: no draw to replay
         model = _build(cls, config, dtype, model_args, kwargs)
@@ -400,7 +399,7 @@ class PretrainedWeights:
         self._keys: dict[str, tuple[PretrainedSource, str]] = {}  # root name -> (its source, checkpoint key)
         self.sources: list[PretrainedSource] = [s for m in root.modules() if (s := _SOURCES.get(m)) is not None]
         # by storage: a tensor built on lzero's fake device is swapped for a meta tensor over the same storage at
-        # setup (lzero.engine.replay.settle), and one whose storage was replaced since (a resized embedding) is no
+        # setup (lzero.engine.recording.settle), and one whose storage was replaced since (a resized embedding) is no
         # longer the checkpoint's
         owner = {storage: (source, key) for source in self.sources
                  for storage, (key, _, _) in source.by_storage.items()}

@@ -58,7 +58,7 @@ from lzero.optimizer import ZeroOptimizer, check_optimizer
 from lzero.lightning.precision import ZeroFabricPrecision, to_zero_precision
 from lzero.checkpoint.sources import LoadedState, ShardedCheckpointWeights, StateDictWeights
 from lzero.lightning.fabric_model import SetUpModel, fresh_parameters, placeholders, state_dict_shadows, swap_parameters
-from lzero.engine.replay import settle
+from lzero.engine.recording import settle
 from lzero.lightning.wiring import (choose_configuration, generation, meta_device, start_engine, sync_module_states,
                                     synced_generation)
 

@@ -188,7 +188,7 @@ class ZeroFabricPrecision(Precision):
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         if self.precision == "bf16-true":
-            from lzero.engine.replay import recording_more
+            from lzero.engine.recording import recording_more
 
             with recording_more(module):  # a meta model: the cast is part of its construction
                 return module.to(torch.bfloat16)

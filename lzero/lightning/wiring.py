@@ -18,12 +18,13 @@ from lzero.lightning.precision import ZeroFabricPrecision
 @contextmanager
 def meta_device(device: Optional[torch.device] = None, recording: Optional[contextlib.ExitStack] = None) -> Generator:
     """Modules built inside hold fake tensors that report ``device`` (default: the CPU) and hold no memory, their
-    construction recorded (see [Note: a fake device] in engine/replay.py); call :func:`lzero.engine.replay.settle` on
-    the module after the block. A Hugging Face ``from_pretrained`` inside builds into shards
-    (see [Note: from_pretrained under zero3] in hf/pretrained.py). ``recording``: the construction's record stays open
-    in it after the block (until the caller closes it), so initialization run on the model before setup is recorded
-    too (Fabric: see [Note: the engine starts at first use] in fabric_strategy.py)."""
-    from lzero.engine.replay import record
+    construction recorded (see [Note: a fake device] in engine/recording.py); call
+    :func:`lzero.engine.recording.settle` on the module after the block. A Hugging Face ``from_pretrained`` inside
+    builds into shards (see [Note: from_pretrained under zero3] in hf/pretrained.py). ``recording``: the
+    construction's record stays open in it after the block (until the caller closes it), so initialization run on
+    the model before setup is recorded too (Fabric: see [Note: the engine starts at first use] in
+    fabric_strategy.py)."""
+    from lzero.engine.recording import record
     from lzero.hf.pretrained import intercept
 
     with contextlib.ExitStack() as stack:
