@@ -397,3 +397,13 @@ def test_checkpoints_resume_across_layouts(hybrid: Path, runs: Path, resumed: st
     b = torch.load(hybrid / whole) if whole is not None else torch.load(runs / "zero3")
     assert a["lr"] == b["lr"]
     assert max(abs(x - y) / abs(y) for x, y in zip(a["losses"], b["losses"][4:])) < 1e-6
+
+
+def test_load_raw_of_a_whole_checkpoint_names_what_it_got() -> None:
+    """``fabric.load_raw(path, model)`` given a whole checkpoint (``{"model": {...}, "step": 3}``) instead of a model's
+    state: a TypeError naming the keys and the call that reads it, not an AttributeError from inside the loading."""
+    import lzero
+
+    strategy = lzero.ZeroFabricStrategy(stage=3)
+    with pytest.raises(TypeError, match=r"`model`, `step` holds a dict.*fabric.load\(path, state\)"):
+        strategy.load_full_state_dict(None, {"model": {"w": torch.zeros(1)}, "step": 3})

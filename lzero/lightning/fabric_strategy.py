@@ -347,6 +347,14 @@ class ZeroFabricStrategy(DDPStrategy):
     def load_full_state_dict(self, model: SetUpModel, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """Into the shards and their fp32 masters, each rank reading only the pieces it owns. A collective. Keys as
         the module's own loading takes them (its hooks may rename them: ``keys_as_loaded``)."""
+        nested = [k for k, v in state_dict.items() if not hasattr(v, "shape")]
+        if nested:
+            raise TypeError(
+                f"A model's state dict holds tensors, but {', '.join(f'`{k}`' for k in nested[:5])} holds a"
+                f" {type(state_dict[nested[0]]).__name__}: this looks like a whole checkpoint (its keys:"
+                f" {list(state_dict)[:5]}), not the model's state. HINT: `fabric.load_raw(path, model)` takes a file"
+                " written by `torch.save(model.state_dict())` (what `lzero consolidate` writes for a Fabric save);"
+                " for a checkpoint saved as `fabric.save(path, {\"model\": model, ...})` use `fabric.load(path, state)`.")
         state_dict = LoadedState(keys_as_loaded(model.module, state_dict))
         if model.on_meta:  # materialized from this very state (and what it lacks, as built): nothing left to load
             if strict:
