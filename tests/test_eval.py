@@ -1,6 +1,6 @@
 """validate / test / predict at zero3 and the offload presets, world size 2, against DDP on the same checkpoint:
 after fit, and alone in a new process with ``ckpt_path`` (the model built in ``configure_model`` and in
-``__init__``). See [Note: evaluating under zero3] in lzero/strategy.py."""
+``__init__``). See [Note: evaluating under zero3] in lzero/lightning/trainer_strategy.py."""
 
 from __future__ import annotations
 

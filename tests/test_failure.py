@@ -1,6 +1,6 @@
 """A failure on one rank: every rank exits within seconds, and the user's error is the last one printed.
 
-See [Note: teardown after a failure] in lzero/strategy.py. Reference: DDP, whose ranks exit within
+See [Note: teardown after a failure] in lzero/lightning/trainer_strategy.py. Reference: DDP, whose ranks exit within
 seconds of a peer's failure (the survivors' collectives see the closed connection).
 """
 

@@ -1,6 +1,6 @@
 """``lzero convert-config ds_config.json``: a DeepSpeed JSON configuration as the LightningCLI ``trainer:`` section
 (``lzero.ZeroStrategy`` and the Trainer settings it implies), one ``#`` comment per filled, renamed or noticed key,
-or the refusals. See [Note: reading a DeepSpeed configuration] in deepspeed_config.py."""
+or the refusals. See [Note: reading a DeepSpeed configuration] in config.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The DeepSpeed configuration keys lzero knows, grouped by their fate (see [Note: reading a DeepSpeed
-configuration] in deepspeed_config.py). Keys and defaults follow DeepSpeed 0.19 (``deepspeed/runtime/zero/config.py``
+configuration] in config.py). Keys and defaults follow DeepSpeed 0.19 (``deepspeed/runtime/zero/config.py``
 and neighbours); README's migration table names every one (tests/test_deepspeed_config.py checks it)."""
 
 from __future__ import annotations

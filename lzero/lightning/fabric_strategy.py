@@ -311,7 +311,7 @@ class ZeroFabricStrategy(DDPStrategy):
         if error_if_nonfinite and not bool(torch.isfinite(norm)):
             raise RuntimeError(f"The total norm of the gradients is {norm.item()}: non-finite, so they cannot be"
                                " clipped. HINT: `fabric.clip_gradients(..., error_if_nonfinite=False)` lets the step"
-                               " skip it (see [Note: skipped steps] in lzero/precision.py).")
+                               " skip it (see [Note: skipped steps] in lzero/lightning/precision.py).")
         return norm
 
     @override
