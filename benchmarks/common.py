@@ -153,6 +153,14 @@ def write_report(path: Path, text: str) -> None:
     print(f"wrote {path}", flush=True)
 
 
+def publish(lines: list[str], path: Optional[Path]) -> None:
+    """A report's lines printed, and written to ``path`` unless it is None."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if path is not None:
+        write_report(path, text)
+
+
 # --- what a report says about its run ----------------------------------------------------------------------------
 
 def git_commit() -> str:

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.checkpoint.ckpt_model import build, save
-from benchmarks.common import out_path, run_header, write_report
+from benchmarks.common import out_path, publish, run_header
 from lzero.checkpoint.reader import ShardedCheckpoint
 from lzero.checkpoint.sharded import load_optimizer_shards
 from lzero.checkpoint.state_dict import load_params
@@ -128,10 +128,7 @@ def main() -> None:
         f" {t_consolidate:.2f} s including start-up; peak memory grew {grown / 1e6:.1f} MB, largest tensor"
         f" {largest / 1e6:.1f} MB ({grown / largest:.2f}x).",
     ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if out is not None:
-        write_report(out, text)
+    publish(lines, out)
 
 
 if __name__ == "__main__":

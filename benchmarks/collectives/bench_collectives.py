@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.common import out_path, run_header, write_report
+from benchmarks.common import out_path, publish, run_header
 from lzero.engine import collectives
 
 SIZES = "5000000,50000000"  # elements
@@ -86,10 +86,7 @@ def main() -> None:
             lines.append(f"| {world_size} | {n:,} | {4 * n / 1e6:.0f} | " + " | ".join(
                 f"{1e3 * t[k]:.0f}" for k in ("all_reduce", "reduce_scatter", "all_gather", "lzero_reduce_scatter",
                                               "lzero_all_gather")) + " |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if out is not None:
-        write_report(out, text)
+    publish(lines, out)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import (REPO, module_command, module_env, out_path, peak_rss_mb, reset_peak_rss, run_header,
-                               write_report)
+from benchmarks.common import (REPO, module_command, module_env, out_path, peak_rss_mb, publish, reset_peak_rss,
+                               run_header)
 
 SHAPE = dict(n_layer=12, n_head=16, n_embd=1280, block_size=64)
 SMALL = dict(n_layer=2, n_head=2, n_embd=64, block_size=32)  # --small: a seconds-long smoke test
@@ -185,10 +185,7 @@ def main() -> None:
         lines.append(f"| {rank} | {i['read_bytes'] / i['steps'] / 1e6:,.0f} | {rgb:.2f} |"
                      f" {i['written_bytes'] / i['steps'] / 1e6:,.0f} | {wgb:.2f} | {raw.read_gbps:.2f} /"
                      f" {raw.write_gbps:.2f} | {rgb / raw.read_gbps:.2f} | {wgb / raw.write_gbps:.2f} |")
-    table = "\n".join(lines) + "\n"
-    print(table)
-    if args.out is not None:
-        write_report(args.out, table)
+    publish(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.common import module_command, module_env, out_path, run_header, write_report
+from benchmarks.common import module_command, module_env, out_path, publish, run_header
 
 
 def _time(step, warmup: int, repeats: int) -> float:
@@ -165,10 +165,7 @@ def main() -> None:
         vs_fused = found["lzero host step"] / found[fused]
         vs_ds = f"{found['lzero host step'] / found[ds]:.2f}" if ds else "not run"
         lines.append(f"| {threads} | {cells} | {vs_fused:.2f} | {vs_ds} |")
-    table = "\n".join(lines) + "\n"
-    print(table)
-    if args.out is not None:
-        write_report(args.out, table)
+    publish(lines, args.out)
 
 
 if __name__ == "__main__":
