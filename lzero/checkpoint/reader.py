@@ -1,18 +1,20 @@
-"""Reading a committed sharded checkpoint directory: the manifest, every shard file's header, and any
-flat range of any saved tensor. Storage only (no Lightning, no torch.distributed, nothing of the
-engine), so ``lzero consolidate`` / ``lzero inspect`` and any tool can open a checkpoint without a
-process group. The layout is described in [Note: sharded checkpoint layout] in sharded.py.
+"""Reading a checkpoint by pieces (:class:`PiecedCheckpoint`, see [Note: a checkpoint read by pieces]), and
+lzero's own committed sharded checkpoint directory as one (:class:`ShardedCheckpoint`: the manifest, every shard
+file's header, and any flat range of any saved tensor). Storage only (no Lightning, no torch.distributed, nothing
+of the engine), so ``lzero consolidate`` / ``lzero inspect`` and any tool can open a checkpoint without a process
+group. The layout is described in [Note: sharded checkpoint layout] in sharded.py.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import re
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, NamedTuple, Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -37,44 +39,49 @@ def shard_name(save_id: str, rank: int, world_size: int) -> str:
     return f"shard-{save_id}-r{rank:05d}-of-{world_size:05d}.safetensors"
 
 
-class ShardedCheckpoint:
-    """A committed sharded checkpoint, validated in full on open (manifest, every file's header, size
-    and save id, and that the pieces of every parameter cover it), before any tensor is read."""
+class RangeSource(Protocol):
+    """Where one piece's elements are stored: reads them by offset from the piece's first element."""
 
-    def __init__(self, path: Any) -> None:
-        self.path = Path(path)
-        manifest_path = self.path / MANIFEST
-        if not manifest_path.exists():
-            raise CheckpointError(
-                f"`{self.path}` has no {MANIFEST}: it is not an lzero checkpoint, or its save never finished."
-                " HINT: resume from an earlier checkpoint; an interrupted save is cleaned up by the next one."
-            )
-        self.manifest = read_json(manifest_path, "checkpoint manifest")
-        if not isinstance(self.manifest, dict) or self.manifest.get("format") != FORMAT \
-                or self.manifest.get("version") != VERSION:
-            raise CheckpointError(f"`{manifest_path}` is not an {FORMAT} v{VERSION} manifest."
-                                  " HINT: it was written by another tool or a newer lzero.")
-        _check_manifest(self.manifest, manifest_path)
-        self.save_id = self.manifest["save_id"]
-        self._common: Optional[dict[str, Any]] = None
-        self.files: list[TensorFile] = []
-        for entry in self.manifest["files"]:
-            file = TensorFile(self.path / entry["name"], save_id=self.save_id)
-            size = os.stat(file.path).st_size
-            if size != entry["bytes"]:
-                raise CheckpointError(f"`{file.path}` has {size} bytes, the manifest says {entry['bytes']}."
-                                      " HINT: this checkpoint is damaged; resume from an earlier one.")
-            self.files.append(file)
-        self._pieces: dict[str, list[tuple[int, int, TensorFile]]] = defaultdict(list)
-        self._scalars: dict[str, TensorFile] = {}
-        for file in self.files:
-            for key, span in json.loads(file.metadata["pieces"]).items():
-                if span is None:
-                    self._scalars.setdefault(key, file)
-                else:
-                    self._pieces[key].append((span[0], span[1], file))
-        for key in self._pieces:
-            self._pieces[key].sort(key=lambda t: t[0])
+    def read_flat_range(self, start: int, end: int) -> Tensor: ...
+
+
+class Piece(NamedTuple):
+    """Elements ``[start, end)`` of a flattened tensor, held by ``source`` (its element 0 is element ``start``)."""
+
+    start: int
+    end: int
+    source: RangeSource
+
+
+class _FileEntry:
+    """One tensor of a shard file, as a piece's source."""
+
+    def __init__(self, file: TensorFile, key: str) -> None:
+        self.file, self.key = file, key
+
+    def read_flat_range(self, start: int, end: int) -> Tensor:
+        return self.file.read_flat_range(self.key, start, end)
+
+
+class PiecedCheckpoint:
+    """[Note: a checkpoint read by pieces]
+    What loading into shards reads of any checkpoint, whoever wrote it: every parameter (``param/<name>``, the fp32
+    master) and every per-element optimizer state (``optim/<k>/<name>/<state>``) held as pieces, each a flat range of
+    the flattened parameter and the source that reads it, so that a rank reads only the elements it owns whatever
+    partition wrote them; 0-dim optimizer state (``step``) whole per parameter; ``manifest`` describes the model
+    (``params``: name -> shape and numel, ``state_dict_keys`` in order, ``aliases``: tied key -> parameter name,
+    ``world_size``, ``stage``, ``global_step``, ``epoch``, ``weights_only``); ``lightning_state()`` is everything else,
+    with ``lzero/module_state`` (the tensors outside every unit: buffers, frozen parameters) and ``lzero/param_groups``
+    (each optimizer's groups, hyperparameters and parameter names). :class:`ShardedCheckpoint` (lzero's own) and
+    ``DeepSpeedCheckpoint`` (deepspeed_format.py) build the pieces from their files; the reading is here."""
+
+    path: Path
+    manifest: dict[str, Any]
+
+    def _index(self, pieces: dict[str, list[Piece]], scalars: dict[str, Callable[[], Tensor]]) -> None:
+        """Take the pieces and the 0-dim entries (read when asked for), and check that they cover every parameter."""
+        self._pieces = {key: sorted(found, key=lambda p: p.start) for key, found in pieces.items()}
+        self._scalars = scalars
         self._optimizer_keys: dict[tuple[str, str], set[str]] = defaultdict(set)  # (k, name) -> state keys
         for key in list(self._pieces) + list(self._scalars):
             parts = key.split("/")  # optim/<k>/<name>/<state>; names use dots, never slashes
@@ -107,17 +114,17 @@ class ShardedCheckpoint:
         return int(self.manifest["world_size"])
 
     def read_range(self, key: str, start: int, end: int, dtype: Optional[torch.dtype] = None) -> Tensor:
-        """Elements [start, end) of the flattened ``key``, assembled from the files that hold them."""
+        """Elements [start, end) of the flattened ``key``, assembled from the pieces that hold them."""
         pieces = self._pieces.get(key)
         if not pieces:
             raise CheckpointError(f"`{self.path}` holds no `{key}`. HINT: the checkpoint belongs to another model"
                                   " or optimizer setup.")
         out: Optional[Tensor] = None
-        for a, b, file in pieces:
+        for a, b, source in pieces:
             lo, hi = max(a, start), min(b, end)
             if lo >= hi:
                 continue
-            chunk = file.read_flat_range(key, lo - a, hi - a)
+            chunk = source.read_flat_range(lo - a, hi - a)
             if out is None:
                 out = torch.empty(end - start, dtype=dtype or chunk.dtype)
             out[lo - start : hi - start].copy_(chunk)
@@ -129,32 +136,23 @@ class ShardedCheckpoint:
         return key in self._scalars
 
     def scalar(self, key: str) -> Tensor:
-        return self._scalars[key].read(key)
+        return self._scalars[key]()
 
     def optimizer_keys(self, index: int, name: str) -> list[str]:
         return sorted(self._optimizer_keys.get((str(index), name), ()))
 
-    def tree(self, name: str, rank: int = 0) -> Any:
-        file = self.files[rank]
-        prefix = f"{name}/"
-        tensors = {k[len(prefix):]: file.read(k) for k in file.names if k.startswith(prefix)}
-        return decode_tree(json.loads(file.metadata[name]), tensors, source=file.path)
-
     def lightning_state(self) -> dict[str, Any]:
-        """Everything Lightning saved besides the model and optimizer tensors (read once)."""
-        if self._common is None:
-            self._common = self.tree("common", 0)
-        return self._common
+        """Everything besides the model and optimizer tensors, as Lightning's checkpoint dict has it (read once)."""
+        raise NotImplementedError
+
+    def rng_state(self, rank: int) -> Optional[dict[str, Any]]:
+        """``rank``'s RNG states (``torch``, ``numpy``, ``python``, maybe ``cuda``), None when not saved."""
+        return None
 
     def module_state_numel(self) -> int:
-        """Elements of the module's tensors outside every unit (frozen parameters, buffers), a tensor
-        shared by several keys counted once; from rank 0's header, without reading a tensor."""
-        file = self.files[0]
-        refs = json.loads(file.metadata["common"])["lzero/module_state"]
-        if isinstance(refs, dict) and all(isinstance(r, dict) and list(r) == ["@tensor"] for r in refs.values()):
-            stored = {r["@tensor"] for r in refs.values()}  # the codec stores a shared tensor once
-            return sum(math.prod(file.entry(f"common/{name}").shape) for name in stored)
-        tensors = self.lightning_state()["lzero/module_state"]  # a key the codec had to tag: decode it
+        """Elements of the module's tensors outside every unit (frozen parameters, buffers), a tensor shared by
+        several keys counted once."""
+        tensors = self.lightning_state()["lzero/module_state"]
         return sum(t.numel() for t in {id(t): t for t in tensors.values()}.values())
 
     def full_param(self, name: str) -> Tensor:
@@ -185,6 +183,70 @@ class ShardedCheckpoint:
                 by_name[name] = self.full_param(name)
             out[key] = by_name[name]
         return out
+
+
+class ShardedCheckpoint(PiecedCheckpoint):
+    """A committed sharded checkpoint, validated in full on open (manifest, every file's header, size
+    and save id, and that the pieces of every parameter cover it), before any tensor is read."""
+
+    def __init__(self, path: Any) -> None:
+        self.path = Path(path)
+        manifest_path = self.path / MANIFEST
+        if not manifest_path.exists():
+            raise CheckpointError(
+                f"`{self.path}` has no {MANIFEST}: it is not an lzero checkpoint, or its save never finished."
+                " HINT: resume from an earlier checkpoint; an interrupted save is cleaned up by the next one."
+            )
+        self.manifest = read_json(manifest_path, "checkpoint manifest")
+        if not isinstance(self.manifest, dict) or self.manifest.get("format") != FORMAT \
+                or self.manifest.get("version") != VERSION:
+            raise CheckpointError(f"`{manifest_path}` is not an {FORMAT} v{VERSION} manifest."
+                                  " HINT: it was written by another tool or a newer lzero.")
+        _check_manifest(self.manifest, manifest_path)
+        self.save_id = self.manifest["save_id"]
+        self._common: Optional[dict[str, Any]] = None
+        self.files: list[TensorFile] = []
+        for entry in self.manifest["files"]:
+            file = TensorFile(self.path / entry["name"], save_id=self.save_id)
+            size = os.stat(file.path).st_size
+            if size != entry["bytes"]:
+                raise CheckpointError(f"`{file.path}` has {size} bytes, the manifest says {entry['bytes']}."
+                                      " HINT: this checkpoint is damaged; resume from an earlier one.")
+            self.files.append(file)
+        pieces: dict[str, list[Piece]] = defaultdict(list)
+        scalars: dict[str, Callable[[], Tensor]] = {}
+        for file in self.files:
+            for key, span in json.loads(file.metadata["pieces"]).items():
+                if span is None:
+                    scalars.setdefault(key, functools.partial(file.read, key))
+                else:
+                    pieces[key].append(Piece(span[0], span[1], _FileEntry(file, key)))
+        self._index(pieces, scalars)
+
+    def tree(self, name: str, rank: int = 0) -> Any:
+        file = self.files[rank]
+        prefix = f"{name}/"
+        tensors = {k[len(prefix):]: file.read(k) for k in file.names if k.startswith(prefix)}
+        return decode_tree(json.loads(file.metadata[name]), tensors, source=file.path)
+
+    def lightning_state(self) -> dict[str, Any]:
+        """Everything Lightning saved besides the model and optimizer tensors (read once)."""
+        if self._common is None:
+            self._common = self.tree("common", 0)
+        return self._common
+
+    def rng_state(self, rank: int) -> Optional[dict[str, Any]]:
+        return self.tree("rng", rank)
+
+    def module_state_numel(self) -> int:
+        """Elements of the module's tensors outside every unit (frozen parameters, buffers), a tensor shared by
+        several keys counted once; from rank 0's header, without reading a tensor."""
+        file = self.files[0]
+        refs = json.loads(file.metadata["common"])["lzero/module_state"]
+        if isinstance(refs, dict) and all(isinstance(r, dict) and list(r) == ["@tensor"] for r in refs.values()):
+            stored = {r["@tensor"] for r in refs.values()}  # the codec stores a shared tensor once
+            return sum(math.prod(file.entry(f"common/{name}").shape) for name in stored)
+        return super().module_state_numel()  # a key the codec had to tag: decode it
 
 
 def _check_manifest(m: dict, path: Path) -> None:

@@ -44,7 +44,7 @@ from lzero.engine import collectives
 from lzero.checkpoint.files import CheckpointError, write_json_atomic, write_tensors
 from lzero.checkpoint.rank_state import (ShardedOptimizer, fill_shard, pack_param_groups, restore_param_groups,
                                          shard_pieces)
-from lzero.checkpoint.reader import FORMAT, MANIFEST, VERSION, ShardedCheckpoint, shard_name
+from lzero.checkpoint.reader import FORMAT, MANIFEST, VERSION, PiecedCheckpoint, shard_name
 from lzero.checkpoint.state_dict import ShardedTensor
 from lzero.checkpoint.tree import encode_tree
 
@@ -371,11 +371,11 @@ def _commit(directory: Path, save_id: str, world: int, sizes: list[int], extra: 
 # --- load --------------------------------------------------------------------------------------
 
 
-def restore_rng(reader: ShardedCheckpoint, rank: int, world_size: int) -> bool:
-    """This rank's RNG states, when the checkpoint was saved at the same world size."""
-    if world_size != reader.world_size:
+def restore_rng(reader: PiecedCheckpoint, rank: int, world_size: int) -> bool:
+    """This rank's RNG states, when the checkpoint was saved at the same world size and holds them."""
+    state = reader.rng_state(rank) if world_size == reader.world_size else None
+    if state is None:
         return False
-    state = reader.tree("rng", rank)
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
@@ -385,7 +385,7 @@ def restore_rng(reader: ShardedCheckpoint, rank: int, world_size: int) -> bool:
 
 
 @torch.no_grad()
-def load_optimizer_shards(zopt: ShardedOptimizer, index: int, reader: ShardedCheckpoint) -> None:
+def load_optimizer_shards(zopt: ShardedOptimizer, index: int, reader: PiecedCheckpoint) -> None:
     """Fill this rank's shard optimizer state from ``reader``: only the owned elements are read."""
     groups = reader.lightning_state()["lzero/param_groups"][index]
     if len(groups) != len(zopt.param_groups):
@@ -397,7 +397,7 @@ def load_optimizer_shards(zopt: ShardedOptimizer, index: int, reader: ShardedChe
             _load_unit_state(zopt, unit, index, reader)
 
 
-def _load_unit_state(zopt: ShardedOptimizer, unit: "FlatUnit", index: int, reader: ShardedCheckpoint) -> None:
+def _load_unit_state(zopt: ShardedOptimizer, unit: "FlatUnit", index: int, reader: PiecedCheckpoint) -> None:
     """Fill one unit's shard optimizer state from ``reader`` (the unit resident)."""
     inner = zopt.shard_optimizer(unit)
     first = unit.spec.params[0].name
@@ -415,6 +415,6 @@ def _load_unit_state(zopt: ShardedOptimizer, unit: "FlatUnit", index: int, reade
     inner.state[unit.master_shard] = state
 
 
-def _optimizer_reader(reader: ShardedCheckpoint, index: int, key: str) -> Callable[[Any, int, int], Tensor]:
+def _optimizer_reader(reader: PiecedCheckpoint, index: int, key: str) -> Callable[[Any, int, int], Tensor]:
     """Elements [a, b) of optimizer ``index``'s state ``key`` for one parameter, for :func:`fill_shard`."""
     return lambda spec, a, b: reader.read_range(f"optim/{index}/{spec.name}/{key}", a, b)
