@@ -793,12 +793,9 @@ class ZeroEngine:
                                   for bucket in _coalesce(self.units, self.config.allgather_bucket_size)])
 
 
-_WARNED: set[str] = set()
-
-
 def _warn_once(message: str) -> None:
-    if message not in _WARNED and collectives.rank(None) == 0:
-        _WARNED.add(message)
+    """On rank 0; once per message, by Python's own default filter (its registry, not a set of ours)."""
+    if collectives.rank(None) == 0:
         warnings.warn(message, stacklevel=3)
 
 
