@@ -38,7 +38,7 @@ import importlib.metadata
 import math
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Collection, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -83,9 +83,10 @@ class _Span(NamedTuple):
 
 class DeepSpeedCheckpoint(PiecedCheckpoint):
     """A DeepSpeed ZeRO checkpoint folder (see [Note: DeepSpeed checkpoint folders]), validated in full on open,
-    its tensors mapped and read by range when loaded."""
+    its tensors mapped and read by range when loaded. ``names``: the module's parameter and buffer names, when the
+    saved ones may differ from them by a prefix (:func:`prefix_renaming`)."""
 
-    def __init__(self, path: Any) -> None:
+    def __init__(self, path: Any, names: Optional[Collection[str]] = None) -> None:
         self.path = Path(path)
         folder = deepspeed_tag_folder(self.path)
         if folder is None:
@@ -101,19 +102,24 @@ class DeepSpeedCheckpoint(PiecedCheckpoint):
             masters, states, groups_of, sizes = _zero12_flats(files.optim, files.optim_paths)
             spans = _zero12_spans(shapes, files.optim[0].get("param_alignment_paddings"), sizes)
             _check_slice_mappings(spans, files.optim, files.optim_paths)
+        frozen = list(files.model_states.get("frozen_param_shapes") or {}) if files.stage == 3 else []
+        saved = [name for name, parts in spans.items() if parts] + frozen
+        self._name = (prefix_renaming(saved, set(names)) if names is not None else None) or (lambda name: name)
+        """A saved name -> the module's name."""
         self._build(shapes, spans, masters, states, groups_of)
         self._common: Optional[dict[str, Any]] = None
 
     def _build(self, shapes: list[dict], spans: dict[str, list[_Span]], masters: list[list[Tensor]],
                states: list[list[dict[str, Any]]], groups_of: list[int]) -> None:
         """The manifest and the pieces: masters and per-element state from the flats, ``step`` whole."""
-        first = self.files.model_states
-        params = {name: {"shape": list(shape), "numel": math.prod(shape)} for group in shapes for name, shape in
-                  group.items()}
+        first, rename = self.files.model_states, self._name
+        params = {rename(name): {"shape": list(shape), "numel": math.prod(shape)} for group in shapes
+                  for name, shape in group.items()}
         pieces: dict[str, list[Piece]] = defaultdict(list)
         scalars: dict[str, Callable[[], Tensor]] = {}
         self._groups: list[list[str]] = [[] for _ in self._hyperparameters()]
-        for name, parts in spans.items():
+        for saved_name, parts in spans.items():
+            name = rename(saved_name)
             if not parts:  # no element: nothing to hold
                 del params[name]
                 continue
@@ -137,22 +143,22 @@ class DeepSpeedCheckpoint(PiecedCheckpoint):
             "world_size": self.files.world_size, "stage": self.files.stage, "weights_only": False,
             "global_step": int(client.get("global_step", first.get("global_steps") or 0)),
             "epoch": int(client.get("epoch", 0)), "params": params,
-            "state_dict_keys": list(first.get("module") or {}),
-            "aliases": {k: v for k, v in shared.items() if v in params},
+            "state_dict_keys": [rename(k) for k in first.get("module") or {}],
+            "aliases": {rename(k): rename(v) for k, v in shared.items() if rename(v) in params},
         }
         self._index(pieces, scalars)
 
     def _frozen_pieces(self, params: dict[str, Any], pieces: dict[str, list[Piece]]) -> None:
         """Stage 3's frozen parameters: each rank's model states hold its ``ceil(numel / N)`` part."""
         world = self.files.world_size
-        for name, shape in (self.files.model_states.get("frozen_param_shapes") or {}).items():
-            numel = math.prod(shape)
+        for saved_name, shape in (self.files.model_states.get("frozen_param_shapes") or {}).items():
+            name, numel = self._name(saved_name), math.prod(shape)
             params[name] = {"shape": list(shape), "numel": numel, "frozen": True}
             part = -(-numel // world)
             for r, states in enumerate(self.files.rank_models):
                 a, b = r * part, min(numel, (r + 1) * part)
                 if a < b:
-                    fragment = (states.get("frozen_param_fragments") or {}).get(name)
+                    fragment = (states.get("frozen_param_fragments") or {}).get(saved_name)
                     if not isinstance(fragment, Tensor) or fragment.numel() < b - a:
                         raise CheckpointError(f"Rank {r}'s model states in `{self.files.folder}` lack its part of the"
                                               f" frozen parameter `{name}`. HINT: the folder is damaged; resume from"
@@ -181,12 +187,27 @@ class DeepSpeedCheckpoint(PiecedCheckpoint):
             state.setdefault("pytorch-lightning_version", _lightning_version())
         held = set(self.manifest["params"]) | set(self.manifest["aliases"])
         module = first.get("module") or {}
-        state["lzero/module_state"] = {k: v for k, v in module.items() if k not in held}
+        state["lzero/module_state"] = {self._name(k): v for k, v in module.items() if self._name(k) not in held}
         hyper = self._hyperparameters()
         state["lzero/param_groups"] = [[{**h, "params": names} for h, names in zip(hyper, self._groups)]]
         state[PRECISION_STATE] = _precision_state(self.files.optim[0].get("loss_scaler"), first.get("skipped_steps"))
         self._common = state
         return state
+
+
+def prefix_renaming(saved: list[str], names: set[str]) -> Optional[Callable[[str], str]]:
+    """How the saved parameter names become the module's, when they are not all among ``names``: the one prefix
+    that, added to every saved name (DeepSpeed trained ``GPT()``, Lightning holds it as ``self.model``) or removed
+    from every one (the reverse), makes each of them one of ``names``. None when no prefix, or several, do."""
+    if not saved or all(n in names for n in saved):
+        return None
+    first = saved[0]
+    added = {t[: len(t) - len(first)] for t in names if t.endswith("." + first)}
+    removed = {first[: i + 1] for i, c in enumerate(first) if c == "."}
+    fits = [(lambda n, p=p: p + n) for p in sorted(added) if all(p + n in names for n in saved)]
+    fits += [(lambda n, p=p: n[len(p):] if n.startswith(p) else n) for p in sorted(removed)
+             if all(n.startswith(p) and n[len(p):] in names for n in saved)]
+    return fits[0] if len(fits) == 1 else None
 
 
 def _elementwise(state: dict[str, Any], size: int, where: str) -> dict[str, Any]:
@@ -316,26 +337,28 @@ def _precision_state(scaler: Any, skipped: Any) -> dict[str, Any]:
 
 
 def lightning_loops_after(steps: int, accumulation: int) -> dict[str, Any]:
-    """Lightning's fit-loop state as ``ModelCheckpoint(every_n_train_steps=...)`` saves it at the end of the batch of
-    optimizer step ``steps`` (epoch 0, ``accumulation`` batches per step): Lightning resumes from it at that step."""
+    """Lightning's fit-loop state after optimizer step ``steps`` of epoch 0 (``accumulation`` batches per step), saved
+    between two batches, with the epoch's own counters at 0: the resumed run counts its batches, and so its gradient
+    accumulation, from the start of its data loader, whose position a DeepSpeed folder does not record; the global
+    step (the optimizer steps' total) and the logging step go on from ``steps``."""
     batches = steps * accumulation
 
-    def progress(**counts: int) -> dict[str, Any]:
-        return {"total": dict(counts), "current": dict(counts)}
+    def progress(total: int, **keys: bool) -> dict[str, Any]:
+        counts = ["ready", *(k for k, on in keys.items() if on), "completed"]
+        return {"total": {k: total for k in counts}, "current": {k: 0 for k in counts}}
 
-    optimizer_steps = progress(ready=steps, completed=steps)
     return {"fit_loop": {
         "state_dict": {},
-        "epoch_loop.state_dict": {"_batches_that_stepped": max(steps - 1, 0)},
-        "epoch_loop.batch_progress": {**progress(ready=batches, started=batches, processed=batches,
-                                                 completed=batches - 1), "is_last_batch": False},
-        "epoch_loop.scheduler_progress": optimizer_steps,
+        "epoch_loop.state_dict": {"_batches_that_stepped": steps},
+        "epoch_loop.batch_progress": {**progress(batches, started=True, processed=True), "is_last_batch": False},
+        "epoch_loop.scheduler_progress": progress(steps),
         "epoch_loop.automatic_optimization.state_dict": {},
         "epoch_loop.automatic_optimization.optim_progress": {"optimizer": {
-            "step": optimizer_steps, "zero_grad": progress(ready=steps, started=steps, completed=steps)}},
+            "step": progress(steps), "zero_grad": progress(steps, started=True)}},
         "epoch_loop.manual_optimization.state_dict": {},
-        "epoch_loop.manual_optimization.optim_step_progress": progress(ready=0, completed=0),
-        "epoch_progress": progress(ready=1, started=1, processed=0, completed=0),
+        "epoch_loop.manual_optimization.optim_step_progress": progress(0),
+        "epoch_progress": {"total": {"ready": 1, "started": 1, "processed": 0, "completed": 0},
+                           "current": {"ready": 1, "started": 1, "processed": 0, "completed": 0}},
     }}
 
 

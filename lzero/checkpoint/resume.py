@@ -1,5 +1,5 @@
-"""Resuming: opening a checkpoint (a sharded directory, or a full DDP-format file under a policy that
-never unpickles unless asked to), checking that it fits the model, and loading it into a rank's
+"""Resuming: opening a checkpoint (a sharded directory, a DeepSpeed checkpoint folder, or a full DDP-format file
+under a policy that never unpickles unless asked to), checking that it fits the model, and loading it into a rank's
 shards. What ``ZeroStrategy.load_checkpoint`` / ``load_model_state_dict`` /
 ``load_optimizer_state_dict`` run; no Lightning here (the strategy hands in Lightning's file reader).
 """
@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator, Mapping, Optional, Sequence
 
 from torch import Tensor, nn
 
 from lzero.checkpoint.rank_state import ShardedOptimizer
-from lzero.checkpoint.reader import ShardedCheckpoint, is_sharded_checkpoint
+from lzero.checkpoint.deepspeed_checkpoint import PRECISION_STATE, DeepSpeedCheckpoint
+from lzero.checkpoint.deepspeed_files import deepspeed_tag_folder
+from lzero.checkpoint.reader import PiecedCheckpoint, ShardedCheckpoint, is_sharded_checkpoint
 from lzero.checkpoint.sharded import load_optimizer_shards, restore_rng
 from lzero.checkpoint.state_dict import fetch_full, load_params
 
@@ -21,22 +23,31 @@ if TYPE_CHECKING:
     from lzero.engine.engine import ZeroEngine
 
 READER = "lzero/reader"
-"""The checkpoint dict's key for the :class:`ShardedCheckpoint` it was opened from (sharded checkpoints only)."""
+"""The checkpoint dict's key for the :class:`PiecedCheckpoint` it was opened from (checkpoint directories only)."""
 
 _NOT_A_CHECKPOINT = "HINT: pass a `.ckpt` file written by `trainer.save_checkpoint` or `ModelCheckpoint`."
 
 
+def open_reader(path: Any, names: Optional[Collection[str]] = None) -> PiecedCheckpoint:
+    """A checkpoint directory's reader: a DeepSpeed checkpoint folder's (its saved names matched to ``names``, the
+    module's, when given: see ``prefix_renaming``), else lzero's sharded checkpoint's."""
+    if deepspeed_tag_folder(path) is not None:
+        return DeepSpeedCheckpoint(path, names)
+    return ShardedCheckpoint(path)
+
+
 def open_checkpoint(path: Any, rank: int, world_size: int, weights_only: Optional[bool],
-                    load_file: Callable[[bool], Any]) -> dict[str, Any]:
-    """The checkpoint at ``path`` as Lightning's dict. A sharded directory is validated in full and read
-    lazily (tensors are read when loaded into the shards); this rank's RNG states are restored when the
-    world size is unchanged. A full file is read by ``load_file(weights_only)``, with ``weights_only``
-    unless the caller passed ``weights_only=False``: a foreign file is unpickled only when the user says so."""
+                    load_file: Callable[[bool], Any], names: Optional[Collection[str]] = None) -> dict[str, Any]:
+    """The checkpoint at ``path`` as Lightning's dict. A directory (lzero's sharded checkpoint, or a DeepSpeed
+    folder whose names are matched to ``names``) is validated in full and read lazily (tensors are read when loaded
+    into the shards); this rank's RNG states are restored when the world size is unchanged and the checkpoint holds
+    them. A full file is read by ``load_file(weights_only)``, with ``weights_only`` unless the caller passed
+    ``weights_only=False``: a foreign file is unpickled only when the user says so."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"Checkpoint `{path}` does not exist. HINT: check `ckpt_path`.")
     if is_sharded_checkpoint(path):
-        return _open_sharded(ShardedCheckpoint(path), rank, world_size)
+        return _open_sharded(open_reader(path, names), rank, world_size)
     safe = weights_only is None or weights_only
     try:
         checkpoint = load_file(safe)
@@ -57,8 +68,9 @@ def open_checkpoint(path: Any, rank: int, world_size: int, weights_only: Optiona
     return checkpoint
 
 
-def _open_sharded(reader: ShardedCheckpoint, rank: int, world_size: int) -> dict[str, Any]:
-    checkpoint = {k: v for k, v in reader.lightning_state().items() if not k.startswith("lzero/")}
+def _open_sharded(reader: PiecedCheckpoint, rank: int, world_size: int) -> dict[str, Any]:
+    checkpoint = {k: v for k, v in reader.lightning_state().items()
+                  if not k.startswith("lzero/") or k == PRECISION_STATE}
     checkpoint[READER] = reader
     checkpoint["state_dict"] = LazyStateDict(reader)
     if not reader.manifest.get("weights_only"):
@@ -72,7 +84,7 @@ class LazyStateDict(Mapping):
     """The module's state dict of a sharded checkpoint, for ``on_load_checkpoint`` hooks that look at
     it: keys at once, each tensor read (whole) only when asked for."""
 
-    def __init__(self, reader: ShardedCheckpoint) -> None:
+    def __init__(self, reader: PiecedCheckpoint) -> None:
         self._reader = reader
         self._keys = list(reader.manifest["state_dict_keys"])
 
@@ -91,7 +103,7 @@ def load_module_state(engine: Optional["ZeroEngine"], module: nn.Module, checkpo
     """The checkpoint's module state into ``module``: while fitting (an ``engine``) into the shards, each
     rank reading only the pieces it owns, from a sharded checkpoint or a full (DDP/Lightning) one;
     otherwise into the module as it is."""
-    reader: Optional[ShardedCheckpoint] = checkpoint.get(READER)
+    reader: Optional[PiecedCheckpoint] = checkpoint.get(READER)
     if engine is None:
         module.load_state_dict(reader.full_state_dict() if reader is not None else checkpoint["state_dict"],
                                strict=strict)
@@ -136,7 +148,7 @@ def load_module_state(engine: Optional["ZeroEngine"], module: nn.Module, checkpo
 def load_optimizer_states(optimizers: Sequence[ShardedOptimizer], checkpoint: Mapping[str, Any]) -> None:
     """Every optimizer's state into this rank's shards: read from the shards of a sharded checkpoint, or
     sliced from the full per-parameter states of a DDP-format one."""
-    reader: Optional[ShardedCheckpoint] = checkpoint.get(READER)
+    reader: Optional[PiecedCheckpoint] = checkpoint.get(READER)
     for k, optimizer in enumerate(optimizers):
         if reader is not None:
             load_optimizer_shards(optimizer, k, reader)

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch import Tensor, nn
 
-from lzero.checkpoint.reader import ShardedCheckpoint
+from lzero.checkpoint.reader import PiecedCheckpoint
 
 
 class LoadedState(Mapping):
@@ -56,9 +56,9 @@ class StateDictWeights:
 
 
 class ShardedCheckpointWeights(StateDictWeights):
-    """A sharded checkpoint being loaded, read by range."""
+    """A checkpoint directory being loaded (lzero's sharded one, a DeepSpeed folder), read by range."""
 
-    def __init__(self, reader: ShardedCheckpoint) -> None:
+    def __init__(self, reader: PiecedCheckpoint) -> None:
         self._reader = reader
         self._names = set(reader.manifest["params"]) | set(reader.lightning_state()["lzero/module_state"])
 

@@ -43,8 +43,9 @@ from typing_extensions import override
 
 from lzero.lightning import args as strategy_args
 from lzero.checkpoint.full_state import gather_optimizer_state
-from lzero.checkpoint.reader import ShardedCheckpoint, is_sharded_checkpoint
-from lzero.checkpoint.resume import READER, load_module_state, load_optimizer_states
+from lzero.checkpoint.deepspeed_checkpoint import DeepSpeedCheckpoint
+from lzero.checkpoint.reader import PiecedCheckpoint, is_sharded_checkpoint
+from lzero.checkpoint.resume import READER, load_module_state, load_optimizer_states, open_reader
 from lzero.checkpoint.sharded import restore_rng, save_sharded
 from lzero.checkpoint.state_dict import (ShardedTensor, consolidate, keys_as_loaded, master_state_dict,
                                          sharded_state_dict)
@@ -445,13 +446,17 @@ class ZeroFabricStrategy(DDPStrategy):
     @override
     def load_checkpoint(self, path: Any, state: Optional[Union[nn.Module, Optimizer, dict[str, Any]]] = None,
                         strict: bool = True, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """A sharded checkpoint directory (any world size, stage or offload choice) or a full file; ``state``'s
-        modules and optimizers are restored in place, its other entries replaced; the rest is returned."""
+        """A sharded checkpoint directory (any world size, stage or offload choice), a DeepSpeed checkpoint folder
+        (into ``state``'s module and its optimizer) or a full file; ``state``'s modules and optimizers are restored in
+        place, its other entries replaced; the rest is returned."""
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"Checkpoint `{path}` does not exist. HINT: check the path given to `fabric.load`.")
         if is_sharded_checkpoint(path):
-            return self._load_sharded(ShardedCheckpoint(path), state, strict)
+            modules = [v for v in (state.values() if isinstance(state, dict) else [state]) if isinstance(v, nn.Module)]
+            names = [n for n, _ in self._model_of(modules[0]).module.named_parameters(remove_duplicate=False)
+                     ] if modules else None  # a DeepSpeed folder's names are matched to them
+            return self._load_sharded(open_reader(path, names), state, strict)
         checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=True if weights_only is None else weights_only)
         if not state:
             return checkpoint
@@ -476,10 +481,13 @@ class ZeroFabricStrategy(DDPStrategy):
                 state[name] = value
         return checkpoint
 
-    def _load_sharded(self, reader: ShardedCheckpoint, state: Any, strict: bool) -> dict[str, Any]:
+    def _load_sharded(self, reader: PiecedCheckpoint, state: Any, strict: bool) -> dict[str, Any]:
         saved = reader.lightning_state()
         common = {k: v for k, v in saved.items() if not k.startswith("lzero/")}
         keys = saved.get(FABRIC_KEYS) or {"module": "state_dict", "optimizers": []}  # a Trainer's: its module state
+        if isinstance(reader, DeepSpeedCheckpoint) and isinstance(state, dict):  # one module and its optimizer
+            keys = {"module": next((k for k, v in state.items() if isinstance(v, nn.Module)), "state_dict"),
+                    "optimizers": [k for k, v in state.items() if isinstance(v, ZeroOptimizer)][:1]}
         common.pop("state_dict", None)
         module_key, optimizer_keys = keys["module"], list(keys["optimizers"])
         checkpoint = {READER: reader, "state_dict": None}

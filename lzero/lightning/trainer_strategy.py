@@ -28,6 +28,7 @@ from typing_extensions import override
 from lzero.engine import activation_checkpointing as checkpointing
 from lzero.deepspeed import config as deepspeed_config
 from lzero.checkpoint.full_state import gather_optimizer_state
+from lzero.checkpoint.deepspeed_checkpoint import PRECISION_STATE
 from lzero.checkpoint.resume import load_module_state, load_optimizer_states, open_checkpoint
 from lzero.checkpoint.sharded import AsyncSaver, save_sharded
 from lzero.checkpoint.state_dict import consolidate, has_sharded, module_state_dict
@@ -664,10 +665,17 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """A sharded directory, or a full file that is unpickled only with ``weights_only=False``."""
-        return open_checkpoint(checkpoint_path, self.global_rank, self.world_size, weights_only,
-                               lambda safe: super(ZeroStrategy, self).load_checkpoint(checkpoint_path,
-                                                                                     weights_only=safe))
+        """A sharded directory, a DeepSpeed checkpoint folder, or a full file that is unpickled only with
+        ``weights_only=False``."""
+        module = self.lightning_module
+        names = [n for n, _ in module.named_parameters(remove_duplicate=False)] if module is not None else None
+        checkpoint = open_checkpoint(checkpoint_path, self.global_rank, self.world_size, weights_only,
+                                     lambda safe: super(ZeroStrategy, self).load_checkpoint(checkpoint_path,
+                                                                                           weights_only=safe), names)
+        precision = checkpoint.pop(PRECISION_STATE, None)
+        if precision is not None:  # a DeepSpeed folder's loss scale and skipped steps: Lightning restores by class name
+            checkpoint.setdefault(type(self.precision_plugin).__qualname__, precision)
+        return checkpoint
 
 
 def build_preset(name: str, **init_params: Any) -> ZeroStrategy:
