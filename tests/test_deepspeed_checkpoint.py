@@ -1,0 +1,244 @@
+"""Resuming DeepSpeed ZeRO checkpoints (issue 49), against what DeepSpeed itself wrote and computed: the fixtures of
+tests/deepspeed_fixtures/ (DeepSpeed 0.19.8, world size 2, steps 1-3 saved, steps 4-6 recorded).
+
+The reader against DeepSpeed's own reassembly of every folder; resumed runs (tests/scripts/deepspeed_resume_runs.py)
+against DeepSpeed's steps 4-6: losses, fp32 masters and Adam's moments; bad folders refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from _launch import run_script
+from lzero.checkpoint import CheckpointError
+from lzero.checkpoint.deepspeed_checkpoint import DeepSpeedCheckpoint, prefix_renaming
+from lzero.checkpoint.deepspeed_files import load_deepspeed_file
+from lzero.checkpoint.reader import ShardedCheckpoint
+
+FIXTURES = Path(__file__).parent / "deepspeed_fixtures"
+CASES = [f"stage{s}_{p}" for s in (1, 2, 3) for p in ("fp32", "bf16")]
+KEY_BIAS = slice(15, 30)
+"""The attention's key bias (``qkv.bias[15:30]``): softmax ignores it, so its true gradient is 0 and Adam turns the
+rounding noise of its computed gradient into full-size steps; two runs that round differently move it differently."""
+
+
+def expected(case: str, step: int) -> tuple[dict, dict]:
+    return (torch.load(FIXTURES / case / f"expected_step{step}_fp32.pt", weights_only=True),
+            torch.load(FIXTURES / case / f"expected_step{step}_moments.pt", weights_only=True))
+
+
+def deepspeed_steps(case: str) -> list[dict]:
+    return json.loads((FIXTURES / case / "expected.json").read_text())["steps_after_resume"]
+
+
+@pytest.mark.parametrize("case", CASES + ["lightning_stage2_fp32"])
+def test_reader_gives_deepspeed_masters_and_moments(case: str) -> None:
+    """Every folder at step 3 (and 6), read back bitwise as DeepSpeed reassembles it (zero_to_fp32 for the masters,
+    safe_get_full_optimizer_state for the moments), the tied ``lm_head.weight`` included."""
+    lightning = case.startswith("lightning")
+    for step, folder in ((3, "epoch=0-step=3.ckpt" if lightning else "global_step3"),) + ((6, ""),) * (not lightning):
+        reader = DeepSpeedCheckpoint(FIXTURES / case / folder)
+        masters, moments = expected(case, step)
+        state = reader.full_state_dict()
+        assert set(state) == set(masters)
+        for name, value in masters.items():
+            assert torch.equal(state[name].float(), value), name
+        for name, entry in moments["params"].items():
+            numel = entry["exp_avg"].numel()
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(reader.read_range(f"optim/0/{name}/{key}", 0, numel), entry[key].reshape(-1)), name
+            assert reader.scalar(f"optim/0/{name}/step").item() == step
+        assert reader.manifest["global_step"] == step and reader.world_size == 2
+
+
+def test_reader_carries_groups_schedule_and_lightning_state() -> None:
+    raw = DeepSpeedCheckpoint(FIXTURES / "stage2_fp32" / "global_step3").lightning_state()
+    (group,) = raw["lzero/param_groups"][0]
+    assert (group["lr"], group["betas"], group["weight_decay"], len(group["params"])) == (0.01, (0.9, 0.95), 0.1, 28)
+    assert raw["lr_schedulers"][0]["last_epoch"] == 3 and raw["global_step"] == 3 and raw["epoch"] == 0
+    optimizer_steps = raw["loops"]["fit_loop"]["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]
+    assert optimizer_steps["step"]["total"]["completed"] == 3
+    assert raw["lzero/precision"] == {"skipped_steps": 0}  # bf16/fp32: no dynamic loss scaler
+    lightning = DeepSpeedCheckpoint(FIXTURES / "lightning_stage2_fp32" / "epoch=0-step=3.ckpt").lightning_state()
+    assert [len(g["params"]) for g in lightning["lzero/param_groups"][0]] == [10, 18]
+    assert [g["weight_decay"] for g in lightning["lzero/param_groups"][0]] == [0.1, 0.0]
+    assert lightning["hyper_parameters"]["n_embd"] == 15 and "callbacks" in lightning
+    assert lightning["lr_schedulers"][0]["last_epoch"] == 3
+
+
+def test_names_matched_to_the_module_by_one_prefix() -> None:
+    saved = ["wte.weight", "blocks.0.ln_1.weight"]
+    added = prefix_renaming(saved, {"model.wte.weight", "model.blocks.0.ln_1.weight", "model.lm_head.weight"})
+    assert added("wte.weight") == "model.wte.weight"
+    assert prefix_renaming(["model." + n for n in saved], set(saved))("model.wte.weight") == "wte.weight"
+    assert prefix_renaming(saved, set(saved)) is None  # already the module's
+    assert prefix_renaming(saved, {"a.wte.weight", "b.blocks.0.ln_1.weight"}) is None  # no single prefix
+    path = FIXTURES / "stage3_fp32" / "global_step3"
+    reader = DeepSpeedCheckpoint(path, names=["model." + n for n in DeepSpeedCheckpoint(path).manifest["params"]])
+    assert reader.param_name("model.lm_head.weight") == "model.wte.weight"
+    assert reader.optimizer_keys(0, "model.wte.weight") == ["exp_avg", "exp_avg_sq", "step"]
+
+
+# --- resumed runs ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("deepspeed_resume")
+    run_script("deepspeed_resume_runs.py", "ws2", str(out), ranks=2)
+    run_script("deepspeed_resume_runs.py", "ws1", str(out))
+    return out
+
+
+def records(runs: Path, name: str, ranks: int = 2) -> list[dict]:
+    return [torch.load(runs / f"{name}_rank{r}.pt", weights_only=True) for r in range(ranks)]
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.endswith("fp32")])
+def test_resumed_fp32_runs_continue_deepspeed_bitwise(runs: Path, case: str) -> None:
+    """Same stage, world size 2: each rank's losses of steps 4-6 and the step-6 masters and moments are DeepSpeed's,
+    bit for bit (the same AdamW kernel over the same values); the step, epoch and scheduler came from the folder."""
+    steps = deepspeed_steps(case)
+    for rank, record in enumerate(records(runs, case)):
+        assert record["losses"] == [s["loss_per_rank"][rank] for s in steps]
+        assert (record["start_step"], record["start_epoch"], record["scheduler_last_epoch"]) == (3, 0, 3)
+        assert record["lrs"] == [s["lr"] for s in steps]
+    saved = ShardedCheckpoint(runs / case)
+    masters, moments = expected(case, 6)
+    for name, entry in moments["params"].items():
+        assert torch.equal(saved.full_param(f"model.{name}"), masters[name]), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(saved.read_range(f"optim/0/model.{name}/{key}", 0, entry[key].numel()),
+                               entry[key].reshape(-1)), (name, key)
+        assert saved.scalar(f"optim/0/model.{name}/step").item() == 6
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.endswith("bf16")])
+def test_resumed_bf16_runs_continue_deepspeed_within_bf16_rounding(runs: Path, case: str) -> None:
+    """DeepSpeed runs its whole module in bf16, lzero's bf16-mixed under autocast (normalizations in fp32): losses
+    within 1e-3 (bf16 rounds 4.2 to steps of 0.016), masters within 1e-2 of each tensor's norm, moments within 5e-2
+    (the key bias apart: see KEY_BIAS)."""
+    steps = deepspeed_steps(case)
+    for rank, record in enumerate(records(runs, case)):
+        assert max(abs(a - s["loss_per_rank"][rank]) for a, s in zip(record["losses"], steps)) < 1e-3
+    saved = ShardedCheckpoint(runs / case)
+    masters, moments = expected(case, 6)
+    for name, entry in moments["params"].items():
+        ours, theirs = saved.full_param(f"model.{name}"), masters[name]
+        if name.endswith("attn.qkv.bias"):
+            ours, theirs = torch.cat([ours[:15], ours[30:]]), torch.cat([theirs[:15], theirs[30:]])
+        assert relative(ours, theirs) < 1e-2, name
+        for key in ("exp_avg", "exp_avg_sq"):
+            mine = saved.read_range(f"optim/0/model.{name}/{key}", 0, entry[key].numel())
+            assert relative(mine, entry[key].reshape(-1)) < 5e-2, (name, key)
+
+
+@pytest.mark.parametrize("run", ["stage2_fp32_as_zero1", "stage2_fp32_as_zero3_ws1"])
+def test_resumed_in_another_layout_continues_as_the_same_layout(runs: Path, run: str) -> None:
+    """DeepSpeed stage 2 at world size 2 resumed as lzero zero1 at world size 2 and zero3 at world size 1 (the two
+    ranks' batches as two micro-batches): within 1e-6 of the same-layout resume (measured: equal bit for bit)."""
+    same = ShardedCheckpoint(runs / "stage2_fp32")
+    other = ShardedCheckpoint(runs / run)
+    for name in same.manifest["params"]:
+        torch.testing.assert_close(other.full_param(name), same.full_param(name), rtol=0, atol=1e-6)
+    ranks = 1 if run.endswith("ws1") else 2
+    losses = [loss for step in zip(*[r["losses"] for r in records(runs, run, ranks)]) for loss in step]
+    expected_losses = [loss for s in deepspeed_steps("stage2_fp32") for loss in s["loss_per_rank"]]
+    assert max(abs(a - b) for a, b in zip(losses, expected_losses)) <= 1e-6 and len(losses) == 6
+
+
+def test_lightning_deepspeed_checkpoint_resumes_under_zero2(runs: Path) -> None:
+    """Lightning's DeepSpeedStrategy folder: its global step, epoch and scheduler in place; the losses of the steps
+    Lightning's DeepSpeed run took after the save."""
+    steps = deepspeed_steps("lightning_stage2_fp32")
+    for rank, record in enumerate(records(runs, "lightning_stage2_fp32")):
+        assert (record["start_step"], record["start_epoch"], record["scheduler_last_epoch"]) == (3, 0, 3)
+        assert record["losses"] == [s["loss_per_rank"][rank] for s in steps]
+
+
+def test_fabric_load_resumes_a_deepspeed_folder(runs: Path) -> None:
+    """``fabric.load(folder, {"model": model, "optimizer": optimizer})`` under zero3; the rest (global step, the
+    scheduler's state) returned: DeepSpeed's losses and step-6 masters, bit for bit."""
+    steps = deepspeed_steps("stage3_fp32")
+    for rank, record in enumerate(records(runs, "fabric_stage3_fp32")):
+        assert (record["start_step"], record["scheduler_last_epoch"]) == (3, 3)
+        assert record["losses"] == [s["loss_per_rank"][rank] for s in steps]
+    saved = ShardedCheckpoint(runs / "fabric_stage3_fp32")
+    masters, _ = expected("stage3_fp32", 6)
+    for name in saved.manifest["params"]:
+        assert torch.equal(saved.full_param(name), masters[name]), name
+
+
+# --- bad folders -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    shutil.copytree(FIXTURES / "stage2_fp32" / "global_step3", tmp_path / "global_step3")
+    return tmp_path / "global_step3"
+
+
+class Payload:
+    """Pickles as a call of ``os.makedirs``: what a tampered file could run when unpickled."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple:
+        return os.makedirs, (str(self.marker),)
+
+
+def rewrite(path: Path, **changes: object) -> None:
+    """Replace entries of an optimizer file's ``optimizer_state_dict``; DeepSpeed's classes written as plain values
+    (our stand-ins would pickle under lzero's names)."""
+    state = load_deepspeed_file(path)
+    inner = state["optimizer_state_dict"]
+    inner.update({"zero_stage": int(inner["zero_stage"]), "loss_scaler": None, **changes})
+    inner.pop("param_slice_mappings")
+    path.unlink()
+    torch.save(state, path)
+
+
+def test_a_class_off_the_allow_list_is_refused_by_name_and_never_runs(folder: Path, tmp_path: Path) -> None:
+    rewrite(folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt", loss_scaler=Payload(tmp_path / "ran"))
+    with pytest.raises(CheckpointError, match=r"rank_1_mp_rank_00_optim_states.pt` names the class `os\.makedirs`"):
+        DeepSpeedCheckpoint(folder)
+    assert not (tmp_path / "ran").exists()
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("mp_rank_01_model_states.pt", r"mp_rank_01_model_states.pt` belongs to tensor- or pipeline-parallel rank 1"),
+    ("zero_pp_rank_0_mp_rank_01_optim_states.pt", r"mp_rank_01_optim_states.pt` belongs to tensor- or pipeline"),
+    ("layer_01-model_00-model_states.pt", r"layer_01-model_00-model_states.pt` is a pipeline-parallel layer file"),
+    ("expp_rank_0_mp_rank_00_optim_states.pt", r"expp_rank_0_mp_rank_00_optim_states.pt` is a mixture-of-experts"),
+    ("layer_0_expert_0_mp_rank_00_model_states.pt", r"layer_0_expert_0_mp_rank_00_model_states.pt` is a mixture-of"),
+])
+def test_model_parallel_and_expert_files_are_refused_by_name(folder: Path, extra: str, message: str) -> None:
+    (folder / extra).write_bytes(b"never read")
+    with pytest.raises(CheckpointError, match=message):
+        DeepSpeedCheckpoint(folder)
+
+
+def test_a_missing_rank_file_is_named(folder: Path) -> None:
+    (folder / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"lacks \['zero_pp_rank_1_mp_rank_00_optim_states.pt'\], of the 2 ranks"):
+        DeepSpeedCheckpoint(folder)
+
+
+def test_an_optimizer_state_not_per_element_is_refused(folder: Path) -> None:
+    path = folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    base = load_deepspeed_file(path)["optimizer_state_dict"]["base_optimizer_state"]
+    base["state"][0]["exp_avg_sq_row"] = torch.zeros(65)  # a factored second moment (Adafactor's)
+    rewrite(path, base_optimizer_state=base)
+    with pytest.raises(CheckpointError, match=r"optimizer state `exp_avg_sq_row` is \[65\], not one value per element"):
+        DeepSpeedCheckpoint(folder)
