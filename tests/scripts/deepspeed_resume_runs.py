@@ -6,16 +6,18 @@ The fixtures' run (tests/deepspeed_fixtures/README.md): their GPT, the batch of 
 from seed 1000 i + r, the mean cross entropy, AdamW (lr 1e-2, betas (0.9, 0.95), weight decay 0.1), LambdaLR
 min(1, (s + 1) / 4), clipping at 1.0; resumed from the step-3 folder and trained to step 6. At world size 1 the two
 DeepSpeed ranks' batches are two micro-batches of each step (``accumulate_grad_batches=2``). Every rank writes
-``OUT_DIR/<run>_rank<r>.pt`` (its losses, the step, epoch and scheduler state found when training starts); the run
+``OUT_DIR/<run>_rank<r>.pt`` (its losses, the step, epoch and scheduler state found when training starts, the bytes
+it read of DeepSpeed's tensors); the run
 saves an lzero checkpoint at step 6 as ``OUT_DIR/<run>``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +25,7 @@ from lightning.pytorch import LightningModule, Trainer
 from torch.utils.data import DataLoader
 
 from lzero import ZeroStrategy
+from lzero.checkpoint import deepspeed_checkpoint
 from lzero.demo.model import GPT, GPTConfig
 from _teardown import destroy_process_group  # a sibling: scripts run from their folder
 
@@ -71,6 +74,23 @@ class Resumed(LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+@contextlib.contextmanager
+def counted_reads() -> Iterator[list[int]]:
+    """Bytes this rank reads of DeepSpeed's tensors (every read of a piece goes through ``_Slice``)."""
+    read, count = deepspeed_checkpoint._Slice.read_flat_range, [0]
+
+    def counting(piece: Any, start: int, end: int) -> torch.Tensor:
+        values = read(piece, start, end)
+        count[0] += values.numel() * values.element_size()
+        return values
+
+    deepspeed_checkpoint._Slice.read_flat_range = counting
+    try:
+        yield count
+    finally:
+        deepspeed_checkpoint._Slice.read_flat_range = read
+
+
 def fit(out: Path, name: str, source: str, strategy: Any, devices: int, precision: str) -> None:
     lightning = source.startswith("lightning")
     path = FIXTURES / source / ("epoch=0-step=3.ckpt" if lightning else "global_step3")
@@ -81,7 +101,9 @@ def fit(out: Path, name: str, source: str, strategy: Any, devices: int, precisio
     trainer = Trainer(accelerator="cpu", devices=devices, strategy=strategy, precision=precision, max_steps=6,
                       accumulate_grad_batches=3 - devices, gradient_clip_val=1.0, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(model, DataLoader(list(range(64)), batch_size=1), ckpt_path=str(path))
+    with counted_reads() as read:
+        trainer.fit(model, DataLoader(list(range(64)), batch_size=1), ckpt_path=str(path))
+    model.record["bytes_read"] = read[0]
     torch.save(model.record, out / f"{name}_rank{trainer.global_rank}.pt")
 
 
