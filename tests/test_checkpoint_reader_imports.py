@@ -1,5 +1,5 @@
 """The storage side of lzero/checkpoint/ opens a checkpoint without a run: importing the reader (and
-``lzero consolidate``'s module) in a fresh interpreter loads neither Lightning, nor torch.distributed
+``lzero consolidate``'s module, and the DeepSpeed folder's reader) in a fresh interpreter loads neither Lightning, nor torch.distributed
 beyond what ``import torch`` loads itself, nor the engine, the optimizer or the strategy; and their
 sources name none of them."""
 
@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STORAGE = ["reader.py", "files.py", "tree.py", "stream.py", "consolidate.py", "__init__.py"]
+STORAGE = ["reader.py", "files.py", "tree.py", "stream.py", "consolidate.py", "__init__.py", "deepspeed_files.py",
+           "deepspeed_checkpoint.py"]
 FORBIDDEN = ("lightning", "pytorch_lightning", "torch.distributed", "lzero.engine.engine", "lzero.optimizer",
              "lzero.lightning", "lzero.engine.collectives", "lzero.checkpoint.sharded", "lzero.checkpoint.resume")
 
@@ -25,7 +26,7 @@ package.__path__ = [sys.argv[1]]
 sys.modules["lzero"] = package
 import torch
 with_torch = set(sys.modules)
-import lzero.checkpoint.reader, lzero.checkpoint.consolidate
+import lzero.checkpoint.reader, lzero.checkpoint.consolidate, lzero.checkpoint.deepspeed_checkpoint
 print(json.dumps({"torch_loads_distributed": "torch.distributed" in with_torch,
                   "new": sorted(set(sys.modules) - with_torch)}))
 """

@@ -16,8 +16,8 @@ scheduler state merged into the model states (the client state). In the tag fold
   ``lr_scheduler``, ``global_steps``, ``skipped_steps``, ``dp_world_size``, ``mp_world_size``, ``ds_config``.
 - ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt`` per data-parallel rank, ``optimizer_state_dict``:
   stages 1-2: ``single_partition_of_fp32_groups`` (rank R's partition of each group, its end padding
-  stripped), ``base_optimizer_state`` (the torch optimizer's state dict over those partitions, padding kept; a list
-  of per-group states, stripped, under ``elastic_checkpoint``), ``group_paddings``, ``param_alignment_paddings``,
+  stripped), ``base_optimizer_state`` (the torch optimizer's state dict over those partitions, padding kept; under
+  ``elastic_checkpoint`` per-group states without the param groups: refused), ``group_paddings``, ``param_alignment_paddings``,
   ``partition_count``, ``param_slice_mappings``; stage 3: ``fp32_flat_groups`` (per sub-group) and
   ``optimizer_state_dict``; both: ``loss_scaler``, ``zero_stage``.
 
@@ -83,8 +83,8 @@ class _Span(NamedTuple):
 
 class DeepSpeedCheckpoint(PiecedCheckpoint):
     """A DeepSpeed ZeRO checkpoint folder (see [Note: DeepSpeed checkpoint folders]), validated in full on open,
-    its tensors mapped and read by range when loaded. ``names``: the module's parameter and buffer names, when the
-    saved ones may differ from them by a prefix (:func:`prefix_renaming`)."""
+    its tensors mapped and read by range when loaded. ``names``: the module's parameter names, when the saved ones
+    may differ from them by a prefix (:func:`prefix_renaming`)."""
 
     def __init__(self, path: Any, names: Optional[Collection[str]] = None) -> None:
         self.path = Path(path)
