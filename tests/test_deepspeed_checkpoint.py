@@ -17,8 +17,8 @@ import torch
 
 from _launch import run_script
 from lzero.checkpoint import CheckpointError
-from lzero.checkpoint.deepspeed_checkpoint import DeepSpeedCheckpoint, prefix_renaming
-from lzero.checkpoint.deepspeed_files import load_deepspeed_file
+from lzero.checkpoint.deepspeed_checkpoint import DeepSpeedCheckpoint, _precision_state, prefix_renaming
+from lzero.checkpoint.deepspeed_files import LossScalerFields, load_deepspeed_file
 from lzero.checkpoint.reader import ShardedCheckpoint
 
 FIXTURES = Path(__file__).parent / "deepspeed_fixtures"
@@ -70,6 +70,20 @@ def test_reader_carries_groups_schedule_and_lightning_state() -> None:
     assert [g["weight_decay"] for g in lightning["lzero/param_groups"][0]] == [0.1, 0.0]
     assert lightning["hyper_parameters"]["n_embd"] == 15 and "callbacks" in lightning
     assert lightning["lr_schedulers"][0]["last_epoch"] == 3
+
+
+def test_fp16_dynamic_loss_scale_carries_over() -> None:
+    """DeepSpeed's DynamicLossScaler (no fixture: DeepSpeed refuses fp16 on the CPU) as lzero's precision state,
+    which the fp16 plugin loads: scale, iteration, last overflow, hysteresis, skipped steps."""
+    from lzero import ZeroPrecision
+
+    scaler = LossScalerFields()
+    scaler.__dict__.update(cur_scale=2048.0, cur_iter=40, last_overflow_iter=31, scale_factor=2.0, scale_window=1000,
+                           min_scale=1, delayed_shift=2, cur_hysteresis=1, consecutive_hysteresis=False, dynamic=True)
+    plugin = ZeroPrecision("16-mixed")
+    plugin.load_state_dict(_precision_state(scaler, 3))
+    assert (plugin.skipped_steps, plugin.scaler.scale, plugin.scaler.iteration) == (3, 2048.0, 40)
+    assert (plugin.scaler.last_overflow_iteration, plugin.scaler.hysteresis_left) == (31, 1)
 
 
 def test_names_matched_to_the_module_by_one_prefix() -> None:
