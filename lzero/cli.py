@@ -1,6 +1,6 @@
 """The ``lzero`` console script: LightningCLI with the lzero strategy names registered, plus the
-checkpoint commands ``consolidate`` and ``inspect``, the memory estimate ``estimate`` and ``convert-config``
-(a DeepSpeed JSON configuration as LightningCLI YAML).
+checkpoint commands ``consolidate``, ``inspect``, ``export-hf`` and ``import-deepspeed``, the memory estimate
+``estimate`` and ``convert-config`` (a DeepSpeed JSON configuration as LightningCLI YAML).
 
 ``lzero fit --config configs/demo_zero2.yaml`` trains the demo GPT with ``trainer.strategy: zero2``.
 Models and datamodules are chosen by ``class_path`` exactly as with plain ``LightningCLI``: the
@@ -37,6 +37,12 @@ def _export_hf(argv: list[str]) -> int:
     return export_command(argv)
 
 
+def _import_deepspeed(argv: list[str]) -> int:
+    from lzero.checkpoint.deepspeed_import import import_command
+
+    return import_command(argv)
+
+
 def _estimate(argv: list[str]) -> int:
     from lzero.memory.estimate_command import estimate_command
 
@@ -54,6 +60,8 @@ EXTRA_COMMANDS: dict[str, tuple[Callable[[list[str]], int], str]] = {
     "consolidate": (_consolidate, "write a sharded checkpoint directory as one .ckpt/.pt/.pth/.safetensors file"),
     "export-hf": (_export_hf, "write a checkpoint as a Hugging Face folder (sharded safetensors, config, index)"),
     "inspect": (_inspect, "print a sharded checkpoint's step, stage, parameter counts and files"),
+    "import-deepspeed": (_import_deepspeed, "write a DeepSpeed ZeRO checkpoint folder as an lzero sharded checkpoint"
+                                            " (weights, optimizer state, step)"),
     "convert-config": (_convert_config, "print the LightningCLI strategy YAML for a DeepSpeed JSON config"),
     "estimate": (_estimate, "model-state memory per device, host and NVMe disk of each strategy (no model allocated)"),
 }

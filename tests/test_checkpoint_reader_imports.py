@@ -1,7 +1,7 @@
 """The storage side of lzero/checkpoint/ opens a checkpoint without a run: importing the reader (and
-``lzero consolidate``'s module, and the DeepSpeed folder's reader) in a fresh interpreter loads neither Lightning, nor torch.distributed
-beyond what ``import torch`` loads itself, nor the engine, the optimizer or the strategy; and their
-sources name none of them."""
+``lzero consolidate``'s module, the DeepSpeed folder's reader and ``lzero import-deepspeed``'s module) in a fresh
+interpreter loads neither Lightning, nor torch.distributed beyond what ``import torch`` loads itself, nor the engine,
+the optimizer or the strategy; and their sources name none of them."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 STORAGE = ["reader.py", "files.py", "tree.py", "stream.py", "consolidate.py", "__init__.py", "deepspeed_files.py",
-           "deepspeed_checkpoint.py"]
+           "deepspeed_checkpoint.py", "deepspeed_import.py"]
 FORBIDDEN = ("lightning", "pytorch_lightning", "torch.distributed", "lzero.engine.engine", "lzero.optimizer",
              "lzero.lightning", "lzero.engine.collectives", "lzero.checkpoint.sharded", "lzero.checkpoint.resume")
 
@@ -27,6 +27,7 @@ sys.modules["lzero"] = package
 import torch
 with_torch = set(sys.modules)
 import lzero.checkpoint.reader, lzero.checkpoint.consolidate, lzero.checkpoint.deepspeed_checkpoint
+import lzero.checkpoint.deepspeed_import
 print(json.dumps({"torch_loads_distributed": "torch.distributed" in with_torch,
                   "new": sorted(set(sys.modules) - with_torch)}))
 """

@@ -2,7 +2,8 @@
 tests/deepspeed_fixtures/ (DeepSpeed 0.19.8, world size 2, steps 1-3 saved, steps 4-6 recorded).
 
 The reader against DeepSpeed's own reassembly of every folder; resumed runs (tests/scripts/deepspeed_resume_runs.py)
-against DeepSpeed's steps 4-6: losses, fp32 masters and Adam's moments; bad folders refused by name.
+against DeepSpeed's steps 4-6: losses, fp32 masters and Adam's moments; bad folders refused by name; ``lzero
+import-deepspeed`` against the folder it read, and its checkpoint resumed, consolidated and exported.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from _launch import run_script
 from lzero.checkpoint import CheckpointError
 from lzero.checkpoint.deepspeed_checkpoint import DeepSpeedCheckpoint, _precision_state, prefix_renaming
 from lzero.checkpoint.deepspeed_files import LossScalerFields, load_deepspeed_file
+from lzero.checkpoint.deepspeed_import import import_deepspeed
 from lzero.checkpoint.reader import ShardedCheckpoint
 
 FIXTURES = Path(__file__).parent / "deepspeed_fixtures"
@@ -105,6 +107,8 @@ def test_names_matched_to_the_module_by_one_prefix() -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("deepspeed_resume")
+    for case in ("stage2_fp32", "stage3_fp32"):  # resumed as the folders are
+        import_deepspeed(FIXTURES / case / "global_step3", out / f"imported_{case}")
     run_script("deepspeed_resume_runs.py", "ws2", str(out), ranks=2)
     run_script("deepspeed_resume_runs.py", "ws1", str(out))
     return out
@@ -267,3 +271,125 @@ def test_an_optimizer_state_not_per_element_is_refused(folder: Path) -> None:
     rewrite(path, base_optimizer_state=base)
     with pytest.raises(CheckpointError, match=r"optimizer state `exp_avg_sq_row` is \[65\], not one value per element"):
         DeepSpeedCheckpoint(folder)
+
+
+# --- lzero import-deepspeed ----------------------------------------------------------------------
+
+
+IMPORTS = {"stage2_fp32": ("stage2_fp32", 6), "stage3_bf16": ("stage3_bf16", 6),
+           "lightning_stage2_fp32": ("lightning_stage2_fp32/epoch=0-step=3.ckpt", 3)}
+"""Case -> the folder imported (a save directory: its ``latest`` tag; Lightning's .ckpt directory) and its step."""
+
+
+@pytest.mark.parametrize("case", IMPORTS)
+def test_import_writes_the_folder_as_an_lzero_checkpoint(case: str, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The imported checkpoint reads back as the folder does, bit for bit: state dict (dtypes, tied keys), every
+    optimizer state piece and step, param groups, scheduler, loops and precision state; streamed: no read larger than
+    one parameter's half (its cut at DeepSpeed's world size 2)."""
+    folder, step = IMPORTS[case]
+    source = DeepSpeedCheckpoint(FIXTURES / folder)
+    largest = []
+    read_range = DeepSpeedCheckpoint.read_range
+    monkeypatch.setattr(DeepSpeedCheckpoint, "read_range",
+                        lambda self, key, a, b, dtype=None: largest.append(b - a) or read_range(self, key, a, b, dtype))
+    manifest = import_deepspeed(FIXTURES / folder, tmp_path / "imported")
+    assert 0 < max(largest) <= -(-max(p["numel"] for p in source.manifest["params"].values()) // 2)
+    imported = ShardedCheckpoint(tmp_path / "imported")
+    assert (manifest["global_step"], manifest["world_size"], imported.manifest["imported_from"]["format"]) == \
+        (step, 2, "deepspeed")
+    ours, theirs = imported.full_state_dict(), source.full_state_dict()
+    assert list(ours) == list(theirs)
+    assert all(ours[k].dtype == theirs[k].dtype and torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert ours["lm_head.weight" if case != "lightning_stage2_fp32" else "model.lm_head.weight"] is \
+        ours["wte.weight" if case != "lightning_stage2_fp32" else "model.wte.weight"]
+    for name, info in source.manifest["params"].items():
+        assert imported.optimizer_keys(0, name) == source.optimizer_keys(0, name) == ["exp_avg", "exp_avg_sq", "step"]
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(imported.read_range(f"optim/0/{name}/{key}", 0, info["numel"]),
+                               source.read_range(f"optim/0/{name}/{key}", 0, info["numel"])), (name, key)
+        assert torch.equal(imported.scalar(f"optim/0/{name}/step"), source.scalar(f"optim/0/{name}/step"))
+    ours, theirs = imported.lightning_state(), source.lightning_state()
+    assert set(ours) == set(theirs)
+    for key in ("lzero/param_groups", "lzero/precision", "lr_schedulers", "loops", "global_step", "epoch",
+                "callbacks", "hyper_parameters"):
+        assert ours.get(key) == theirs.get(key), key
+
+
+@pytest.mark.parametrize("case", IMPORTS)
+def test_imported_checkpoint_consolidates_and_exports_to_deepspeeds_masters(case: str, tmp_path: Path) -> None:
+    """``lzero consolidate`` of the imported checkpoint, and of the DeepSpeed folder itself, give the fp32 masters
+    DeepSpeed's zero_to_fp32 gives for the folder's tag, bit for bit (bf16 runs keep fp32 masters too); ``lzero
+    export-hf`` writes them, the tied key once."""
+    from safetensors.torch import load_file
+
+    from lzero.cli import main
+
+    folder, step = IMPORTS[case]
+    masters = torch.load(FIXTURES / case / f"expected_step{step}_fp32.pt", weights_only=True)
+    assert main(["import-deepspeed", str(FIXTURES / folder), str(tmp_path / "imported")]) == 0
+    for source, out in ((tmp_path / "imported", tmp_path / "imported.ckpt"), (FIXTURES / folder, tmp_path / "ds.ckpt")):
+        assert main(["consolidate", str(source), str(out)]) == 0
+        consolidated = torch.load(out, weights_only=True)
+        assert consolidated["global_step"] == step and set(consolidated["state_dict"]) == set(masters)
+        for name, value in masters.items():
+            assert torch.equal(consolidated["state_dict"][name], value), (out.name, name)
+    assert main(["export-hf", str(tmp_path / "imported"), str(tmp_path / "hf")]) == 0
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    prefix = "model." if case.startswith("lightning") else ""
+    assert set(exported) == {k[len(prefix):] for k in masters} - {"lm_head.weight"}
+    assert all(torch.equal(v, masters[prefix + k]) for k, v in exported.items())
+
+
+def test_imported_checkpoint_resumes_as_the_deepspeed_folder(runs: Path) -> None:
+    """``Trainer.fit(ckpt_path=<imported>)`` under zero2 and ``fabric.load`` under zero3 (the module holding the GPT
+    as ``self.model`` under the Trainer: the names matched by one prefix, as for the folder): DeepSpeed's step 4-6
+    losses, the same as the folders' resumes, and its step-6 masters and moments, bit for bit."""
+    for run, case, prefix in (("stage2_fp32_imported", "stage2_fp32", "model."),
+                              ("fabric_stage3_fp32_imported", "stage3_fp32", "")):
+        steps = deepspeed_steps(case)
+        same = run.replace("_imported", "")
+        for rank, (record, folder_record) in enumerate(zip(records(runs, run), records(runs, same))):
+            assert record["losses"] == folder_record["losses"] == [s["loss_per_rank"][rank] for s in steps]
+            assert (record["start_step"], record["scheduler_last_epoch"]) == (3, 3)
+        saved = ShardedCheckpoint(runs / run)
+        masters, moments = expected(case, 6)
+        for name, entry in moments["params"].items():
+            assert torch.equal(saved.full_param(prefix + name), masters[name]), name
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(saved.read_range(f"optim/0/{prefix}{name}/{key}", 0, entry[key].numel()),
+                                   entry[key].reshape(-1)), (name, key)
+
+
+def test_import_refuses_a_non_empty_output_and_leaves_none_when_interrupted(tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    source = FIXTURES / "stage2_fp32"
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    with pytest.raises(CheckpointError, match=r"`.*taken` exists and is not empty \(it holds `notes.txt`\)"):
+        import_deepspeed(source, tmp_path / "taken")
+    assert [p.name for p in (tmp_path / "taken").iterdir()] == ["notes.txt"]
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CheckpointError, match=r"`.*file` is a file"):
+        import_deepspeed(source, tmp_path / "file")
+
+    from lzero.checkpoint import deepspeed_import
+
+    written = []
+
+    def write_one(path: Path, *args: object) -> None:  # the second shard file fails: a full disk
+        if written:
+            raise OSError(28, "No space left on device")
+        written.append(path)
+        write_tensors(path, *args)
+
+    write_tensors = deepspeed_import.write_tensors
+    monkeypatch.setattr(deepspeed_import, "write_tensors", write_one)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(OSError, match="No space left"):
+        import_deepspeed(source, tmp_path / "empty")
+    assert written and sorted(p.name for p in tmp_path.iterdir()) == ["empty", "file", "taken"]
+    assert list((tmp_path / "empty").iterdir()) == []
+    monkeypatch.undo()
+    import_deepspeed(source, tmp_path / "empty")  # an empty directory is taken
+    assert ShardedCheckpoint(tmp_path / "empty").manifest["global_step"] == 6

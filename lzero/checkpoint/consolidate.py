@@ -1,6 +1,6 @@
-"""``lzero consolidate`` and ``lzero inspect``: one plain fp32 file from a sharded checkpoint, streamed
-one tensor at a time; the checkpoint's metadata without loading a tensor. Given anything but a
-sharded checkpoint directory (a plain ``.ckpt``, a file inside a checkpoint, a folder of checkpoints,
+"""``lzero consolidate`` and ``lzero inspect``: one plain fp32 file from a sharded checkpoint (or a DeepSpeed ZeRO
+checkpoint folder), streamed one tensor at a time; the checkpoint's metadata without loading a tensor. Given anything
+but a sharded checkpoint directory (a plain ``.ckpt``, a file inside a checkpoint, a folder of checkpoints,
 a missing path) they say what it is and what to do; a plain torch/Lightning file can be converted to
 ``.safetensors``. A bad output path is refused before anything is written.
 
@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from lzero.checkpoint import CheckpointError, SafetensorsStreamWriter, TensorFile, TorchStreamWriter
-from lzero.checkpoint.reader import MANIFEST, ShardedCheckpoint
+from lzero.checkpoint.deepspeed_files import deepspeed_tag_folder
+from lzero.checkpoint.reader import MANIFEST, PiecedCheckpoint, ShardedCheckpoint, open_reader
 
 KEPT = ("pytorch-lightning_version", "epoch", "global_step", "loops", "hyper_parameters", "hparams_name")
 """What a consolidated file keeps besides the state dict: what ``load_from_checkpoint`` needs, and the loops'
@@ -33,9 +34,10 @@ SUFFIXES = (".ckpt", ".pt", ".pth", ".safetensors")
 
 
 def consolidate(checkpoint_dir: Any, out: Any, progress: bool = False) -> Path:
-    """Write ``checkpoint_dir`` as one plain fp32 file at ``out`` (``.ckpt``, ``.pt``, ``.pth`` or ``.safetensors``);
-    peak memory stays near the largest tensor. A plain torch/Lightning file instead of a directory is
-    converted to ``.safetensors`` (its state dict, read with ``weights_only=True``)."""
+    """Write ``checkpoint_dir`` (an lzero sharded checkpoint, or a DeepSpeed ZeRO checkpoint folder: its fp32 masters)
+    as one plain fp32 file at ``out`` (``.ckpt``, ``.pt``, ``.pth`` or ``.safetensors``); peak memory stays near the
+    largest tensor. A plain torch/Lightning file instead of a directory is converted to ``.safetensors`` (its state
+    dict, read with ``weights_only=True``)."""
     source, out = Path(checkpoint_dir), Path(out)
     kind = source_kind(source, "consolidate")
     check_output(source, out)
@@ -47,7 +49,7 @@ def consolidate(checkpoint_dir: Any, out: Any, progress: bool = False) -> Path:
                                   f" with an output ending in .safetensors: `lzero consolidate {source}"
                                   f" {out.with_suffix('.safetensors')}`.")
         return convert_to_safetensors(source, out)
-    reader = ShardedCheckpoint(source)
+    reader = open_reader(source)
     keys = reader.manifest["state_dict_keys"]
     first_key: dict[str, str] = {}  # what a key holds (its parameter, or itself) -> the first key holding it
     for key in keys:
@@ -183,7 +185,7 @@ def convert_to_safetensors(path: Path, out: Path) -> Path:
     return out
 
 
-def _dtype_shape(reader: ShardedCheckpoint, key: str) -> tuple[Any, tuple[int, ...]]:
+def _dtype_shape(reader: PiecedCheckpoint, key: str) -> tuple[Any, tuple[int, ...]]:
     import torch
 
     name = reader.param_name(key)
@@ -208,6 +210,9 @@ def inspect(checkpoint_dir: Any) -> dict[str, Any]:
         raise CheckpointError(_plain_file(source) + " `lzero inspect` reads sharded checkpoint directories. HINT:"
                               " look inside with"
                               f" `torch.load('{source}', weights_only=True, mmap=True)`.")
+    if deepspeed_tag_folder(source) is not None:
+        raise CheckpointError(f"`{source}` is a DeepSpeed checkpoint folder; `lzero inspect` reads lzero's. HINT: write"
+                              f" it as one with `lzero import-deepspeed {source} DST`, then `lzero inspect DST`.")
     reader = ShardedCheckpoint(source)
     m = reader.manifest
     trainable = sum(p["numel"] for p in m["params"].values() if not p.get("frozen"))
@@ -250,7 +255,8 @@ def _resume_needs(reader: ShardedCheckpoint, trainable: int, frozen: int) -> dic
 
 def consolidate_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lzero consolidate", description=consolidate.__doc__)
-    parser.add_argument("checkpoint_dir", help="a sharded checkpoint directory (or a plain .ckpt, for .safetensors)")
+    parser.add_argument("checkpoint_dir", help="a sharded checkpoint directory, a DeepSpeed ZeRO checkpoint folder"
+                                               " (or a plain .ckpt, for .safetensors)")
     parser.add_argument("out", help="output file: .ckpt, .pt, .pth or .safetensors (replaced if it exists)")
     args = parser.parse_args(argv)
     try:

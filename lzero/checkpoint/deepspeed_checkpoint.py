@@ -45,7 +45,7 @@ from torch import Tensor
 
 from lzero.checkpoint.deepspeed_files import DeepSpeedFiles, deepspeed_tag_folder
 from lzero.checkpoint.files import CheckpointError
-from lzero.checkpoint.reader import PiecedCheckpoint, Piece
+from lzero.checkpoint.reader import PiecedCheckpoint, Piece, prefix_renaming
 
 _DEEPSPEED_KEYS = {
     "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",
@@ -193,21 +193,6 @@ class DeepSpeedCheckpoint(PiecedCheckpoint):
         state[PRECISION_STATE] = _precision_state(self.files.optim[0].get("loss_scaler"), first.get("skipped_steps"))
         self._common = state
         return state
-
-
-def prefix_renaming(saved: list[str], names: set[str]) -> Optional[Callable[[str], str]]:
-    """How the saved parameter names become the module's, when they are not all among ``names``: the one prefix
-    that, added to every saved name (DeepSpeed trained ``GPT()``, Lightning holds it as ``self.model``) or removed
-    from every one (the reverse), makes each of them one of ``names``. None when no prefix, or several, do."""
-    if not saved or all(n in names for n in saved):
-        return None
-    first = saved[0]
-    added = {t[: len(t) - len(first)] for t in names if t.endswith("." + first)}
-    removed = {first[: i + 1] for i, c in enumerate(first) if c == "."}
-    fits = [(lambda n, p=p: p + n) for p in sorted(added) if all(p + n in names for n in saved)]
-    fits += [(lambda n, p=p: n[len(p):] if n.startswith(p) else n) for p in sorted(removed)
-             if all(n.startswith(p) and n[len(p):] in names for n in saved)]
-    return fits[0] if len(fits) == 1 else None
 
 
 def _elementwise(state: dict[str, Any], size: int, where: str) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import os
 import re
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable, NamedTuple, Optional, Protocol
+from typing import Any, Callable, Collection, NamedTuple, Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -73,7 +73,7 @@ class PiecedCheckpoint:
     ``world_size``, ``stage``, ``global_step``, ``epoch``, ``weights_only``); ``lightning_state()`` is everything else,
     with ``lzero/module_state`` (the tensors outside every unit: buffers, frozen parameters) and ``lzero/param_groups``
     (each optimizer's groups, hyperparameters and parameter names). :class:`ShardedCheckpoint` (lzero's own) and
-    ``DeepSpeedCheckpoint`` (deepspeed_format.py) build the pieces from their files; the reading is here."""
+    ``DeepSpeedCheckpoint`` (deepspeed_checkpoint.py) build the pieces from their files; the reading is here."""
 
     path: Path
     manifest: dict[str, Any]
@@ -112,6 +112,18 @@ class PiecedCheckpoint:
     @property
     def world_size(self) -> int:
         return int(self.manifest["world_size"])
+
+    @property
+    def from_deepspeed(self) -> bool:
+        """Whether this holds a DeepSpeed run: its folder, or an lzero checkpoint ``lzero import-deepspeed`` wrote
+        from one. Its names are matched to the module's by one prefix (:func:`prefix_renaming`), and Fabric's
+        ``load`` puts its one module and optimizer into the state's."""
+        imported = self.manifest.get("imported_from") or {}
+        return self.manifest.get("format") == "deepspeed" or imported.get("format") == "deepspeed"
+
+    def dtype(self, key: str) -> torch.dtype:
+        """The dtype ``key``'s pieces hold, without reading an element."""
+        return self._pieces[key][0].source.read_flat_range(0, 0).dtype
 
     def read_range(self, key: str, start: int, end: int, dtype: Optional[torch.dtype] = None) -> Tensor:
         """Elements [start, end) of the flattened ``key``, assembled from the pieces that hold them."""
@@ -187,9 +199,11 @@ class PiecedCheckpoint:
 
 class ShardedCheckpoint(PiecedCheckpoint):
     """A committed sharded checkpoint, validated in full on open (manifest, every file's header, size
-    and save id, and that the pieces of every parameter cover it), before any tensor is read."""
+    and save id, and that the pieces of every parameter cover it), before any tensor is read. ``names``: the
+    module's parameter names; one imported from DeepSpeed (:attr:`from_deepspeed`) is read under them when its names
+    differ from them by one prefix, as the DeepSpeed folder itself is."""
 
-    def __init__(self, path: Any) -> None:
+    def __init__(self, path: Any, names: Optional[Collection[str]] = None) -> None:
         self.path = Path(path)
         manifest_path = self.path / MANIFEST
         if not manifest_path.exists():
@@ -204,6 +218,11 @@ class ShardedCheckpoint(PiecedCheckpoint):
                                   " HINT: it was written by another tool or a newer lzero.")
         _check_manifest(self.manifest, manifest_path)
         self.save_id = self.manifest["save_id"]
+        self._rename = prefix_renaming(list(self.manifest["params"]), set(names)) \
+            if names is not None and self.from_deepspeed else None
+        """A saved name -> the module's name; None: the same."""
+        if self._rename is not None:
+            self.manifest = _renamed_manifest(self.manifest, self._rename)
         self._common: Optional[dict[str, Any]] = None
         self.files: list[TensorFile] = []
         for entry in self.manifest["files"]:
@@ -216,11 +235,12 @@ class ShardedCheckpoint(PiecedCheckpoint):
         pieces: dict[str, list[Piece]] = defaultdict(list)
         scalars: dict[str, Callable[[], Tensor]] = {}
         for file in self.files:
-            for key, span in json.loads(file.metadata["pieces"]).items():
+            for saved_key, span in json.loads(file.metadata["pieces"]).items():
+                key = _renamed_key(saved_key, self._rename) if self._rename else saved_key
                 if span is None:
-                    scalars.setdefault(key, functools.partial(file.read, key))
+                    scalars.setdefault(key, functools.partial(file.read, saved_key))
                 else:
-                    pieces[key].append(Piece(span[0], span[1], _FileEntry(file, key)))
+                    pieces[key].append(Piece(span[0], span[1], _FileEntry(file, saved_key)))
         self._index(pieces, scalars)
 
     def tree(self, name: str, rank: int = 0) -> Any:
@@ -233,6 +253,12 @@ class ShardedCheckpoint(PiecedCheckpoint):
         """Everything Lightning saved besides the model and optimizer tensors (read once)."""
         if self._common is None:
             self._common = self.tree("common", 0)
+            rename = self._rename
+            if rename is not None:
+                common = self._common
+                common["lzero/module_state"] = {rename(k): v for k, v in common["lzero/module_state"].items()}
+                common["lzero/param_groups"] = [[{**g, "params": [rename(n) for n in g["params"]]} for g in groups]
+                                                for groups in common["lzero/param_groups"]]
         return self._common
 
     def rng_state(self, rank: int) -> Optional[dict[str, Any]]:
@@ -247,6 +273,45 @@ class ShardedCheckpoint(PiecedCheckpoint):
             stored = {r["@tensor"] for r in refs.values()}  # the codec stores a shared tensor once
             return sum(math.prod(file.entry(f"common/{name}").shape) for name in stored)
         return super().module_state_numel()  # a key the codec had to tag: decode it
+
+
+def prefix_renaming(saved: list[str], names: set[str]) -> Optional[Callable[[str], str]]:
+    """How the saved parameter names become the module's, when they are not all among ``names``: the one prefix
+    that, added to every saved name (DeepSpeed trained ``GPT()``, Lightning holds it as ``self.model``) or removed
+    from every one (the reverse), makes each of them one of ``names``. None when no prefix, or several, do."""
+    if not saved or all(n in names for n in saved):
+        return None
+    first = saved[0]
+    added = {t[: len(t) - len(first)] for t in names if t.endswith("." + first)}
+    removed = {first[: i + 1] for i, c in enumerate(first) if c == "."}
+    fits = [(lambda n, p=p: p + n) for p in sorted(added) if all(p + n in names for n in saved)]
+    fits += [(lambda n, p=p: n[len(p):] if n.startswith(p) else n) for p in sorted(removed)
+             if all(n.startswith(p) and n[len(p):] in names for n in saved)]
+    return fits[0] if len(fits) == 1 else None
+
+
+def open_reader(path: Any, names: Optional[Collection[str]] = None) -> PiecedCheckpoint:
+    """A checkpoint directory's reader: a DeepSpeed checkpoint folder's, else lzero's sharded checkpoint's.
+    ``names``: the module's parameter names, which a DeepSpeed run's are matched to (:func:`prefix_renaming`)."""
+    from lzero.checkpoint.deepspeed_checkpoint import DeepSpeedCheckpoint  # both build on this module
+    from lzero.checkpoint.deepspeed_files import deepspeed_tag_folder
+
+    if deepspeed_tag_folder(path) is not None:
+        return DeepSpeedCheckpoint(path, names)
+    return ShardedCheckpoint(path, names)
+
+
+def _renamed_key(key: str, rename: Callable[[str], str]) -> str:
+    """``param/<name>`` or ``optim/<k>/<name>/<state>`` with the parameter's name renamed (names never hold "/")."""
+    parts = key.split("/")
+    at = 1 if parts[0] == "param" else 2
+    return "/".join([*parts[:at], rename(parts[at]), *parts[at + 1:]])
+
+
+def _renamed_manifest(m: dict[str, Any], rename: Callable[[str], str]) -> dict[str, Any]:
+    return {**m, "params": {rename(n): p for n, p in m["params"].items()},
+            "state_dict_keys": [rename(k) for k in m["state_dict_keys"]],
+            "aliases": {rename(k): rename(v) for k, v in m.get("aliases", {}).items()}}
 
 
 def _check_manifest(m: dict, path: Path) -> None:
@@ -286,3 +351,5 @@ def _check_manifest(m: dict, path: Path) -> None:
             raise bad(field, "a whole number")
     if not isinstance(m.get("weights_only", False), bool):
         raise bad("weights_only", "true or false")
+    if not isinstance(m.get("imported_from", {}), dict):
+        raise bad("imported_from", "a mapping (the source a checkpoint was imported from)")

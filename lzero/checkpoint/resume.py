@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING, Any, Callable, Collection, Iterator, Mapping, 
 from torch import Tensor, nn
 
 from lzero.checkpoint.rank_state import ShardedOptimizer
-from lzero.checkpoint.deepspeed_checkpoint import PRECISION_STATE, DeepSpeedCheckpoint
-from lzero.checkpoint.deepspeed_files import deepspeed_tag_folder
-from lzero.checkpoint.reader import PiecedCheckpoint, ShardedCheckpoint, is_sharded_checkpoint
+from lzero.checkpoint.deepspeed_checkpoint import PRECISION_STATE
+from lzero.checkpoint.reader import PiecedCheckpoint, is_sharded_checkpoint, open_reader
 from lzero.checkpoint.sharded import load_optimizer_shards, restore_rng
 from lzero.checkpoint.state_dict import fetch_full, load_params
 
@@ -26,14 +25,6 @@ READER = "lzero/reader"
 """The checkpoint dict's key for the :class:`PiecedCheckpoint` it was opened from (checkpoint directories only)."""
 
 _NOT_A_CHECKPOINT = "HINT: pass a `.ckpt` file written by `trainer.save_checkpoint` or `ModelCheckpoint`."
-
-
-def open_reader(path: Any, names: Optional[Collection[str]] = None) -> PiecedCheckpoint:
-    """A checkpoint directory's reader: a DeepSpeed checkpoint folder's (its saved names matched to ``names``, the
-    module's, when given: see ``prefix_renaming``), else lzero's sharded checkpoint's."""
-    if deepspeed_tag_folder(path) is not None:
-        return DeepSpeedCheckpoint(path, names)
-    return ShardedCheckpoint(path)
 
 
 def open_checkpoint(path: Any, rank: int, world_size: int, weights_only: Optional[bool],

@@ -43,7 +43,6 @@ from typing_extensions import override
 
 from lzero.lightning import args as strategy_args
 from lzero.checkpoint.full_state import gather_optimizer_state
-from lzero.checkpoint.deepspeed_checkpoint import DeepSpeedCheckpoint
 from lzero.checkpoint.reader import PiecedCheckpoint, is_sharded_checkpoint
 from lzero.checkpoint.resume import READER, load_module_state, load_optimizer_states, open_reader
 from lzero.checkpoint.sharded import restore_rng, save_sharded
@@ -485,7 +484,7 @@ class ZeroFabricStrategy(DDPStrategy):
         saved = reader.lightning_state()
         common = {k: v for k, v in saved.items() if not k.startswith("lzero/")}
         keys = saved.get(FABRIC_KEYS) or {"module": "state_dict", "optimizers": []}  # a Trainer's: its module state
-        if isinstance(reader, DeepSpeedCheckpoint) and isinstance(state, dict):  # one module and its optimizer
+        if reader.from_deepspeed and isinstance(state, dict):  # one module and its optimizer
             keys = {"module": next((k for k, v in state.items() if isinstance(v, nn.Module)), "state_dict"),
                     "optimizers": [k for k, v in state.items() if isinstance(v, ZeroOptimizer)][:1]}
         common.pop("state_dict", None)

@@ -8,7 +8,8 @@ min(1, (s + 1) / 4), clipping at 1.0; resumed from the step-3 folder and trained
 DeepSpeed ranks' batches are two micro-batches of each step (``accumulate_grad_batches=2``). Every rank writes
 ``OUT_DIR/<run>_rank<r>.pt`` (its losses, the step, epoch and scheduler state found when training starts, the bytes
 it read of DeepSpeed's tensors); the run
-saves an lzero checkpoint at step 6 as ``OUT_DIR/<run>``.
+saves an lzero checkpoint at step 6 as ``OUT_DIR/<run>``. ``OUT_DIR/imported_<case>`` (written by the test with
+``lzero import-deepspeed`` from the case's step-3 folder) are resumed as the folders are.
 """
 
 from __future__ import annotations
@@ -91,9 +92,16 @@ def counted_reads() -> Iterator[list[int]]:
         deepspeed_checkpoint._Slice.read_flat_range = read
 
 
+def step3(source: str) -> Path:
+    """A case's step-3 folder, or a path as it is (an imported checkpoint)."""
+    if Path(source).is_absolute():
+        return Path(source)
+    return FIXTURES / source / ("epoch=0-step=3.ckpt" if source.startswith("lightning") else "global_step3")
+
+
 def fit(out: Path, name: str, source: str, strategy: Any, devices: int, precision: str) -> None:
     lightning = source.startswith("lightning")
-    path = FIXTURES / source / ("epoch=0-step=3.ckpt" if lightning else "global_step3")
+    path = step3(source)
     torch.manual_seed(1)  # not the fixtures' initialization: every value comes from the checkpoint
     os.environ["OMP_NUM_THREADS"] = "1"  # one thread, as the fixtures' processes: a matmul's sums split by thread
     torch.set_num_threads(1)  # (Lightning sets the threads from OMP_NUM_THREADS, else to the cores per rank)
@@ -119,7 +127,7 @@ def fabric_fit(out: Path, name: str, source: str, strategy: str) -> None:
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95),
                                                           weight_decay=0.1))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
-    rest = fabric.load(FIXTURES / source / "global_step3", {"model": model, "optimizer": optimizer})
+    rest = fabric.load(step3(source), {"model": model, "optimizer": optimizer})
     scheduler.load_state_dict(rest["lr_schedulers"][0])
     record: dict[str, Any] = {"losses": [], "lrs": [], "start_step": rest["global_step"],
                               "scheduler_last_epoch": scheduler.last_epoch}
@@ -145,6 +153,8 @@ def main(suite: str, out: Path) -> None:
         fit(out, "stage2_fp32_as_zero1", "stage2_fp32", ZeroStrategy(stage=1), 2, "32-true")
         fit(out, "lightning_stage2_fp32", "lightning_stage2_fp32", "zero2", 2, "32-true")
         fabric_fit(out, "fabric_stage3_fp32", "stage3_fp32", "zero3")
+        fit(out, "stage2_fp32_imported", str(out / "imported_stage2_fp32"), ZeroStrategy(stage=2), 2, "32-true")
+        fabric_fit(out, "fabric_stage3_fp32_imported", str(out / "imported_stage3_fp32"), "zero3")
     elif suite == "ws1":
         fit(out, "stage2_fp32_as_zero3_ws1", "stage2_fp32", ZeroStrategy(stage=3), 1, "32-true")
     destroy_process_group()
