@@ -253,6 +253,42 @@ def peak_rss_mb() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # kB on Linux
 
 
+def count_checkpoint_reads() -> list[int]:
+    """From now on, the bytes lzero's pretrained-checkpoint reader asks for, in the checkpoint's dtype: ``[total]``
+    (``lzero.hf.weights.OpenFiles.read_flat_into`` wrapped for the rest of the process)."""
+    from lzero.hf import weights
+
+    asked = [0]
+    read_flat_into = weights.OpenFiles.read_flat_into
+
+    def counted(self: Any, key: str, start: int, end: int, out: Any) -> None:
+        asked[0] += (end - start) * self._files.tensors[key].dtype.itemsize
+        read_flat_into(self, key, start, end, out)
+
+    weights.OpenFiles.read_flat_into = counted
+    return asked
+
+
+def run_spawned(target: Any, args: tuple, env: dict[str, str], timeout_s: float = 600) -> Any:
+    """What ``target(*args, queue)`` puts on its queue, run in a fresh (spawned) process that starts with ``env`` added
+    to this one's environment (read by its allocator as it starts)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=target, args=(*args, queue))
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        proc.start()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    result = queue.get(timeout=timeout_s)
+    proc.join()
+    return result
+
+
 def gather_floats(value: float) -> list[float]:
     """``value`` from every rank, in rank order (the process group outlives Trainer.fit)."""
     import torch.distributed as dist

@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from benchmarks.common import (module_command, module_env, out_path, proc_bytes, proc_io, reset_peak, run_header,
-                               write_report)
+from benchmarks.common import (count_checkpoint_reads, module_command, module_env, out_path, proc_bytes, proc_io,
+                               reset_peak, run_header, write_report)
 
 
 def drop_caches() -> bool:
@@ -55,7 +55,7 @@ def make_model(folder: Path, layers: int, width: int) -> int:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     if (folder / "model.safetensors.index.json").exists():
-        return sum(1 for _ in folder.glob("model-*.safetensors"))
+        return sum(1 for _ in folder.glob("model*.safetensors"))
     config = GPT2Config(n_layer=layers, n_embd=width, n_head=width // 64, vocab_size=50257, n_positions=1024)
     with torch.device("meta"):
         model = GPT2LMHeadModel(config)
@@ -65,7 +65,7 @@ def make_model(folder: Path, layers: int, width: int) -> int:
             p.normal_(0, 0.02)
     model.tie_weights()
     model.save_pretrained(folder, max_shard_size="500MB")
-    return sum(1 for _ in folder.glob("model-*.safetensors"))
+    return sum(1 for _ in folder.glob("model*.safetensors"))
 
 
 def _rank(rank: int, world: int, port: int, way: str, folder: str, queue: object) -> None:
@@ -76,17 +76,9 @@ def _rank(rank: int, world: int, port: int, way: str, folder: str, queue: object
 
     import lzero  # noqa: F401
     from lzero import ZeroConfig, ZeroEngine
-    from lzero.hf import weights
     from lzero.hf.pretrained import PretrainedWeights, intercept
 
-    asked = [0]
-    read_flat_into = weights.OpenFiles.read_flat_into
-
-    def counted(self: object, key: str, start: int, end: int, out: torch.Tensor) -> None:
-        asked[0] += (end - start) * self._files.tensors[key].dtype.itemsize
-        read_flat_into(self, key, start, end, out)
-
-    weights.OpenFiles.read_flat_into = counted
+    asked = count_checkpoint_reads()
     dist.barrier()
     reset_peak()
     rss0, disk0 = proc_bytes("VmRSS"), proc_io("read_bytes")
@@ -155,7 +147,7 @@ def load_file_reference(folder: Path, owned: bool) -> dict:
     rss0, disk0 = proc_bytes("VmRSS"), proc_io("read_bytes")
     start = time.perf_counter()
     total, kept = 0, []
-    for file in sorted(folder.glob("model-*.safetensors")):
+    for file in sorted(folder.glob("model*.safetensors")):
         tensors = load_file(file)
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         if owned:
@@ -182,7 +174,7 @@ def main() -> None:
     out = out_path(args.out, "loading", "pretrained_load")
     folder = Path(args.folder)
     files = make_model(folder, args.layers, args.width)
-    size = sum(f.stat().st_size for f in folder.glob("model-*.safetensors"))
+    size = sum(f.stat().st_size for f in folder.glob("model*.safetensors"))
     rows = []
     dropped = drop_caches()
     rows.append(load_file_reference(folder, owned=False))

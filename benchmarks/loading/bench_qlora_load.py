@@ -40,10 +40,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
-from benchmarks.common import (FIXED, THRESHOLD, WORLD_SIZE, module_command, module_env, out_path, proc_bytes,
-                               proc_io, reset_peak, run_header, write_report)
+from benchmarks.common import (FIXED, THRESHOLD, WORLD_SIZE, count_checkpoint_reads, module_command, module_env,
+                               out_path, proc_bytes, proc_io, reset_peak, run_header, run_spawned, write_report)
 
 SEED = 1234
 
@@ -77,21 +76,6 @@ def make_model(folder: Path, layers: int) -> None:
 
 # --- lzero zero3: the ranks Lightning launches ------------------------------------------------------------------
 
-def _count_reads() -> list[int]:
-    """Bytes lzero's checkpoint reader asks for, in the checkpoint's dtype: [total]."""
-    from lzero.hf import weights
-
-    asked = [0]
-    read_flat_into = weights.OpenFiles.read_flat_into
-
-    def counted(self: object, key: str, start: int, end: int, out: torch.Tensor) -> None:
-        asked[0] += (end - start) * self._files.tensors[key].dtype.itemsize
-        read_flat_into(self, key, start, end, out)
-
-    weights.OpenFiles.read_flat_into = counted
-    return asked
-
-
 def held_by_engine(engine: object) -> dict[str, int]:
     """Bytes of this rank's shards by kind: packed codes, their replicated quantization state, the other frozen
     shards (bf16), the trainable ones (LoRA)."""
@@ -121,7 +105,7 @@ def run_rank(folder: str, results: Path) -> None:
     torch.set_num_threads(1)
     way = "lzero zero3" + (f" ({THRESHOLD}={os.environ[THRESHOLD]})" if THRESHOLD in os.environ else "")
     hf_logging.disable_progress_bar()
-    asked = _count_reads()
+    asked = count_checkpoint_reads()
     before: dict[str, float] = {}
 
     class QLoRA(L.LightningModule):
@@ -226,18 +210,7 @@ def _state_nbytes(state: object) -> int:
 
 
 def run_reference(way: str, folder: Path, env: dict[str, str]) -> dict:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_reference, args=(way, str(folder), queue))
-    saved = dict(os.environ)
-    os.environ.update(env)  # read by the child's allocator as it starts
-    try:
-        proc.start()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    result = queue.get(timeout=600)
-    proc.join()
+    result = run_spawned(_reference, (way, str(folder)), env)
     if env:
         result["way"] += "".join(f" ({k}={v})" for k, v in env.items())
     return result
@@ -248,7 +221,7 @@ def run_reference(way: str, folder: Path, env: dict[str, str]) -> dict:
 def write_table(rows: list[dict], folder: Path, layers: int, out: Path | None) -> str:
     tensors = checkpoint_tensors(folder)
     params = sum(math.prod(s) for _, s in tensors.values())
-    files = sorted(folder.glob("model-*.safetensors"))
+    files = sorted(folder.glob("model*.safetensors"))
     file_bytes = sum(f.stat().st_size for f in files)
     largest = max(math.prod(s) * d.itemsize for d, s in tensors.values())
     q4 = next(r for r in rows if r["way"] == "transformers 4-bit")

@@ -45,10 +45,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 from benchmarks.common import (FIXED, REPO, THRESHOLD, WORLD_SIZE, module_command, module_env, out_path, proc_bytes,
-                               reset_peak, run_header, write_report)
+                               reset_peak, run_header, run_spawned, write_report)
 
 SEED = 0
 BLOCKWISE = "benchmark: block-wise"
@@ -241,19 +240,7 @@ def _eager(layers: int, queue: object) -> None:
 
 
 def run_eager(layers: int, env: dict[str, str]) -> dict:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_eager, args=(layers, queue))
-    saved = dict(os.environ)
-    os.environ.update(env)  # read by the child's allocator as it starts
-    try:
-        proc.start()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    result = queue.get(timeout=600)
-    proc.join()
-    return result
+    return run_spawned(_eager, (layers,), env)
 
 
 # --- the table ---------------------------------------------------------------------------------------------------

@@ -49,7 +49,6 @@ from lzero.checkpoint.sharded import restore_rng, save_sharded
 from lzero.checkpoint.state_dict import (ShardedTensor, consolidate, keys_as_loaded, master_state_dict,
                                          sharded_state_dict)
 from lzero.config import ZeroConfig, ZeroConfigError
-from lzero.deepspeed import config as deepspeed_config
 from lzero.engine import activation_checkpointing as checkpointing
 from lzero.engine.engine import ZeroEngine
 from lzero.engine.loss_scale import LossScaleConfig
@@ -261,10 +260,9 @@ class ZeroFabricStrategy(DDPStrategy):
         checkpointed = checkpointing.apply(module, self._checkpoint_policy, self.config)
         if checkpointed is not None:
             model.undo.callback(checkpointed.remove)
-        with deepspeed_config.as_written(self._deepspeed):  # a value from a JSON checked against the world size
-            engine, _ = start_engine(module, optimizers, self.config, self.precision, self.root_device,
-                                     self.num_processes, self.init_fn, weights=weights, evaluating=not optimizers,
-                                     attach_to=model.zero)
+        engine, _ = start_engine(module, optimizers, self.config, self.precision, self.root_device, self.num_processes,
+                                 self.init_fn, weights=weights, evaluating=not optimizers, attach_to=model.zero,
+                                 deepspeed=self._deepspeed)
         engine.automatic = False  # stage 1 reduces in the step, whether the script uses no_backward_sync or not
         model.engine = engine
         if self.config.stage >= 3 and self.world_size > 1:

@@ -218,10 +218,9 @@ class ZeroStrategy(DDPStrategy):
                 self._choose_configuration()
             self._checkpointed = checkpointing.apply(self.model, self._checkpoint_policy, self.config)
             self._probe = activation_probe(self.lightning_module, self.config)
-            with deepspeed_config.as_written(self._deepspeed):  # a value from a JSON checked against the world size
-                self._engine, self.optimizers = start_engine(self.model, self.optimizers, self.config,
-                                                             self.precision_plugin, self.root_device,
-                                                             self.num_processes, self.init_fn)
+            self._engine, self.optimizers = start_engine(
+                self.model, self.optimizers, self.config, self.precision_plugin, self.root_device, self.num_processes,
+                self.init_fn, deepspeed=self._deepspeed)
             self._engine.automatic = self.lightning_module.automatic_optimization
             add_memory_monitor(trainer, self.config)
             if self.config.async_save:
@@ -237,9 +236,8 @@ class ZeroStrategy(DDPStrategy):
                 timeout = timedelta(seconds=self.config.exception_checkpoint_timeout_s)
                 self._exit_group = dist.new_group(backend="gloo", timeout=timeout)
         elif self.config.stage >= 3:  # validate/test/predict sharded: see [Note: evaluating under zero3]
-            with deepspeed_config.as_written(self._deepspeed):
-                self._engine, _ = start_engine(self.model, [], self.config, self.precision_plugin, self.root_device,
-                                               self.num_processes, self.init_fn, evaluating=True)
+            self._engine, _ = start_engine(self.model, [], self.config, self.precision_plugin, self.root_device,
+                                           self.num_processes, self.init_fn, evaluating=True, deepspeed=self._deepspeed)
             self._marksynced_generation()
         else:
             sync_module_states(self.model)
