@@ -158,8 +158,22 @@ class ZeroConfig:
     """Stage 3: class names of the modules whose instances form units (e.g. ``("Block",)``). None
     finds them: the outermost module classes that repeat (transformer blocks)."""
 
-    prefetch: int = 1
-    """Stage 3: how many units ahead to all-gather while the current one computes (0: none)."""
+    schedule: Literal["auto", "min_memory"] = "auto"
+    """Stage 3: who sets the gather schedule's knobs (``prefetch``, ``max_reuse_distance``,
+    ``param_persistence_threshold``, ``gather_bucket_size``) left at None. "auto": the first training step runs the
+    memory-minimal schedule and measures its peak; from the second step on, the blocks are kept gathered (persistent,
+    or across the forward-backward turn) as far as the measured peak plus the extra gathered bytes fits the rank's
+    memory budget less ``schedule_margin``: the fewest collectives that fit. "min_memory": every knob left at None
+    takes its memory-minimal value (one block prefetched, none kept, none persistent), FSDP's schedule. Knobs given
+    explicitly always win. See [Note: choosing the gather schedule] in lzero/engine/schedule.py."""
+
+    schedule_margin: float = 0.1
+    """Stage 3, ``schedule="auto"``: the fraction of the memory budget kept free (allocator fragmentation, a longer
+    batch later) when the schedule is chosen."""
+
+    prefetch: Optional[int] = None
+    """Stage 3: how many units ahead to all-gather while the current one computes (0: none). None: 1 (the
+    ``schedule`` does not change it)."""
 
     prefetch_bucket_size: Union[None, int, Literal["auto"]] = None
     """Stage 3: prefetch by size instead of by count: all-gather the next units while those already gathered
@@ -172,29 +186,31 @@ class ZeroConfig:
     parameters past this many elements (the unit being computed is always gathered). DeepSpeed's
     ``stage3_max_live_parameters``. None: no limit."""
 
-    max_reuse_distance: int = 0
+    max_reuse_distance: Optional[int] = None
     """Stage 3: a unit whose next use is fewer than this many elements away is kept gathered instead of being
     released and gathered again. The distance is counted in the elements of the units used in between: for
     the unit at position k of n in forward, twice the elements of units k+1..n-1 (their forward, then their
     backward), so the last units of forward, which backward needs first, are kept from the second step on
-    (the first step records the order). DeepSpeed's ``stage3_max_reuse_distance``. 0: none kept."""
+    (the first step records the order). DeepSpeed's ``stage3_max_reuse_distance``. 0: none kept. None: the
+    ``schedule`` chooses (``min_memory``: 0)."""
 
-    param_persistence_threshold: Union[int, Literal["auto"]] = 0
+    param_persistence_threshold: Union[None, int, Literal["auto"]] = None
     """Stage 3: a unit of at most this many elements stays gathered from its forward to the end of its
     backward, and is gathered again right after the optimizer step, with the other such units in coalesced
     all-gathers of ``allgather_bucket_size``, so the next forward finds it gathered: many small blocks cost one
     collective per bucket instead of two per block. DeepSpeed's ``stage3_param_persistence_threshold``
     compares each parameter; lzero gathers a unit's parameters in one collective, so it compares the unit
     (small parameters inside a large unit cost no collective of their own). 0: none. "auto": 10*h, filled
-    at setup."""
+    at setup. None: the ``schedule`` chooses (``min_memory``: 0)."""
 
-    gather_bucket_size: int = 0
+    gather_bucket_size: Optional[int] = None
     """Stage 3: from the second step on (the first records the order), consecutive units of at most a quarter
     of this many elements each are all-gathered together, in forward and again in backward: one collective (and
     one order check) of at most this many elements per run of units instead of one per unit, which is what a
     model of many small blocks waits on. A run counts as one unit for ``prefetch``, so up to about two runs are
     gathered at once. Units whose parameter shards live in host memory or files, and persistent ones, are
-    gathered alone. 0: one all-gather per unit. See [Note: stage-3 gather schedule] in gather.py."""
+    gathered alone. 0: one all-gather per unit. None: 0 (the ``schedule`` does not choose runs). See [Note: stage-3
+    gather schedule] in gather.py."""
 
     unit_order_timeout_s: float = 120.0
     """Stage 3: before each unit's all-gather the ranks check that they gather the same unit; a rank
@@ -321,7 +337,8 @@ class ZeroConfig:
         if size is not None and size != "node" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ZeroConfigError(f"`shard_group_size={size!r}` must be a number of ranks >= 1 or 'node'. HINT: e.g."
                                   " the ranks per node (8), or 'node'.")
-        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+        if self.prefetch is not None and (isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int)
+                                          or self.prefetch < 0):
             raise ZeroConfigError(f"`prefetch={self.prefetch!r}` must be a whole number >= 0. HINT: e.g. `prefetch=1`.")
         self._check_gather_schedule()
         if isinstance(self.unit_order_timeout_s, bool) or not isinstance(self.unit_order_timeout_s, (int, float)) \
@@ -424,27 +441,39 @@ class ZeroConfig:
             raise ZeroConfigError(f"`quantized_weights=True` at stage {self.stage}: it quantizes stage 3's parameter"
                                   " all-gathers; at stages 1-2 every rank keeps exact full weights, which a quantized"
                                   " all-gather would make disagree. HINT: use `stage=3`, or drop it.")
+        if self.quantized_weights and self.gather_bucket_size:
+            raise ZeroConfigError(f"`gather_bucket_size={self.gather_bucket_size}` with `quantized_weights=True`: a run"
+                                  " of blocks is gathered as one buffer of bytes, and qwZ quantizes each unit's values."
+                                  " HINT: drop `gather_bucket_size` (qwZ already sends about a quarter of the bytes).")
         if self.quantized_gradients not in (None, 8, 4) or isinstance(self.quantized_gradients, bool):
             raise ZeroConfigError(f"`quantized_gradients={self.quantized_gradients!r}` is not one of None, 8, 4 (bits"
                                   " per gradient element sent). HINT: 8 (int8) or 4 (int4), or None for exact sums.")
 
     def _check_gather_schedule(self) -> None:
         """The stage-3 knobs of [Note: stage-3 gather schedule]: whole numbers, stage 3 only, one way to prefetch."""
-        optional = ("prefetch_bucket_size", "max_live_parameters")
-        for name in (*optional, "max_reuse_distance", "param_persistence_threshold", "gather_bucket_size"):
+        if self.schedule not in ("auto", "min_memory"):
+            raise ZeroConfigError(f"`schedule={self.schedule!r}` is not a gather schedule policy. HINT: 'auto' (the"
+                                  " fastest that fits the memory budget) or 'min_memory' (FSDP's: every block gathered"
+                                  " for its forward and again for its backward).")
+        margin = self.schedule_margin
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+            raise ZeroConfigError(f"`schedule_margin={margin!r}` must be a fraction in [0, 1). HINT: e.g. 0.1.")
+        optional = ("prefetch", "prefetch_bucket_size", "max_live_parameters", "max_reuse_distance",
+                    "param_persistence_threshold", "gather_bucket_size")
+        for name in (*optional, "schedule"):
             value = getattr(self, name)
             if isinstance(value, float) and value.is_integer():  # DeepSpeed configs write 5e7
                 object.__setattr__(self, name, value := int(value))
             unset = value is None and name in optional
-            if not unset and not (value == AUTO and name in BY_HIDDEN_SIZE) and (
+            if name != "schedule" and not unset and not (value == AUTO and name in BY_HIDDEN_SIZE) and (
                     isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 also = ' or "auto"' if name in BY_HIDDEN_SIZE else ""
                 raise ZeroConfigError(f"`{name}={value!r}` must be a whole number of elements >= 0{also}.")
             if self.stage < 3 and value != ZeroConfig.__dataclass_fields__[name].default:
-                raise ZeroConfigError(f"`{name}={value}` at stage {self.stage}: it schedules stage 3's parameter"
+                raise ZeroConfigError(f"`{name}={value!r}` at stage {self.stage}: it schedules stage 3's parameter"
                                       f" gathers, and stage {self.stage} keeps whole parameters. HINT: drop"
                                       f" `{name}`, or use `stage=3`.")
-        if self.prefetch_bucket_size is not None and self.prefetch != 1:
+        if self.prefetch_bucket_size is not None and self.prefetch is not None:
             raise ZeroConfigError(f"`prefetch={self.prefetch}` and `prefetch_bucket_size={self.prefetch_bucket_size}`"
                                   " both say how far to prefetch. HINT: give one of them.")
 

@@ -52,8 +52,8 @@ def against_ddp(rank: int, world_size: int, configs: list[dict]) -> list[dict]:
         opt = adamw(list(model.parameters()))
         engine = ZeroEngine(model, [opt], ZeroConfig(stage=cfg["stage"], reduce_bucket_size=cfg.get("bucket", 60),
                                                      overlap_comm=cfg.get("overlap", True),
-                                                     prefetch=cfg.get("prefetch", 1),
-                                                     gather_bucket_size=cfg.get("gather_bucket", 0),
+                                                     prefetch=cfg.get("prefetch"), schedule=cfg.get("schedule", "auto"),
+                                                     gather_bucket_size=cfg.get("gather_bucket"),
                                                      unit_modules=("Linear",) if cfg["stage"] == 3 else None))
         zopt = ZeroOptimizer(opt, engine, 0)
         gen = torch.Generator().manual_seed(7 + rank)
@@ -78,6 +78,8 @@ def against_ddp(rank: int, world_size: int, configs: list[dict]) -> list[dict]:
             "bitwise": all(torch.equal(a, b) for a, b in pairs),
             "max_rel": max(((a - b).norm() / b.norm()).item() for a, b in pairs),
             "units": len(engine.units),
+            "kept": None if engine.auto_schedule is None else  # blocks schedule="auto" chose to keep gathered
+            engine.auto_schedule.record["persistent_blocks"] + engine.auto_schedule.record["kept_blocks"],
         })
         engine.remove()
     return results
@@ -182,7 +184,7 @@ def stage3_memory(rank: int, world_size: int, prefetch: int) -> dict:
     torch.manual_seed(0)
     model = Deep()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, prefetch=prefetch))
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, prefetch=prefetch, schedule="min_memory"))
     zopt = ZeroOptimizer(opt, engine, 0)
     peak = [0]
 
@@ -224,7 +226,8 @@ def stage3_unit_on_some_ranks(rank: int, world_size: int) -> str:
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, unit_modules=("Linear",), unit_order_timeout_s=20))
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, unit_modules=("Linear",), unit_order_timeout_s=20,
+                                                  schedule="min_memory"))  # persistent blocks gather no unit
     x, y = torch.randn(4, 7), torch.randn(4, 5)
     try:
         nn.functional.mse_loss(model(x, use_spare=rank == 0), y).backward()
@@ -241,7 +244,8 @@ def stage3_unit_skipped_after_recording(rank: int, world_size: int) -> str:
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, unit_modules=("Linear",), unit_order_timeout_s=20))
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, unit_modules=("Linear",), unit_order_timeout_s=20,
+                                                  schedule="min_memory"))  # persistent blocks gather no unit
     zopt = ZeroOptimizer(opt, engine, 0)
     x, y = torch.randn(4, 7), torch.randn(4, 5)
     for step in range(4):
@@ -478,7 +482,8 @@ def stage3_bf16_between_steps(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     model = Deep()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    engine = ZeroEngine(model, [opt], ZeroConfig(stage=3), PrecisionPolicy(torch.bfloat16, torch.float32))
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, schedule="min_memory"),  # no block kept between steps
+                        PrecisionPolicy(torch.bfloat16, torch.float32))
     zopt = ZeroOptimizer(opt, engine, 0)
     x, y = torch.randint(0, 64, (4, 3)), torch.randint(0, 64, (4,))
     for _ in range(3):
@@ -573,7 +578,7 @@ def stage3_block_states(rank: int, world_size: int, **schedule: Any) -> dict:
     torch.manual_seed(0)
     model = Deep(depth=4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, **{"prefetch": 1, **schedule}))
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, **{"schedule": "min_memory", **schedule}))
     zopt = ZeroOptimizer(opt, engine, 0)
     blocks = engine.gatherer.blocks
     names = [f"blocks.{i}" for i in range(4)]

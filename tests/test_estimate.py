@@ -287,7 +287,7 @@ def test_stage3_working_set_follows_the_gather_schedule(name: str) -> None:
     torch.manual_seed(0)
     model = Deep(depth=6)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, **knobs))
+    engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, schedule="min_memory", **knobs))
     zopt = ZeroOptimizer(opt, engine, 0)
     gatherer, peak, launch = engine.gatherer, [0], engine.gatherer.launch
 
@@ -305,7 +305,7 @@ def test_stage3_working_set_follows_the_gather_schedule(name: str) -> None:
     engine.remove()
     assert gatherer.numel == {"": 3072, **{f"blocks.{i}": B for i in range(6)}}
     assert peak[0] == 3072 + blocks * B
-    config, psi = ZeroConfig(stage=3, **knobs), 3072 + 6 * B
+    config, psi = ZeroConfig(stage=3, schedule="min_memory", **knobs), 3072 + 6 * B
     assert gathered_blocks(config, 3072, B, psi) == blocks
     count = ModelCount(trainable=psi, largest_block=B, root=3072)
     assert working_set(config, count, 1, "32-true")["device"] == 4 * (3072 + blocks * B) + 2 * 4 * B

@@ -51,7 +51,8 @@ def test_model_states_within_3_percent_of_the_formula_on_every_rank(logs: Path, 
 
 def test_the_split_is_the_stage_layout(logs: Path) -> None:
     """fp32: at stages 1-2 the full parameters stay (4Ψ) and the masters are their own slices (no master bytes);
-    at stage 3 only the shard; all-gathers after the step at stages 1-2, in forward and backward at stage 3."""
+    at stage 3 only the shard; all-gathers after the step at stages 1-2, and at stage 3 too once ``schedule="auto"``
+    has made every block of this small model persistent (logged)."""
     z2, z3 = scalars(logs, "zero2_32-true"), scalars(logs, "zero3_32-true")
     assert z2["memory/device/masters_bytes/rank0"][-1][1] == 0
     assert z2["memory/device/parameters_bytes/rank0"][-1][1] == 2 * z3["memory/device/parameters_bytes/rank0"][-1][1]
@@ -59,7 +60,11 @@ def test_the_split_is_the_stage_layout(logs: Path) -> None:
     # (plus a 4-byte `step` per unit)
     assert z2["memory/device/optimizer_state_bytes/rank0"][-1][1] == pytest.approx(
         z2["memory/device/parameters_bytes/rank0"][-1][1], rel=1e-4)
-    assert z3["comm/all_gather_bytes_per_step/rank0"][-1][1] > z2["comm/all_gather_bytes_per_step/rank0"][-1][1]
+    # schedule="auto" keeps this small model's blocks persistent: one gather of the model per step, as at stage 2
+    assert z3["memory/schedule/persistent_blocks/rank0"][-1][1] > 0
+    assert z3["memory/schedule/gathers_per_step/rank0"][-1][1] == 1
+    assert z3["comm/all_gather_bytes_per_step/rank0"][-1][1] == z2["comm/all_gather_bytes_per_step/rank0"][-1][1]
+    assert z3["memory/schedule/predicted_peak_bytes/rank0"][-1][1] <= z3["memory/schedule/budget_bytes/rank0"][-1][1]
     # bf16-mixed at stage 2: 2-byte parameters (half the fp32 run's) and 4-byte masters of the owned half
     b2 = scalars(logs, "zero2_bf16-mixed")
     params = b2["memory/device/parameters_bytes/rank0"][-1][1]

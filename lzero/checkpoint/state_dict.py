@@ -161,6 +161,8 @@ def load_params(engine: "ZeroEngine", fetch: Callable[[str, int, int], Tensor]) 
         if engine.config.stage >= 3 and unit.gathered:
             lo, hi = unit.spec.shard_range(unit.rank)
             unit.flat_param[lo:hi].copy_(unit.gather_source())
+    if engine.gatherer is not None:  # other ranks' slices of a gathered block (kept by the schedule) are stale now:
+        engine.gatherer.release_all()  # the next forward gathers the loaded values
     engine.all_gather_params()
 
 

@@ -5,7 +5,7 @@ lifecycle] and [Note: stage-3 gather schedule] in gather.py, which moves blocks 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
@@ -87,4 +87,15 @@ class GatherSchedule:
 
     @classmethod
     def of(cls, config: Any) -> "GatherSchedule":
-        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
+        """``config``'s knobs, those left at None at their memory-minimal values (what the first step runs under
+        ``schedule="auto"``, and every step under ``"min_memory"``)."""
+        values = {f.name: getattr(config, f.name) for f in fields(cls)}
+        return cls(**{k: getattr(cls, k) if v is None and k in SCHEDULED else v for k, v in values.items()})
+
+    def set(self, **knobs: Any) -> "GatherSchedule":
+        return replace(self, **knobs)
+
+
+SCHEDULED = ("prefetch", "max_reuse_distance", "param_persistence_threshold", "gather_bucket_size")
+"""The knobs a ``ZeroConfig`` may leave at None: the ``schedule`` policy's to set ([Note: choosing the gather
+schedule] in schedule.py); memory-minimal (the class defaults) until it does."""

@@ -42,6 +42,7 @@ from lzero.engine.materialize import (InitFn, Materializer, WeightSource, apply_
                                read_whole, shard_values)
 from lzero.engine.partition import FROZEN, Partition, ParamSpec, UnitSpec, partition_by_label, partition_by_size
 from lzero.engine.reducer import Reducer
+from lzero.engine.schedule import AutoSchedule, MemoryBudget
 from lzero.engine.hpz import SecondaryPartition
 from lzero.offload.placement import stores_for
 from lzero.offload.store import ShardStore
@@ -61,14 +62,18 @@ class ZeroEngine:
                  policy: Optional[PrecisionPolicy] = None, group: Optional[dist.ProcessGroup] = None,
                  device: torch.device = torch.device("cpu"), init_fn: Optional[InitFn] = None,
                  weights: Optional[WeightSource] = None, evaluating: bool = False,
-                 layout: Optional[Layout] = None) -> None:
+                 layout: Optional[Layout] = None, memory_budget: Optional[MemoryBudget] = None) -> None:
         """``evaluating``: validate/test/predict, no optimizer: every parameter that requires gradients goes into
         one group, sharded and gathered as while training (stage 3: the shards, their masters, and each block
         gathered for its forward only). ``layout``: hybrid sharding, this rank's shard group in place of ``group``
-        (see [Note: hybrid sharding] in hybrid.py). An error part way leaves the module as [Note: a setup that
-        stops part way] says."""
+        (see [Note: hybrid sharding] in hybrid.py). ``memory_budget``: what ``schedule="auto"`` fits the stage-3
+        gather schedule into (default: what the machine has; see [Note: choosing the gather schedule] in
+        schedule.py). An error part way leaves the module as [Note: a setup that stops part way] says."""
         try:
             self._build(module, optimizers, config, policy, group, device, init_fn, weights, evaluating, layout)
+            self.auto_schedule: Optional[AutoSchedule] = None
+            if self.gatherer is not None and config.schedule == "auto" and not evaluating:
+                self.auto_schedule = AutoSchedule(config, device, memory_budget or MemoryBudget(), self.everyone)
         except BaseException:
             self.abandon(module)
             raise
@@ -330,6 +335,8 @@ class ZeroEngine:
     def gather_root(self) -> None:
         """Stage 3: the root unit stays gathered from the start of a step to the end of its backward."""
         if self.gatherer is not None:
+            if self.auto_schedule is not None:
+                self.auto_schedule.start()
             self.gatherer.begin_step()
             self.gatherer.gather(ROOT)
 
@@ -701,6 +708,7 @@ class ZeroEngine:
         if self.delayed is not None:
             self._publish_and_gather(*self.delayed.finish())
             self.delayed.launch(steps)
+            self._choose_schedule()
             return
         pending = []
         for k, (bucket, step) in enumerate(steps):
@@ -720,7 +728,16 @@ class ZeroEngine:
                                for part in _coalesce(bucket, self.config.allgather_bucket_size))
         self._finish_gathers(pending)
         if self.gatherer is not None:
+            self._choose_schedule()
             self._gather_persistent([u for bucket, _ in steps for u in bucket])
+
+    def _choose_schedule(self) -> None:
+        """``schedule="auto"``, after the first optimizer step: see [Note: choosing the gather schedule]. A
+        collective (once)."""
+        if self.auto_schedule is not None and self.auto_schedule.record is None:
+            blocks = [n for n in self.gatherer.blocks if n != ROOT]
+            gathered = max((u.flat_param.element_size() for u in self._block_units), default=4)
+            self.auto_schedule.choose(self.gatherer, gathered, blocks)
 
     def flush_delayed_update(self) -> None:
         """Finish the delayed update's step in flight and publish it (nothing without one). A collective at stages
@@ -751,9 +768,10 @@ class ZeroEngine:
         if collectives.local(self.group):
             for unit in gathered:
                 unit.flat_param.copy_(unit.compute_shard())
-        else:
-            self._finish_gathers([self._launch_gather(part)
-                                  for part in _coalesce(gathered, self.config.allgather_bucket_size)])
+        else:  # qwZ quantizes each unit's values: one collective per unit (a coalesced bucket is bytes)
+            parts = [[u] for u in gathered] if self.config.quantized_weights else \
+                _coalesce(gathered, self.config.allgather_bucket_size)
+            self._finish_gathers([self._launch_gather(part) for part in parts])
         self.gatherer.mark_gathered(blocks)
 
     def _finish_gathers(self, pending: list[PendingGather]) -> None:

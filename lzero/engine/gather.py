@@ -534,6 +534,19 @@ class Gatherer:
             if name not in self._fresh:
                 self.release(name)
 
+    @property
+    def recording(self) -> bool:
+        """The first forward, which records the blocks' order, has not met a backward yet."""
+        return self._recording
+
+    def reschedule(self, schedule: GatherSchedule) -> None:
+        """Gather by ``schedule`` from now on: between steps, after the optimizer step (see [Note: choosing the
+        gather schedule] in schedule.py)."""
+        self.schedule = schedule
+        self._persistent = {n for n, k in self.numel.items() if k <= schedule.param_persistence_threshold}
+        self._reused = None
+        self._runs = None
+
     def persistent_blocks(self, units: Sequence[FlatUnit]) -> list[Block]:
         """The persistent blocks holding any of ``units`` whose shards all live in device memory: what the
         optimizer step gathers again, whether released or already gathered by an earlier optimizer's step (see

@@ -105,6 +105,8 @@ def all_gather(flat: Tensor, shard: Tensor, group: Optional[dist.ProcessGroup] =
     """qwZ: :func:`collectives.all_gather` with every shard sent as int8 codes and scales, then dequantized."""
     if collectives.local(group):
         return collectives.all_gather(flat, shard, group)
+    if not shard.is_floating_point():  # a coalesced bucket's bytes (shard_bytes): its values are not numbers here
+        raise TypeError(f"qwZ all-gathers floating-point shards, not {shard.dtype}: gather each unit on its own.")
     world = collectives.world_size(group)
     mine = quantize(shard, 8)
     every = torch.empty(world * mine.numel(), dtype=torch.uint8, device=mine.device)

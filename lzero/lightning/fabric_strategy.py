@@ -262,7 +262,7 @@ class ZeroFabricStrategy(DDPStrategy):
             model.undo.callback(checkpointed.remove)
         engine, _ = start_engine(module, optimizers, self.config, self.precision, self.root_device, self.num_processes,
                                  self.init_fn, weights=weights, evaluating=not optimizers, attach_to=model.zero,
-                                 deepspeed=self._deepspeed)
+                                 deepspeed=self._deepspeed, memory_budget_bytes=self.memory_budget_bytes)
         engine.automatic = False  # stage 1 reduces in the step, whether the script uses no_backward_sync or not
         model.engine = engine
         if self.config.stage >= 3 and self.world_size > 1:

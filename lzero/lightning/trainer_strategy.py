@@ -62,7 +62,8 @@ class ZeroStrategy(DDPStrategy):
         stage: shortcut for ``config.stage``; ``"auto"`` (the ``zero_auto`` preset) chooses the stage and offload at
             setup from the model's size and the memory available (see [Note: choosing a stage] in auto.py).
         memory_budget_bytes: with ``stage="auto"``, the device's budget (the host's on CPU) instead of the memory
-            found free.
+            found free; at stage 3 with ``schedule="auto"`` (the default), the bytes a rank's in-step peak may reach
+            (see [Note: choosing the gather schedule] in engine/schedule.py).
         memory_margin: with ``stage="auto"``, the fraction of the budget kept for activations and buffers.
         allow_untested_optimizer: shortcut for ``config.allow_untested_optimizer``.
         precision: a precision for this strategy (``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``, ``"bf16-true"``);
@@ -220,7 +221,7 @@ class ZeroStrategy(DDPStrategy):
             self._probe = activation_probe(self.lightning_module, self.config)
             self._engine, self.optimizers = start_engine(
                 self.model, self.optimizers, self.config, self.precision_plugin, self.root_device, self.num_processes,
-                self.init_fn, deepspeed=self._deepspeed)
+                self.init_fn, deepspeed=self._deepspeed, memory_budget_bytes=self.memory_budget_bytes)
             self._engine.automatic = self.lightning_module.automatic_optimization
             add_memory_monitor(trainer, self.config)
             if self.config.async_save:
@@ -480,7 +481,8 @@ class ZeroStrategy(DDPStrategy):
             activations=probe.total if measured else None,
             checkpointed_activations=probe.checkpointed() if measured else None,
             activation_checkpointing=self._checkpointed is not None, micro_batch=self._micro_batch,
-            accumulation=trainer.accumulate_grad_batches, on_cpu=self.root_device.type != "cuda")
+            accumulation=trainer.accumulate_grad_batches, on_cpu=self.root_device.type != "cuda",
+            schedule=engine.auto_schedule.record if engine.auto_schedule is not None else None)
 
     @override
     def teardown(self) -> None:

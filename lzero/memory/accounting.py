@@ -6,6 +6,8 @@ not offloaded) counts as parameters, as the formulas count it. The store is the 
 that kind in ("device", or "cpu" for host memory under offload; "nvme" for swap files), so the split is right on a
 CPU-only machine too, where both stores are host memory. Parameters outside every unit (frozen ones at stages
 1-2: a frozen reference model, a LoRA or QLoRA base) are whole on every rank, on the device, counted as parameters.
+At stage 3 a unit's gathered values (its block gathered, or kept gathered between steps by the gather schedule)
+are working set, counted as buffers; its shard is the parameter.
 """
 
 from __future__ import annotations
@@ -49,9 +51,10 @@ def _tensors(engine: "ZeroEngine", optimizers: Sequence[Any]) -> Iterator[tuple[
     secondary = engine.gatherer.secondary if engine.gatherer is not None else None
     for piece in secondary.tensors() if secondary is not None else ():  # hpZ's node-local copies
         yield "device", "parameters", piece
+    gathered = "parameters" if engine.gatherer is None else "buffers"  # stage 3: a gathered block is working set
     for unit in engine.units:
-        yield "device", "parameters", unit.flat_param
         yield unit.param_store.memory, "parameters", unit.compute_shard()
+        yield "device", gathered, unit.flat_param
         for binding in unit.bindings or ():  # a quantized base's state, whole on every rank (engine/packed_weights.py)
             for tensor in binding.tensors():
                 yield "device", "parameters", tensor

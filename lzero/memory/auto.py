@@ -21,29 +21,18 @@ A ``shard_group_size`` set by hand is kept for every candidate (NVMe offload, wh
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 from lzero.config import ZeroConfig, ZeroConfigError
+from lzero.engine.schedule import host_available_bytes
 from lzero.memory.estimate import ModelCount, model_states
 from lzero.presets import PRESET_CONFIGS
 
 CANDIDATES: tuple[tuple[str, dict[str, Any]], ...] = tuple(
     (name, PRESET_CONFIGS[name]) for name in ("zero1", "zero2", "zero3", "zero3_offload", "zero3_offload_nvme"))
 """The presets in order of communication: the first that fits is chosen."""
-
-
-def host_available_bytes() -> Optional[int]:
-    """MemAvailable of this host (Linux), or None."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def choose(base: ZeroConfig, model: ModelCount, world_size: int, local_processes: int, precision: str,

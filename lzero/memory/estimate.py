@@ -128,6 +128,9 @@ class ModelCount:
     quantization: str = "4bit-dq"
     """How the Q weights are stored: a key of :data:`QUANTIZED_BYTES`."""
 
+    blocks: Optional[tuple[int, ...]] = None
+    """Elements of each stage-3 block, in the model's order (what ``schedule="auto"`` plans over). None: unknown."""
+
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZED_BYTES:
             raise EstimateError(f"`quantization={self.quantization!r}` is not one of {sorted(QUANTIZED_BYTES)}."
@@ -288,21 +291,25 @@ def paper_bytes(stage: int, count: ModelCount, world_size: int, precision: str =
 
 
 def gathered_blocks(config: ZeroConfig, root: float, block: float, psi: float) -> int:
-    """Stage 3: how many blocks of ``block`` elements are gathered at once (see [Note: working set])."""
+    """Stage 3: how many blocks of ``block`` elements are gathered at once (see [Note: working set]), under the
+    knobs as given (those left to ``schedule`` at their memory-minimal values)."""
+    from lzero.engine.blocks import GatherSchedule
+
     if block <= 0:
         return 1
+    schedule = GatherSchedule.of(config)
     blocks = max(1, math.ceil((psi - root) / block))
-    if config.param_persistence_threshold != AUTO and config.param_persistence_threshold >= block:
+    if schedule.param_persistence_threshold != AUTO and schedule.param_persistence_threshold >= block:
         return blocks
-    live = config.max_live_parameters
+    live = schedule.max_live_parameters
 
     def within_live(n: int) -> int:  # the computing block always; more only while root + n blocks fit
         return n if live is None else max(1, min(n, int((live - root) // block)))
 
-    by_size = config.prefetch_bucket_size
-    ahead = config.prefetch if by_size in (None, AUTO) else math.ceil(by_size / block)
-    kept = math.ceil(config.max_reuse_distance / (2 * block))
-    run = int(config.gather_bucket_size // block) if 4 * block <= config.gather_bucket_size else 1
+    by_size = schedule.prefetch_bucket_size
+    ahead = schedule.prefetch if by_size in (None, AUTO) else math.ceil(by_size / block)
+    kept = math.ceil(schedule.max_reuse_distance / (2 * block))
+    run = int(schedule.gather_bucket_size // block) if 4 * block <= schedule.gather_bucket_size else 1
     if run > 1:  # runs of blocks gathered together: the computing run, the runs ahead, and one run's staging buffer
         return min(blocks, max(run + within_live(run * (1 + ahead)), within_live(kept) if kept else 1))
     return min(blocks, max(within_live(1 + ahead), within_live(kept) if kept else 1))
@@ -420,7 +427,41 @@ def count_parameters(module: nn.Module, unit_modules: Optional[Sequence[str]] = 
         per_unit[label] = per_unit.get(label, 0) + params[name].numel()
     root = per_unit.pop(ROOT, 0)
     return ModelCount(trainable, frozen, largest_param=max((p.numel() for p in params.values()), default=0),
-                      largest_block=max(per_unit.values(), default=0), root=root)
+                      largest_block=max(per_unit.values(), default=0), root=root, blocks=tuple(per_unit.values()))
+
+
+def auto_schedule(count: ModelCount, world_size: int, free_bytes: int, precision: str = "bf16-mixed",
+                  activations: int = 0, optimizer_bytes: float = ADAM_BYTES,
+                  config: Optional[ZeroConfig] = None) -> dict:
+    """What stage 3's ``schedule="auto"`` would choose on a device with ``free_bytes`` per rank, the first step's
+    peak taken as the model states, lzero's working set and ``activations`` (at run time it is measured: [Note:
+    choosing the gather schedule] in lzero/engine/schedule.py). Needs the blocks' sizes (a model)."""
+    from lzero.engine.blocks import GatherSchedule
+    from lzero.engine.schedule import gathers_per_step, kept, peak_elements, persistent_indices, plan
+
+    config = config if config is not None else ZeroConfig(stage=3)
+    if count.blocks is None:
+        raise EstimateError("The gather schedule is planned over the model's blocks, whose sizes a parameter count"
+                            " does not give. HINT: pass `--model package.module:Class` with `--free-memory`.")
+    c, sizes, root = check_precision(precision), list(count.blocks), count.root or 0
+    first = GatherSchedule.of(config)
+    states = sum(model_states(config, count, world_size, precision, optimizer_bytes).get("device", {}).values())
+    baseline = states + working_set(config, count, world_size, precision, optimizer_bytes).get("device", 0) \
+        + activations
+    headroom = (1 - config.schedule_margin) * free_bytes - baseline
+    fixed = [k for k in ("prefetch", "max_reuse_distance", "param_persistence_threshold", "gather_bucket_size")
+             if getattr(config, k) is not None]
+    chosen = first if headroom < 0 or config.schedule != "auto" else \
+        plan(sizes, root, int(headroom // c), first, fixed, config.allgather_bucket_size)
+    extra = c * (peak_elements(sizes, root, chosen) - peak_elements(sizes, root, first, recording=True))
+    return {"param_persistence_threshold": chosen.param_persistence_threshold,
+            "max_reuse_distance": chosen.max_reuse_distance,
+            "persistent_blocks": sum(k <= chosen.param_persistence_threshold for k in sizes),
+            "kept_blocks": len(kept(sizes, root, chosen) - persistent_indices(sizes, chosen)), "blocks": len(sizes),
+            "gathers_per_step": gathers_per_step(sizes, root, chosen, config.allgather_bucket_size),
+            "min_memory_gathers_per_step": 2 * len(sizes), "baseline_bytes": round(baseline),
+            "predicted_peak_bytes": round(baseline + extra), "budget_bytes": free_bytes,
+            "margin": config.schedule_margin}
 
 
 def deepspeed_estimator(stage: int, total_params: float, num_gpus_per_node: int = 1, num_nodes: int = 1,

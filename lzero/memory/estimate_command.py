@@ -14,8 +14,8 @@ import sys
 from typing import Any, Optional, Sequence
 
 from lzero.config import ZeroConfigError
-from lzero.memory.estimate import (ADAM_BYTES, COMPUTE_BYTES, GB, Estimate, EstimateError, ModelCount, count_parameters,
-                            estimate)
+from lzero.memory.estimate import (ADAM_BYTES, COMPUTE_BYTES, GB, Estimate, EstimateError, ModelCount, auto_schedule,
+                                   count_parameters, estimate)
 
 PLOT_INSTALL = "pip install matplotlib  (or: pip install 'lzero[plot]')"
 
@@ -109,6 +109,11 @@ def _parser() -> argparse.ArgumentParser:
                         help="also print DeepSpeed's own estimator rows (stages 2 and 3) for comparison")
     parser.add_argument("--largest-layer", type=float, default=None,
                         help="with --deepspeed and --params: the largest layer's parameters (its stage-3 figure)")
+    parser.add_argument("--free-memory", type=float, default=None,
+                        help="with --model: bytes free per device; prints the zero3 gather schedule that"
+                             " `schedule=\"auto\"` would choose there")
+    parser.add_argument("--activations", type=float, default=0,
+                        help="with --free-memory: bytes of activations per rank (at run time they are measured)")
     parser.add_argument("--json", action="store_true", help="print JSON (bytes) instead of the table")
     parser.add_argument("--plot", metavar="FILE.png", help="also write stacked bars per strategy (needs matplotlib)")
     return parser
@@ -137,14 +142,21 @@ def estimate_command(argv: Sequence[str]) -> int:
                         hpz_partition_size=args.hpz_partition_size)
         if args.plot:
             plot(rows, args.plot)
+        schedule = None
+        if args.free_memory is not None:
+            schedule = auto_schedule(count, args.shard_group_size or args.num_gpus * args.num_nodes,
+                                     int(args.free_memory), args.precision, int(args.activations), args.optimizer_bytes)
     except (EstimateError, ZeroConfigError) as err:
         print(f"lzero estimate: {err}", file=sys.stderr)
         return 2
     deepspeed = _deepspeed(count, args) if args.deepspeed else None
     if args.json:
-        print(json.dumps({**_json(rows, count, args), **({"deepspeed": deepspeed} if deepspeed else {})}, indent=2))
+        print(json.dumps({**_json(rows, count, args), **({"deepspeed": deepspeed} if deepspeed else {}),
+                          **({"zero3_schedule": schedule} if schedule else {})}, indent=2))
     else:
         print(table(rows, count, args))
+        if schedule:
+            print(schedule_line(schedule, args))
         if deepspeed:
             print("\nDeepSpeed's estimator (its formulas: 18 bytes of sharded states per parameter, a 1.5 host buffer"
                   " factor), GiB:")
@@ -153,6 +165,17 @@ def estimate_command(argv: Sequence[str]) -> int:
                     print(f"  {stage}: per GPU {row['per_gpu'] / 2**30:7.2f} | per CPU {row['per_cpu'] / 2**30:7.2f} |"
                           f" {row['options']}")
     return 0
+
+
+def schedule_line(r: dict, args: argparse.Namespace) -> str:
+    """What ``schedule="auto"`` would take, in one paragraph."""
+    return (f"\nzero3 gather schedule (`schedule=\"auto\"`) with {_gb(r['budget_bytes'])} GB free per device and"
+            f" {_gb(args.activations) if args.activations else 'no'} activations: {r['persistent_blocks']} of"
+            f" {r['blocks']} blocks persistent (param_persistence_threshold={r['param_persistence_threshold']}),"
+            f" {r['kept_blocks']} kept across the forward-backward turn (max_reuse_distance={r['max_reuse_distance']}):"
+            f" {r['gathers_per_step']} all-gathers per step instead of {r['min_memory_gathers_per_step']}; predicted"
+            f" peak {_gb(r['predicted_peak_bytes'])} GB of {_gb(r['budget_bytes'])} GB less {r['margin']:.0%}. At run"
+            " time the first step's measured peak replaces this estimate's.")
 
 
 def _deepspeed(count: ModelCount, args: argparse.Namespace) -> dict:

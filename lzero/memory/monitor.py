@@ -8,7 +8,7 @@ After an optimizer step (gradients freed, see [Note: gradient buffers] in flat_u
 - ``memory/model_states_bytes/rank{r}``: parameters, gradients, fp32 masters and optimizer state this rank holds
   (``lzero.memory.accounting.model_state_bytes``), all stores, frozen parameters included (whole at stages 1-2: a
   frozen reference model, a LoRA or QLoRA base); ``memory/{store}/{kind}_bytes/rank{r}`` split by store
-  (``device``, ``cpu``, ``nvme``) and kind; ``memory/{store}/buffers_bytes`` the offload staging buffers.
+  (``device``, ``cpu``, ``nvme``) and kind; ``memory/{store}/buffers_bytes`` the offload staging buffers and the stage-3 blocks gathered at the time (kept by the gather schedule).
 - ``memory/model_states_expected_bytes/rank{r}``: what ``lzero.memory.estimate.model_states`` predicts for this
   configuration, model size and world size between steps (no gradients), for Adam-like, SGD, Adagrad and
   RMSprop optimizers (others: not logged), counting the frozen parameters as ``lzero estimate --frozen-params``
@@ -20,6 +20,9 @@ After an optimizer step (gradients freed, see [Note: gradient buffers] in flat_u
 - ``comm/{reduce,all_gather,to_host,to_device,nvme_read,nvme_write}_bytes_per_step/rank{r}``: bytes handed to
   reduce-scatters, received from all-gathers, copied by the offload stores and moved by the swap files, per
   step since the last log.
+- ``memory/schedule/{persistent_blocks,kept_blocks,gathers_per_step,predicted_peak_bytes,budget_bytes}/rank{r}``:
+  what stage 3's ``schedule="auto"`` chose after the first step (see [Note: choosing the gather schedule] in
+  engine/schedule.py), beside the measured peak.
 - ``memory/monitor_seconds/rank{r}``: what this logging itself took.
 
 All ranks' values travel to rank 0 in one all-gather of one tensor, and rank 0 logs them (TensorBoard shows
@@ -29,13 +32,13 @@ one curve per rank). The fp16 loss scale is logged by the precision plugin alrea
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lzero.engine import collectives
+from lzero.engine.schedule import peak_bytes, reset_peak
 from lzero.memory.accounting import KINDS, model_state_bytes
 
 STATE_BYTES = {"Adam": 8, "AdamW": 8, "Adamax": 8, "NAdam": 8, "RAdam": 8, "Adagrad": 4, "RMSprop": 4, "SGD": 0}
@@ -43,6 +46,9 @@ STATE_BYTES = {"Adam": 8, "AdamW": 8, "Adamax": 8, "NAdam": 8, "RAdam": 8, "Adag
 
 ADAM_LIKE = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam")
 """Optimizers keeping a 0-dim fp32 ``step`` tensor per parameter (here: per shard): 4 bytes per unit, expected too."""
+
+SCHEDULE = ("persistent_blocks", "kept_blocks", "gathers_per_step", "predicted_peak_bytes", "budget_bytes")
+"""What stage 3's ``schedule="auto"`` chose ([Note: choosing the gather schedule] in engine/schedule.py), logged."""
 
 TRAFFIC = ("reduce", "all_gather", "to_host", "to_device", "nvme_read", "nvme_write")
 
@@ -66,7 +72,7 @@ class MemoryMonitor(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._traffic_at, self._steps_at = _traffic(trainer.strategy.engine), trainer.global_step
-        _reset_peak(trainer.strategy.root_device)
+        reset_peak(trainer.strategy.root_device)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -131,12 +137,17 @@ class MemoryMonitor(Callback):
         peak_name, peak = _peak(device)
         names.append(peak_name)
         values.append(peak)
+        chosen = getattr(getattr(engine, "auto_schedule", None), "record", None)
+        for key in SCHEDULE:  # NaN until chosen (after the first step), and for other schedules
+            names.append(f"memory/schedule/{key}")
+            value = chosen.get(key) if chosen is not None else None
+            values.append(float("nan") if value is None else float(value))
         now, steps = _traffic(engine), max(1, step - self._steps_at)
         for kind in TRAFFIC:
             names.append(f"comm/{kind}_bytes_per_step")
             values.append((now[kind] - self._traffic_at.get(kind, 0)) / steps)
         self._traffic_at, self._steps_at = now, step
-        _reset_peak(device)
+        reset_peak(device)
         return names, values
 
 
@@ -198,22 +209,6 @@ def _expected(engine: Any, optimizers: list) -> float:
 
 
 def _peak(device: torch.device) -> tuple[str, float]:
-    if device.type == "cuda":
-        return "memory/peak_device_bytes", float(torch.cuda.max_memory_allocated(device))
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return "memory/peak_rss_bytes", float(int(line.split()[1]) * 1024)
-    except OSError:
-        pass
-    return "memory/peak_rss_bytes", float("nan")
-
-
-def _reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-    except OSError:
-        pass  # not allowed here: the peak runs from the start of the process
+    peak = peak_bytes(device)
+    name = "memory/peak_device_bytes" if device.type == "cuda" else "memory/peak_rss_bytes"
+    return name, float("nan") if peak is None else float(peak)

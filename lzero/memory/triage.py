@@ -110,6 +110,7 @@ class Situation:
     micro_batch: Optional[int]
     accumulation: int
     on_cpu: bool  # the device is host memory: host-resident states count against the same budget
+    schedule: Optional[dict[str, Any]] = None  # what stage 3's schedule="auto" chose (its record), if it has
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -199,6 +200,8 @@ def explain(s: Situation, probe: Optional[ActivationProbe] = None) -> tuple[str,
         lines.append(f"    - {p['name']}: {_mb(p['bytes'])}, saves {_mb(p['saves'])}"
                      + (" - fits" if p["fits"] else ""))
     lines.append("    - a shorter sequence: activations shrink with it (attention scores with its square); not priced")
+    if s.schedule is not None:
+        lines.append(schedule_line(s.schedule))
     chosen = record["chosen"]
     if chosen is not None:
         lines.append(f"  HINT: the cheapest that fits is {chosen['name']}, which saves {_mb(chosen['saves'])}"
@@ -206,6 +209,19 @@ def explain(s: Situation, probe: Optional[ActivationProbe] = None) -> tuple[str,
     else:
         lines.append("  HINT: none of these fits the budget: more devices, a smaller model or a shorter sequence.")
     return "\n".join(lines), record
+
+
+def schedule_line(r: dict[str, Any]) -> str:
+    """The gather schedule ``schedule="auto"`` chose after the first step, and the knob that holds less."""
+    if not r["persistent_blocks"] and not r["kept_blocks"]:
+        return "  gather schedule (schedule='auto'): memory-minimal, nothing kept gathered."
+    knob = "param_persistence_threshold" if r["persistent_blocks"] else "max_reuse_distance"
+    return (f"  gather schedule (schedule='auto'): {r['persistent_blocks']} of {r['blocks']} blocks persistent"
+            f" (param_persistence_threshold={r['param_persistence_threshold']}), {r['kept_blocks']} kept across the turn"
+            f" (max_reuse_distance={r['max_reuse_distance']}), predicted peak {_mb(r['predicted_peak_bytes'])} from"
+            f" the first step's {_mb(r['measured_peak_bytes'])}. HINT: a lower `{knob}`, or `schedule='min_memory'`"
+            f" (every block gathered per use), holds {_mb(r['predicted_peak_bytes'] - r['measured_peak_bytes'])}"
+            " less.")
 
 
 def annotate(error: BaseException, text: str, record: dict[str, Any]) -> None:

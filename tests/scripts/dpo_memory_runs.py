@@ -65,7 +65,8 @@ def held_bytes(module: torch.nn.Module, strategy: Any) -> dict[str, int]:
     """Bytes of the distinct storages this rank's model and optimizers hold, by what holds them: the module's
     parameters (whole where unsharded: the frozen reference at zero1/2), the parameter shards of the engine's units
     (zero3 releases the module's own), and every tensor the optimizers' inner (per-shard) optimizers hold, their
-    parameters (the fp32 masters) and their state. Each storage counted once, under the first that names it."""
+    parameters (the fp32 masters) and their state. Each storage counted once, under the first that names it. Not
+    counted: zero3's gathered blocks (between steps, those the gather schedule keeps), which are working set."""
     seen: set[int] = set()
     out = {"module_parameters": 0, "shards": 0, "optimizers": 0}
 
@@ -76,6 +77,9 @@ def held_bytes(module: torch.nn.Module, strategy: Any) -> dict[str, int]:
                 seen.add(storage.data_ptr())
                 out[where] += storage.nbytes()
 
+    if strategy.engine.gatherer is not None:  # zero3 blocks kept gathered between steps by schedule="auto": working
+        seen.update(u.flat_param.untyped_storage().data_ptr() for u in strategy.engine.units  # set, logged as buffers
+                    if u.flat_param.untyped_storage().nbytes())
     count("module_parameters", [*module.parameters(), *(p.grad for p in module.parameters() if p.grad is not None)])
     count("shards", [u.compute_shard() for u in strategy.engine.units])
     for zopt in strategy.optimizers:

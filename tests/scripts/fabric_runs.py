@@ -40,7 +40,8 @@ elif strategy.endswith("_hybrid"):  # shard groups of 2 ranks, replicated across
 elif strategy.endswith("_hpz"):  # hpZ: primary shards over all 4 ranks, secondary copies within pairs
     from lzero.lightning.fabric_strategy import ZeroFabricStrategy
 
-    strategy = ZeroFabricStrategy(stage=3, hpz_partition_size=2)
+    # min_memory: every backward gathers its blocks, from the pair's copies ("auto" keeps this small model gathered)
+    strategy = ZeroFabricStrategy(stage=3, hpz_partition_size=2, schedule="min_memory")
 elif strategy.endswith("_fp16"):  # lzero's own fp16 (Fabric would turn 16-mixed into bf16-mixed on the CPU)
     from lzero.lightning.fabric_strategy import ZeroFabricStrategy
 
