@@ -159,7 +159,7 @@ def nvme_memory(rank: int, world_size: int, folder: str) -> dict:
     from _engine_cases import live_tensor_bytes
     from lzero.memory.accounting import model_state_bytes
 
-    engine, zopt = _three_steps(ZeroConfig(stage=3, unit_modules=("Linear",),
+    engine, zopt = _three_steps(ZeroConfig(stage=3, unit_modules=("Linear",), schedule="min_memory",  # shards only
                                            offload_optimizer={"device": "nvme", "nvme_path": folder}))
     gc.collect()
     store = next(s for s in engine.stores if s.name == "nvme")

@@ -26,8 +26,8 @@ from pathlib import Path
 from benchmarks.common import module_env, out_path, run_header, write_report
 
 NODES = [("lzbench0", "lzb0", "10.77.0.1"), ("lzbench1", "lzb1", "10.77.0.2")]  # namespace, veth end, address
-LAYOUTS = ["ddp", "zero2", "zero2_hybrid", "zero3", "zero3_hybrid", "zero3_hybrid_reuse", "zero3_hpz", "zero3_qwz",
-           "zero3_qwz_qgz8", "zero3_hybrid_qwz_qgz8"]
+LAYOUTS = ["ddp", "zero2", "zero2_hybrid", "zero3", "zero3_hybrid", "zero3_hybrid_min_memory", "zero3_hybrid_reuse",
+           "zero3_hpz", "zero3_qwz", "zero3_qwz_qgz8", "zero3_hybrid_qwz_qgz8"]
 
 
 def sh(*cmd: str, check: bool = True) -> None:

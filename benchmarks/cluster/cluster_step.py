@@ -30,13 +30,18 @@ args = parser.parse_args()
 LAYOUTS = {  # name -> ZeroFabricStrategy options (ddp: Lightning's)
     "zero2": {"stage": 2}, "zero2_hybrid": {"stage": 2, "shard_group_size": "node"},
     "zero3": {"stage": 3}, "zero3_hybrid": {"stage": 3, "shard_group_size": "node"},
+    # the memory-minimal schedule (lzero's default before schedule="auto"): every block gathered twice a step
+    "zero3_min_memory": {"stage": 3, "schedule": "min_memory"},
+    "zero3_hybrid_min_memory": {"stage": 3, "shard_group_size": "node", "schedule": "min_memory"},
     # the last 2 of the 4 blocks (1,049,600 elements each) stay gathered from their forward to their backward
-    "zero3_hybrid_keep2": {"stage": 3, "shard_group_size": "node", "max_reuse_distance": 2_200_000},
+    "zero3_hybrid_keep2": {"stage": 3, "shard_group_size": "node", "max_reuse_distance": 2_200_000,
+                           "schedule": "min_memory"},
     # DeepSpeed's default stage3_max_reuse_distance (1e9 elements): every block stays gathered from its forward to its
     # backward (one all-gather per block and step), still sharded between steps
-    "zero3_hybrid_reuse": {"stage": 3, "shard_group_size": "node", "max_reuse_distance": 1_000_000_000},
+    "zero3_hybrid_reuse": {"stage": 3, "shard_group_size": "node", "max_reuse_distance": 1_000_000_000,
+                           "schedule": "min_memory"},
     "zero3_hybrid_reuse_nocheck": {"stage": 3, "shard_group_size": "node", "max_reuse_distance": 1_000_000_000,
-                                   "unit_order_timeout_s": 0},
+                                   "unit_order_timeout_s": 0, "schedule": "min_memory"},
     "zero3_hpz": {"stage": 3, "hpz_partition_size": 2},
     "zero3_qwz": {"stage": 3, "quantized_weights": True},
     "zero3_qwz_qgz8": {"stage": 3, "quantized_weights": True, "quantized_gradients": 8},

@@ -55,13 +55,16 @@ MODELS = {
     "deep": dict(config=dict(n_layer=24, n_embd=64, n_head=4, vocab_size=8000, n_positions=32), seq=32, batch=2),
 }
 ALIASES = {  # rows that are a preset with overrides (``preset:key=value;key=value``)
+    # the memory-minimal schedule (FSDP's; lzero's default before schedule="auto"): every block gathered twice a step
+    "zero3+min_memory": "zero3:schedule=min_memory",
+    # runs of small consecutive blocks all-gathered together (ZeroConfig.gather_bucket_size), on that schedule
+    "zero3+runs": "zero3:schedule=min_memory;gather_bucket_size=5000000",
     # DeepSpeed's own stage-3 defaults (stage3_param_persistence_threshold 1e5, stage3_prefetch_bucket_size 5e7),
-    # which the DeepSpeed rows run with
-    "zero3+ds_defaults": "zero3:param_persistence_threshold=100000;prefetch_bucket_size=50000000",
-    # runs of small consecutive blocks all-gathered together (ZeroConfig.gather_bucket_size)
-    "zero3+runs": "zero3:gather_bucket_size=5000000",
+    # which the DeepSpeed rows run with, nothing else kept
+    "zero3+ds_defaults": "zero3:schedule=min_memory;param_persistence_threshold=100000;prefetch_bucket_size=50000000",
 }
-DEFAULT_STRATEGIES = "ddp,zero1,zero2,zero3,zero3+runs,zero3+ds_defaults,zero2_offload,zero3_offload,fsdp2"
+DEFAULT_STRATEGIES = ("ddp,zero1,zero2,zero3,zero3+min_memory,zero3+runs,zero3+ds_defaults,zero2_offload,zero3_offload,"
+                      "fsdp2")
 WORLD_SIZE = int(os.environ.get("BENCH_WORLD_SIZE", "2"))  # --world-size sets it (rank 1.. inherit it)
 
 
