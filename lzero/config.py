@@ -160,12 +160,12 @@ class ZeroConfig:
 
     schedule: Literal["auto", "min_memory"] = "auto"
     """Stage 3: who sets the gather schedule's knobs (``prefetch``, ``max_reuse_distance``,
-    ``param_persistence_threshold``, ``gather_bucket_size``) left at None. "auto": the first training step runs the
-    memory-minimal schedule and measures its peak; from the second step on, the blocks are kept gathered (persistent,
-    or across the forward-backward turn) as far as the measured peak plus the extra gathered bytes fits the rank's
-    memory budget less ``schedule_margin``: the fewest collectives that fit. "min_memory": every knob left at None
-    takes its memory-minimal value (one block prefetched, none kept, none persistent), FSDP's schedule. Knobs given
-    explicitly always win. See [Note: choosing the gather schedule] in lzero/engine/schedule.py."""
+    ``param_persistence_threshold``, ``gather_bucket_size``) left at None. "auto": the first two training steps run
+    the memory-minimal schedule and measure their peak; from the third step on, the blocks are kept gathered
+    (persistent, or across the forward-backward turn) as far as the measured peak plus the extra gathered bytes fits
+    the rank's memory budget less ``schedule_margin``: the fewest collectives that fit. "min_memory": every knob left
+    at None takes its memory-minimal value (one block prefetched, none kept, none persistent), FSDP's schedule. Knobs
+    given explicitly always win. See [Note: choosing the gather schedule] in lzero/engine/schedule.py."""
 
     schedule_margin: float = 0.1
     """Stage 3, ``schedule="auto"``: the fraction of the memory budget kept free (allocator fragmentation, a longer

@@ -3,11 +3,11 @@ beside the peak it predicted and the budget it was given.
 
 For each preset (zero3, zero3_offload) and each model of ``bench_memory.py`` (the demo GPT, 8 x 512, and its small
 2 x 64 shape) a 2-process CPU run first takes the machine's budget (the host's available memory shared by the
-ranks, plus each rank's own resident memory), then, on the 8 x 512 model, budgets set from that run's first-step
+ranks, plus each rank's own resident memory), then, on the 8 x 512 model, budgets set from that run's first-two-steps
 peak P and the extra bytes E that keeping every block gathered costs: (P + E/2) / (1 - margin), room for about half
 of them, and (P + E/10) / (1 - margin), room for few. Each run trains 6 steps; the peak of a step is the process's
-VmHWM, reset through /proc/self/clear_refs at the step's start (what the engine measures in the first step); the
-measured column is the highest of steps 2-6 over both ranks, which must stay within the predicted peak + 5% and
+VmHWM, reset through /proc/self/clear_refs at the step's start (what the engine measures over the first two steps); the
+measured column is the highest of steps 3-6 over both ranks, which must stay within the predicted peak + 5% and
 within the budget.
 
     python -m benchmarks.memory.bench_schedule_auto          # writes results/memory/schedule_auto.<machine>.<date>.md
@@ -52,12 +52,15 @@ def worker(args: argparse.Namespace) -> None:
             self.peaks: list[int] = []
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            if trainer.global_step > 0:  # the first step is the engine's own measure
+            if trainer.global_step > 1:  # the first two steps are the engine's own measure
                 reset_peak_rss()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            if trainer.global_step > 1:
+            if trainer.global_step > 2:
                 self.peaks.append(peak_bytes(torch.device("cpu")))
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            self.record = trainer.strategy.engine.auto_schedule.record
 
     seed_everything(0, verbose=False)
     shape = MODELS[args.model]
@@ -67,8 +70,7 @@ def worker(args: argparse.Namespace) -> None:
     peaks = Peaks()
     trainer = bench_trainer(strategy, STEPS, [peaks])
     trainer.fit(model, datamodule=data)
-    record = trainer.strategy.engine.auto_schedule.record
-    mine = {"record": record, "peaks": peaks.peaks}
+    mine = {"record": peaks.record, "peaks": peaks.peaks}
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     if dist.get_rank() == 0:
@@ -112,11 +114,11 @@ def main() -> None:
 
     lines = ["# schedule=\"auto\": predicted and measured in-step peaks", "",
              f"`python -m benchmarks.memory.bench_schedule_auto`. {run_header()} 2 CPU processes x 1 thread, gloo,"
-             f" fp32, AdamW, batch 4; {STEPS} steps. Per rank, MiB: the first step's peak (VmHWM, what the engine"
-             " measures), the peak it predicts under its choice, and the highest VmHWM of steps 2-6 over both"
+             f" fp32, AdamW, batch 4; {STEPS} steps. Per rank, MiB: the peak of steps 1-2 (VmHWM, what the engine"
+             " measures over steps 1-2), the peak it predicts under its choice, and the highest VmHWM of steps 3-6 over both"
              " ranks (reset at each step's start). Budgets below the machine's: (P + E/2) / 0.9 and (P + E/10) / 0.9,"
-             " P the first-step peak and E the bytes every block kept gathered adds, from the machine-budget run.", "",
-             "| preset | model | budget | budget MiB | chosen | first step | predicted | measured | measured / predicted"
+             " P the peak of steps 1-2 and E the bytes every block kept gathered adds, from the machine-budget run.", "",
+             "| preset | model | budget | budget MiB | chosen | steps 1-2 | predicted | measured | measured / predicted"
              " | within predicted + 5% and budget |", "|---|---|---|---|---|---|---|---|---|---|"]
     all_ok = True
     for preset in PRESETS:

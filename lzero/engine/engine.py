@@ -732,7 +732,7 @@ class ZeroEngine:
             self._gather_persistent([u for bucket, _ in steps for u in bucket])
 
     def _choose_schedule(self) -> None:
-        """``schedule="auto"``, after the first optimizer step: see [Note: choosing the gather schedule]. A
+        """``schedule="auto"``, after the second optimizer step: see [Note: choosing the gather schedule]. A
         collective (once)."""
         if self.auto_schedule is not None and self.auto_schedule.record is None:
             blocks = [n for n in self.gatherer.blocks if n != ROOT]

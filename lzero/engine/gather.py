@@ -535,6 +535,11 @@ class Gatherer:
                 self.release(name)
 
     @property
+    def steps(self) -> int:
+        """Training steps begun (``begin_step``: every forward that gathers the root)."""
+        return self._step
+
+    @property
     def recording(self) -> bool:
         """The first forward, which records the blocks' order, has not met a backward yet."""
         return self._recording

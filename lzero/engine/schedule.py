@@ -1,5 +1,5 @@
 """Stage 3's ``schedule="auto"``: the gather schedule with the fewest collectives whose peak fits the memory the rank
-has, chosen from the first step's measured peak.
+has, chosen from the measured peak of the first two steps.
 
 [Note: choosing the gather schedule]
 The knobs of [Note: stage-3 gather schedule] (gather.py) trade collectives for memory and never change what is
@@ -7,11 +7,13 @@ computed. FSDP's defaults (and ``schedule="min_memory"``) gather every block for
 backward: two collectives per block per step, each a fixed latency that a model of many small blocks waits on.
 DeepSpeed's defaults keep blocks gathered without looking at memory. ``schedule="auto"`` looks:
 
-- The first training step runs the memory-minimal schedule (knobs given explicitly apply from the start) and
-  records the blocks' forward order; the rank's peak over it is measured (``torch.cuda.max_memory_allocated`` on
-  CUDA; on CPU the process's resident high-water mark, VmHWM, reset through ``/proc/self/clear_refs``) with the
-  activations, the optimizer's first step and the allocator in it.
-- After that step's update, each rank's headroom is its budget less ``schedule_margin`` of it less the measured
+- The first two training steps run the memory-minimal schedule (knobs given explicitly apply from the start); the
+  first records the blocks' forward order. The rank's peak over both is measured (``torch.cuda.max_memory_allocated``
+  on CUDA; on CPU the process's resident high-water mark, VmHWM, reset through ``/proc/self/clear_refs``) with the
+  activations, the optimizer and the allocator in it. Two steps, because the optimizer's state is made in the first
+  step's update, after that step's peak (the backward's), and is there in every later backward: on the 2-CPU
+  benchmark the first step alone under-predicted later steps by 12-20% (Adam's moments).
+- After the second step's update, each rank's headroom is its budget less ``schedule_margin`` of it less the measured
   peak. The budget: ``memory_budget_bytes`` when given; on CUDA the device's free memory plus what torch's caching
   allocator holds; on CPU the host's available memory shared by the node's ranks plus the process's resident
   memory. The ranks take the smallest headroom (one all-reduce), so all choose the same schedule: the gathers of
@@ -21,11 +23,11 @@ DeepSpeed's defaults keep blocks gathered without looking at memory. ``schedule=
   no collective of its own) and every count of forward's last blocks kept across the forward-backward turn
   (``max_reuse_distance``: one gather per step instead of two), and takes the fewest per-step collectives whose
   predicted peak fits: the measured peak plus the compute-dtype bytes of the blocks gathered at once beyond what
-  the first step held (:func:`peak_elements`, which bounds the gatherer's own rule: the root, the persistent and
+  the first steps held (:func:`peak_elements`, which bounds the gatherer's own rule: the root, the persistent and
   kept blocks, and the computing block with those prefetched ahead). Ties go to the smaller peak.
 - ``prefetch`` stays one block and ``gather_bucket_size`` off: neither saves a collective the two above do not
   (deeper prefetch moved the 2-CPU benchmarks by under 3%, benchmarks/results/memory/gather_schedule...md).
-- A headroom below zero (the first step already ran past the budget) keeps the memory-minimal schedule; the
+- A headroom below zero (the first steps already ran past the budget) keeps the memory-minimal schedule; the
   out-of-memory triage then names the presets that fit. An out-of-memory error under the chosen schedule names it
   and the knob to lower.
 
@@ -142,18 +144,22 @@ def peak_elements(sizes: Sequence[int], root: int, schedule: GatherSchedule, rec
     return peak
 
 
-def gathers_per_step(sizes: Sequence[int], root: int, schedule: GatherSchedule, bucket: int) -> int:
+def gathers_per_step(sizes: Sequence[int], root: int, schedule: GatherSchedule, bucket: int,
+                     coalesced: bool = True) -> int:
     """Parameter all-gathers per step (runs not counted): two per block, one per block kept across the turn, and the
-    persistent blocks' coalesced gathers of ``bucket`` elements after the optimizer step."""
+    persistent blocks' coalesced gathers of ``bucket`` elements after the optimizer step (``coalesced`` False:
+    parameter shards in host memory or files, which the step does not gather: one per persistent block, in forward)."""
     persistent = persistent_indices(sizes, schedule)
     kept_ = kept(sizes, root, schedule) - persistent
     rest = len(sizes) - len(persistent) - len(kept_)
+    if not coalesced:
+        return 2 * rest + len(kept_) + len(persistent)
     together = math.ceil(sum(sizes[i] for i in persistent) / max(1, bucket)) if persistent else 0
     return 2 * rest + len(kept_) + together
 
 
 def plan(sizes: Sequence[int], root: int, headroom: int, first: GatherSchedule, fixed: Sequence[str],
-         bucket: int) -> GatherSchedule:
+         bucket: int, coalesced: bool = True) -> GatherSchedule:
     """The schedule with the fewest :func:`gathers_per_step` whose :func:`peak_elements` exceeds the first step's
     (``first``, which ran while recording) by at most ``headroom`` elements; ``fixed``: the knobs given explicitly,
     kept. See [Note: choosing the gather schedule]."""
@@ -178,7 +184,7 @@ def plan(sizes: Sequence[int], root: int, headroom: int, first: GatherSchedule, 
                 break
             # ties (blocks persistent anyway) go to the smaller peak, then to the longer distance: the kept blocks
             # that persistence already holds cost nothing, and a smaller budget then lowers both knobs
-            key = (gathers_per_step(sizes, root, candidate, bucket), peak, -distance)
+            key = (gathers_per_step(sizes, root, candidate, bucket, coalesced), peak, -distance)
             if best_key is None or key < best_key:
                 best, best_key = candidate, key
     return best
@@ -188,15 +194,17 @@ def plan(sizes: Sequence[int], root: int, headroom: int, first: GatherSchedule, 
 
 
 class AutoSchedule:
-    """The engine's ``schedule="auto"``: :meth:`start` at the first forward, :meth:`choose` after the first
-    optimizer step. See [Note: choosing the gather schedule]."""
+    """The engine's ``schedule="auto"``: :meth:`start` at the first forward, :meth:`choose` after each optimizer step
+    (it decides after the second). See [Note: choosing the gather schedule]."""
 
     def __init__(self, config: Any, device: torch.device, budget: MemoryBudget, group: Any) -> None:
         self.fixed = [k for k in SCHEDULED if getattr(config, k) is not None]
         self.margin = config.schedule_margin
         self.bucket = config.allgather_bucket_size
+        self.coalesced = config.offload_param.device == "none"  # the step gathers persistent blocks on the device
         self.device, self.budget, self.group = device, budget, group
         self.started = False
+        self.first_step: Optional[int] = None  # the gatherer's step count at the first optimizer step
         self.record: Optional[dict[str, Any]] = None
 
     def start(self) -> None:
@@ -208,6 +216,9 @@ class AutoSchedule:
         """Measure, agree and reschedule ``gatherer`` (a collective over ``group``); once. ``names``: the blocks
         other than the root."""
         if self.record is not None or not self.started or gatherer.recording:
+            return
+        if self.first_step is None or gatherer.steps == self.first_step:  # the first step (each of its optimizers)
+            self.first_step = gatherer.steps
             return
         peak, budget = peak_bytes(self.device), self.budget.read(self.device)
         mine = math.inf if peak is None or budget is None else (1 - self.margin) * budget - peak
@@ -221,7 +232,7 @@ class AutoSchedule:
         first = gatherer.schedule
         unknown = headroom == math.inf
         chosen = first if unknown or headroom < 0 else plan(sizes, root, int(headroom // element_bytes), first,
-                                                              self.fixed, self.bucket)
+                                                              self.fixed, self.bucket, self.coalesced)
         gatherer.reschedule(chosen)
         extra = element_bytes * (peak_elements(sizes, root, chosen) - peak_elements(sizes, root, first, True))
         self.record = {
@@ -229,7 +240,7 @@ class AutoSchedule:
             "max_reuse_distance": chosen.max_reuse_distance, "prefetch": chosen.prefetch,
             "persistent_blocks": sum(k <= chosen.param_persistence_threshold for k in sizes),
             "kept_blocks": len(kept(sizes, root, chosen) - persistent_indices(sizes, chosen)), "blocks": len(sizes),
-            "gathers_per_step": gathers_per_step(sizes, root, chosen, self.bucket),
+            "gathers_per_step": gathers_per_step(sizes, root, chosen, self.bucket, self.coalesced),
             "min_memory_gathers_per_step": 2 * len(sizes),
             "measured_peak_bytes": peak, "predicted_peak_bytes": None if peak is None else peak + extra,
             "budget_bytes": budget, "margin": self.margin, "headroom_bytes": None if unknown else headroom,
@@ -247,13 +258,13 @@ def summary(record: dict[str, Any]) -> str:
         why = " (this machine's memory could not be read: set `memory_budget_bytes` on the strategy)"
         return f"lzero zero3 schedule auto: memory-minimal{why}."
     if r["headroom_bytes"] < 0:
-        return (f"lzero zero3 schedule auto: memory-minimal: the first step's peak {_gb(r['measured_peak_bytes'])}"
+        return (f"lzero zero3 schedule auto: memory-minimal: the first steps' peak {_gb(r['measured_peak_bytes'])}"
                 f" already passes the budget {_gb(r['budget_bytes'])} less {r['margin']:.0%}.")
     return (f"lzero zero3 schedule auto: {r['persistent_blocks']} of {r['blocks']} blocks persistent"
             f" (param_persistence_threshold={r['param_persistence_threshold']}), {r['kept_blocks']} kept across the"
             f" turn (max_reuse_distance={r['max_reuse_distance']}): {r['gathers_per_step']} all-gathers per step"
             f" instead of {r['min_memory_gathers_per_step']}; peak {_gb(r['measured_peak_bytes'])} measured in the"
-            f" first step, {_gb(r['predicted_peak_bytes'])} predicted, budget {_gb(r['budget_bytes'])} less"
+            f" first two steps, {_gb(r['predicted_peak_bytes'])} predicted, budget {_gb(r['budget_bytes'])} less"
             f" {r['margin']:.0%}. `schedule='min_memory'` or a lower `max_reuse_distance` /"
             " `param_persistence_threshold` holds less.")
 

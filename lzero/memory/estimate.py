@@ -433,7 +433,7 @@ def count_parameters(module: nn.Module, unit_modules: Optional[Sequence[str]] = 
 def auto_schedule(count: ModelCount, world_size: int, free_bytes: int, precision: str = "bf16-mixed",
                   activations: int = 0, optimizer_bytes: float = ADAM_BYTES,
                   config: Optional[ZeroConfig] = None) -> dict:
-    """What stage 3's ``schedule="auto"`` would choose on a device with ``free_bytes`` per rank, the first step's
+    """What stage 3's ``schedule="auto"`` would choose on a device with ``free_bytes`` per rank, the first steps'
     peak taken as the model states, lzero's working set and ``activations`` (at run time it is measured: [Note:
     choosing the gather schedule] in lzero/engine/schedule.py). Needs the blocks' sizes (a model)."""
     from lzero.engine.blocks import GatherSchedule
@@ -452,13 +452,15 @@ def auto_schedule(count: ModelCount, world_size: int, free_bytes: int, precision
     fixed = [k for k in ("prefetch", "max_reuse_distance", "param_persistence_threshold", "gather_bucket_size")
              if getattr(config, k) is not None]
     chosen = first if headroom < 0 or config.schedule != "auto" else \
-        plan(sizes, root, int(headroom // c), first, fixed, config.allgather_bucket_size)
+        plan(sizes, root, int(headroom // c), first, fixed, config.allgather_bucket_size,
+             config.offload_param.device == "none")
     extra = c * (peak_elements(sizes, root, chosen) - peak_elements(sizes, root, first, recording=True))
     return {"param_persistence_threshold": chosen.param_persistence_threshold,
             "max_reuse_distance": chosen.max_reuse_distance,
             "persistent_blocks": sum(k <= chosen.param_persistence_threshold for k in sizes),
             "kept_blocks": len(kept(sizes, root, chosen) - persistent_indices(sizes, chosen)), "blocks": len(sizes),
-            "gathers_per_step": gathers_per_step(sizes, root, chosen, config.allgather_bucket_size),
+            "gathers_per_step": gathers_per_step(sizes, root, chosen, config.allgather_bucket_size,
+                                                 config.offload_param.device == "none"),
             "min_memory_gathers_per_step": 2 * len(sizes), "baseline_bytes": round(baseline),
             "predicted_peak_bytes": round(baseline + extra), "budget_bytes": free_bytes,
             "margin": config.schedule_margin}

@@ -175,7 +175,7 @@ def schedule_line(r: dict, args: argparse.Namespace) -> str:
             f" {r['kept_blocks']} kept across the forward-backward turn (max_reuse_distance={r['max_reuse_distance']}):"
             f" {r['gathers_per_step']} all-gathers per step instead of {r['min_memory_gathers_per_step']}; predicted"
             f" peak {_gb(r['predicted_peak_bytes'])} GB of {_gb(r['budget_bytes'])} GB less {r['margin']:.0%}. At run"
-            " time the first step's measured peak replaces this estimate's.")
+            " time the measured peak of the first two steps replaces this estimate's.")
 
 
 def _deepspeed(count: ModelCount, args: argparse.Namespace) -> dict:

@@ -212,14 +212,14 @@ def explain(s: Situation, probe: Optional[ActivationProbe] = None) -> tuple[str,
 
 
 def schedule_line(r: dict[str, Any]) -> str:
-    """The gather schedule ``schedule="auto"`` chose after the first step, and the knob that holds less."""
+    """The gather schedule ``schedule="auto"`` chose after the first two steps, and the knob that holds less."""
     if not r["persistent_blocks"] and not r["kept_blocks"]:
         return "  gather schedule (schedule='auto'): memory-minimal, nothing kept gathered."
     knob = "param_persistence_threshold" if r["persistent_blocks"] else "max_reuse_distance"
     return (f"  gather schedule (schedule='auto'): {r['persistent_blocks']} of {r['blocks']} blocks persistent"
             f" (param_persistence_threshold={r['param_persistence_threshold']}), {r['kept_blocks']} kept across the turn"
             f" (max_reuse_distance={r['max_reuse_distance']}), predicted peak {_mb(r['predicted_peak_bytes'])} from"
-            f" the first step's {_mb(r['measured_peak_bytes'])}. HINT: a lower `{knob}`, or `schedule='min_memory'`"
+            f" the first steps' {_mb(r['measured_peak_bytes'])}. HINT: a lower `{knob}`, or `schedule='min_memory'`"
             f" (every block gathered per use), holds {_mb(r['predicted_peak_bytes'] - r['measured_peak_bytes'])}"
             " less.")
 
