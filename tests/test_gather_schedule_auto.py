@@ -10,7 +10,8 @@ from torch import nn
 from lzero import ZeroConfig
 from lzero.engine.blocks import GatherSchedule
 from lzero.engine.engine import ZeroEngine
-from lzero.engine.schedule import MemoryBudget, gathers_per_step, kept, peak_elements, persistent_indices, plan
+from lzero.engine.schedule import (MemoryBudget, gathers_per_step, kept, measured_under, peak_elements,
+                                   persistent_indices, plan)
 from lzero.optimizer import ZeroOptimizer
 
 SHAPES = {
@@ -26,7 +27,7 @@ def sweep(sizes: list[int], root: int, first: GatherSchedule = GatherSchedule(),
     out = []
     for headroom in range(full, -1, -5):
         chosen = plan(sizes, root, headroom, first, fixed, bucket=10**6)
-        extra = peak_elements(sizes, root, chosen) - peak_elements(sizes, root, first, recording=True)
+        extra = peak_elements(sizes, root, chosen) - measured_under(sizes, root, first)
         out.append((headroom, chosen, extra))
     return out
 

@@ -144,6 +144,12 @@ def peak_elements(sizes: Sequence[int], root: int, schedule: GatherSchedule, rec
     return peak
 
 
+def measured_under(sizes: Sequence[int], root: int, first: GatherSchedule) -> int:
+    """The gathered elements the measured steps held at most: the first while recording, the second without (where
+    explicit reuse distances and runs apply already)."""
+    return max(peak_elements(sizes, root, first, recording=True), peak_elements(sizes, root, first))
+
+
 def gathers_per_step(sizes: Sequence[int], root: int, schedule: GatherSchedule, bucket: int,
                      coalesced: bool = True) -> int:
     """Parameter all-gathers per step (runs not counted): two per block, one per block kept across the turn, and the
@@ -160,10 +166,10 @@ def gathers_per_step(sizes: Sequence[int], root: int, schedule: GatherSchedule, 
 
 def plan(sizes: Sequence[int], root: int, headroom: int, first: GatherSchedule, fixed: Sequence[str],
          bucket: int, coalesced: bool = True) -> GatherSchedule:
-    """The schedule with the fewest :func:`gathers_per_step` whose :func:`peak_elements` exceeds the first step's
-    (``first``, which ran while recording) by at most ``headroom`` elements; ``fixed``: the knobs given explicitly,
+    """The schedule with the fewest :func:`gathers_per_step` whose :func:`peak_elements` exceeds the first steps'
+    (``first``: :func:`measured_under`) by at most ``headroom`` elements; ``fixed``: the knobs given explicitly,
     kept. See [Note: choosing the gather schedule]."""
-    base = peak_elements(sizes, root, first, recording=True)
+    base = measured_under(sizes, root, first)
     if "param_persistence_threshold" in fixed:
         thresholds = [first.param_persistence_threshold]
     else:
@@ -234,7 +240,7 @@ class AutoSchedule:
         chosen = first if unknown or headroom < 0 else plan(sizes, root, int(headroom // element_bytes), first,
                                                               self.fixed, self.bucket, self.coalesced)
         gatherer.reschedule(chosen)
-        extra = element_bytes * (peak_elements(sizes, root, chosen) - peak_elements(sizes, root, first, True))
+        extra = element_bytes * (peak_elements(sizes, root, chosen) - measured_under(sizes, root, first))
         self.record = {
             "param_persistence_threshold": chosen.param_persistence_threshold,
             "max_reuse_distance": chosen.max_reuse_distance, "prefetch": chosen.prefetch,

@@ -50,12 +50,14 @@ def start_engine(module: torch.nn.Module, optimizers: list[Optimizer], config: Z
     from lzero.offload.store import divide_host_threads
     from lzero.optimizer import ZeroOptimizer
 
+    budget = MemoryBudget(memory_budget_bytes, num_processes)
+    expected = expected_schedule(module, config, precision, device, budget) \
+        if config.stage == 3 and config.schedule == "auto" and not evaluating else None
     with as_written(deepspeed):
         layout = Layout.of(config.shard_group_size) if config.shard_group_size is not None else None
         engine = ZeroEngine(module, optimizers, config, precision.policy, device=device, init_fn=init_fn,
                             weights=weights if weights is not None else pretrained_weights(module),
-                            evaluating=evaluating, layout=layout,
-                            memory_budget=MemoryBudget(memory_budget_bytes, num_processes))
+                            evaluating=evaluating, layout=layout, memory_budget=budget)
     try:
         zero = list(attach_to) or [ZeroOptimizer(opt, engine, i) for i, opt in enumerate(optimizers)]
         for i, zopt in enumerate(attach_to):
@@ -66,7 +68,37 @@ def start_engine(module: torch.nn.Module, optimizers: list[Optimizer], config: Z
     except BaseException:  # see [Note: a setup that stops part way] in engine.py
         engine.abandon(module)
         raise
+    if expected is not None:
+        from lightning.fabric.utilities import rank_zero_info
+
+        rank_zero_info(expected)
     return engine, zero
+
+
+def expected_schedule(module: torch.nn.Module, config: ZeroConfig, precision: ZeroFabricPrecision,
+                      device: torch.device, budget: Any) -> Optional[str]:
+    """Stage 3's ``schedule="auto"`` at setup: what it would keep from the model states alone (the choice itself
+    follows the second step, from the measured peak: [Note: choosing the gather schedule] in engine/schedule.py)."""
+    import torch.distributed as dist
+
+    from lzero.memory.estimate import EstimateError, auto_schedule, count_parameters
+
+    free = budget.read(device)
+    if free is None or "auto" in (config.param_persistence_threshold, config.prefetch_bucket_size):
+        return None  # unknown memory, or sizes the engine fills from the hidden size
+    group = config.shard_group_size
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    sharded = world if group is None else (budget.processes if group == "node" else group)
+    try:
+        r = auto_schedule(count_parameters(module, config.unit_modules), sharded, free,
+                          "bf16-mixed" if precision.policy.param_dtype is not None else "32-true", config=config)
+    except EstimateError:
+        return None
+    return (f"lzero zero3 schedule auto: the first two steps run memory-minimal and measure the peak; then blocks stay"
+            f" gathered as far as {free / 2**30:.2f} GiB less {config.schedule_margin:.0%} allows (from the model"
+            f" states alone, without activations: {r['persistent_blocks']} of {r['blocks']} blocks persistent,"
+            f" {r['kept_blocks']} kept across the turn, {r['gathers_per_step']} all-gathers per step instead of"
+            f" {r['min_memory_gathers_per_step']}).")
 
 
 def pretrained_weights(model: torch.nn.Module) -> Optional[Any]:

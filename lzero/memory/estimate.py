@@ -437,7 +437,7 @@ def auto_schedule(count: ModelCount, world_size: int, free_bytes: int, precision
     peak taken as the model states, lzero's working set and ``activations`` (at run time it is measured: [Note:
     choosing the gather schedule] in lzero/engine/schedule.py). Needs the blocks' sizes (a model)."""
     from lzero.engine.blocks import GatherSchedule
-    from lzero.engine.schedule import gathers_per_step, kept, peak_elements, persistent_indices, plan
+    from lzero.engine.schedule import gathers_per_step, kept, measured_under, peak_elements, persistent_indices, plan
 
     config = config if config is not None else ZeroConfig(stage=3)
     if count.blocks is None:
@@ -454,7 +454,7 @@ def auto_schedule(count: ModelCount, world_size: int, free_bytes: int, precision
     chosen = first if headroom < 0 or config.schedule != "auto" else \
         plan(sizes, root, int(headroom // c), first, fixed, config.allgather_bucket_size,
              config.offload_param.device == "none")
-    extra = c * (peak_elements(sizes, root, chosen) - peak_elements(sizes, root, first, recording=True))
+    extra = c * (peak_elements(sizes, root, chosen) - measured_under(sizes, root, first))
     return {"param_persistence_threshold": chosen.param_persistence_threshold,
             "max_reuse_distance": chosen.max_reuse_distance,
             "persistent_blocks": sum(k <= chosen.param_persistence_threshold for k in sizes),
