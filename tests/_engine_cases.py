@@ -85,6 +85,19 @@ def against_ddp(rank: int, world_size: int, configs: list[dict]) -> list[dict]:
     return results
 
 
+def count_live_peak(gatherer: Any) -> list[int]:
+    """``[peak]``: from now on, the most parameter elements ``gatherer`` holds gathered, sampled at every launch (the
+    caller may lower or reset it between steps)."""
+    peak, launch = [0], gatherer.launch
+
+    def counted(block: str, **kwargs: Any) -> None:
+        launch(block, **kwargs)
+        peak[0] = max(peak[0], gatherer.live_numel())
+
+    gatherer.launch = counted
+    return peak
+
+
 def live_tensor_bytes() -> int:
     """Bytes of every tensor storage reachable by the garbage collector, each storage counted once;
     the least of a few samples, because gloo's worker thread drops its reference to a finished

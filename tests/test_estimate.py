@@ -279,7 +279,7 @@ SCHEDULES = {  # ZeroConfig's gather-schedule fields -> blocks gathered at once,
 def test_stage3_working_set_follows_the_gather_schedule(name: str) -> None:
     """The blocks the estimate counts as gathered at once equal the most the Gatherer holds in two steps (world
     size 1, six equal blocks), for each gather-schedule setting; and the working set is root + that many blocks."""
-    from _engine_cases import Deep
+    from _engine_cases import Deep, count_live_peak
 
     from lzero.memory.estimate import gathered_blocks, working_set
 
@@ -289,13 +289,8 @@ def test_stage3_working_set_follows_the_gather_schedule(name: str) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, schedule="min_memory", **knobs))
     zopt = ZeroOptimizer(opt, engine, 0)
-    gatherer, peak, launch = engine.gatherer, [0], engine.gatherer.launch
-
-    def counted(block: str, **kwargs) -> None:
-        launch(block, **kwargs)
-        peak[0] = max(peak[0], gatherer.live_numel())
-
-    gatherer.launch = counted
+    gatherer = engine.gatherer
+    peak = count_live_peak(gatherer)
     x, y = torch.randint(0, 64, (4, 3)), torch.randint(0, 64, (4,))
     for _ in range(2):  # the second step knows the order: reuse applies from then on
         engine.gather_root()

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from _engine_cases import count_live_peak
 from lzero import ZeroConfig
 from lzero.engine.blocks import GatherSchedule
 from lzero.engine.engine import ZeroEngine
@@ -105,13 +106,8 @@ def test_a_run_gathers_what_was_predicted_within_the_budget(room_for: int, monke
         engine = ZeroEngine(model, [opt], ZeroConfig(stage=3, schedule=name, unit_modules=("Sequential",)),
                             memory_budget=MemoryBudget(budget))
         zopt = ZeroOptimizer(opt, engine, 0)
-        gatherer, live, launch = engine.gatherer, [0], engine.gatherer.launch
-
-        def counted(b: str, **kwargs) -> None:
-            launch(b, **kwargs)
-            live[0] = max(live[0], gatherer.live_numel())
-
-        gatherer.launch = counted
+        gatherer = engine.gatherer
+        live = count_live_peak(gatherer)
         monkeypatch.setattr(schedule_module, "peak_bytes", lambda device: base + 4 * live[0])
         monkeypatch.setattr(schedule_module, "reset_peak", lambda device: live.__setitem__(0, 0))
         peaks = []

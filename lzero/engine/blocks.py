@@ -5,7 +5,7 @@ lifecycle] and [Note: stage-3 gather schedule] in gather.py, which moves blocks 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
@@ -91,9 +91,6 @@ class GatherSchedule:
         ``schedule="auto"``, and every step under ``"min_memory"``)."""
         values = {f.name: getattr(config, f.name) for f in fields(cls)}
         return cls(**{k: getattr(cls, k) if v is None and k in SCHEDULED else v for k, v in values.items()})
-
-    def set(self, **knobs: Any) -> "GatherSchedule":
-        return replace(self, **knobs)
 
 
 SCHEDULED = ("prefetch", "max_reuse_distance", "param_persistence_threshold", "gather_bucket_size")

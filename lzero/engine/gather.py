@@ -145,13 +145,10 @@ class Gatherer:
         self.secondary = secondary
         # every rank agrees on each block before its all-gather (None: a single process, nothing to agree on)
         self.order_check = OrderCheck(list(blocks), check_group, check_timeout_s) if check_group is not None else None
-        self.schedule = schedule
         self.numel = {name: sum(u.spec.numel for u in b.units) for name, b in blocks.items()}  # elements, unpadded
         self.order: list[str] = []  # block names in first-forward order
         self._recording = True
-        self._persistent = {n for n, k in self.numel.items() if k <= schedule.param_persistence_threshold}
-        self._reused: Optional[set[str]] = None  # blocks kept across the turn, once the order is known
-        self._runs: Optional[dict[str, tuple[str, ...]]] = None  # block -> its run (gather_bucket_size), once known
+        self.reschedule(schedule)  # sets the schedule and what follows from it
         self._block_of_unit = {id(u): b for b in blocks.values() for u in b.units}
         self._pinned = False  # inside all_gathered(): every block stays gathered, the hooks do nothing
         self._host: Optional[dict[int, torch.Tensor]] = None  # inside streamed_from_host(): unit id -> full values
@@ -549,8 +546,8 @@ class Gatherer:
         gather schedule] in schedule.py)."""
         self.schedule = schedule
         self._persistent = {n for n, k in self.numel.items() if k <= schedule.param_persistence_threshold}
-        self._reused = None
-        self._runs = None
+        self._reused: Optional[set[str]] = None  # blocks kept across the turn, once the order is known
+        self._runs: Optional[dict[str, tuple[str, ...]]] = None  # block -> its run (gather_bucket_size), once known
 
     def persistent_blocks(self, units: Sequence[FlatUnit]) -> list[Block]:
         """The persistent blocks holding any of ``units`` whose shards all live in device memory: what the

@@ -387,12 +387,8 @@ def _building_set(flag: str, value: bool) -> Iterator[None]:
     if recorder is None:
         yield
         return
-    before = getattr(recorder, flag)
-    setattr(recorder, flag, value)
-    try:
+    with _patched(recorder, flag, value):
         yield
-    finally:
-        setattr(recorder, flag, before)
 
 
 @contextlib.contextmanager

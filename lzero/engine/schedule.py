@@ -39,7 +39,7 @@ same, only the gathers are cheaper.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -164,6 +164,22 @@ def gathers_per_step(sizes: Sequence[int], root: int, schedule: GatherSchedule, 
     return 2 * rest + len(kept_) + together
 
 
+def extra_elements(sizes: Sequence[int], root: int, first: GatherSchedule, chosen: GatherSchedule) -> int:
+    """The elements ``chosen`` gathers at once beyond what the measured steps (under ``first``) held."""
+    return peak_elements(sizes, root, chosen) - measured_under(sizes, root, first)
+
+
+def describe(sizes: Sequence[int], root: int, first: GatherSchedule, chosen: GatherSchedule, bucket: int,
+             coalesced: bool = True) -> dict[str, Any]:
+    """What ``chosen`` keeps and what it costs in collectives: the fields of a choice's record."""
+    return {"param_persistence_threshold": chosen.param_persistence_threshold,
+            "max_reuse_distance": chosen.max_reuse_distance,
+            "persistent_blocks": len(persistent_indices(sizes, chosen)),
+            "kept_blocks": len(kept(sizes, root, chosen) - persistent_indices(sizes, chosen)), "blocks": len(sizes),
+            "gathers_per_step": gathers_per_step(sizes, root, chosen, bucket, coalesced),
+            "min_memory_gathers_per_step": 2 * len(sizes)}
+
+
 def plan(sizes: Sequence[int], root: int, headroom: int, first: GatherSchedule, fixed: Sequence[str],
          bucket: int, coalesced: bool = True) -> GatherSchedule:
     """The schedule with the fewest :func:`gathers_per_step` whose :func:`peak_elements` exceeds the first steps'
@@ -184,7 +200,7 @@ def plan(sizes: Sequence[int], root: int, headroom: int, first: GatherSchedule, 
     best, best_key = first, None
     for threshold in thresholds:
         for distance in distances:  # more blocks kept: never fewer elements gathered
-            candidate = first.set(param_persistence_threshold=threshold, max_reuse_distance=distance)
+            candidate = replace(first, param_persistence_threshold=threshold, max_reuse_distance=distance)
             peak = peak_elements(sizes, root, candidate)
             if peak - base > headroom:
                 break
@@ -240,15 +256,11 @@ class AutoSchedule:
         chosen = first if unknown or headroom < 0 else plan(sizes, root, int(headroom // element_bytes), first,
                                                               self.fixed, self.bucket, self.coalesced)
         gatherer.reschedule(chosen)
-        extra = element_bytes * (peak_elements(sizes, root, chosen) - measured_under(sizes, root, first))
         self.record = {
-            "param_persistence_threshold": chosen.param_persistence_threshold,
-            "max_reuse_distance": chosen.max_reuse_distance, "prefetch": chosen.prefetch,
-            "persistent_blocks": sum(k <= chosen.param_persistence_threshold for k in sizes),
-            "kept_blocks": len(kept(sizes, root, chosen) - persistent_indices(sizes, chosen)), "blocks": len(sizes),
-            "gathers_per_step": gathers_per_step(sizes, root, chosen, self.bucket, self.coalesced),
-            "min_memory_gathers_per_step": 2 * len(sizes),
-            "measured_peak_bytes": peak, "predicted_peak_bytes": None if peak is None else peak + extra,
+            **describe(sizes, root, first, chosen, self.bucket, self.coalesced), "prefetch": chosen.prefetch,
+            "measured_peak_bytes": peak,
+            "predicted_peak_bytes": None if peak is None else peak + element_bytes * extra_elements(sizes, root, first,
+                                                                                                   chosen),
             "budget_bytes": budget, "margin": self.margin, "headroom_bytes": None if unknown else headroom,
             "fixed": list(self.fixed),
         }

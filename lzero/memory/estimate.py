@@ -436,8 +436,8 @@ def auto_schedule(count: ModelCount, world_size: int, free_bytes: int, precision
     """What stage 3's ``schedule="auto"`` would choose on a device with ``free_bytes`` per rank, the first steps'
     peak taken as the model states, lzero's working set and ``activations`` (at run time it is measured: [Note:
     choosing the gather schedule] in lzero/engine/schedule.py). Needs the blocks' sizes (a model)."""
-    from lzero.engine.blocks import GatherSchedule
-    from lzero.engine.schedule import gathers_per_step, kept, measured_under, peak_elements, persistent_indices, plan
+    from lzero.engine.blocks import SCHEDULED, GatherSchedule
+    from lzero.engine.schedule import describe, extra_elements, plan
 
     config = config if config is not None else ZeroConfig(stage=3)
     if count.blocks is None:
@@ -449,21 +449,14 @@ def auto_schedule(count: ModelCount, world_size: int, free_bytes: int, precision
     baseline = states + working_set(config, count, world_size, precision, optimizer_bytes).get("device", 0) \
         + activations
     headroom = (1 - config.schedule_margin) * free_bytes - baseline
-    fixed = [k for k in ("prefetch", "max_reuse_distance", "param_persistence_threshold", "gather_bucket_size")
-             if getattr(config, k) is not None]
+    fixed = [k for k in SCHEDULED if getattr(config, k) is not None]
+    coalesced = config.offload_param.device == "none"
     chosen = first if headroom < 0 or config.schedule != "auto" else \
-        plan(sizes, root, int(headroom // c), first, fixed, config.allgather_bucket_size,
-             config.offload_param.device == "none")
-    extra = c * (peak_elements(sizes, root, chosen) - measured_under(sizes, root, first))
-    return {"param_persistence_threshold": chosen.param_persistence_threshold,
-            "max_reuse_distance": chosen.max_reuse_distance,
-            "persistent_blocks": sum(k <= chosen.param_persistence_threshold for k in sizes),
-            "kept_blocks": len(kept(sizes, root, chosen) - persistent_indices(sizes, chosen)), "blocks": len(sizes),
-            "gathers_per_step": gathers_per_step(sizes, root, chosen, config.allgather_bucket_size,
-                                                 config.offload_param.device == "none"),
-            "min_memory_gathers_per_step": 2 * len(sizes), "baseline_bytes": round(baseline),
-            "predicted_peak_bytes": round(baseline + extra), "budget_bytes": free_bytes,
-            "margin": config.schedule_margin}
+        plan(sizes, root, int(headroom // c), first, fixed, config.allgather_bucket_size, coalesced)
+    return {**describe(sizes, root, first, chosen, config.allgather_bucket_size, coalesced),
+            "baseline_bytes": round(baseline),
+            "predicted_peak_bytes": round(baseline + c * extra_elements(sizes, root, first, chosen)),
+            "budget_bytes": free_bytes, "margin": config.schedule_margin}
 
 
 def deepspeed_estimator(stage: int, total_params: float, num_gpus_per_node: int = 1, num_nodes: int = 1,

@@ -21,7 +21,7 @@ After an optimizer step (gradients freed, see [Note: gradient buffers] in flat_u
   reduce-scatters, received from all-gathers, copied by the offload stores and moved by the swap files, per
   step since the last log.
 - ``memory/schedule/{persistent_blocks,kept_blocks,gathers_per_step,predicted_peak_bytes,budget_bytes}/rank{r}``:
-  what stage 3's ``schedule="auto"`` chose after the first step (see [Note: choosing the gather schedule] in
+  what stage 3's ``schedule="auto"`` chose after the second step (see [Note: choosing the gather schedule] in
   engine/schedule.py), beside the measured peak.
 - ``memory/monitor_seconds/rank{r}``: what this logging itself took.
 
@@ -138,7 +138,7 @@ class MemoryMonitor(Callback):
         names.append(peak_name)
         values.append(peak)
         chosen = getattr(getattr(engine, "auto_schedule", None), "record", None)
-        for key in SCHEDULE:  # NaN until chosen (after the first step), and for other schedules
+        for key in SCHEDULE:  # NaN until chosen (after the second step), and for other schedules
             names.append(f"memory/schedule/{key}")
             value = chosen.get(key) if chosen is not None else None
             values.append(float("nan") if value is None else float(value))
