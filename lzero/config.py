@@ -289,7 +289,7 @@ class ZeroConfig:
     replicated across groups, and gradients are reduce-scattered within the group, then all-reduced across the groups
     on the shard only. ``"node"``: the ranks of one node (``LOCAL_WORLD_SIZE``). None: one group of every rank (flat
     ZeRO). Memory follows the formulas with G in place of N. DeepSpeed's ``mics_shard_size``. See [Note: hybrid
-    sharding] in lzero/engine/hybrid.py."""
+    sharding] in lzero/engine/mesh.py."""
 
     hpz_partition_size: Union[int, Literal["node"]] = 1
     """ZeRO++'s hpZ (stage 3): besides the primary shards over every rank, each block keeps a secondary copy of its

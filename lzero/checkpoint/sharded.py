@@ -181,7 +181,7 @@ def save_sharded(path: Any, engine: "ZeroEngine", optimizers: Sequence[ShardedOp
     with the state of ``optimizers`` (none: a weights-only checkpoint) and ``fields`` in the manifest:
     at once (a collective on the engine's group), or with ``saver`` on its background thread. ``kept``: only the
     parameters whose name it accepts, and their optimizer state (Fabric's ``filter=``). Under hybrid sharding the
-    first shard group writes it, the others hold the same shards ([Note: hybrid sharding] in hybrid.py)."""
+    first shard group writes it, the others hold the same shards ([Note: hybrid sharding] in lzero/engine/mesh.py)."""
     layout = getattr(engine, "layout", None)
     if layout is not None and layout.replica_index != 0:
         return
@@ -328,13 +328,12 @@ class AsyncSaver:
             raise error
 
     def close(self) -> None:
-        """The end of a clean fit: the last save commits, then the saver's process group goes. A collective."""
+        """The end of a clean fit: the last save commits (its owner then destroys the process group). A
+        collective."""
         try:
             self.wait()
         finally:
-            if self.group is not None:
-                dist.destroy_process_group(self.group)
-                self.group = None
+            self.group = None
 
 
 def _common_save_id(engine: "ZeroEngine") -> str:

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
-import datetime
 import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
@@ -29,7 +27,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from lzero import auto_sizes
 from lzero.engine import collectives, quantized_collectives
-from lzero.config import ZeroConfig, ZeroConfigError
+from lzero.config import ZeroConfig
 from lzero.errors import ZeroEngineError
 from lzero.engine.mixed_precision import PrecisionPolicy
 from lzero.engine.flat_unit import FlatUnit, GradState, fill_from_gathered, shard_bytes
@@ -37,7 +35,7 @@ from lzero.engine import packed_weights, parameters, recording, replayed_weights
 from lzero.engine.blocks import Block, GatherSchedule
 from lzero.engine.delayed_update import DelayedUpdate
 from lzero.engine.gather import Gatherer, full_graphs_around
-from lzero.engine.hybrid import Layout
+from lzero.engine.mesh import Mesh
 from lzero.engine.materialize import (InitFn, Materializer, WeightSource, apply_order, buffers_to, common_seed, has_meta,
                                read_whole, shard_values)
 from lzero.engine.partition import FROZEN, Partition, ParamSpec, UnitSpec, partition_by_label, partition_by_size
@@ -62,15 +60,18 @@ class ZeroEngine:
                  policy: Optional[PrecisionPolicy] = None, group: Optional[dist.ProcessGroup] = None,
                  device: torch.device = torch.device("cpu"), init_fn: Optional[InitFn] = None,
                  weights: Optional[WeightSource] = None, evaluating: bool = False,
-                 layout: Optional[Layout] = None, memory_budget: Optional[MemoryBudget] = None) -> None:
+                 mesh: Optional[Mesh] = None, memory_budget: Optional[MemoryBudget] = None) -> None:
         """``evaluating``: validate/test/predict, no optimizer: every parameter that requires gradients goes into
         one group, sharded and gathered as while training (stage 3: the shards, their masters, and each block
-        gathered for its forward only). ``layout``: hybrid sharding, this rank's shard group in place of ``group``
-        (see [Note: hybrid sharding] in hybrid.py). ``memory_budget``: what ``schedule="auto"`` fits the stage-3
+        gathered for its forward only). ``mesh``: the run's process groups (hybrid sharding's shard and replica
+        groups among them; see [Note: the mesh] in mesh.py); None: one made here from ``config`` over ``group`` (None:
+        the default group). ``memory_budget``: what ``schedule="auto"`` fits the stage-3
         gather schedule into (default: what the machine has; see [Note: choosing the gather schedule] in
         schedule.py). An error part way leaves the module as [Note: a setup that stops part way] says."""
         try:
-            self._build(module, optimizers, config, policy, group, device, init_fn, weights, evaluating, layout)
+            if mesh is None:
+                mesh = Mesh.of(config.shard_group_size, config.hpz_partition_size, base=group)
+            self._build(module, optimizers, config, policy, device, init_fn, weights, evaluating, mesh)
             self.auto_schedule: Optional[AutoSchedule] = None
             if self.gatherer is not None and config.schedule == "auto" and not evaluating:
                 self.auto_schedule = AutoSchedule(config, device, memory_budget or MemoryBudget(), self.everyone)
@@ -102,9 +103,8 @@ class ZeroEngine:
                 pass
 
     def _build(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], config: ZeroConfig,
-               policy: Optional[PrecisionPolicy], group: Optional[dist.ProcessGroup], device: torch.device,
-               init_fn: Optional[InitFn], weights: Optional[WeightSource], evaluating: bool,
-               layout: Optional[Layout]) -> None:
+               policy: Optional[PrecisionPolicy], device: torch.device, init_fn: Optional[InitFn],
+               weights: Optional[WeightSource], evaluating: bool, mesh: Mesh) -> None:
         settled = recording.settle(module)  # a model still holding fake tensors: [Note: a fake device] in recording.py
         for optimizer in optimizers if settled else ():
             for group_ in optimizer.param_groups:
@@ -112,12 +112,11 @@ class ZeroEngine:
         config, _ = auto_sizes.fill(config, module)  # "auto" sizes (the strategy has filled them already)
         self.config = config
         self.policy = policy if policy is not None else PrecisionPolicy()
-        self.layout = layout
-        self.everyone = group  # what spans every rank that must agree (every replica of every shard)
-        self.replicas: Optional[dist.ProcessGroup] = None  # the ranks holding this rank's shard, one per group
-        if layout is not None:
-            group, self.everyone, self.replicas = layout.new_shard_group(), None, layout.new_replica_group()
-        self.group = group
+        self.mesh = mesh
+        self.everyone = mesh.group("world")  # what spans every rank that must agree (every replica of every shard)
+        self.group = mesh.group("shard")
+        self.replicas: Optional[dist.ProcessGroup] = mesh.group("replicate")  # this rank's shard's holders, hybrid
+        group = self.group
         self.world_size = collectives.world_size(group)
         self.rank = collectives.rank(group)
         kept = self.policy.kept_parameters(module)
@@ -162,8 +161,8 @@ class ZeroEngine:
         self.gatherer: Optional[Gatherer] = None
         if config.stage >= 3:
             self.gatherer = self._shard_parameters(block_modules, labels)
-        self.reducer = Reducer(self.units, config, group, self.world_size, self.replicas,
-                               layout.replicas if layout is not None else 1)
+        self.reducer = Reducer(self.units, config, group, self.world_size, self.replicas, mesh.replicas,
+                               mesh.group("flags"))
         # stage 3: a block's gradients are collected once its backward is done (one hook call per block, see
         # [Note: one backward hook per block] in gather.py); other parameters report their own
         in_blocks = set() if self.gatherer is None else {
@@ -301,15 +300,9 @@ class ZeroEngine:
         modules = {name: block_modules[name] for name in blocks if name != ROOT}
         # Parameter gathers follow forward/backward order, reductions follow unit order and are
         # launched when ready: on one process group their interleaving would differ between ranks.
-        layout = self.layout
-        self._gather_group = self.group  # a group of one: local copies (None: the default group, of one here)
-        if self.world_size > 1:
-            self._gather_group = layout.new_shard_group() if layout is not None else dist.new_group()
-        self._check_group = None
-        if self.world_size > 1 and self.config.unit_order_timeout_s > 0:
-            timeout_s = self.config.unit_order_timeout_s
-            self._check_group = layout.new_shard_group("gloo", timeout_s) if layout is not None else \
-                dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self._gather_group = self.mesh.group("gather")  # a group of one: the shard group (local copies)
+        timeout_s = self.config.unit_order_timeout_s
+        self._check_group = self.mesh.group("unit_order", timeout_s) if timeout_s > 0 else None
         return Gatherer(blocks, modules, self._gather_group, GatherSchedule.of(self.config), self._check_group,
                         self.config.unit_order_timeout_s, on_backward=self._on_block_backward,
                         accumulating=self.accumulating, all_gather=self._param_all_gather,
@@ -317,20 +310,10 @@ class ZeroEngine:
 
     def _secondary_partition(self, blocks: dict[str, Block]) -> Optional[SecondaryPartition]:
         """hpZ's node-local copies of every block but the root: [Note: hpZ] in hpz.py. A collective."""
-        size = self.config.hpz_partition_size
-        if size == "node":
-            size = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size() if dist.is_initialized() else 1))
-        if size <= 1:
+        if self.mesh.hpz_size == 1:  # off, or one node: the primary gather is the node's already
             return None
-        if self.world_size % size:
-            raise ZeroConfigError(
-                f"`hpz_partition_size={size}` does not divide the world size {self.world_size}. HINT: use the ranks per"
-                f" node, a divisor of {self.world_size}.")
-        if size == self.world_size:  # one node: the primary gather is the node's already
-            return None
-        group = Layout(self.world_size, size, dist.get_rank()).new_shard_group()
         units = [u for name, block in blocks.items() if name != ROOT for u in block.units]
-        return SecondaryPartition(units, group, size, self.rank % size)
+        return SecondaryPartition(units, self.mesh.group("hpz"), self.mesh.hpz_size, self.mesh.hpz_rank)
 
     def gather_root(self) -> None:
         """Stage 3: the root unit stays gathered from the start of a step to the end of its backward."""
@@ -455,12 +438,11 @@ class ZeroEngine:
             # after a failure, a prefetch still in flight on the gather group may wait for a rank that is gone:
             # that group is left alive then; the check group runs synchronous collectives only
             pending = after_failure and self.gatherer.gathers_in_flight()
-            for pg in (None if pending else self._gather_group, self._check_group):
-                if pg is not None:
-                    dist.destroy_process_group(pg)
+            self.mesh.destroy(*(("unit_order",) if pending else ("gather", "unit_order")))
             self.gatherer.remove()
             self._gather_group = self._check_group = None
         self.reducer.remove(after_failure)
+        self.mesh.destroy("flags")  # left alive, a failed fit's groups could abort the process at exit
         for store in self.stores:  # NVMe: the swap folder goes, after a failure too
             store.close()
 

@@ -66,16 +66,18 @@ class Reducer:
     """Launches and completes the reduce-scatters of one engine's units. See [Note: reduction order]."""
 
     def __init__(self, units: Sequence[FlatUnit], config: ZeroConfig, group: Optional[dist.ProcessGroup],
-                 world_size: int, replicas: Optional[dist.ProcessGroup] = None, replica_count: int = 1) -> None:
+                 world_size: int, replicas: Optional[dist.ProcessGroup] = None, replica_count: int = 1,
+                 flag_group: Optional[dist.ProcessGroup] = None) -> None:
         """``replicas``, ``replica_count``: hybrid sharding, the ranks holding this rank's shard in the other shard
-        groups; the reduced shard is summed over them too (see [Note: hybrid sharding] in hybrid.py)."""
+        groups; the reduced shard is summed over them too (see [Note: hybrid sharding] in mesh.py). ``flag_group``:
+        every rank (the mesh's ``flags``), for the tiny all-reduces of which units were used; None: one rank."""
         self.units = units
         self.config = config
         self.group = group
         self.world_size = world_size
         self.replicas, self.replica_count = replicas, replica_count
         # the tiny flag all-reduces: over every rank (a unit used on any rank of any group is reduced everywhere)
-        self.flag_group = dist.new_group() if world_size * replica_count > 1 else None
+        self.flag_group = flag_group
         self.loss_scale = 1.0  # the fp16 loss scale of the current backward; divided out before summing
         self.next = 0  # index of the next unit to launch in this backward
         self._inflight: collections.deque[InflightReduction] = collections.deque()
@@ -245,14 +247,12 @@ class Reducer:
         return bool(flag.item())
 
     def remove(self, after_failure: bool = False) -> None:
-        """Destroy the flag group; ``after_failure``: without waiting for reductions in flight (they run on the
-        main group). The flag group only ever runs synchronous collectives, so nothing can be pending on it and
-        destroying it waits for no other rank; left alive, a failed fit's groups could abort the process at exit."""
+        """Done reducing; ``after_failure``: without waiting for reductions in flight (they run on the main group).
+        The flag group only ever runs synchronous collectives, so nothing can be pending on it: its owner, the
+        mesh, destroys it next without waiting for any rank."""
         if after_failure:
             self._inflight.clear()
             self._held, self._held_numel = [], 0
         else:
             self.wait()
-        if self.flag_group is not None:
-            dist.destroy_process_group(self.flag_group)
         self.flag_group = None

@@ -58,8 +58,8 @@ from lzero.lightning.precision import ZeroFabricPrecision, to_zero_precision
 from lzero.checkpoint.sources import LoadedState, ShardedCheckpointWeights, StateDictWeights
 from lzero.lightning.fabric_model import SetUpModel, fresh_parameters, placeholders, state_dict_shadows, swap_parameters
 from lzero.engine.recording import settle
-from lzero.lightning.wiring import (choose_configuration, generation, meta_device, start_engine, sync_module_states,
-                                    synced_generation)
+from lzero.lightning.wiring import (choose_configuration, generation, meta_device, run_mesh, start_engine,
+                                    sync_module_states, synced_generation)
 
 FABRIC_KEYS = "lzero/fabric"
 """The sharded checkpoint's entry naming the state keys of the module and of its optimizers (a Fabric save)."""
@@ -123,6 +123,7 @@ class ZeroFabricStrategy(DDPStrategy):
         self._models: list[SetUpModel] = []
         self._recording: Optional[contextlib.ExitStack] = None  # a meta build's record, open until setup_module
         self._steps = 0  # optimizer steps taken or skipped, all optimizers: the "global step" of skip reports
+        self._mesh: Any = None  # the run's process groups (run_mesh), made at the first that one needs
         self._check_group: Any = None  # gloo with a short timeout: every rank at a collective call?
 
     # --- plugins -----------------------------------------------------------------------------
@@ -183,16 +184,19 @@ class ZeroFabricStrategy(DDPStrategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         return self._setup(module, refresh=True)
 
+    def _run_mesh(self) -> Any:
+        """The run's process groups, made once (see [Note: the mesh] in lzero/engine/mesh.py)."""
+        if self._mesh is None:
+            self._mesh = run_mesh(self.config, self._deepspeed)
+        return self._mesh
+
     def _setup(self, module: nn.Module, refresh: bool) -> nn.Module:
         self._close_recording()
         settle(module)  # the fake tensors of `init_module(empty_init=True)` become meta ones: [Note: a fake device]
         if any(m.module is module for m in self._models):
             raise RuntimeError(f"`{type(module).__name__}` is set up already. HINT: call `fabric.setup` once per model.")
         if self._check_group is None and self.world_size > 1:  # for all_ranks_at; made while every rank is here
-            import torch.distributed as dist
-
-            self._check_group = dist.new_group(
-                backend="gloo", timeout=timedelta(seconds=self.config.exception_checkpoint_timeout_s))
+            self._check_group = self._run_mesh().group("control", self.config.exception_checkpoint_timeout_s)
         model = SetUpModel(module)
         if has_meta(module):  # Fabric refuses optimizers over meta tensors: they get placeholders until the start
             model.meta = placeholders(module, self.root_device)
@@ -262,7 +266,8 @@ class ZeroFabricStrategy(DDPStrategy):
             model.undo.callback(checkpointed.remove)
         engine, _ = start_engine(module, optimizers, self.config, self.precision, self.root_device, self.num_processes,
                                  self.init_fn, weights=weights, evaluating=not optimizers, attach_to=model.zero,
-                                 deepspeed=self._deepspeed, memory_budget_bytes=self.memory_budget_bytes)
+                                 deepspeed=self._deepspeed, memory_budget_bytes=self.memory_budget_bytes,
+                                 mesh=self._run_mesh())
         engine.automatic = False  # stage 1 reduces in the step, whether the script uses no_backward_sync or not
         model.engine = engine
         if self.config.stage >= 3 and self.world_size > 1:
@@ -565,9 +570,7 @@ class ZeroFabricStrategy(DDPStrategy):
             model.undo.close()
         self._models = []
         if self._check_group is not None:
-            import torch.distributed as dist
-
-            dist.destroy_process_group(self._check_group)
+            self._mesh.destroy("control")
             self._check_group = None
         super().teardown()
 

@@ -46,8 +46,8 @@ from lzero.engine.recording import settle
 from lzero.lightning.trainer_wiring import (activation_probe, add_memory_monitor, guard_lr_schedulers, micro_batch_size,
                                             optimizers_from_deepspeed_blocks, refuse_weight_averaging,
                                             watch_gradient_reads)
-from lzero.lightning.wiring import (choose_configuration, generation, meta_device, start_engine, sync_module_states,
-                                    synced_generation)
+from lzero.lightning.wiring import (choose_configuration, generation, meta_device, run_mesh, start_engine,
+                                    sync_module_states, synced_generation)
 
 
 class ZeroStrategy(DDPStrategy):
@@ -140,6 +140,7 @@ class ZeroStrategy(DDPStrategy):
         self._saver: Optional[AsyncSaver] = None
         self._global_batch: Optional[int] = None
         self._failure: Optional[BaseException] = None  # set by on_exception; see [Note: teardown after a failure]
+        self._mesh: Optional[Any] = None  # the run's process groups (run_mesh), made at the first that one needs
         self._exit_group: Optional[Any] = None  # gloo, exception_checkpoint_timeout_s; see [Note: checkpoints after an exception]
         self._ranks_together: Optional[bool] = None  # every rank reached the exception's checkpoint in time
         self.init_fn = init_fn
@@ -221,28 +222,30 @@ class ZeroStrategy(DDPStrategy):
             self._probe = activation_probe(self.lightning_module, self.config)
             self._engine, self.optimizers = start_engine(
                 self.model, self.optimizers, self.config, self.precision_plugin, self.root_device, self.num_processes,
-                self.init_fn, deepspeed=self._deepspeed, memory_budget_bytes=self.memory_budget_bytes)
+                self.init_fn, deepspeed=self._deepspeed, memory_budget_bytes=self.memory_budget_bytes,
+                mesh=self._run_mesh())
             self._engine.automatic = self.lightning_module.automatic_optimization
             add_memory_monitor(trainer, self.config)
             if self.config.async_save:
-                import torch.distributed as dist
-
-                self._saver = AsyncSaver(dist.new_group(backend="gloo") if self.world_size > 1 else None)
+                self._saver = AsyncSaver(self._run_mesh().group("saver"))
             guard_lr_schedulers(self.lightning_module, self.precision_plugin)
             watch_gradient_reads(self.lightning_module)
             self._marksynced_generation()
-            if self.world_size > 1:
-                import torch.distributed as dist
-
-                timeout = timedelta(seconds=self.config.exception_checkpoint_timeout_s)
-                self._exit_group = dist.new_group(backend="gloo", timeout=timeout)
+            self._exit_group = self._run_mesh().group("control", self.config.exception_checkpoint_timeout_s)
         elif self.config.stage >= 3:  # validate/test/predict sharded: see [Note: evaluating under zero3]
             self._engine, _ = start_engine(self.model, [], self.config, self.precision_plugin, self.root_device,
-                                           self.num_processes, self.init_fn, evaluating=True, deepspeed=self._deepspeed)
+                                           self.num_processes, self.init_fn, evaluating=True, deepspeed=self._deepspeed,
+                                           mesh=self._run_mesh())
             self._marksynced_generation()
         else:
             sync_module_states(self.model)
         self.setup_precision_plugin()
+
+    def _run_mesh(self) -> Any:
+        """The run's process groups, made once (see [Note: the mesh] in lzero/engine/mesh.py)."""
+        if self._mesh is None:
+            self._mesh = run_mesh(self.config, self._deepspeed)
+        return self._mesh
 
     def _marksynced_generation(self) -> None:
         """Stage 3: a Hugging Face ``generate`` keeps the ranks stepping together while the engine lives (a forward
@@ -504,14 +507,13 @@ class ZeroStrategy(DDPStrategy):
             self._checkpointed.remove()
             self._checkpointed = None
         if self._exit_group is not None:  # synchronous barriers only: nothing pending, destroying waits for no rank
-            import torch.distributed as dist
-
-            dist.destroy_process_group(self._exit_group)
+            self._mesh.destroy("control")
             self._exit_group = None
         if self._saver is not None:
             saver, self._saver = self._saver, None
             if not failed:
                 saver.close()
+                self._mesh.destroy("saver")
         if self._engine is not None:
             engine, self._engine = self._engine, None
             if failed:

@@ -33,18 +33,30 @@ def meta_device(device: Optional[torch.device] = None, recording: Optional[conte
             yield
 
 
+def run_mesh(config: ZeroConfig, deepspeed: Any = None) -> Any:
+    """The run's process groups, one owner for the strategy and its engines ([Note: the mesh] in mesh.py); a bad
+    ``shard_group_size`` or ``hpz_partition_size`` is named by its DeepSpeed key when it came from one."""
+    from lzero.deepspeed.config import as_written
+    from lzero.engine.mesh import Mesh
+
+    with as_written(deepspeed):
+        return Mesh.of(config.shard_group_size, config.hpz_partition_size)
+
+
 def start_engine(module: torch.nn.Module, optimizers: list[Optimizer], config: ZeroConfig,
                  precision: ZeroFabricPrecision, device: torch.device, num_processes: int, init_fn: Any = None,
                  weights: Any = None, evaluating: bool = False, attach_to: Sequence[Any] = (),
-                 deepspeed: Any = None, memory_budget_bytes: Optional[int] = None) -> tuple[Any, list[Any]]:
+                 deepspeed: Any = None, memory_budget_bytes: Optional[int] = None, mesh: Any = None
+                 ) -> tuple[Any, list[Any]]:
     """The engine over ``module`` and ``optimizers`` (already checked), and the optimizers re-targeted at its shards
     (``attach_to``: ZeroOptimizers made before the engine, one per optimizer), the precision bound to it. Both front
     doors start a run here. A collective. ``deepspeed``: the strategy's DeepSpeed JSON, translated: a value of it the
     engine refuses against the world size is named by its key (see [Note: errors name the key as written]).
-    ``memory_budget_bytes``: the strategy's, the budget of stage 3's ``schedule="auto"`` too."""
+    ``memory_budget_bytes``: the strategy's, the budget of stage 3's ``schedule="auto"`` too. ``mesh``: the
+    strategy's process groups (``run_mesh``); None: a mesh of the engine's own."""
     from lzero.deepspeed.config import as_written
     from lzero.engine.engine import ZeroEngine
-    from lzero.engine.hybrid import Layout
+    from lzero.engine.mesh import Mesh
     from lzero.engine.schedule import MemoryBudget
     from lzero.offload.placement import announce_offload
     from lzero.offload.store import divide_host_threads
@@ -54,10 +66,10 @@ def start_engine(module: torch.nn.Module, optimizers: list[Optimizer], config: Z
     expected = expected_schedule(module, config, precision, device, budget) \
         if config.stage == 3 and config.schedule == "auto" and not evaluating else None
     with as_written(deepspeed):
-        layout = Layout.of(config.shard_group_size) if config.shard_group_size is not None else None
+        mesh = mesh if mesh is not None else Mesh.of(config.shard_group_size, config.hpz_partition_size)
         engine = ZeroEngine(module, optimizers, config, precision.policy, device=device, init_fn=init_fn,
                             weights=weights if weights is not None else pretrained_weights(module),
-                            evaluating=evaluating, layout=layout, memory_budget=budget)
+                            evaluating=evaluating, mesh=mesh, memory_budget=budget)
     try:
         zero = list(attach_to) or [ZeroOptimizer(opt, engine, i) for i, opt in enumerate(optimizers)]
         for i, zopt in enumerate(attach_to):

@@ -69,13 +69,13 @@ Activations, the allocator's caching and the CUDA context are not counted.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 from torch import nn
 
 from lzero.config import AUTO, ZeroConfig
+from lzero.engine.mesh import local_world_size
 from lzero.offload.store import KINDS
 
 GB = 1e9
@@ -230,7 +230,7 @@ def model_states(config: ZeroConfig, count: ModelCount, world_size: int, precisi
         _stage3_parameters(out, param_store, c, frozen / n, param.max_in_cpu)
         hpz = config.hpz_partition_size
         if hpz == "node":
-            hpz = int(os.environ.get("LOCAL_WORLD_SIZE", n))
+            hpz = local_world_size(n)
         if secondary is not None:
             out.add("device", "parameters", c * secondary)
         elif 1 < hpz < n:
@@ -353,7 +353,7 @@ def estimate(count: ModelCount, num_gpus: int = 1, num_nodes: int = 1, precision
     """One :class:`Estimate` per strategy (``STRATEGIES``) for ``num_gpus`` ranks on each of ``num_nodes``
     nodes. ``offload_ratio`` and ``max_in_cpu`` apply to the offload rows (``OffloadOptimizer.ratio``,
     ``OffloadParam.max_in_cpu``; None: its default). ``shard_group_size``: hybrid sharding, the zero rows shard over
-    groups of this many ranks (G in place of N; see [Note: hybrid sharding] in lzero/engine/hybrid.py).
+    groups of this many ranks (G in place of N; see [Note: hybrid sharding] in lzero/engine/mesh.py).
     ``hpz_partition_size``: adds a ``zero3_hpz`` row after zero3's, with hpZ's secondary copy of 1/H of the model per
     rank (see [Note: hpZ] in lzero/engine/hpz.py)."""
     from lzero.presets import PRESET_CONFIGS
