@@ -55,6 +55,24 @@ class PendingGather(NamedTuple):
     out: Optional[Tensor]  # 1D, every rank's shards of ``bucket`` concatenated; None: gathered in place (one unit)
 
 
+class Round(NamedTuple):
+    """[Note: backward rounds]
+    A backward that accumulates into the units' parameters is a round: the first gradient (stage 3: the first block
+    hook of such a backward) opens it, a callback queued on autograd's engine closes it at the end of that backward.
+    What the round does is decided once, when it opens, from the config and the strategy's settings then; between
+    rounds (``engine.round is None``) no backward runs, and clearing a gradient first waits for the reductions in
+    flight."""
+
+    reduce: bool  # reduce in this backward: stage >= 2 always, stage 1 only on the last micro-batch (automatic)
+    launch_in_hooks: bool  # launch reductions as gradients arrive; else all wait for the end of backward
+
+    @classmethod
+    def of(cls, config: ZeroConfig, sync: bool, automatic: bool) -> "Round":
+        reduce = config.stage >= 2 or (sync and automatic)
+        # without overlap every reduction waits at the end of backward (see Reducer.launch_ready_in_order)
+        return cls(reduce, reduce and config.overlap_comm)
+
+
 class ZeroEngine:
     def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], config: ZeroConfig,
                  policy: Optional[PrecisionPolicy] = None, group: Optional[dist.ProcessGroup] = None,
@@ -174,11 +192,10 @@ class ZeroEngine:
         # offload_optimizer.delayed_update: the host step runs on a worker thread during the next step
         self.delayed: Optional[DelayedUpdate] = \
             DelayedUpdate(self.resident) if config.offload_optimizer.delayed_update else None
+        # the strategy's settings of the step: set from outside, read when a backward opens its round
         self.sync = True  # False inside Lightning's block_backward_sync (accumulating micro-batches)
         self.automatic = True  # Lightning's automatic optimization
-        self._round_open = False
-        self._reduce_in_backward = False
-        self._launch_in_hooks = False
+        self.round: Optional[Round] = None  # the backward running now, if it accumulates: see [Note: backward rounds]
         self._task: tuple[int, bool] = (-1, False)  # (graph task id, whether it accumulates): see accumulating()
 
     # --- setup -------------------------------------------------------------------------------
@@ -459,7 +476,7 @@ class ZeroEngine:
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         unit, index = self._where[param]
-        if not self._round_open:
+        if self.round is None:
             self._open_round()
         if unit.grad_state is GradState.REDUCED and unit.accumulates_locally:
             raise ZeroEngineError(
@@ -468,7 +485,7 @@ class ZeroEngine:
                 " optimization call `optimizer.step()` only after the last backward of the step."
             )
         unit.grad_arrived(index)
-        if self._launch_in_hooks:
+        if self.round.launch_in_hooks:
             self.reducer.launch_ready_in_order()
 
     def _on_block_backward(self, block: Block, done: bool) -> None:
@@ -476,7 +493,7 @@ class ZeroEngine:
         (:meth:`accumulating`) opens the round. ``done``: the block's backward is over, so its parameters' gradients are final:
         each one present counts as arrived (one without stays waiting, as a skipped parameter would, until the end
         of backward). See [Note: one backward hook per block] in gather.py."""
-        if not self._round_open:
+        if self.round is None:
             if not self.accumulating():
                 return
             self._open_round()
@@ -485,7 +502,7 @@ class ZeroEngine:
         for unit in block.units:
             for i in unit.arrivals():
                 unit.grad_arrived(i)
-        if self._launch_in_hooks:
+        if self.round.launch_in_hooks:
             self.reducer.launch_ready_in_order()
 
     def accumulating(self) -> bool:
@@ -505,11 +522,8 @@ class ZeroEngine:
         return self._task[1]
 
     def _open_round(self) -> None:
-        self._round_open = True
+        self.round = Round.of(self.config, self.sync, self.automatic)
         self.reducer.begin_backward()
-        self._reduce_in_backward = self.config.stage >= 2 or (self.sync and self.automatic)
-        # without overlap every reduction waits at the end of backward (see Reducer.launch_ready_in_order)
-        self._launch_in_hooks = self._reduce_in_backward and self.config.overlap_comm
         for u in self.units:
             u.begin_backward()
             if u.accumulates_locally:
@@ -532,10 +546,10 @@ class ZeroEngine:
                 for unit in self._block_units:
                     for i in unit.arrivals():
                         unit.grad_arrived(i)
-            if self._reduce_in_backward:
+            if self.round.reduce:
                 self.reducer.reduce_remaining(self.units)
         finally:
-            self._round_open = False
+            self.round = None
             if self.gatherer is not None:
                 self.gatherer.end_backward()
             self.release_all()
@@ -567,7 +581,7 @@ class ZeroEngine:
     def _on_grad_cleared(self, param: nn.Parameter) -> None:
         """Someone set ``param.grad = None``: drop its part of the gradients. See [Note: clearing gradients]."""
         unit, index = self._where[param]
-        if not self._round_open:
+        if self.round is None:
             self.wait()
         unit.clear_grad(index)
 
@@ -579,7 +593,7 @@ class ZeroEngine:
             if p in self._where:
                 unit, index = self._where[p]
                 touched.setdefault(unit, []).append(index)
-        if touched and not self._round_open:
+        if touched and self.round is None:
             self.wait()
         for unit, indices in touched.items():
             if set(indices) >= set(unit.trainable):

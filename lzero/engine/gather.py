@@ -106,6 +106,7 @@ hooks are tensor hooks that autograd's engine runs, outside any compiled frame.
 from __future__ import annotations
 
 import functools
+import enum
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
@@ -119,6 +120,34 @@ from lzero.engine.flat_unit import FlatUnit, shard_bytes
 from lzero.engine.hpz import SecondaryPartition
 from lzero.engine.unit_order import OrderCheck
 from lzero.engine.units import ROOT
+
+
+class Pass(enum.Enum):
+    """Which way the block hooks walk the blocks now, and whether the order is known (one per gatherer)."""
+
+    FIRST_FORWARD = enum.auto()
+    """The first training forward, until the first backward reaches a block: each block's forward appends it to
+    ``order``; nothing is kept across the turn, runs are single blocks and the order check has no next block."""
+    FORWARD = enum.auto()
+    """A forward (or anything outside backward: a state dict, evaluation): the next block is later in ``order``."""
+    BACKWARD = enum.auto()
+    """A backward: the next block is earlier in ``order``, and hpZ's secondary slices serve the gathers."""
+
+    @property
+    def direction(self) -> int:
+        """+1: the next block is after the current one in ``order``; -1: before it."""
+        return -1 if self is Pass.BACKWARD else 1
+
+
+class Mode(enum.Enum):
+    """Where a gather gets its values (one per gatherer; generation's context managers set the other two)."""
+
+    COLLECTIVE = enum.auto()
+    """An all-gather of the shards (or hpZ's secondary slices), released after use: training and evaluation."""
+    PINNED = enum.auto()
+    """Inside ``all_gathered()``: every block stays gathered and the forward hooks do nothing."""
+    STREAMED = enum.auto()
+    """Inside ``streamed_from_host()``: a gather copies the block's full values from host memory."""
 
 
 class Gatherer:
@@ -147,14 +176,13 @@ class Gatherer:
         self.order_check = OrderCheck(list(blocks), check_group, check_timeout_s) if check_group is not None else None
         self.numel = {name: sum(u.spec.numel for u in b.units) for name, b in blocks.items()}  # elements, unpadded
         self.order: list[str] = []  # block names in first-forward order
-        self._recording = True
+        self.passing = Pass.FIRST_FORWARD
+        self.mode = Mode.COLLECTIVE
         self.reschedule(schedule)  # sets the schedule and what follows from it
         self._block_of_unit = {id(u): b for b in blocks.values() for u in b.units}
-        self._pinned = False  # inside all_gathered(): every block stays gathered, the hooks do nothing
-        self._host: Optional[dict[int, torch.Tensor]] = None  # inside streamed_from_host(): unit id -> full values
+        self._host: dict[int, torch.Tensor] = {}  # Mode.STREAMED: unit id -> its full values in host memory
         self._copy_stream: Any = None  # CUDA: the side stream of host copies
         self._fresh: set[str] = set()  # persistent blocks the optimizer step gathered (kept by begin_step)
-        self._direction = 1  # +1 in forward, -1 in backward: where the next block is in ``order``
         self._step = 0  # training steps begun (begin_step): a hook of an earlier step's forward does nothing
         self._hooks = []
         for name, module in modules.items():
@@ -174,7 +202,7 @@ class Gatherer:
         block = self.blocks[name]
         if block.state is not BlockState.RELEASED:
             return
-        if self._host is not None:
+        if self.mode is Mode.STREAMED:
             self._copy_from_host(block)
             return
         if with_run:
@@ -200,7 +228,7 @@ class Gatherer:
     def _launch_run(self, name: str, members: list[str]) -> None:
         """One all-gather for the blocks ``members`` (in forward order), launched for ``name`` among them."""
         self._agree_on(name)
-        self._check_ahead(members[-1] if self._direction > 0 else members[0])  # the next launch is past the run
+        self._check_ahead(members[-1] if self.passing.direction > 0 else members[0])  # the next launch is past the run
         units = [u for n in members for u in self.blocks[n].units]
         for unit in units:
             unit.allocate()
@@ -219,11 +247,11 @@ class Gatherer:
 
     def _from_secondary(self, units: Sequence[FlatUnit]) -> bool:
         """hpZ: whether a gather of ``units`` now reads the node's secondary slices ([Note: hpZ] in hpz.py)."""
-        return self.secondary is not None and self._direction < 0 and self.secondary.holds(units)
+        return self.secondary is not None and self.passing is Pass.BACKWARD and self.secondary.holds(units)
 
     def _run_of(self, name: str) -> tuple[str, ...]:
         """The blocks gathered with ``name`` in forward and backward: [Note: stage-3 gather schedule]."""
-        if self.schedule.gather_bucket_size <= 0 or self._recording:
+        if self.schedule.gather_bucket_size <= 0 or self.passing is Pass.FIRST_FORWARD:
             return (name,)
         if self._runs is None:
             self._runs = self._make_runs()
@@ -252,9 +280,9 @@ class Gatherer:
 
     def _check_ahead(self, name: str) -> None:
         """Start the order check of the block after ``name`` in the current direction (recorded order only)."""
-        if self.order_check is None or self._recording or name not in self.order:
+        if self.order_check is None or self.passing is Pass.FIRST_FORWARD or name not in self.order:
             return
-        j = self.order.index(name) + self._direction
+        j = self.order.index(name) + self.passing.direction
         if 0 <= j < len(self.order) and self.blocks[self.order[j]].state is BlockState.RELEASED:
             self.order_check.start(self.order[j])
 
@@ -289,7 +317,7 @@ class Gatherer:
 
     def release(self, name: str) -> None:
         block = self.blocks[name]
-        if block.state is BlockState.RELEASED or self._pinned:
+        if block.state is BlockState.RELEASED or self.mode is Mode.PINNED:
             return
         self._fresh.discard(name)
         for handle in block.handles:  # a prefetch never used: still has to land before freeing
@@ -314,11 +342,11 @@ class Gatherer:
         before = set(self.gathered_names())
         for name in self.blocks:
             self.gather(name)
-        self._pinned = True
+        self.mode = Mode.PINNED
         try:
             yield
         finally:
-            self._pinned = False
+            self.mode = Mode.COLLECTIVE
             for name in self.blocks:
                 if name not in before:
                     self.release(name)
@@ -343,7 +371,7 @@ class Gatherer:
                 host[id(unit)] = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=pin).copy_(flat)
             if name not in before and name != ROOT:
                 self.release(name)
-        self._host = host
+        self._host, self.mode = host, Mode.STREAMED
         try:
             yield
         finally:
@@ -354,7 +382,7 @@ class Gatherer:
                     if name not in before:
                         self.release(name)
             finally:
-                self._host = None
+                self._host, self.mode = {}, Mode.COLLECTIVE
                 if self._copy_stream is not None:
                     self._copy_stream.synchronize()  # no copy may still read the host buffers
 
@@ -397,7 +425,7 @@ class Gatherer:
         """Whether ``name`` stays gathered at the end of a forward that backward will follow."""
         if name in self._persistent:
             return True
-        if self._recording:  # the first step: the order, hence the reuse distances, are not known yet
+        if self.passing is Pass.FIRST_FORWARD:  # the order, hence the reuse distances, are not known yet
             return False
         if self._reused is None:
             self._reused = set()
@@ -440,11 +468,13 @@ class Gatherer:
     def _pre_forward_hook(self, name: str):
         @_eager
         def hook(module: nn.Module, args: Any, kwargs: dict) -> None:
-            if self._pinned:
+            if self.mode is Mode.PINNED:
                 return
-            if self._recording and name not in self.order:
-                self.order.append(name)
-            self._direction = 1
+            if self.passing is Pass.FIRST_FORWARD:
+                if name not in self.order:
+                    self.order.append(name)
+            else:
+                self.passing = Pass.FORWARD
             self.launch(name, with_run=True)
             self.gather(name)
             self._prefetch_after(name, +1)
@@ -483,7 +513,7 @@ class Gatherer:
     def _post_forward_hook(self, name: str):
         @_eager
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            if self._pinned:
+            if self.mode is Mode.PINNED:
                 return output
             backward = False
             if torch.is_grad_enabled():
@@ -492,7 +522,7 @@ class Gatherer:
                         _on_grad(t, self._pre_backward_hook(name), first=False)
                         backward = True
             if not (backward and self._keeps(name)):
-                if backward and self.secondary is not None and self._host is None:
+                if backward and self.secondary is not None and self.mode is not Mode.STREAMED:
                     self.secondary.keep(self.blocks[name].units)  # for backward's gather: [Note: hpZ]
                 self.release(name)
             return output
@@ -500,8 +530,7 @@ class Gatherer:
 
     def _pre_backward_hook(self, name: str):
         def hook() -> None:
-            self._recording = False
-            self._direction = -1
+            self.passing = Pass.BACKWARD
             if self._on_backward is not None:
                 self._on_backward(self.blocks[name], False)
             self.launch(name, with_run=True)
@@ -514,7 +543,8 @@ class Gatherer:
     def end_backward(self) -> None:
         """The backward is over: gathers from now on (a state_dict, the next forward) read the primary shards,
         which the optimizer step is about to change ([Note: hpZ] in hpz.py)."""
-        self._direction = 1
+        if self.passing is Pass.BACKWARD:
+            self.passing = Pass.FORWARD
         if self.secondary is not None:
             self.secondary.invalidate()
 
@@ -537,9 +567,9 @@ class Gatherer:
         return self._step
 
     @property
-    def recording(self) -> bool:
-        """The first forward, which records the blocks' order, has not met a backward yet."""
-        return self._recording
+    def order_known(self) -> bool:
+        """The first forward, which learns the blocks' order, has met a backward."""
+        return self.passing is not Pass.FIRST_FORWARD
 
     def reschedule(self, schedule: GatherSchedule) -> None:
         """Gather by ``schedule`` from now on: between steps, after the optimizer step (see [Note: choosing the

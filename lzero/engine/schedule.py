@@ -237,7 +237,7 @@ class AutoSchedule:
     def choose(self, gatherer: Any, element_bytes: int, names: Sequence[str]) -> None:
         """Measure, agree and reschedule ``gatherer`` (a collective over ``group``); once. ``names``: the blocks
         other than the root."""
-        if self.record is not None or not self.started or gatherer.recording:
+        if self.record is not None or not self.started or not gatherer.order_known:
             return
         if self.first_step is None or gatherer.steps == self.first_step:  # the first step (each of its optimizers)
             self.first_step = gatherer.steps
