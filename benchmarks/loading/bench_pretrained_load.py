@@ -189,51 +189,62 @@ def main() -> None:
                                              python=args.deepspeed_python),
                               capture_output=True, text=True, env=module_env(DS_ACCELERATOR="cpu"), check=True)
         rows.extend(json.loads(line) for line in peer.stdout.splitlines() if line.startswith("{"))
-    mb = lambda b: "-" if b is None else f"{b / 1e6:,.0f}"  # noqa: E731
-    rate = lambda r: r["asked"] / r["seconds"] if r["asked"] is not None else size / r["seconds"]  # noqa: E731
-    lines = [
-        "# Loading a pretrained model at world size 2 (benchmarks.loading.bench_pretrained_load)",
-        "",
-        run_header("transformers", "safetensors", "peft"),
-        "",
-        f"GPT-2, {args.layers} x {args.width}, vocabulary 50257: {size / 4e6:,.0f}M parameters, fp32, {files} safetensors"
-        f" files of {size / 1e6:,.0f} MB in all. 2 gloo ranks, one thread each. Page cache"
-        f" {'dropped before each way' if dropped else 'warm (dropping it is not allowed here)'}.",
-        "",
-        "| way | rank | time s | peak RSS growth at load MB | once owned MB | disk read MB | bytes read MB |"
-        " parameters held MB | largest tensor MB | GB/s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    text = report(rows, args.layers, args.width, files, size, dropped, bool(args.deepspeed_python))
+    print(text, end="")
+    if out is not None:
+        write_report(out, text)
+
+
+README = "[benchmarks/loading/README.md](../../loading/README.md)"  # how each figure is measured, from results/loading
+mb = lambda b: "-" if b is None else f"{b / 1e6:,.0f}"  # noqa: E731
+
+
+def _table_lines(rows: list[dict], size: int) -> list[str]:
+    lines = ["| way | rank | time s | peak RSS growth at load MB | once owned MB | disk read MB | bytes read MB |"
+             " parameters held MB | largest tensor MB | GB/s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['way']} | {r['rank']} | {r['seconds']:.2f} | {mb(r['peak_growth'])} |"
                      f" {mb(r['owned_growth'])} | {mb(r['disk_read'])} |"
-                     f" {mb(r['asked'])} | {mb(r['held'])} | {mb(r['largest'])} | {rate(r) / 1e9:.2f} |")
+                     f" {mb(r['asked'])} | {mb(r['held'])} | {mb(r['largest'])} | {_rate(r, size) / 1e9:.2f} |")
+    return lines
+
+
+def _rate(row: dict, size: int) -> float:
+    """Bytes per second: what the way read, or the whole model where the reader did not count."""
+    return (row["asked"] if row["asked"] is not None else size) / row["seconds"]
+
+
+def _figure_lines(rows: list[dict], size: int, deepspeed: bool) -> list[str]:
     z3 = [r for r in rows if r["way"] == "lzero zero3"]
-    mapped, owned = rows[0], rows[1]
-    lz_rate = sum(r["asked"] for r in z3) / max(r["seconds"] for r in z3)
-    growth = ", ".join(f"{r['peak_growth'] / (r['held'] + r['largest']):.2f}" for r in z3)
-    asked = ", ".join(f"{r['asked'] / r['held']:.3f}" for r in z3)
     lora = [r for r in rows if r["way"] == "lzero zero3 + LoRA"]
+    mapped, owned = _rate(rows[0], size), _rate(rows[1], size)
+    lz_rate = sum(r["asked"] for r in z3) / max(r["seconds"] for r in z3)
     files = sum(r["asked"] for r in z3)  # both ranks together read the files once
-    lora_read = ", ".join(f"{r['asked'] / (files / len(lora)):.3f}" for r in lora)
-    lines += ["",
-              f"- lzero zero3, per rank: peak RSS growth / (shard + largest tensor) = {growth} (target <= 1.10);"
-              f" bytes read / shard = {asked} (target <= 1.10; the shard includes its padding).",
-              f"- lzero zero3 + LoRA, per rank: bytes read / the rank's share of the files = {lora_read} (target <="
-              " 1.10): the adapters come from the replayed construction, not the files.",
-              f"- Throughput, both ranks together: {lz_rate / 1e9:.2f} GB/s; load_file into owned memory"
-              f" {rate(owned) / 1e9:.2f} GB/s ({lz_rate / rate(owned):.2f}x); load_file mapped"
-              f" {rate(mapped) / 1e9:.2f} GB/s ({lz_rate / rate(mapped):.2f}x: it copies nothing, the tensors are views"
-              " of the page cache until written).",
-              "- transformers' `from_pretrained` maps the files too: its parameters become each rank's own memory"
-              " when first written (the first optimizer step); 'once owned' shows that, after a copy of each.",
-              ("- DeepSpeed (its own environment, DS_ACCELERATOR=cpu): rank 0 reads every file and"
-               " each tensor is gathered, written by rank 0 and re-partitioned; bytes read per rank are not counted"
-               " by the reader (GB/s: the whole model over the rank's time)." if args.deepspeed_python else
-               "- DeepSpeed `zero.Init` + `from_pretrained` was not run (no --deepspeed-python).")]
-    print("\n".join(lines))
-    if out is not None:
-        write_report(out, "\n".join(lines) + "\n")
+    ratios = lambda rs, base: ", ".join(f"{r['asked'] / base(r):.3f}" for r in rs)  # noqa: E731
+    return ["- lzero zero3, peak RSS growth / (shard + largest tensor), per rank: "
+            + ", ".join(f"{r['peak_growth'] / (r['held'] + r['largest']):.2f}" for r in z3) + " (target <= 1.10)",
+            f"- lzero zero3, bytes read / shard (padding included), per rank: {ratios(z3, lambda r: r['held'])}"
+            " (target <= 1.10)",
+            "- lzero zero3 + LoRA, bytes read / the rank's share of the files, per rank:"
+            f" {ratios(lora, lambda r: files / len(lora))} (target <= 1.10)",
+            f"- throughput, lzero zero3, both ranks: {lz_rate / 1e9:.2f} GB/s",
+            f"- throughput, load_file into owned memory: {owned / 1e9:.2f} GB/s (lzero {lz_rate / owned:.2f}x)",
+            f"- throughput, load_file mapped: {mapped / 1e9:.2f} GB/s (lzero {lz_rate / mapped:.2f}x)",
+            f"- DeepSpeed zero.Init + from_pretrained: {'run' if deepspeed else 'not run (no --deepspeed-python)'}"]
+
+
+def report(rows: list[dict], layers: int, width: int, files: int, size: int, dropped: bool, deepspeed: bool) -> str:
+    """The markdown report: the run, the setup, the table, the figures."""
+    lines = ["# Loading a pretrained model at world size 2 (benchmarks.loading.bench_pretrained_load)", "",
+             run_header("transformers", "safetensors", "peft"), "", "## Setup", "",
+             f"- model: GPT-2, {layers} x {width}, vocabulary 50257, fp32",
+             f"- parameters: {size / 4e6:,.0f}M in {files} safetensors files, {size / 1e6:,.0f} MB",
+             "- ranks: 2 gloo, one thread each",
+             f"- page cache: {'dropped before each way' if dropped else 'warm (dropping it is not allowed here)'}",
+             "", "## Results", "", f"How each figure is measured: {README}.", "",
+             *_table_lines(rows, size), "", "## Figures", "", *_figure_lines(rows, size, deepspeed)]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -218,115 +218,98 @@ def run_reference(way: str, folder: Path, env: dict[str, str]) -> dict:
 
 # --- the table ---------------------------------------------------------------------------------------------------
 
-def write_table(rows: list[dict], folder: Path, layers: int, out: Path | None) -> str:
+README = "[benchmarks/loading/README.md](../../loading/README.md)"  # how each figure is measured, from results/loading
+mb = lambda b: "-" if b is None else f"{b / 1e6:,.1f}"  # noqa: E731
+
+
+def model_bytes(rows: list[dict], folder: Path) -> dict[str, float]:
+    """The checkpoint's sizes and the per-rank bases of the targets: ``share`` (file bytes / N), ``packed_share``
+    (the whole quantized model / N) and ``rss_base`` (packed_share + the largest tensor)."""
     tensors = checkpoint_tensors(folder)
-    params = sum(math.prod(s) for _, s in tensors.values())
     files = sorted(folder.glob("model*.safetensors"))
-    file_bytes = sum(f.stat().st_size for f in files)
-    largest = max(math.prod(s) * d.itemsize for d, s in tensors.values())
+    params = sum(math.prod(s) for _, s in tensors.values())
     q4 = next(r for r in rows if r["way"] == "transformers 4-bit")
-    quantized, rest = q4["quantized_params"], params - q4["quantized_params"]
-    packed_model = quantized // 2 + 2 * rest + q4["state"]
-    share, packed_share = file_bytes / WORLD_SIZE, packed_model / WORLD_SIZE
-    rss_base = packed_share + largest
-    mb = lambda b: "-" if b is None else f"{b / 1e6:,.1f}"  # noqa: E731
+    quantized, state = q4["quantized_params"], q4["state"]
+    packed = quantized // 2 + 2 * (params - quantized) + state
+    largest = max(math.prod(s) * d.itemsize for d, s in tensors.values())
+    file_bytes = sum(f.stat().st_size for f in files)
+    return {"params": params, "files": len(files), "file_bytes": file_bytes, "quantized": quantized, "state": state,
+            "packed": packed, "largest": largest, "share": file_bytes / WORLD_SIZE,
+            "packed_share": packed / WORLD_SIZE, "rss_base": packed / WORLD_SIZE + largest}
 
-    def check(value: float, base: float, row: dict) -> str:
-        """value / base against the target 1.1; pass/fail for lzero's ranks only."""
-        ratio = f"{value / base:.2f}"
-        if not row["way"].startswith("lzero"):
-            return ratio
-        return f"{ratio} {'pass' if value <= 1.1 * base else '**FAIL**'}"
 
-    lines = [
-        "# Loading a QLoRA base at world size 2 (benchmarks.loading.bench_qlora_load)",
-        "",
-        run_header("transformers", "bitsandbytes", "peft", "accelerate"),
-        "",
-        f"`python -m benchmarks.loading.bench_qlora_load`. Llama {layers} x 1024 (MLP 2816, 16 heads, 8 KV heads,"
-        " vocabulary 32000,"
-        f" lm_head untied), random weights (seed {SEED}): {params / 1e6:,.1f}M parameters, bf16, {len(files)}"
-        f" safetensors files of {mb(file_bytes)} MB in all. 4-bit config: NF4, double quantization, bf16 compute and"
-        " quant storage; transformers quantizes every decoder linear and keeps embeddings, norms and lm_head in bf16."
-        f" lzero zero3: N = {WORLD_SIZE} gloo ranks, one thread each, `Trainer(accelerator=\"cpu\", devices=2,"
-        " strategy=\"zero3\", precision=\"bf16-true\", max_steps=1)`, LoRA r=8 on q_proj and v_proj, AdamW."
-        " The page cache is not dropped, so disk reads are not measured. Every way runs twice:"
-        f" with glibc's default allocator settings, and with `{THRESHOLD}={FIXED}` (no dynamic mmap threshold:"
-        " every tensor above 64 KiB is mapped and unmapped whole, so RSS shows the live tensors, not freed memory"
-        " the heap keeps).",
-        "",
-        f"Packed model bytes (the whole quantized model): {quantized / 1e6:,.1f}M quantized weights x 0.5 B"
-        f" + {rest / 1e6:,.1f}M other parameters x 2 B + {mb(q4['state'])} MB quantization state"
-        f" = {mb(packed_model)} MB; / N = {mb(packed_share)} MB. File bytes / N = {mb(share)} MB."
-        f" Largest unquantized tensor (embed_tokens, lm_head): {mb(largest)} MB. Targets per lzero rank: bytes read"
-        f" <= 1.1 x {mb(share)} MB; frozen base held <= 1.1 x {mb(packed_share)} MB; peak RSS growth <= 1.1 x"
-        f" ({mb(packed_share)} + {mb(largest)}) = {mb(1.1 * rss_base)} MB.",
-        "",
-        "| way | rank | time s | peak RSS growth MB | RSS growth after MB | peak incl. configure_model MB |"
-        " bytes read MB | rchar MB | packed codes MB | quant state MB | bf16 frozen MB | frozen base held MB |"
-        " LoRA MB | read / (files/N) | held / (packed/N) | peak RSS / (packed/N + largest) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+def _setup_lines(size: dict[str, float], layers: int) -> list[str]:
+    return [f"- model: Llama {layers} x 1024, MLP 2816, 16 heads / 8 KV heads, vocabulary 32000, lm_head untied,"
+            f" random weights (seed {SEED}), bf16",
+            f"- parameters: {size['params'] / 1e6:,.1f}M in {size['files']} safetensors files,"
+            f" {mb(size['file_bytes'])} MB",
+            "- 4-bit: NF4, double quantization, bf16 compute and quant storage",
+            f"- lzero: zero3, {WORLD_SIZE} gloo ranks, one thread each, precision bf16-true, LoRA r=8 on q_proj and"
+            " v_proj, AdamW, one step",
+            f"- allocator: glibc default; {THRESHOLD}={FIXED}", "- page cache: warm",
+            f"- packed model: {size['quantized'] / 1e6:,.1f}M quantized weights x 0.5 B"
+            f" + {(size['params'] - size['quantized']) / 1e6:,.1f}M other x 2 B + {mb(size['state'])} MB quant state"
+            f" = {mb(size['packed'])} MB; / N = {mb(size['packed_share'])} MB",
+            f"- largest unquantized tensor (embed_tokens, lm_head): {mb(size['largest'])} MB",
+            f"- target, bytes read per lzero rank: <= 1.1 x files/N {mb(size['share'])} = {mb(1.1 * size['share'])} MB",
+            f"- target, frozen base held: <= 1.1 x packed/N {mb(size['packed_share'])}"
+            f" = {mb(1.1 * size['packed_share'])} MB",
+            f"- target, peak RSS growth: <= 1.1 x ({mb(size['packed_share'])} + {mb(size['largest'])})"
+            f" = {mb(1.1 * size['rss_base'])} MB"]
+
+
+def _check(value: float, base: float, row: dict) -> str:
+    """value / base, and against the target 1.1 for lzero's ranks only."""
+    ratio = f"{value / base:.2f}"
+    if not row["way"].startswith("lzero"):
+        return ratio
+    return f"{ratio} {'pass' if value <= 1.1 * base else '**FAIL**'}"
+
+
+def _table_lines(rows: list[dict], size: dict[str, float]) -> list[str]:
+    lines = ["| way | rank | time s | peak RSS growth MB | RSS growth after MB | peak incl. configure_model MB |"
+             " bytes read MB | rchar MB | packed codes MB | quant state MB | bf16 frozen MB | frozen base held MB |"
+             " LoRA MB | read / (files/N) | held / (packed/N) | peak RSS / (packed/N + largest) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         base = r["packed"] + r["state"] + r["frozen"]
         lines.append(
             f"| {r['way']} | {r['rank']} | {r['seconds']:.1f} | {mb(r['owned_growth'])} | {mb(r['end_growth'])} |"
             f" {mb(r.get('from_setup'))} | {mb(r['asked'])} | {mb(r['rchar'])} | {mb(r['packed'])} |"
             f" {mb(r['state'])} | {mb(r['frozen'])} | {mb(base)} | {mb(r['trainable'])} |"
-            f" {check(r['asked'], share, r)} | {check(base, packed_share, r)} |"
-            f" {check(r['owned_growth'], rss_base, r)} |")
+            f" {_check(r['asked'], size['share'], r)} | {_check(base, size['packed_share'], r)} |"
+            f" {_check(r['owned_growth'], size['rss_base'], r)} |")
+    return lines
+
+
+def _figure_lines(rows: list[dict], size: dict[str, float]) -> list[str]:
+    """The targets met or not and the figures behind them, ranks 0/1."""
     lz = [r for r in rows if r["way"].startswith("lzero")]
     default, fixed = [r for r in lz if THRESHOLD not in r["way"]], [r for r in lz if THRESHOLD in r["way"]]
-    held = max(r["packed"] + r["state"] + r["frozen"] + r["trainable"] for r in lz)
-    unit, scales = max(r["largest_unit"] for r in lz), max(r["kept_scales"] for r in lz)
-    peak = lambda rs: "/".join(mb(r["owned_growth"]) for r in rs)  # noqa: E731
-    after = lambda rs: "/".join(mb(r["end_growth"]) for r in rs)  # noqa: E731
-    failed = any(r["owned_growth"] > 1.1 * rss_base for r in lz)
-    read_ok = all(r["asked"] <= 1.1 * share for r in lz)
-    held_ok = all(r["packed"] + r["state"] + r["frozen"] <= 1.1 * packed_share for r in lz)
-    base_held = max(r["packed"] + r["state"] + r["frozen"] for r in lz)
-    lines += [
-        "",
-        "How each figure is measured:",
-        "- *peak RSS growth*: `VmHWM` after the load minus `VmRSS` just before it, the high-water mark reset through"
-        " `/proc/self/clear_refs` at the start. lzero: from the end of `configure_model` (the model laid out on the"
-        " meta device, LoRA added) to the first `on_fit_start` callback, i.e. the strategy's setup, which builds the"
-        " engine: reads, quantizes and shards the weights. transformers: around `from_pretrained`, then each"
-        " unquantized parameter copied into the process's own memory (they map the files until written; the bf16"
-        " load grows by a few MB before that copy). *RSS growth after*: `VmRSS` at the end minus the same start."
-        " *peak incl. configure_model*: lzero, from the Callback's `setup` hook, before `configure_model`.",
-        "- *bytes read*: lzero: what its reader asked for (`lzero.hf.weights.OpenFiles.read_flat_into` wrapped:"
-        " elements x the checkpoint's itemsize), the whole 64-weight blocks a shard edge cuts included; the page"
-        " cache is not dropped, so this counts the reads themselves, not the disk. transformers: every tensor"
-        " of the files (each DDP rank loads the whole model). *rchar*: `/proc/self/io` rchar over the same window,"
-        " the kernel's count of bytes returned by `read` calls: lzero reads with `readinto`, so it matches;"
-        " transformers maps the files, which rchar does not see.",
-        "- *held*: lzero, from the engine's units (`trainer.strategy.engine.units`) at `on_fit_start`: *packed codes*"
-        " = units with `spec.storage != \"\"`, shard_numel x element size; *quant state* = their `bindings`' `nbytes`"
-        " (replicated on every rank); *bf16 frozen* = the other frozen units' shards (embeddings, norms, lm_head);"
-        " *LoRA* = the trainable units' shards (not part of the base). transformers: the model's `Params4bit` bytes,"
-        " their `quant_state` tensors, and the other parameters.",
-        "- The pass/fail applies to lzero's ranks; the references' ratios are against the same per-rank figures,"
-        " for comparison (a DDP rank reads and holds the whole model).",
-        f"- Loss of the one training step, per rank: {', '.join(str(r['loss']) for r in default)}.",
-        "",
-        "Where the bytes go:",
-        f"- Bytes read {'meet' if read_ok else '**miss**'} their target and the frozen base held"
-        f" {'meets' if held_ok else '**misses**'} its own: each rank reads its share of the files, and holds its share"
-        f" of the codes and of the bf16 parameters plus the whole quantization state ({mb(q4['state'])} MB, replicated"
-        f" as designed): {base_held / packed_share - 1:+.1%} against packed/N.",
-        f"- Peak RSS growth {'misses' if failed else 'meets'} its target: {peak(default)} MB (ranks 0/1) with the"
-        f" default allocator, {peak(fixed)} MB with `{THRESHOLD}={FIXED}`, against {mb(1.1 * rss_base)} MB. With the"
-        f" fixed threshold the peak is the rank's shards ({mb(held)} MB held, LoRA included) plus what one unit's"
-        " read needs while it runs: the unit's shard is read into its own memory (a frozen unit keeps it, no copy;"
-        f" the largest, the root with the embeddings and lm_head, is {mb(unit)} MB on a rank), and a block's"
-        " quantized weights are read a few blocks at a time in bf16, quantized and dropped. The fp32 absmax of every"
-        " quantized weight (one fp32 per 64 weights) lives in one buffer, allocated in `configure_model`, all-reduced"
-        f" in place and dropped once the double-quantized state is built ({mb(scales)} MB still held after the load).",
-        f"- With the default allocator, RSS after the load is {after(default)} MB against {after(fixed)} MB with the"
-        " fixed threshold: freed temporaries the heap keeps (lzero reads and quantizes"
-        " `lzero.hf.quantize_on_read.CHUNK_WEIGHTS` weights at a time).",
-    ]
+    each = lambda rs, key: "/".join(mb(r[key]) for r in rs)  # noqa: E731
+    base = [r["packed"] + r["state"] + r["frozen"] for r in lz]
+    met = lambda ok: "yes" if ok else "**no**"  # noqa: E731
+    return [f"- bytes read target met: {met(all(r['asked'] <= 1.1 * size['share'] for r in lz))}",
+            f"- frozen base held target met: {met(all(b <= 1.1 * size['packed_share'] for b in base))};"
+            f" {max(base) / size['packed_share'] - 1:+.1%} against packed/N",
+            f"- peak RSS growth target met: {met(all(r['owned_growth'] <= 1.1 * size['rss_base'] for r in lz))}",
+            f"- peak RSS growth: {each(default, 'owned_growth')} MB; {THRESHOLD}={FIXED}"
+            f" {each(fixed, 'owned_growth')} MB",
+            f"- RSS growth after: {each(default, 'end_growth')} MB; {THRESHOLD}={FIXED} {each(fixed, 'end_growth')} MB",
+            "- held per rank, LoRA included: "
+            f"{mb(max(r['packed'] + r['state'] + r['frozen'] + r['trainable'] for r in lz))} MB",
+            f"- largest unit shard per rank: {mb(max(r['largest_unit'] for r in lz))} MB",
+            f"- fp32 absmax still held after the load: {mb(max(r['kept_scales'] for r in lz))} MB",
+            "- loss, ranks 0/1: " + "/".join(format(r["loss"][0], ".4f") for r in default)]
+
+
+def write_table(rows: list[dict], folder: Path, layers: int, out: Path | None) -> str:
+    size = model_bytes(rows, folder)
+    lines = ["# Loading a QLoRA base at world size 2 (benchmarks.loading.bench_qlora_load)", "",
+             run_header("transformers", "bitsandbytes", "peft", "accelerate"), "",
+             "- command: `python -m benchmarks.loading.bench_qlora_load`", "", "## Setup", "",
+             *_setup_lines(size, layers), "", "## Results", "", f"How each figure is measured: {README}.", "",
+             *_table_lines(rows, size), "", "## Figures", "", *_figure_lines(rows, size)]
     text = "\n".join(lines) + "\n"
     if out is not None:
         write_report(out, text)

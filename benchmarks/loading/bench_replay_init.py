@@ -256,205 +256,141 @@ def lzero_version() -> dict:
             "changed": [line[3:] for line in git("status", "--porcelain", "--", "lzero").splitlines()]}
 
 
-def _where(path: str, snippet: str) -> str:
-    """``path:line`` of the first line of lzero's source holding ``snippet`` (``path`` when none does)."""
-    source = REPO / path
-    for number, line in enumerate(source.read_text().splitlines() if source.exists() else [], 1):
-        if snippet in line:
-            return f"{path}:{number}"
-    return path
+README = "[benchmarks/loading/README.md](../../loading/README.md)"  # how each figure is measured, from results/loading
+mb = lambda b: "-" if b is None else f"{b / 1e6:,.1f}"  # noqa: E731
+each = lambda rs, key="peak_growth": "/".join(mb(r[key]) for r in rs)  # noqa: E731  ranks 0/1
+
+
+def _groups(rows: list[dict]) -> dict[str, list[dict]]:
+    """The rows by way: the lzero ways (``replay``, ``seeded``, ``block`` with the default allocator, ``replay fixed``
+    and ``block fixed`` with the fixed mmap threshold), all lzero rows, those that replayed, and the eager ones."""
+    lz = [r for r in rows if r["way"].startswith("lzero")]
+    group = lambda way: [r for r in lz if r["way"] == way]  # noqa: E731
+    fixed = f" ({THRESHOLD}={FIXED})"
+    return {"replay": group(_way_name("replay")), "replay fixed": group(_way_name("replay") + fixed),
+            "seeded": group(_way_name(SEEDED)), "block": group(_way_name("block-wise")),
+            "block fixed": group(_way_name("block-wise") + fixed), "lzero": lz,
+            "replayed": [r for r in lz if r["replayed"]],
+            "eager": [r for r in rows if not r["way"].startswith("lzero")]}
+
+
+def _target(groups: dict[str, list[dict]]) -> tuple[float, float, float]:
+    """(held bytes of a replay rank, largest tensor, the target peak 1.1 x (held + largest))."""
+    held = groups["replayed"][0]["shards"] + groups["replayed"][0]["buffers"]
+    largest = groups["eager"][0]["largest_tensor"]
+    return held, largest, 1.1 * (held + largest)
+
+
+def _run_lines(command: str, wall: float, version: dict, version_after: dict) -> list[str]:
+    same = version_after["hash"] == version["hash"]
+    return [run_header("transformers"), "",
+            f"- command: `{command}`", f"- wall time: {wall / 60:.1f} min",
+            f"- lzero commit: {version['commit']}",
+            f"- uncommitted changes to lzero: {', '.join(version['changed']) or 'none'}",
+            f"- lzero source hash: {version['hash']}, "
+            + ("unchanged through the run" if same else f"**changed during the run** to {version_after['hash']}"),
+            f"- load average (1 min), start/end: {version['load']:.1f}/{version_after['load']:.1f}"]
+
+
+def _setup_lines(groups: dict[str, list[dict]], layers: int) -> list[str]:
+    eager = groups["eager"][0]
+    held, largest, target = _target(groups)
+    return [f"- model: Llama from_config, {layers} x 1024, MLP 2816, 16 heads / 8 KV heads, vocabulary 32000,"
+            f" lm_head untied, fp32, seed {SEED}",
+            f"- parameters: {eager['params'] / 1e6:,.1f}M, {mb(eager['shards'])} MB",
+            f"- lzero: zero3, {WORLD_SIZE} gloo ranks, one thread each, precision 32-true, SGD lr 0, one step on"
+            " 2 x 32 tokens",
+            f"- allocator: glibc default; {THRESHOLD}={FIXED}",
+            f"- largest tensor (embed_tokens, lm_head): {mb(largest)} MB",
+            f"- target, peak RSS growth per replay rank: <= 1.1 x (held {mb(held)} + largest {mb(largest)})"
+            f" = {mb(target)} MB"]
+
+
+def _table_lines(rows: list[dict], largest: float, target: float) -> list[str]:
+    lines = ["| way | rank | path | time s | of which replay s | peak RSS growth MB | RSS growth after MB |"
+             " after malloc_trim MB | held MB | peak / (held + largest) | RSS growth after replay MB |"
+             " configure_model s | equals eager |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lz, replayed = r["way"].startswith("lzero"), r.get("replayed")
+        ratio = f"{r['peak_growth'] / (r['shards'] + r['buffers'] + largest):.2f}"
+        verdict = f" {'pass' if r['peak_growth'] <= target else '**FAIL**'}" if replayed else ""
+        path = (f"replay ({r['entries']:,} ops)" if replayed else
+                "block-wise" + (" (warned)" if r.get("warned") else "")) if lz else "-"
+        equal = "-" if not lz else "(rank 0 checks)" if r["rank"] != 0 else _equal(r)
+        lines.append(
+            f"| {r['way']} | {r['rank']} | {path} | {r['seconds']:.1f} |"
+            f" {format(r['replay_seconds'], '.1f') if replayed else '-'} | {mb(r['peak_growth'])} |"
+            f" {mb(r['end_growth'])} | {mb(r['trimmed_growth'])} | {mb(r['shards'] + r['buffers'])} |"
+            f" {ratio}{verdict} | {mb(r['replay_rss_growth']) if replayed else '-'} |"
+            f" {format(r['configure_seconds'], '.1f') if lz else '-'} | {equal} |")
+    return lines
+
+
+def _memory_lines(groups: dict[str, list[dict]]) -> list[str]:
+    """The target's verdict and the peaks, in MB, ranks 0/1."""
+    held, largest, target = _target(groups)
+    replayed, fixed = groups["replayed"], groups["replay fixed"]
+    failed = [f"rank {r['rank']} of `{r['way']}`" for r in replayed if r["peak_growth"] > target]
+    return [f"- target met: {'yes' if not failed else '**no**, ' + '; '.join(failed)}"
+            f" ({len(replayed) - len(failed)} of {len(replayed)} replay rows within)",
+            f"- peak RSS growth, replay: {each(groups['replay'])} MB; seeded before fit {each(groups['seeded'])} MB;"
+            f" {THRESHOLD}={FIXED} {each(fixed)} MB",
+            f"- peak RSS growth, block-wise: {each(groups['block'])} MB; {THRESHOLD}={FIXED}"
+            f" {each(groups['block fixed'])} MB (held + 4 x largest = {mb(held + 4 * largest)} MB)",
+            f"- peak RSS growth, eager, default/{THRESHOLD}={FIXED}: {each(groups['eager'])} MB",
+            f"- peak - held, replay, {THRESHOLD}={FIXED}: {'/'.join(mb(r['peak_growth'] - held) for r in fixed)} MB",
+            f"- peak gap between ranks, replay, {THRESHOLD}={FIXED}:"
+            f" {mb(abs(fixed[0]['peak_growth'] - fixed[-1]['peak_growth']))} MB (half the largest: {mb(largest / 2)})",
+            "- peak default - fixed, replay: "
+            + "/".join(mb(d["peak_growth"] - f["peak_growth"]) for d, f in zip(groups["replay"], fixed)) + " MB",
+            f"- RSS growth after, replay: {each(groups['replay'], 'end_growth')} MB; seeded"
+            f" {each(groups['seeded'], 'end_growth')} MB; after malloc_trim"
+            f" {each(groups['replay'], 'trimmed_growth')} MB, seeded {each(groups['seeded'], 'trimmed_growth')} MB",
+            f"- replay keeps: {replayed[0].get('kept')}; holds {mb(replayed[0]['pieces'])} MB when from_replay returns",
+            f"- RSS growth after replay: {THRESHOLD}={FIXED} {each(fixed, 'replay_rss_growth')} MB; seeded"
+            f" {each(groups['seeded'], 'replay_rss_growth')} MB",
+            f"- largest unit shard per rank: {mb(max(r['largest_unit'] for r in groups['lzero']))} MB"]
+
+
+def _equal(r: dict) -> str:
+    """Rank 0's comparison with eager construction: equal or how many tensors differ."""
+    if r["differ"] == 0:
+        return f"yes ({r['compared']}/{r['compared']} tensors)"
+    return f"no ({r['differ']}/{r['compared']} tensors differ)"
+
+
+def _equality_lines(groups: dict[str, list[dict]]) -> list[str]:
+    """Equality with eager construction (rank 0 checks), the seeds, the RNG, the losses and the times."""
+    rank0 = {r["way"]: r for r in groups["lzero"] if r["rank"] == 0}
+    by_way = lambda show: "; ".join(f"{w}: {show(r)}" for w, r in rank0.items())  # noqa: E731
+    equal = lambda way: _equal(rank0[groups[way][0]["way"]])  # noqa: E731
+    unseeded = [r["initial_seed"] for r in groups["lzero"] if r not in groups["seeded"]]
+    seconds = lambda rs: f"{min(r['seconds'] for r in rs):.1f}-{max(r['seconds'] for r in rs):.1f}"  # noqa: E731
+    loss = lambda r: "/".join(f"{o['loss'][0]:.4f}" for o in groups["lzero"] if o["way"] == r["way"])  # noqa: E731
+    return [f"- replay equals eager, seed in configure_model only: {equal('replay')}",
+            f"- replay equals eager, also seeded before fit: {equal('seeded')}",
+            f"- block-wise equals eager: {equal('block')}",
+            "- layer 0 alone gives the same answer: "
+            + ("yes, every way" if all(r["layer0_equal"] == (r["differ"] == 0) for r in rank0.values()) else
+               by_way(lambda r: r["layer0_equal"])),
+            f"- largest absolute difference, rank 0: {by_way(lambda r: format(r['max_abs_diff'], '.3g'))}",
+            f"- RNG at on_fit_start equal to eager's: {by_way(lambda r: 'yes' if r['rng_equal'] else 'no')}",
+            f"- torch.initial_seed() at configure_model, processes not seeded before fit: {len(set(unseeded))}"
+            f" distinct of {len(unseeded)}",
+            f"- loss, ranks 0/1: {by_way(loss)}",
+            f"- time: replay {seconds(groups['replayed'])} s, eager {seconds(groups['eager'])} s"]
 
 
 def write_table(rows: list[dict], layers: int, out: Path | None, command: str, wall: float, version: dict,
                 version_after: dict) -> str:
-    eager = next(r for r in rows if r["way"].startswith("eager"))
-    params, largest = eager["params"], eager["largest_tensor"]
-    mb = lambda b: "-" if b is None else f"{b / 1e6:,.1f}"  # noqa: E731
-    lz = [r for r in rows if r["way"].startswith("lzero")]
-    replay = [r for r in lz if r["replayed"]]
-    group = lambda way: [r for r in lz if r["way"] == way]  # noqa: E731
-    plain, fixed = group(_way_name("replay")), group(_way_name("replay") + f" ({THRESHOLD}={FIXED})")
-    seeded = group(_way_name(SEEDED))
-    block, block_fixed = group(_way_name("block-wise")), group(_way_name("block-wise") + f" ({THRESHOLD}={FIXED})")
-    held = replay[0]["shards"] + replay[0]["buffers"]
-    target = 1.1 * (held + largest)
-
-    def check(r: dict) -> str:
-        ratio = f"{r['peak_growth'] / (r['shards'] + r['buffers'] + largest):.2f}"
-        if not r.get("replayed"):
-            return ratio
-        return f"{ratio} {'pass' if r['peak_growth'] <= target else '**FAIL**'}"
-
-    def equal(r: dict) -> str:
-        if r["rank"] != 0:
-            return "(rank 0 checks)"
-        if r["differ"] == 0:
-            return f"yes ({r['compared']}/{r['compared']} tensors)"
-        return f"no ({r['differ']}/{r['compared']} tensors differ)"
-
-    def path(r: dict) -> str:
-        if r["replayed"]:
-            return f"replay ({r['entries']:,} ops)"
-        return "block-wise" + (" (warned)" if r.get("warned") else "")
-
-    peak = lambda rs: "/".join(mb(r["peak_growth"]) for r in rs)  # noqa: E731
-    each = lambda rs, key: "/".join(mb(r[key]) for r in rs)  # noqa: E731
-    losses = lambda way: "/".join(format(r["loss"][0], ".4f") for r in group(way))  # noqa: E731
-    changed = f", with uncommitted changes to {', '.join(version['changed'])}" if version["changed"] else ""
-    lines = [
-        "# Materializing a meta-device model at world size 2 (benchmarks.loading.bench_replay_init)",
-        "",
-        run_header("transformers"),
-        "",
-        f"`{command}`, {wall / 60:.1f} minutes in all, lzero at commit {version['commit']}{changed} (source hash"
-        f" {version['hash']}"
-        + (", unchanged through the run)." if version_after["hash"] == version["hash"] else
-           f"; **lzero's source changed during the run**, to {version_after['hash']}: the rows may mix versions).")
-        + f" Load average (1 min) {version['load']:.1f} at the start, {version_after['load']:.1f} at the end (other"
-        " work on the machine shows in the times)."
-        " Model: a Hugging Face Llama from its config, no files:"
-        " `AutoModelForCausalLM.from_config(LlamaConfig(hidden_size=1024, intermediate_size=2816,"
-        f" num_hidden_layers={layers}, num_attention_heads=16, num_key_value_heads=8, vocab_size=32000,"
-        " tie_word_embeddings=False))` after `torch.manual_seed(0)`, fp32:"
-        f" {params / 1e6:,.1f}M parameters, {mb(eager['shards'])} MB. lzero zero3: N = {WORLD_SIZE} gloo ranks, one"
-        " thread each, `Trainer(accelerator=\"cpu\", devices=2, strategy=\"zero3\", precision=\"32-true\","
-        " max_steps=1)`, the model built in `configure_model` (seed included), SGD lr 0, one step on 2 x 32 token"
-        " ids. The lzero ways run twice: with glibc's default allocator settings, and with"
-        f" `{THRESHOLD}={FIXED}` (no dynamic mmap threshold: every allocation above 64 KiB is mapped and unmapped"
-        " whole, so RSS follows the live tensors, not freed memory the heap keeps); so does eager construction."
-        " One more row, a diagnostic, seeds before `trainer.fit` too (see below).",
-        "",
-        f"Largest single tensor: embed_tokens or lm_head, 32000 x 1024 fp32 = {mb(largest)} MB. Target per lzero"
-        " replay rank: peak RSS growth <= 1.1 x (the rank's held bytes + the largest tensor)"
-        f" = 1.1 x ({mb(held)} + {mb(largest)}) = {mb(target)} MB.",
-        "",
-        "| way | rank | path | time s | of which replay s | peak RSS growth MB | RSS growth after MB |"
-        " after malloc_trim MB | held MB | peak / (held + largest) | RSS growth after replay MB |"
-        " configure_model s | equals eager |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        is_lzero = r["way"].startswith("lzero")
-        lines.append(
-            f"| {r['way']} | {r['rank']} | {path(r) if is_lzero else '-'} | {r['seconds']:.1f} |"
-            f" {format(r['replay_seconds'], '.1f') if r.get('replayed') else '-'} | {mb(r['peak_growth'])} |"
-            f" {mb(r['end_growth'])} | {mb(r['trimmed_growth'])} | {mb(r['shards'] + r['buffers'])} | {check(r)} |"
-            f" {mb(r['replay_rss_growth']) if r.get('replayed') else '-'} |"
-            f" {format(r['configure_seconds'], '.1f') if is_lzero else '-'} |"
-            f" {equal(r) if is_lzero else '-'} |")
-    rank0 = {r["way"]: r for r in lz if r["rank"] == 0}
-    failed = [r for r in replay if r["peak_growth"] > target]
-    verdict = "met" if not failed else "**missed**" + (
-        "" if len(failed) == len(replay) else
-        f" by {len(failed)} of {len(replay)} replay rows: "
-        + "; ".join(f"rank {r['rank']} of `{r['way']}`" for r in failed))
-    unseeded = [r["initial_seed"] for r in lz if r not in seeded]
-    seeds = (f"a different value in each of the {len(unseeded)} rank processes not seeded before fit"
-             if len(set(unseeded)) == len(unseeded) else f"{len(set(unseeded))} values in {len(unseeded)} processes")
-    lines += [
-        "",
-        "How each figure is measured:",
-        "- *time*: lzero: `time.perf_counter()` from the end of `configure_model` (the model laid out on the meta"
-        " device, its construction recorded) to the first `on_fit_start` callback, i.e. the strategy's setup, which"
-        " builds the engine and materializes the model into shards; eager: the `from_config` call (the Llama code"
-        " imported and a tiny Llama built first, as the lzero ranks have by then). *of which replay*: the call to"
-        " `lzero.engine.replayed_weights.from_replay` (wrapped by the benchmark), which runs the record and keeps this"
-        " rank's values; the rest of the window builds the units from them. *configure_model*: the meta-device"
-        " construction with its recording.",
-        "- *peak RSS growth*: `VmHWM` at the end of the window minus `VmRSS` at its start, the high-water mark reset"
-        " through `/proc/self/clear_refs` at the start (`benchmarks.common.reset_peak`). *RSS growth after*:"
-        " `VmRSS` at the end minus the same start. *after malloc_trim*: the same once glibc's `malloc_trim(0)` has"
-        " returned the free memory its heap keeps (a diagnostic, after the measurement). *RSS growth after replay*:"
-        " `VmRSS` when `from_replay` returns, holding what the replay hands the engine.",
-        "- *held*: lzero: the engine's units at `on_fit_start` (`trainer.strategy.engine.units`), sum of"
-        " `spec.shard_numel x flat_param.element_size()`, plus the module's buffers (the rotary `inv_freq`, whole on"
-        " each rank, 256 B); eager: every parameter and buffer.",
-        "- *path*: the engine replayed the record (its number of recorded operations), or initialized block by"
-        " block: the block-wise rows patch `lzero.engine.replayed_weights.recorder_for` to"
-        f" `lambda tensors: (None, \"{BLOCKWISE}\")` in the rank processes (\"warned\": the engine's warning with that"
-        " reason was on stderr).",
-        "- *equals eager*: after the measurement, rank 0 builds the model with `from_config` after"
-        " `torch.manual_seed(0)` in the same process, the lzero model is gathered whole inside"
-        " `trainer.strategy.gathered_parameters(module.net)` (a collective: both ranks enter it), and every parameter"
-        " and buffer is compared with `torch.equal` (bitwise); layer 0's alone gives"
-        + (" the same answer in every run" if all(r["layer0_equal"] == (r["differ"] == 0) for r in rank0.values())
-           else " another answer: " + "; ".join(f"{w}: {r['layer0_equal']}" for w, r in rank0.items()))
-        + ". Largest absolute difference, rank 0: "
-        + "; ".join(f"{w}: {r['max_abs_diff']:.3g}" for w, r in rank0.items()) + ". Global RNG at `on_fit_start`"
-        " equal to where eager construction leaves it: "
-        + "; ".join(f"{w}: {'yes' if r['rng_equal'] else 'no'}" for w, r in rank0.items()) + ".",
-        "- Loss of the one training step, ranks 0/1: "
-        + "; ".join(f"{w}: {losses(w)}" for w in rank0) + ".",
-        "",
-        "Results:",
-        f"- Replay, the target: {verdict}. Peak {peak(plain)} MB (ranks 0/1) with the default"
-        f" allocator ({peak(seeded)} MB in the seeded run), {peak(fixed)} MB with `{THRESHOLD}={FIXED}`, against"
-        f" {mb(target)} MB. Block-wise initialization peaks at {peak(block)} / {peak(block_fixed)} MB, eager"
-        f" construction (every DDP rank) at {mb(eager['peak_growth'])} MB.",
-        "- Replayed weights equal eager: "
-        + (f"**yes**, bitwise, all {rank0[plain[0]['way']]['compared']} tensors, with the seed in `configure_model`"
-           " as specified" if rank0[plain[0]['way']]["differ"] == 0 else
-           f"**no** as specified (seed in `configure_model`): {rank0[plain[0]['way']]['differ']}/"
-           f"{rank0[plain[0]['way']]['compared']} tensors differ, every randomly drawn one (the norms' ones and the"
-           " rotary buffers agree)")
-        + ("; **yes**, bitwise," if rank0[seeded[0]["way"]]["differ"] == 0 else "; **no**, still,")
-        + " when `torch.manual_seed(0)` also runs before `trainer.fit`. Block-wise differs, as documented.",
-        "",
-        "Where the bytes go (replay, ranks 0/1):",
-    ]
-    kept = replay[0].get("kept")
-    pieces_then_shards = kept == "pieces"
-    lines.append(
-        "- The replay runs the whole record on every rank (nn.Linear's `uniform_` draw of every weight, then"
-        " `post_init`'s `normal_` redraw), a storage per version, and keeps this rank's values of each tensor's"
-        " final version: "
-        + ("cloned pieces, which the engine then copies into each unit's shard, allocated as the unit is built"
-           f" (`shard_values`, {_where('lzero/engine/materialize.py', 'values = torch.empty(spec.shard_numel')})"
-           " and drops as read; the root unit (embed_tokens, norm, lm_head:"
-           f" a {mb(max(r['largest_unit'] for r in lz))} MB shard per rank) comes last, so the pieces and a copy of"
-           f" the largest unit's shard coexist: held + {mb(max(r['largest_unit'] for r in lz))} MB at least." if
-           pieces_then_shards else
-           "written into the units' shards, allocated before the replay starts; the tensors outside the units are"
-           " kept whole.")
-        + f" When `from_replay` returns it holds {mb(replay[0]['pieces'])} MB; RSS is then"
-        f" {each(fixed, 'replay_rss_growth')} MB above the start with the fixed threshold"
-        f" ({each(seeded, 'replay_rss_growth')} MB, seeded run, default allocator). With the fixed threshold the peak"
-        f" is held + {'/'.join(mb(r['peak_growth'] - held) for r in fixed)} MB: every rank materializes each"
-        f" tensor whole, one at a time, so the largest ({mb(largest)} MB) sits beside the shards while this rank's"
-        " part of it is copied out.")
-    gap = fixed[0]["peak_growth"] - fixed[1]["peak_growth"] if len(fixed) == 2 else 0.0
-    if abs(gap) > largest / 2:
-        lines.append(
-            f"- With the fixed threshold the ranks' peaks differ by {mb(abs(gap))} MB, more than half the largest"
-            " tensor: one rank holds one more version of a large tensor at its peak than the other.")
-    over = [(d, f) for d, f in zip(plain, fixed) if d["peak_growth"] - f["peak_growth"] > 5e6]
-    if over:
-        lines.append(
-            "- Default allocator: the same peak plus"
-            f" {'/'.join(mb(d['peak_growth'] - f['peak_growth']) for d, f in over)} MB (ranks 0/1), freed memory"
-            " glibc's heap keeps, not live tensors: RSS after the window is"
-            f" {each(plain, 'end_growth')} MB ({each(seeded, 'end_growth')} seeded) for {mb(held)} MB held, and"
-            f" {each(plain, 'trimmed_growth')} MB ({each(seeded, 'trimmed_growth')}) once `malloc_trim(0)` has run."
-            " glibc raises its mmap threshold to the size of a freed mapped block (up to 32 MB): once the first"
-            " layer weights are freed, the versions of every layer weight"
-            + (" and every cloned piece (half a weight)" if pieces_then_shards else "")
-            + " come from the brk heap, and what is freed below memory still live stays there.")
-    if rank0[plain[0]["way"]]["differ"] and not rank0[seeded[0]["way"]]["differ"]:
-        lines.append(
-            "- Seed: with `torch.manual_seed(0)` in `configure_model` alone the replayed weights differ from eager;"
-            " seeded before `trainer.fit` as well they equal it, so the replay did not start from the state"
-            " `configure_model` set (`torch.initial_seed()` at the start of `configure_model`:"
-            f" {seeds}). Eager construction and DDP honour that seed.")
-    lines += [
-        f"- Block-wise ({peak(block_fixed)} MB, fixed threshold): held + the root unit's full parameters"
-        f" materialized (embed_tokens and lm_head, {mb(2 * largest)} MB) + the unit's full flat buffer they are"
-        f" copied into ({mb(2 * largest)} MB), on every rank.",
-        "- Time: the replay draws every number of the model on every rank, as eager construction does, plus the"
-        " copies into the shards and the page faults of fresh storage for every version:"
-        f" {min(r['seconds'] for r in replay):.1f}-{max(r['seconds'] for r in replay):.1f} s against"
-        f" {min(r['seconds'] for r in rows if not r['way'].startswith('lzero')):.1f}-"
-        f"{max(r['seconds'] for r in rows if not r['way'].startswith('lzero')):.1f} s for eager construction.",
-    ]
+    groups = _groups(rows)
+    _, largest, target = _target(groups)
+    lines = ["# Materializing a meta-device model at world size 2 (benchmarks.loading.bench_replay_init)", "",
+             *_run_lines(command, wall, version, version_after), "", "## Setup", "",
+             *_setup_lines(groups, layers), "", "## Results", "", f"How each figure is measured: {README}.", "",
+             *_table_lines(rows, largest, target), "", "## Figures", "", *_memory_lines(groups),
+             *_equality_lines(groups)]
     text = "\n".join(lines) + "\n"
     if out is not None:
         write_report(out, text)
