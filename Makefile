@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	# torch first: installing lightning first would pull a multi-GB CUDA build
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[test]"
-	# litgpt runs unchanged in tests/test_fabric.py; its pins (huggingface-hub<1.4) clash with transformers 5, and the
+	# litgpt runs unchanged in tests/lightning/test_fabric.py; its pins (huggingface-hub<1.4) clash with transformers 5, and the
 	# parts the tests run need none of them
 	$(BIN)/python -m pip install -q --no-deps "litgpt==0.5.13"
 	touch $(STAMP)

@@ -22,7 +22,7 @@ shard, by the user's optimizer class with the user's hyperparameters. Where torc
 kernel (Adam, AdamW, SGD, Adagrad) and the user did not set ``fused=False``, that kernel is used:
 one multithreaded pass over the shard, several times faster than the for-loop or foreach kernels on
 the CPU (benchmarks/README.md, offload). It rounds differently from the other kernels at the last
-bit (measured in tests/test_offload.py); ``fused=True`` on the user's optimizer makes the offloaded
+bit (measured in tests/offload/test_offload.py); ``fused=True`` on the user's optimizer makes the offloaded
 and the device step run the same kernel on a CPU model, and ``fused=False`` keeps the user's kernel on the host.
 On a GPU the device step runs torch's fused CUDA kernel and the host step its fused CPU kernel, which are not the
 same code: on an H200 (torch 2.11) 10 AdamW steps of identical values and gradients ended up to 1.1e-7 apart

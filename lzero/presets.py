@@ -18,7 +18,7 @@ PRESET_CONFIGS: dict[str, dict[str, Any]] = {
     "zero3_offload_nvme": {"stage": 3, "offload_optimizer": "nvme", "offload_param": "nvme"},
     "zero_auto": {"stage": "auto"},
 }
-"""Each registered name (``_lzero_startup.PRESETS``; tests/test_registration.py checks they agree) -> its config."""
+"""Each registered name (``_lzero_startup.PRESETS``; tests/lightning/test_registration.py checks they agree) -> its config."""
 
 def strategy_file(name: str) -> Path:
     """The LightningCLI YAML of a preset (``trainer.strategy: <this path>``), wherever lzero is installed:

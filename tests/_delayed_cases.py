@@ -1,4 +1,4 @@
-"""Bodies run on every rank by tests/test_delayed_update.py (importable by spawned processes)."""
+"""Bodies run on every rank by tests/engine/test_delayed_update.py (importable by spawned processes)."""
 
 from __future__ import annotations
 

@@ -486,7 +486,7 @@ def bf16_against_ddp(rank: int, world_size: int, stages: tuple[int, ...] = (1, 2
 
 
 def equivalence(rank: int, world_size: int, configs: list[dict]) -> dict:
-    """tests/test_stage_equivalence.py: every config against DDP, and stage 3 with module reuse."""
+    """tests/engine/test_stage_equivalence.py: every config against DDP, and stage 3 with module reuse."""
     return {"ddp": against_ddp(rank, world_size, configs), "reuse": stage3_reuse_and_checkpointing(rank, world_size)}
 
 
@@ -514,7 +514,7 @@ def stage3_bf16_between_steps(rank: int, world_size: int) -> dict:
 
 
 def memory(rank: int, world_size: int, bucket: int, stages_1_2: bool) -> dict:
-    """tests/test_memory.py: live bytes at stages 1-2 (fp32 and bf16-mixed), stage-3 peaks and totals."""
+    """tests/memory/test_memory.py: live bytes at stages 1-2 (fp32 and bf16-mixed), stage-3 peaks and totals."""
     result = {"stage3": {prefetch: stage3_memory(rank, world_size, prefetch) for prefetch in (0, 1, 2)},
               "stage3_bf16": stage3_bf16_between_steps(rank, world_size)}
     if stages_1_2:
@@ -525,7 +525,7 @@ def memory(rank: int, world_size: int, bucket: int, stages_1_2: bool) -> dict:
 
 
 def stage3_gather(rank: int, world_size: int) -> dict:
-    """tests/test_stage3_gather.py: the block state machine, gathered_parameters and (last: it leaves the
+    """tests/engine/test_stage3_gather.py: the block state machine, gathered_parameters and (last: it leaves the
     engine mid-step) a unit run on only some ranks."""
     result = {"gathered": stage3_gathered_parameters(rank, world_size)}
     if world_size == 2:

@@ -23,7 +23,31 @@ from typing import Optional
 
 import _dist
 
-SCRIPTS = Path(__file__).parent / "scripts"
+TESTS = Path(__file__).parent
+
+
+def script(name: str) -> Path:
+    """A launched script by its file name: it lives beside the tests that launch it (tests/<area>/NAME); a name with
+    a folder is a path from the repository's root (an example, a benchmark, run as a user runs it)."""
+    if "/" in name:
+        return TESTS.parent / name
+    found = sorted(TESTS.glob(f"*/{name}"))
+    if len(found) != 1:
+        raise FileNotFoundError(f"{len(found)} launched scripts named {name!r} under {TESTS}/*/: {found}")
+    return found[0]
+
+
+def script_path() -> str:
+    """The PYTHONPATH of a launched script: tests/ (shared helpers such as _teardown.py) and every folder of tests,
+    since a script imports the models of scripts beside other tests (ckpt_runs.py those of skip_runs.py)."""
+    folders = [TESTS, *sorted(d for d in TESTS.iterdir() if d.is_dir() and any(d.glob("test_*.py")))]
+    inherited = os.environ.get("PYTHONPATH")
+    return os.pathsep.join([*map(str, folders), *([inherited] if inherited else [])])
+
+
+def script_env(env: dict | None = None) -> dict:
+    """``os.environ`` for a launched script: its PYTHONPATH (``script_path``), unbuffered output, then ``env``."""
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": script_path(), **(env or {})}
 
 
 def _free_port() -> int:
@@ -34,8 +58,8 @@ def _free_port() -> int:
 
 def run_script(name: str, *args: str, timeout: float = 600, env: dict | None = None,
                ranks: Optional[int] = None) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(SCRIPTS / name), *args]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    cmd = [sys.executable, str(script(name)), *args]
+    full_env = script_env(env)
     if ranks is None:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env)
         if proc.returncode != 0:
@@ -54,15 +78,15 @@ def run_script(name: str, *args: str, timeout: float = 600, env: dict | None = N
 def run_ranks(name: str, *args: str, ranks: int, timeout: float = 600, env: dict | None = None
               ) -> tuple[list[int], list[tuple[str, str]]]:
     """Each rank's exit code and (stdout, stderr), as torchrun starts them, whether they fail or not."""
-    cmd = [sys.executable, str(SCRIPTS / name), *args]
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    cmd = [sys.executable, str(script(name)), *args]
+    full_env = script_env(env)
     port = str(_free_port())
     envs = [{**full_env, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": str(ranks), "RANK": str(r),
              "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(ranks), "GROUP_RANK": "0", "NODE_RANK": "0",
              "TORCHELASTIC_RUN_ID": "lzero-tests"} for r in range(ranks)]
     ctx = _dist.context()
     if ctx.get_start_method() == "forkserver":
-        return _forked(ctx, str(SCRIPTS / name), list(args), envs, timeout)
+        return _forked(ctx, str(script(name)), list(args), envs, timeout)
     return _fresh(cmd, envs, timeout)
 
 
@@ -112,7 +136,9 @@ def _run_as_main(path: str, args: list[str], environ: dict, out: str, err: str) 
         os.dup2(target, fd)
         os.close(target)
     sys.argv = [path, *args]
-    sys.path.insert(0, os.path.dirname(path))
+    known = set(sys.path)
+    sys.path[:0] = [os.path.dirname(path), *(p for p in environ.get("PYTHONPATH", "").split(os.pathsep)
+                                             if p and p not in known)]
     try:
         runpy.run_path(path, run_name="__main__")
     except Exception:

@@ -1,4 +1,4 @@
-"""Bodies run on every rank by tests/test_offload.py: an offloaded engine against the same engine without
+"""Bodies run on every rank by tests/offload/test_offload.py: an offloaded engine against the same engine without
 offload, step by step (importable by spawned processes)."""
 
 from __future__ import annotations

@@ -3,7 +3,11 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
+# tests/ (the shared helpers: _launch, _dist, _engine_cases, ...) and each folder of tests, which holds the scripts its
+# tests launch: a test imports a script's models by name, some from a folder beside its own (ckpt_runs.py, of
+# tests/checkpoint/, imports skip_runs.py of tests/lightning/)
+_TESTS = Path(__file__).parent
+sys.path[:0] = [str(_TESTS), *sorted(str(d) for d in _TESTS.iterdir() if d.is_dir() and any(d.glob("test_*.py")))]
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """A sharded checkpoint of a model of a chosen size, written without Lightning (world size 1, one
 process, the engine and the same SaveJob the strategy uses). Shared by the checkpoint benchmark and
-the consolidation memory test (tests/test_consolidate_memory.py)."""
+the consolidation memory test (tests/checkpoint/test_consolidate_memory.py)."""
 
 from __future__ import annotations
 

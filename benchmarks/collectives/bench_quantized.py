@@ -5,7 +5,7 @@ trained by its own Fabric in one launch, on CPU (gloo).
 
 Rank 0 writes OUT.pt: per run the losses (averaged over ranks) and the bytes handed to reduce-scatters and received
 from all-gathers per step (lzero's runs), and the table as markdown to ``--out`` (default
-``results/collectives/quantized.<machine>.<date>.md``). tests/test_quantized.py runs this file by its path with
+``results/collectives/quantized.<machine>.<date>.md``). tests/engine/test_quantized.py runs this file by its path with
 ``--out none``, so nothing but lzero is imported then.
 """
 

@@ -182,8 +182,7 @@ def save_sharded(path: Any, engine: "ZeroEngine", optimizers: Sequence[ShardedOp
     at once (a collective on the engine's group), or with ``saver`` on its background thread. ``kept``: only the
     parameters whose name it accepts, and their optimizer state (Fabric's ``filter=``). Under hybrid sharding the
     first shard group writes it, the others hold the same shards ([Note: hybrid sharding] in lzero/engine/mesh.py)."""
-    layout = getattr(engine, "layout", None)
-    if layout is not None and layout.replica_index != 0:
+    if engine.mesh.replica_index != 0:
         return
     module_state, extra = describe(engine, checkpoint, kept, weights_only=not optimizers, **fields)
     if saver is None:

@@ -1,6 +1,6 @@
 """The DeepSpeed configuration keys lzero knows, grouped by their fate (see [Note: reading a DeepSpeed
 configuration] in config.py). Keys and defaults follow DeepSpeed 0.19 (``deepspeed/runtime/zero/config.py``
-and neighbours); README's migration table names every one (tests/test_deepspeed_config.py checks it)."""
+and neighbours); README's migration table names every one (tests/deepspeed/test_deepspeed_config.py checks it)."""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ host or does arithmetic on the host, since while a hook waits, backward launches
 When the model computes on the CPU (this project's test machine) the "device" is the host: a landing is the copy
 (or the sum) into the persistent gradient buffer and a publish the cast into the parameters, with no streams and no
 events; the same code runs on CUDA's path with stand-ins for streams, events and page-locked memory in
-tests/test_offload_cuda_path.py.
+tests/offload/test_offload_cuda_path.py.
 
 A page-locked buffer can fail to allocate. The store then goes on with pageable buffers for the rest of the run,
 with one warning naming ``pin_memory: false``: training continues with slower, synchronous copies instead of
