@@ -9,6 +9,7 @@ import-deepspeed`` against the folder it read, and its checkpoint resumed, conso
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -144,22 +145,19 @@ def deepspeed_off_by(case: str, losses: list[list[float]],
                      state: Optional[Callable[[str, str], torch.Tensor]] = None) -> dict[str, float]:
     """The largest differences (as ACROSS_CPUS measures them) of a continuation of ``case`` from DeepSpeed's steps
     4-6: ``losses[r]``, rank r's; ``state(name, key)``, a parameter's flat step-6 ``fp32``, ``exp_avg`` or
-    ``exp_avg_sq`` (None: the losses only)."""
+    ``exp_avg_sq`` (None: the losses only). A NaN counts as infinitely far (``max`` would pass over it)."""
     steps = deepspeed_steps(case)
-    off = {"loss": max(abs(a - s["loss_per_rank"][rank]) for rank, ours in enumerate(losses)
-                       for a, s in zip(ours, steps, strict=True))}
-    if state is None:
-        return off
-    for name, entry in expected(case, 6)[1]["params"].items():
+    found: dict[str, list[float]] = {"loss": [abs(a - s["loss_per_rank"][rank]) for rank, ours in enumerate(losses)
+                                              for a, s in zip(ours, steps, strict=True)]}
+    for name, entry in expected(case, 6)[1]["params"].items() if state is not None else ():
         for key in ("fp32", "exp_avg", "exp_avg_sq"):
             ours, theirs = state(name, key), entry[key].reshape(-1)
             if key == "fp32" and name.endswith("attn.qkv.bias"):
-                off["key_bias"] = max(off.get("key_bias", 0.0), (ours[KEY_BIAS] - theirs[KEY_BIAS]).norm().item()
-                                      / theirs.norm().item())
+                found.setdefault("key_bias", []).append(
+                    (ours[KEY_BIAS] - theirs[KEY_BIAS]).norm().item() / theirs.norm().item())
                 ours, theirs = torch.cat([ours[:15], ours[30:]]), torch.cat([theirs[:15], theirs[30:]])
-            quantity = "master" if key == "fp32" else key
-            off[quantity] = max(off.get(quantity, 0.0), relative(ours, theirs))
-    return off
+            found.setdefault("master" if key == "fp32" else key, []).append(relative(ours, theirs))
+    return {quantity: max(math.inf if math.isnan(v) else v for v in values) for quantity, values in found.items()}
 
 
 BF16_VS_DEEPSPEED = {"loss": 1e-3, "master": 3e-2, "exp_avg": 5e-2, "exp_avg_sq": 5e-2}
@@ -266,6 +264,103 @@ def test_fabric_load_resumes_a_deepspeed_folder(runs: Path) -> None:
     for name in saved.manifest["params"]:
         assert torch.equal(saved.full_param(name), trainer.full_param(f"model.{name}")), name
 
+
+
+def continue_in_torch(case: str, state: dict[str, dict[str, torch.Tensor]]) -> tuple[list[list[float]], Callable]:
+    """Steps 4-6 of the fixtures' run in plain torch at world size 1 from ``state[name]`` (flat step-3 ``fp32``,
+    ``exp_avg``, ``exp_avg_sq``): the two ranks' batches averaged, clipped at 1.0, AdamW at DeepSpeed's lrs. Each
+    rank's losses and the step-6 state as ``deepspeed_off_by`` reads it."""
+    import torch.nn.functional as F
+
+    from lzero.demo.model import GPT, GPTConfig
+
+    model = GPT(GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=3, n_embd=15, dropout=0.0, bias=True))
+    params = dict(model.named_parameters())
+    optimizer = torch.optim.AdamW(params.values(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(state[name]["fp32"].view_as(p))
+            optimizer.state[p] = {"step": torch.tensor(3.0), **{k: state[name][k].view_as(p).clone()
+                                                                  for k in ("exp_avg", "exp_avg_sq")}}
+    losses: list[list[float]] = [[], []]
+    for step, entry in enumerate(deepspeed_steps(case), start=4):
+        optimizer.param_groups[0]["lr"] = entry["lr"]
+        for rank in (0, 1):
+            t = torch.randint(0, 65, (2, 9), generator=torch.Generator().manual_seed(1000 * step + rank))
+            loss = F.cross_entropy(model(t[:, :-1]).float().flatten(0, 1), t[:, 1:].flatten())
+            (loss / 2).backward()
+            losses[rank].append(loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses, lambda name, key: (params[name] if key == "fp32" else optimizer.state[params[name]][key]
+                                      ).detach().reshape(-1)
+
+
+def _shifted_slice(state: dict, order: list[str]) -> None:
+    """``blocks.0.mlp.proj.weight`` (cut between DeepSpeed's ranks) read one element late: its masters and moments."""
+    name = "blocks.0.mlp.proj.weight"
+    start, numel = sum(state[n]["fp32"].numel() for n in order[:order.index(name)]), state[name]["fp32"].numel()
+    for key in ("fp32", "exp_avg", "exp_avg_sq"):
+        flat = torch.cat([state[n][key] for n in order])
+        state[name][key] = flat[start + 1:start + 1 + numel].clone()
+
+
+def _moments_swapped(state: dict, order: list[str]) -> None:
+    """(Adam then takes the square root of negative values: NaN, which deepspeed_off_by counts as infinitely far.)"""
+    entry = state["blocks.0.attn.qkv.weight"]
+    entry["exp_avg"], entry["exp_avg_sq"] = entry["exp_avg_sq"], entry["exp_avg"]
+
+
+def _moment_of_another_parameter(state: dict, order: list[str]) -> None:
+    state["blocks.0.mlp.proj.weight"]["exp_avg"] = state["blocks.1.mlp.proj.weight"]["exp_avg"].clone()
+
+
+def _second_moment_of_another_parameter(state: dict, order: list[str]) -> None:
+    state["blocks.0.attn.qkv.weight"]["exp_avg_sq"] = state["blocks.1.attn.qkv.weight"]["exp_avg_sq"].clone()
+
+
+def _padding_missing(state: dict, order: list[str]) -> None:
+    """Stage 3's padding (one element after rank 1's part of each odd-sized parameter) not skipped: rank 1's part of
+    every parameter after the first odd-sized one read one element early, the padding (0) as its first value."""
+    first_odd = next(i for i, n in enumerate(order) if state[n]["fp32"].numel() % 2)
+    for name in order[first_odd + 1:]:
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            flat, half = state[name][key], -(-state[name][key].numel() // 2)
+            state[name][key] = torch.cat([flat[:half], flat.new_zeros(1), flat[half:-1]])
+
+
+WRONG_MAPPINGS = {"a slice shifted by one element": _shifted_slice,
+                  "exp_avg and exp_avg_sq swapped": _moments_swapped,
+                  "exp_avg of another parameter": _moment_of_another_parameter,
+                  "exp_avg_sq of another parameter": _second_moment_of_another_parameter,
+                  "stage 3's padding missing": _padding_missing}
+
+
+def test_a_wrong_mapping_is_far_outside_the_bound() -> None:
+    """ACROSS_CPUS tells a right mapping from a wrong one: DeepSpeed's step-3 state continued in plain torch is within
+    it; the same state mapped wrongly in one way (one parameter, or rank 1's parts) is at least 1000x outside it in
+    masters or moments, and outside BF16_VS_DEEPSPEED (measured: see the printed figures)."""
+    case = "stage3_fp32"
+    reader = DeepSpeedCheckpoint(FIXTURES / case / "global_step3")
+    order = list(reader.manifest["params"])
+    masters = reader.full_state_dict()
+
+    def loaded() -> dict[str, dict[str, torch.Tensor]]:
+        return {name: {"fp32": masters[name].reshape(-1).clone(),
+                       **{key: reader.read_range(f"optim/0/{name}/{key}", 0, info["numel"])
+                          for key in ("exp_avg", "exp_avg_sq")}}
+                for name, info in reader.manifest["params"].items()}
+
+    assert_within("right mapping, in torch", deepspeed_off_by(case, *continue_in_torch(case, loaded())))
+    for wrong, corrupt in WRONG_MAPPINGS.items():
+        state = loaded()
+        corrupt(state, order)
+        off = deepspeed_off_by(case, *continue_in_torch(case, state))
+        print(f"{wrong}: " + ", ".join(f"{k} {v:.1e} ({v / ACROSS_CPUS[k]:.0e}x)" for k, v in off.items()))
+        worst = max(off[k] / ACROSS_CPUS[k] for k in ("master", "exp_avg", "exp_avg_sq"))
+        assert worst >= 1e3, (wrong, off)
+        assert any(off[k] > BF16_VS_DEEPSPEED[k] for k in ("master", "exp_avg", "exp_avg_sq")), (wrong, off)
 
 # --- bad folders -------------------------------------------------------------------------------
 
