@@ -1,8 +1,9 @@
 """Resuming DeepSpeed ZeRO checkpoints (issue 49), against what DeepSpeed itself wrote and computed: the fixtures of
 tests/deepspeed_fixtures/ (DeepSpeed 0.19.8, world size 2, steps 1-3 saved, steps 4-6 recorded).
 
-The reader against DeepSpeed's own reassembly of every folder; resumed runs (tests/scripts/deepspeed_resume_runs.py)
-against DeepSpeed's steps 4-6: losses, fp32 masters and Adam's moments; bad folders refused by name; ``lzero
+The reader against DeepSpeed's own reassembly of every folder (bitwise); resumed runs
+(tests/scripts/deepspeed_resume_runs.py) against DeepSpeed's steps 4-6: losses, fp32 masters and Adam's moments, within
+ACROSS_CPUS (another machine computed them), and against each other bitwise; bad folders refused by name; ``lzero
 import-deepspeed`` against the folder it read, and its checkpoint resumed, consolidated and exported.
 """
 
