@@ -256,6 +256,12 @@ GATHER_KNOBS = ("prefetch", "prefetch_bucket_size", "max_live_parameters", "max_
                 "param_persistence_threshold", "gather_bucket_size")
 """The stage-3 knobs of [Note: stage-3 gather schedule]: whole numbers, or None (unset)."""
 
+_KNOB_WORDS = {  # (unit, HINT) of a knob's error
+    **{name: (" of elements", "e.g. 0, or leave it unset.") for name in GATHER_KNOBS},
+    "prefetch": ("", "e.g. `prefetch=1`."),
+    **{name: (" of elements", '"auto" sizes it from the model\'s hidden size.') for name in BY_HIDDEN_SIZE},
+}
+
 
 @dataclass(frozen=True)
 class ScheduleConfig:
@@ -327,17 +333,10 @@ class ScheduleConfig:
         for name in GATHER_KNOBS:
             value = getattr(self, name)
             if value is not None and not (value == AUTO and name in BY_HIDDEN_SIZE):
-                _set_whole(self, name, 0, *_KNOB_WORDS.get(name, (" of elements", "e.g. 0, or None to leave it to"
-                                                                                  " the `schedule`.")))
+                _set_whole(self, name, 0, *_KNOB_WORDS[name])
         if self.prefetch_bucket_size is not None and self.prefetch is not None:
             raise ZeroConfigError(f"`prefetch={self.prefetch}` and `prefetch_bucket_size={self.prefetch_bucket_size}`"
                                   " both say how far to prefetch. HINT: give one of them.")
-
-
-_KNOB_WORDS = {  # (unit, HINT) of a knob's error
-    "prefetch": ("", "e.g. `prefetch=1`."),
-    **{name: (" of elements", '"auto" sizes it from the model\'s hidden size.') for name in BY_HIDDEN_SIZE},
-}
 
 
 @dataclass(frozen=True)
