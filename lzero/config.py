@@ -53,6 +53,7 @@ def did_you_mean(name: Any, known: Sequence[str], what: str) -> str:
 
 
 def true_or_false(name: str, value: Any) -> None:
+    """Refuse a ``value`` of the option ``name`` that is not a bool (YAML's true/false)."""
     if not isinstance(value, bool):
         raise ZeroConfigError(f"`{name}={value!r}` must be true or false.")
 
@@ -478,9 +479,9 @@ class ZeroPlusPlusConfig:
 class ZeroConfig(ZeroPlusPlusConfig, OffloadConfig, CheckpointConfig, ScheduleConfig, ShardingConfig):
     """What a ZeRO strategy shards, how it communicates and where it keeps state.
 
-    The fields of its sections (bases listed last first, so that ``ShardingConfig``'s fields, ``stage`` first, come
-    first), then the run's own. Every field is checked in ``__post_init__``; a bad value raises
-    :class:`ZeroConfigError`.
+    Its fields are its sections' (the bases, listed in reverse so that ``fields()`` and ``--print_config`` start
+    with ``ShardingConfig``'s ``stage``), then the run's own below. Each section checks its fields in its
+    ``__post_init__``; this one adds the checks that span sections. A bad value raises :class:`ZeroConfigError`.
     """
 
     gather_after_fit: bool = False
