@@ -1,11 +1,20 @@
-"""The one typed configuration of a ZeRO run, validated in one place."""
+"""The one typed configuration of a ZeRO run, validated in one place.
+
+:class:`ZeroConfig` is made of sections, each a small frozen dataclass that checks its own fields in its own
+``__post_init__``: :class:`ShardingConfig` (what is sharded, the buckets of its collectives),
+:class:`ScheduleConfig` (when stage 3 gathers; the engine's ``GatherSchedule`` is this section with every knob
+set), :class:`CheckpointConfig`, :class:`OffloadConfig` (DeepSpeed's offload and ``aio`` blocks) and
+:class:`ZeroPlusPlusConfig` (hybrid sharding and ZeRO++). ``ZeroConfig`` inherits their fields, so its keyword
+arguments, attributes and YAML keys are flat (``ZeroConfig(stage=3, prefetch=2)``, ``config.prefetch``), and adds
+the run's own options and the checks that span sections (the stage a knob needs, options that exclude each other).
+"""
 
 from __future__ import annotations
 
 import difflib
 import functools
 from dataclasses import dataclass, fields, replace
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Sequence, Union
 
 BUILT_STAGES = (1, 2, 3)
 """Stages this release implements; the others are refused with a clear error."""
@@ -20,11 +29,51 @@ class ZeroConfigError(ValueError):
 NVME_KEYS = ("nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pipeline_read", "pipeline_write")
 """DeepSpeed offload keys that only apply with ``device: nvme`` (ZeRO-Infinity)."""
 
+AUTO = "auto"
+BY_HIDDEN_SIZE = ("reduce_bucket_size", "prefetch_bucket_size", "param_persistence_threshold")
+"""The fields that may be "auto": sized from the model's hidden size at setup ([Note: sizes from the hidden size]
+in auto_sizes.py), as the Hugging Face integration sizes DeepSpeed's keys."""
+
+
+def whole_number(name: str, value: Any, least: int = 0, unit: str = "", hint: str = "") -> int:
+    """``value`` of the option ``name`` as an int: a float that is a whole number becomes one (DeepSpeed configs
+    write 5e8); a fraction, a bool, anything else, or a number below ``least`` is refused, naming ``name``."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        what = f"a positive whole number{unit}" if least == 1 else f"a whole number{unit} >= {least}"
+        raise ZeroConfigError(f"`{name}={value!r}` must be {what}." + (f" HINT: {hint}" if hint else ""))
+    return value
+
+
+def did_you_mean(name: Any, known: Sequence[str], what: str) -> str:
+    """The HINT for an unknown ``name``: the closest of ``known`` (its ``what``: "keys", "options"), or all of them."""
+    close = difflib.get_close_matches(str(name), list(known), n=1)
+    return f"did you mean `{close[0]}`?" if close else f"the {what} are: {', '.join(known)}."
+
+
+def true_or_false(name: str, value: Any) -> None:
+    """Refuse a ``value`` of the option ``name`` that is not a bool (YAML's true/false)."""
+    if not isinstance(value, bool):
+        raise ZeroConfigError(f"`{name}={value!r}` must be true or false.")
+
+
+def _set_whole(section: Any, name: str, least: int = 0, unit: str = "", hint: str = "", label: str = "") -> None:
+    """The field ``name`` of a frozen ``section`` checked by :func:`whole_number` and stored as an int."""
+    object.__setattr__(section, name, whole_number(label or name, getattr(section, name), least, unit, hint))
+
+
+def _set_positive(section: Any, name: str) -> None:
+    """A count of elements (or of collectives) > 0, with the field's default as the example."""
+    default = type(section).__dataclass_fields__[name].default
+    _set_whole(section, name, 1, " of elements", f"e.g. `{name}={default or 32}`.")
 
 
 @dataclass(frozen=True)
 class OffloadOptimizer:
     """DeepSpeed's ``offload_optimizer`` block (its names and defaults)."""
+
+    KEY: ClassVar[str] = "offload_optimizer"
 
     device: OffloadDevice = "none"
     """"none": on the device the model computes on; "cpu": host memory; "nvme": swap files under ``nvme_path``."""
@@ -70,10 +119,15 @@ class OffloadOptimizer:
     checkpoint, validation, test, predict and the end of fit first finish the step in flight. Changes the
     training trajectory (not bitwise equal to the same run without it); see [Note: one-step delayed update]."""
 
+    def __post_init__(self) -> None:
+        _check_offload_values(self)
+
 
 @dataclass(frozen=True)
 class OffloadParam:
     """DeepSpeed's ``offload_param`` block (its names and defaults); stage 3 only."""
+
+    KEY: ClassVar[str] = "offload_param"
 
     device: OffloadDevice = "none"
     """"none": parameter shards on the device; "cpu": in host memory; "nvme": swap files (past ``max_in_cpu``)."""
@@ -92,6 +146,9 @@ class OffloadParam:
 
     max_in_cpu: int = 1_000_000_000
     """``device: nvme``: parameter elements kept in host memory instead of files."""
+
+    def __post_init__(self) -> None:
+        _check_offload_values(self)
 
 
 @dataclass(frozen=True)
@@ -117,20 +174,24 @@ class AioConfig:
 
     use_gds: bool = False
     """GPUDirect Storage; refused: this torch build offers no usable ``torch.cuda.gds`` path in lzero."""
-
-
-AUTO = "auto"
-BY_HIDDEN_SIZE = ("reduce_bucket_size", "prefetch_bucket_size", "param_persistence_threshold")
-"""The fields that may be "auto": sized from the model's hidden size at setup ([Note: sizes from the hidden size]
-in auto_sizes.py), as the Hugging Face integration sizes DeepSpeed's keys."""
+    def __post_init__(self) -> None:
+        for key in ("block_size", "queue_depth", "intra_op_parallelism"):
+            _set_whole(self, key, 1, label=f"aio.{key}")
+        if self.block_size % 4096:
+            raise ZeroConfigError(f"`aio.block_size={self.block_size}` must be a multiple of 4096 bytes (O_DIRECT"
+                                  " requests are page-aligned). HINT: e.g. 1048576.")
+        for key in ("single_submit", "overlap_events", "use_gds"):
+            true_or_false(f"aio.{key}", getattr(self, key))
+        if self.use_gds:
+            raise ZeroConfigError(
+                "`aio.use_gds=true`: lzero does not read swap files with GPUDirect Storage (it reads through host"
+                " buffers). HINT: set `use_gds: false`."
+            )
 
 
 @dataclass(frozen=True)
-class ZeroConfig:
-    """What a ZeRO strategy shards, how it communicates and where it keeps state.
-
-    Every field is checked in ``__post_init__``; a bad value raises :class:`ZeroConfigError`.
-    """
+class ShardingConfig:
+    """What is sharded, and how gradients and parameters are grouped into units and collectives."""
 
     stage: int = 2
     """ZeRO stage. 1: optimizer state sharded. 2: also gradients. 3: also parameters."""
@@ -157,6 +218,56 @@ class ZeroConfig:
     unit_modules: Optional[tuple[str, ...]] = None
     """Stage 3: class names of the modules whose instances form units (e.g. ``("Block",)``). None
     finds them: the outermost module classes that repeat (transformer blocks)."""
+
+    unit_order_timeout_s: float = 120.0
+    """Stage 3: before each unit's all-gather the ranks check that they gather the same unit; a rank
+    that does not arrive within this many seconds raises an error naming the unit (0 disables the
+    check). This turns a unit run on only some ranks into a clear error instead of a silent mix."""
+
+    find_unused_parameters: bool = False
+    """DDP's semantics for parameters that get no gradient: a parameter that no rank used in a step is
+    not stepped (its optimizer state untouched), as under ``DDPStrategy(find_unused_parameters=True)``.
+    Every parameter then forms a unit of its own, so each is reduce-scattered (and, at stage 3, sharded)
+    separately: more, smaller collectives. False (the default, DeepSpeed's behaviour): units are
+    bucketed, and an unused parameter in a unit whose other parameters got gradients is stepped with a
+    zero gradient, which stateful optimizers (Adam's momentum) still move. A unit that no rank used at
+    all is skipped either way."""
+
+    def __post_init__(self) -> None:
+        _check_stage(self.stage)
+        for name in ("reduce_bucket_size", "allgather_bucket_size", "max_inflight_reductions"):
+            if getattr(self, name) != AUTO or name not in BY_HIDDEN_SIZE:
+                _set_positive(self, name)
+        timeout = self.unit_order_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout < 0:
+            raise ZeroConfigError(f"`unit_order_timeout_s={timeout!r}` must be a number of seconds >= 0."
+                                  " HINT: e.g. 120, or 0 to disable the check.")
+        if self.unit_modules is not None:
+            if isinstance(self.unit_modules, str) or not isinstance(self.unit_modules, (list, tuple)) or \
+                    not all(isinstance(n, str) for n in self.unit_modules):
+                raise ZeroConfigError(
+                    f"`unit_modules={self.unit_modules!r}` must be a list of class names. HINT: `unit_modules=['Block']`."
+                )
+            object.__setattr__(self, "unit_modules", tuple(self.unit_modules))
+        for name in ("overlap_comm", "find_unused_parameters"):
+            true_or_false(name, getattr(self, name))
+
+
+GATHER_KNOBS = ("prefetch", "prefetch_bucket_size", "max_live_parameters", "max_reuse_distance",
+                "param_persistence_threshold", "gather_bucket_size")
+"""The stage-3 knobs of [Note: stage-3 gather schedule]: whole numbers, or None (unset)."""
+
+_KNOB_WORDS = {  # (unit, HINT) of a knob's error
+    **{name: (" of elements", "e.g. 0, or leave it unset.") for name in GATHER_KNOBS},
+    "prefetch": ("", "e.g. `prefetch=1`."),
+    **{name: (" of elements", '"auto" sizes it from the model\'s hidden size.') for name in BY_HIDDEN_SIZE},
+}
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """Stage 3: when each block's parameters are gathered and how long they stay gathered ([Note: stage-3 gather
+    schedule] in lzero/engine/gather.py; the engine runs it as ``lzero.engine.blocks.GatherSchedule``)."""
 
     schedule: Literal["auto", "min_memory"] = "auto"
     """Stage 3: who sets the gather schedule's knobs (``prefetch``, ``max_reuse_distance``,
@@ -212,10 +323,26 @@ class ZeroConfig:
     gathered alone. 0: one all-gather per unit. None: 0 (the ``schedule`` does not choose runs). See [Note: stage-3
     gather schedule] in gather.py."""
 
-    unit_order_timeout_s: float = 120.0
-    """Stage 3: before each unit's all-gather the ranks check that they gather the same unit; a rank
-    that does not arrive within this many seconds raises an error naming the unit (0 disables the
-    check). This turns a unit run on only some ranks into a clear error instead of a silent mix."""
+    def __post_init__(self) -> None:
+        if self.schedule not in ("auto", "min_memory"):
+            raise ZeroConfigError(f"`schedule={self.schedule!r}` is not a gather schedule policy. HINT: 'auto' (the"
+                                  " fastest that fits the memory budget) or 'min_memory' (FSDP's: every block gathered"
+                                  " for its forward and again for its backward).")
+        margin = self.schedule_margin
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+            raise ZeroConfigError(f"`schedule_margin={margin!r}` must be a fraction in [0, 1). HINT: e.g. 0.1.")
+        for name in GATHER_KNOBS:
+            value = getattr(self, name)
+            if value is not None and not (value == AUTO and name in BY_HIDDEN_SIZE):
+                _set_whole(self, name, 0, *_KNOB_WORDS[name])
+        if self.prefetch_bucket_size is not None and self.prefetch is not None:
+            raise ZeroConfigError(f"`prefetch={self.prefetch}` and `prefetch_bucket_size={self.prefetch_bucket_size}`"
+                                  " both say how far to prefetch. HINT: give one of them.")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """What checkpoints and state dicts hold, and how they are written."""
 
     exception_checkpoint_timeout_s: float = 30.0
     """After an exception, a checkpoint asked for by an ``on_exception`` hook (``OnExceptionCheckpoint``)
@@ -238,17 +365,30 @@ class ZeroConfig:
     thread (its collectives on a process group of their own) while training continues. At most one
     save is in flight; the checkpoint a save replaces is deleted only after the new one commits."""
 
-    gather_after_fit: bool = False
-    """Stage 3: at the end of ``fit`` (and of ``validate``/``test``/``predict``) gather every parameter back into a
-    whole tensor on every rank, as DDP leaves the model: the whole model in each rank's memory (4 bytes per
-    parameter in fp32). Off (the default): the model stays sharded, only this rank's shard resident, and a later
-    ``validate``/``test``/``predict``, ``strategy.gathered_parameters()``, ``strategy.generation()`` and
-    ``trainer.save_checkpoint`` work on the shards; ``lzero.unshard(model)`` gathers it for good. See [Note: the
-    model stays sharded after fit] in lightning/trainer_kept.py."""
+    def __post_init__(self) -> None:
+        timeout = self.exception_checkpoint_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ZeroConfigError(
+                f"`exception_checkpoint_timeout_s={timeout!r}` must be a number of seconds > 0. HINT: e.g. 30."
+            )
+        if self.state_dict_type not in ("sharded", "full"):
+            raise ZeroConfigError(
+                f"`state_dict_type={self.state_dict_type!r}` is not one of 'sharded', 'full'. HINT: use 'sharded'."
+            )
+        true_or_false("async_save", self.async_save)
+        if self.async_save and self.checkpoint_format != "sharded":
+            raise ZeroConfigError("`async_save=True` needs `checkpoint_format='sharded'`: a full checkpoint is gathered"
+                                  " onto rank 0. HINT: drop one of the two.")
+        if self.checkpoint_format not in ("sharded", "full"):
+            raise ZeroConfigError(
+                f"`checkpoint_format={self.checkpoint_format!r}` is not one of 'sharded', 'full'."
+                " HINT: 'sharded' (a directory per checkpoint) or 'full' (one DDP-format file)."
+            )
 
-    broadcast_buffers: bool = True
-    """Before every training step, overwrite module buffers (BatchNorm running statistics...) with
-    rank 0's, as DDP does by default, so evaluation sees the same buffers on every rank."""
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """Where states live off the device: DeepSpeed's ``offload_optimizer``, ``offload_param`` and ``aio`` blocks."""
 
     offload_optimizer: Union[OffloadDevice, dict[str, Any], OffloadOptimizer] = "none"
     """Where the fp32 master shards, the shard gradients and the optimizer state live (stages 1-3), as
@@ -270,19 +410,24 @@ class ZeroConfig:
     at most this many elements (a larger unit is a group of its own), so smaller groups start the copies back
     earlier. DeepSpeed's key and default (1e9)."""
 
-    train_batch_size: Optional[int] = None
-    """The global batch you mean to train with. When set, the strategy checks at the start of
-    training that it equals micro batch x ``accumulate_grad_batches`` x world size, and refuses the
-    run otherwise. None: no check (``strategy.global_batch_size`` still reports the product)."""
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "offload_optimizer", _offload_block("offload_optimizer", self.offload_optimizer,
+                                                                     OffloadOptimizer))
+        object.__setattr__(self, "offload_param", _offload_block("offload_param", self.offload_param, OffloadParam))
+        object.__setattr__(self, "aio", _aio_block(self.aio))
+        paths = {b.nvme_path for b in (self.offload_optimizer, self.offload_param)
+                 if b.device == "nvme" and b.nvme_path is not None}
+        if len(paths) > 1:
+            raise ZeroConfigError(
+                f"`offload_optimizer.nvme_path` and `offload_param.nvme_path` differ ({sorted(paths)}): lzero keeps one"
+                " swap folder per rank. HINT: give both the same path, or set it in one block only."
+            )
+        _set_positive(self, "sub_group_size")
 
-    find_unused_parameters: bool = False
-    """DDP's semantics for parameters that get no gradient: a parameter that no rank used in a step is
-    not stepped (its optimizer state untouched), as under ``DDPStrategy(find_unused_parameters=True)``.
-    Every parameter then forms a unit of its own, so each is reduce-scattered (and, at stage 3, sharded)
-    separately: more, smaller collectives. False (the default, DeepSpeed's behaviour): units are
-    bucketed, and an unused parameter in a unit whose other parameters got gradients is stepped with a
-    zero gradient, which stateful optimizers (Adam's momentum) still move. A unit that no rank used at
-    all is skipped either way."""
+
+@dataclass(frozen=True)
+class ZeroPlusPlusConfig:
+    """Which ranks a collective spans and what it sends: hybrid sharding (MiCS) and ZeRO++ (hpZ, qwZ, qgZ)."""
 
     shard_group_size: Union[None, int, Literal["node"]] = None
     """Hybrid sharding: the ranks form groups of this many consecutive ranks; states are sharded within a group and
@@ -308,6 +453,54 @@ class ZeroConfig:
     the receiving rank. None: exact reductions. Changes results. DeepSpeed's ``zero_quantized_gradients`` (its
     ``true`` reads as 4). See [Note: quantized collectives] in lzero/engine/quantized_collectives.py."""
 
+    def __post_init__(self) -> None:
+        size = self.shard_group_size
+        if size is not None and size != "node" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ZeroConfigError(f"`shard_group_size={size!r}` must be a number of ranks >= 1 or 'node'. HINT: e.g."
+                                  " the ranks per node (8), or 'node'.")
+        hpz = self.hpz_partition_size
+        if hpz != "node" and (isinstance(hpz, bool) or not isinstance(hpz, int) or hpz < 1):
+            raise ZeroConfigError(f"`hpz_partition_size={hpz!r}` must be a number of ranks >= 1 (1: off) or 'node'."
+                                  " HINT: the ranks per node, e.g. 8, or 'node'.")
+        if self._hpz_on() and size is not None:
+            raise ZeroConfigError(f"`hpz_partition_size={hpz!r}` with `shard_group_size={size!r}`: both keep the"
+                                  " all-gathers within a node, one by sharding states there, the other by a secondary"
+                                  " copy. HINT: choose one.")
+        true_or_false("quantized_weights", self.quantized_weights)
+        if self.quantized_gradients not in (None, 8, 4) or isinstance(self.quantized_gradients, bool):
+            raise ZeroConfigError(f"`quantized_gradients={self.quantized_gradients!r}` is not one of None, 8, 4 (bits"
+                                  " per gradient element sent). HINT: 8 (int8) or 4 (int4), or None for exact sums.")
+
+    def _hpz_on(self) -> bool:
+        return self.hpz_partition_size == "node" or self.hpz_partition_size > 1
+
+
+@dataclass(frozen=True)
+class ZeroConfig(ZeroPlusPlusConfig, OffloadConfig, CheckpointConfig, ScheduleConfig, ShardingConfig):
+    """What a ZeRO strategy shards, how it communicates and where it keeps state.
+
+    Its fields are its sections' (the bases, listed in reverse so that ``fields()`` and ``--print_config`` start
+    with ``ShardingConfig``'s ``stage``), then the run's own below. Each section checks its fields in its
+    ``__post_init__``; this one adds the checks that span sections. A bad value raises :class:`ZeroConfigError`.
+    """
+
+    gather_after_fit: bool = False
+    """Stage 3: at the end of ``fit`` (and of ``validate``/``test``/``predict``) gather every parameter back into a
+    whole tensor on every rank, as DDP leaves the model: the whole model in each rank's memory (4 bytes per
+    parameter in fp32). Off (the default): the model stays sharded, only this rank's shard resident, and a later
+    ``validate``/``test``/``predict``, ``strategy.gathered_parameters()``, ``strategy.generation()`` and
+    ``trainer.save_checkpoint`` work on the shards; ``lzero.unshard(model)`` gathers it for good. See [Note: the
+    model stays sharded after fit] in lightning/trainer_kept.py."""
+
+    broadcast_buffers: bool = True
+    """Before every training step, overwrite module buffers (BatchNorm running statistics...) with
+    rank 0's, as DDP does by default, so evaluation sees the same buffers on every rank."""
+
+    train_batch_size: Optional[int] = None
+    """The global batch you mean to train with. When set, the strategy checks at the start of
+    training that it equals micro batch x ``accumulate_grad_batches`` x world size, and refuses the
+    run otherwise. None: no check (``strategy.global_batch_size`` still reports the product)."""
+
     log_memory: bool = True
     """With a logger, add :class:`lzero.MemoryMonitor`: model-state bytes per rank, store and kind, beside what
     the ZeRO formula expects, the step's peak memory and its communication, every ``log_every_n_steps``.
@@ -324,80 +517,56 @@ class ZeroConfig:
     lzero/engine/replay.py."""
 
     def __post_init__(self) -> None:
-        _check_stage(self.stage)
-        for name in ("reduce_bucket_size", "allgather_bucket_size", "max_inflight_reductions"):
-            value = getattr(self, name)
-            if isinstance(value, float) and value.is_integer():  # DeepSpeed configs write 5e8
-                object.__setattr__(self, name, int(value))
-            if getattr(self, name) != AUTO or name not in BY_HIDDEN_SIZE:
-                _check_positive_int(name, getattr(self, name))
+        for section in reversed(ZeroConfig.__bases__):  # each checks its own fields, ShardingConfig's stage first
+            section.__post_init__(self)
         if self.train_batch_size is not None:
-            _check_positive_int("train_batch_size", self.train_batch_size)
-        size = self.shard_group_size
-        if size is not None and size != "node" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-            raise ZeroConfigError(f"`shard_group_size={size!r}` must be a number of ranks >= 1 or 'node'. HINT: e.g."
-                                  " the ranks per node (8), or 'node'.")
-        if self.prefetch is not None and (isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int)
-                                          or self.prefetch < 0):
-            raise ZeroConfigError(f"`prefetch={self.prefetch!r}` must be a whole number >= 0. HINT: e.g. `prefetch=1`.")
-        self._check_gather_schedule()
-        if isinstance(self.unit_order_timeout_s, bool) or not isinstance(self.unit_order_timeout_s, (int, float)) \
-                or self.unit_order_timeout_s < 0:
-            raise ZeroConfigError(
-                f"`unit_order_timeout_s={self.unit_order_timeout_s!r}` must be a number of seconds >= 0."
-                " HINT: e.g. 120, or 0 to disable the check."
-            )
-        timeout = self.exception_checkpoint_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ZeroConfigError(
-                f"`exception_checkpoint_timeout_s={timeout!r}` must be a number of seconds > 0. HINT: e.g. 30."
-            )
-        if self.state_dict_type not in ("sharded", "full"):
-            raise ZeroConfigError(
-                f"`state_dict_type={self.state_dict_type!r}` is not one of 'sharded', 'full'. HINT: use 'sharded'."
-            )
-        if not isinstance(self.gather_after_fit, bool):
-            raise ZeroConfigError(f"`gather_after_fit={self.gather_after_fit!r}` must be true or false.")
-        if not isinstance(self.async_save, bool):
-            raise ZeroConfigError(f"`async_save={self.async_save!r}` must be true or false.")
-        if self.async_save and self.checkpoint_format != "sharded":
-            raise ZeroConfigError("`async_save=True` needs `checkpoint_format='sharded'`: a full checkpoint is gathered"
-                                  " onto rank 0. HINT: drop one of the two.")
-        if self.checkpoint_format not in ("sharded", "full"):
-            raise ZeroConfigError(
-                f"`checkpoint_format={self.checkpoint_format!r}` is not one of 'sharded', 'full'."
-                " HINT: 'sharded' (a directory per checkpoint) or 'full' (one DDP-format file)."
-            )
-        if self.unit_modules is not None:
-            if isinstance(self.unit_modules, str) or not isinstance(self.unit_modules, (list, tuple)) or \
-                    not all(isinstance(n, str) for n in self.unit_modules):
-                raise ZeroConfigError(
-                    f"`unit_modules={self.unit_modules!r}` must be a list of class names. HINT: `unit_modules=['Block']`."
-                )
-            object.__setattr__(self, "unit_modules", tuple(self.unit_modules))
-        object.__setattr__(self, "offload_optimizer", _offload_block("offload_optimizer", self.offload_optimizer,
-                                                                     OffloadOptimizer))
-        object.__setattr__(self, "offload_param", _offload_block("offload_param", self.offload_param, OffloadParam))
-        object.__setattr__(self, "aio", _aio_block(self.aio))
-        if self.offload_param.device != "none" and self.stage < 3:
+            _set_positive(self, "train_batch_size")
+        for name in ("gather_after_fit", "broadcast_buffers", "log_memory", "allow_untested_optimizer", "exact_init"):
+            true_or_false(name, getattr(self, name))
+        self._check_stage_3_only()
+        self._check_combinations()
+
+    def _check_stage_3_only(self) -> None:
+        """Options that act on stage 3's gathered parameters, refused below stage 3."""
+        if self.stage >= 3:
+            return
+        defaults = {f.name: f.default for f in fields(ScheduleConfig)}
+        for name in (*GATHER_KNOBS, "schedule"):
+            if getattr(self, name) != defaults[name]:
+                raise ZeroConfigError(f"`{name}={getattr(self, name)!r}` at stage {self.stage}: it schedules stage 3's"
+                                      f" parameter gathers, and stage {self.stage} keeps whole parameters. HINT: drop"
+                                      f" `{name}`, or use `stage=3`.")
+        if self.offload_param.device != "none":
             raise ZeroConfigError(
                 f"`offload_param={{'device': {self.offload_param.device!r}}}` at stage {self.stage}: only stage 3 shards"
                 " the parameters, so only stage 3 can keep them off the device. HINT: use `stage=3` (the"
                 " 'zero3_offload' strategy), or offload the optimizer state alone with `offload_optimizer='cpu'`."
             )
-        paths = {b.nvme_path for b in (self.offload_optimizer, self.offload_param)
-                 if b.device == "nvme" and b.nvme_path is not None}
-        if len(paths) > 1:
-            raise ZeroConfigError(
-                f"`offload_optimizer.nvme_path` and `offload_param.nvme_path` differ ({sorted(paths)}): lzero keeps one"
-                " swap folder per rank. HINT: give both the same path, or set it in one block only."
-            )
-        if self.shard_group_size is not None and "nvme" in (self.offload_optimizer.device, self.offload_param.device):
+        if self._hpz_on():
+            raise ZeroConfigError(f"`hpz_partition_size={self.hpz_partition_size!r}` at stage {self.stage}: hpZ keeps a"
+                                  " secondary copy of stage 3's gathered parameters, and stages 1-2 gather none. HINT:"
+                                  " use `stage=3`.")
+        if self.quantized_weights:
+            raise ZeroConfigError(f"`quantized_weights=True` at stage {self.stage}: it quantizes stage 3's parameter"
+                                  " all-gathers; at stages 1-2 every rank keeps exact full weights, which a quantized"
+                                  " all-gather would make disagree. HINT: use `stage=3`, or drop it.")
+
+    def _check_combinations(self) -> None:
+        """Options of different sections that cannot run together."""
+        nvme = "nvme" in (self.offload_optimizer.device, self.offload_param.device)
+        if self._hpz_on() and self.offload_param.device != "none":
+            raise ZeroConfigError(f"`hpz_partition_size={self.hpz_partition_size!r}` with `offload_param="
+                                  f"{self.offload_param.device!r}`: hpZ's secondary copy lives in device memory, which"
+                                  " offloading parameters frees. HINT: drop one of the two.")
+        if self.quantized_weights and self.gather_bucket_size:
+            raise ZeroConfigError(f"`gather_bucket_size={self.gather_bucket_size}` with `quantized_weights=True`: a run"
+                                  " of blocks is gathered as one buffer of bytes, and qwZ quantizes each unit's values."
+                                  " HINT: drop `gather_bucket_size` (qwZ already sends about a quarter of the bytes).")
+        if self.shard_group_size is not None and nvme:
             raise ZeroConfigError(
                 f"`shard_group_size={self.shard_group_size!r}` with NVMe offload: ranks of different shard groups would"
                 " share swap file names on one node. HINT: offload to `cpu` with hybrid sharding, or drop"
                 " `shard_group_size`.")
-        self._check_zero_plus_plus()
         if self.async_save and self.shard_group_size is not None:
             raise ZeroConfigError(
                 f"`async_save=True` with `shard_group_size={self.shard_group_size!r}`: not built yet (the background"
@@ -408,74 +577,6 @@ class ZeroConfig:
                 " whole state in host memory, which NVMe offload exists to avoid. HINT: drop `async_save` (NVMe runs"
                 " save synchronously, one unit at a time, read from the swap files)."
             )
-        if isinstance(self.sub_group_size, float) and self.sub_group_size.is_integer():
-            object.__setattr__(self, "sub_group_size", int(self.sub_group_size))
-        _check_positive_int("sub_group_size", self.sub_group_size)
-        for name in ("overlap_comm", "broadcast_buffers", "find_unused_parameters", "allow_untested_optimizer",
-                     "exact_init", "log_memory"):
-            if not isinstance(getattr(self, name), bool):
-                raise ZeroConfigError(f"`{name}` must be True or False, got {getattr(self, name)!r}.")
-
-    def _check_zero_plus_plus(self) -> None:
-        """hpZ and the quantized collectives: their values, and the stages and layouts they work with."""
-        hpz = self.hpz_partition_size
-        if hpz != "node" and (isinstance(hpz, bool) or not isinstance(hpz, int) or hpz < 1):
-            raise ZeroConfigError(f"`hpz_partition_size={hpz!r}` must be a number of ranks >= 1 (1: off) or 'node'."
-                                  " HINT: the ranks per node, e.g. 8, or 'node'.")
-        on = hpz == "node" or hpz > 1
-        hpz = repr(hpz)
-        if on and self.stage < 3:
-            raise ZeroConfigError(f"`hpz_partition_size={hpz}` at stage {self.stage}: hpZ keeps a secondary copy of"
-                                  " stage 3's gathered parameters, and stages 1-2 gather none. HINT: use `stage=3`.")
-        if on and self.shard_group_size is not None:
-            raise ZeroConfigError(f"`hpz_partition_size={hpz}` with `shard_group_size={self.shard_group_size!r}`: both"
-                                  " keep the all-gathers within a node, one by sharding states there, the other by a"
-                                  " secondary copy. HINT: choose one.")
-        if on and self.offload_param.device != "none":
-            raise ZeroConfigError(f"`hpz_partition_size={hpz}` with `offload_param={self.offload_param.device!r}`:"
-                                  " hpZ's secondary copy lives in device memory, which offloading parameters frees."
-                                  " HINT: drop one of the two.")
-        if not isinstance(self.quantized_weights, bool):
-            raise ZeroConfigError(f"`quantized_weights={self.quantized_weights!r}` must be true or false.")
-        if self.quantized_weights and self.stage < 3:
-            raise ZeroConfigError(f"`quantized_weights=True` at stage {self.stage}: it quantizes stage 3's parameter"
-                                  " all-gathers; at stages 1-2 every rank keeps exact full weights, which a quantized"
-                                  " all-gather would make disagree. HINT: use `stage=3`, or drop it.")
-        if self.quantized_weights and self.gather_bucket_size:
-            raise ZeroConfigError(f"`gather_bucket_size={self.gather_bucket_size}` with `quantized_weights=True`: a run"
-                                  " of blocks is gathered as one buffer of bytes, and qwZ quantizes each unit's values."
-                                  " HINT: drop `gather_bucket_size` (qwZ already sends about a quarter of the bytes).")
-        if self.quantized_gradients not in (None, 8, 4) or isinstance(self.quantized_gradients, bool):
-            raise ZeroConfigError(f"`quantized_gradients={self.quantized_gradients!r}` is not one of None, 8, 4 (bits"
-                                  " per gradient element sent). HINT: 8 (int8) or 4 (int4), or None for exact sums.")
-
-    def _check_gather_schedule(self) -> None:
-        """The stage-3 knobs of [Note: stage-3 gather schedule]: whole numbers, stage 3 only, one way to prefetch."""
-        if self.schedule not in ("auto", "min_memory"):
-            raise ZeroConfigError(f"`schedule={self.schedule!r}` is not a gather schedule policy. HINT: 'auto' (the"
-                                  " fastest that fits the memory budget) or 'min_memory' (FSDP's: every block gathered"
-                                  " for its forward and again for its backward).")
-        margin = self.schedule_margin
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
-            raise ZeroConfigError(f"`schedule_margin={margin!r}` must be a fraction in [0, 1). HINT: e.g. 0.1.")
-        optional = ("prefetch", "prefetch_bucket_size", "max_live_parameters", "max_reuse_distance",
-                    "param_persistence_threshold", "gather_bucket_size")
-        for name in (*optional, "schedule"):
-            value = getattr(self, name)
-            if isinstance(value, float) and value.is_integer():  # DeepSpeed configs write 5e7
-                object.__setattr__(self, name, value := int(value))
-            unset = value is None and name in optional
-            if name != "schedule" and not unset and not (value == AUTO and name in BY_HIDDEN_SIZE) and (
-                    isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                also = ' or "auto"' if name in BY_HIDDEN_SIZE else ""
-                raise ZeroConfigError(f"`{name}={value!r}` must be a whole number of elements >= 0{also}.")
-            if self.stage < 3 and value != ZeroConfig.__dataclass_fields__[name].default:
-                raise ZeroConfigError(f"`{name}={value!r}` at stage {self.stage}: it schedules stage 3's parameter"
-                                      f" gathers, and stage {self.stage} keeps whole parameters. HINT: drop"
-                                      f" `{name}`, or use `stage=3`.")
-        if self.prefetch_bucket_size is not None and self.prefetch is not None:
-            raise ZeroConfigError(f"`prefetch={self.prefetch}` and `prefetch_bucket_size={self.prefetch_bucket_size}`"
-                                  " both say how far to prefetch. HINT: give one of them.")
 
     def with_overrides(self, **overrides: Any) -> "ZeroConfig":
         """A copy with some fields changed; an unknown field name is refused with a suggestion."""
@@ -484,7 +585,8 @@ class ZeroConfig:
 
 
 def _offload_block(name: str, value: Any, cls: type) -> Any:
-    """``value`` (a device name, a DeepSpeed-style dict, or ``cls``) as a checked ``cls``."""
+    """``value`` (a device name, a DeepSpeed-style dict, or ``cls``) as a ``cls``, which checks the values; here
+    the keys: each must be ``cls``'s, and an NVMe key needs ``device: nvme``."""
     if isinstance(value, str):
         value = {"device": value}
     elif isinstance(value, cls):  # the fields that differ from the defaults, as if written in a block
@@ -496,7 +598,6 @@ def _offload_block(name: str, value: Any, cls: type) -> Any:
             f" `{name}={{'device': 'cpu', 'pin_memory': True}}`."
         )
     defaults = {f.name: f.default for f in fields(cls)}
-    known = list(defaults)
     device = value.get("device", "none") or "none"
     for key in value:  # a key at its default says nothing (LightningCLI writes out every key of a block)
         if key in NVME_KEYS and key in defaults and device != "nvme" and value[key] != defaults[key]:
@@ -504,67 +605,57 @@ def _offload_block(name: str, value: Any, cls: type) -> Any:
                 f"`{name}.{key}` only applies with `device: nvme` (ZeRO-Infinity); with device {device!r} it would"
                 f" be ignored. HINT: remove `{key}`, or use `{name}={{'device': 'nvme', '{key}': ...}}`."
             )
-        if key in NVME_KEYS and key not in known:
+        if key in NVME_KEYS and key not in defaults:
             raise ZeroConfigError(
                 f"`{name}.{key}` is not an `{name}` key (DeepSpeed has it in the other offload block). HINT: remove it"
                 f" or move it to {'`offload_param`' if name == 'offload_optimizer' else '`offload_optimizer`'}."
             )
-        if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            hint = f"did you mean `{close[0]}`?" if close else f"the keys are: {', '.join(known)}."
-            raise ZeroConfigError(f"Unknown key `{name}.{key}`. HINT: {hint}")
-    block = {**{f.name: f.default for f in fields(cls)}, **value}
-    device = block["device"]
-    if device is None:
-        device = "none"
+        if key not in defaults:
+            raise ZeroConfigError(f"Unknown key `{name}.{key}`. HINT: {did_you_mean(key, list(defaults), 'keys')}")
+    return cls(**{**defaults, **value})
+
+
+def _check_offload_values(block: Union[OffloadOptimizer, OffloadParam]) -> None:
+    """The values of an offload block, each named as its key in ``ZeroConfig`` (``offload_optimizer.ratio``)."""
+    name, device = block.KEY, "none" if block.device is None else block.device
     if device not in ("none", "cpu", "nvme"):
         raise ZeroConfigError(
             f"`{name}.device={device!r}` is not an offload device: without offload the state already lives on the"
             " device the model computes on (the GPU). HINT: use 'none' (keep it there) or 'cpu' (host memory)."
         )
-    for key in ("pin_memory", "delayed_update", "huge_pages"):
-        if key in block and not isinstance(block[key], bool):
-            raise ZeroConfigError(f"`{name}.{key}={block[key]!r}` must be true or false.")
-    threads = block.get("host_threads", 0)
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
-        raise ZeroConfigError(f"`{name}.host_threads={threads!r}` must be a whole number >= 0. HINT: 0 divides this"
-                              " host's cores among its processes; 8 gives each process 8 threads.")
-    if "ratio" in block:
-        ratio = block["ratio"]
+    object.__setattr__(block, "device", device)
+    for key in ("pin_memory", "delayed_update", "huge_pages", "pipeline_read", "pipeline_write"):
+        if hasattr(block, key):
+            true_or_false(f"{name}.{key}", getattr(block, key))
+    if isinstance(block, OffloadOptimizer):
+        _set_whole(block, "host_threads", 0, label=f"{name}.host_threads", hint="0 divides this host's cores among"
+                   " its processes; 8 gives each process 8 threads.")
+        ratio = block.ratio
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
             raise ZeroConfigError(
                 f"`{name}.ratio={ratio!r}` must be a fraction in (0, 1]: the share of the optimizer state kept in"
                 " host memory. HINT: 1.0 offloads all of it; to offload none, use `device: none`."
             )
-        block["ratio"] = float(ratio)
-    if block.get("delayed_update") and (device != "cpu" or block.get("ratio", 1.0) != 1.0):
-        raise ZeroConfigError(
-            f"`{name}.delayed_update=True` with `device: {device!r}`, `ratio: {block.get('ratio', 1.0)!r}`: the"
-            " delayed update overlaps the host step of every unit with the next step's forward and backward, so"
-            " every unit must be stepped in host memory. HINT: use `{device: cpu, ratio: 1.0, delayed_update: true}`"
-            " (the 'zero2_offload' or 'zero3_offload' strategy's block), or drop `delayed_update`."
-        )
-    for key in ("buffer_count", "buffer_size", "max_in_cpu"):
-        if key in block:
-            number = block[key]
-            if isinstance(number, float) and number.is_integer():  # DeepSpeed configs write 1e8
-                number = block[key] = int(number)
-            least = 2 if key == "buffer_count" else 0 if key == "max_in_cpu" else 1
-            if isinstance(number, bool) or not isinstance(number, int) or number < least:
-                raise ZeroConfigError(f"`{name}.{key}={block[key]!r}` must be a whole number >= {least}.")
-    for key in ("pipeline_read", "pipeline_write"):
-        if key in block and not isinstance(block[key], bool):
-            raise ZeroConfigError(f"`{name}.{key}={block[key]!r}` must be true or false.")
-    if block.get("nvme_path") is not None and not isinstance(block["nvme_path"], str):
-        raise ZeroConfigError(f"`{name}.nvme_path={block['nvme_path']!r}` must be a folder path (a string).")
-    block["device"] = device
-    return cls(**block)
+        object.__setattr__(block, "ratio", float(ratio))
+        if block.delayed_update and (device != "cpu" or block.ratio != 1.0):
+            raise ZeroConfigError(
+                f"`{name}.delayed_update=True` with `device: {device!r}`, `ratio: {block.ratio!r}`: the delayed update"
+                " overlaps the host step of every unit with the next step's forward and backward, so every unit must"
+                " be stepped in host memory. HINT: use `{device: cpu, ratio: 1.0, delayed_update: true}` (the"
+                " 'zero2_offload' or 'zero3_offload' strategy's block), or drop `delayed_update`."
+            )
+    for key, least in (("buffer_count", 2), ("buffer_size", 1), ("max_in_cpu", 0)):
+        if hasattr(block, key):
+            _set_whole(block, key, least, label=f"{name}.{key}")
+    if block.nvme_path is not None and not isinstance(block.nvme_path, str):
+        raise ZeroConfigError(f"`{name}.nvme_path={block.nvme_path!r}` must be a folder path (a string).")
 
 
 def _aio_block(value: Any) -> AioConfig:
-    """DeepSpeed's ``aio`` block as a checked :class:`AioConfig`; ``thread_count`` read as ``intra_op_parallelism``."""
+    """DeepSpeed's ``aio`` block as an :class:`AioConfig`, which checks the values; ``thread_count`` read as
+    ``intra_op_parallelism``."""
     if isinstance(value, AioConfig):
-        value = {f.name: getattr(value, f.name) for f in fields(AioConfig)}
+        return value
     if not isinstance(value, dict):
         raise ZeroConfigError(f"`aio={value!r}` must be a block. HINT: `aio={{'block_size': 1048576, 'queue_depth': 8}}`.")
     value = dict(value)
@@ -579,28 +670,8 @@ def _aio_block(value: Any) -> AioConfig:
     known = [f.name for f in fields(AioConfig)]
     for key in value:
         if key not in known:
-            close = difflib.get_close_matches(str(key), known, n=1)
-            hint = f"did you mean `{close[0]}`?" if close else f"the keys are: {', '.join(known)}."
-            raise ZeroConfigError(f"Unknown key `aio.{key}`. HINT: {hint}")
-    block = {**{f.name: f.default for f in fields(AioConfig)}, **value}
-    for key in ("block_size", "queue_depth", "intra_op_parallelism"):
-        number = block[key]
-        if isinstance(number, float) and number.is_integer():
-            number = block[key] = int(number)
-        if isinstance(number, bool) or not isinstance(number, int) or number < 1:
-            raise ZeroConfigError(f"`aio.{key}={block[key]!r}` must be a whole number >= 1.")
-    if block["block_size"] % 4096:
-        raise ZeroConfigError(f"`aio.block_size={block['block_size']}` must be a multiple of 4096 bytes (O_DIRECT"
-                              " requests are page-aligned). HINT: e.g. 1048576.")
-    for key in ("single_submit", "overlap_events", "use_gds"):
-        if not isinstance(block[key], bool):
-            raise ZeroConfigError(f"`aio.{key}={block[key]!r}` must be true or false.")
-    if block["use_gds"]:
-        raise ZeroConfigError(
-            "`aio.use_gds=true`: lzero does not read swap files with GPUDirect Storage (it reads through host"
-            " buffers). HINT: set `use_gds: false`."
-        )
-    return AioConfig(**block)
+            raise ZeroConfigError(f"Unknown key `aio.{key}`. HINT: {did_you_mean(key, known, 'keys')}")
+    return AioConfig(**value)
 
 
 def _check_names(kwargs: dict[str, Any], what: str) -> None:
@@ -608,9 +679,7 @@ def _check_names(kwargs: dict[str, Any], what: str) -> None:
     known = [f.name for f in fields(ZeroConfig)]
     for name in kwargs:
         if name not in known:
-            close = difflib.get_close_matches(name, known, n=1)
-            hint = f"did you mean `{close[0]}`?" if close else f"the options are: {', '.join(known)}."
-            raise ZeroConfigError(f"Unknown {what} `{name}`. HINT: {hint}")
+            raise ZeroConfigError(f"Unknown {what} `{name}`. HINT: {did_you_mean(name, known, 'options')}")
 
 
 def _checked_init(init: Any) -> Any:
@@ -637,14 +706,6 @@ def _check_stage(stage: Any) -> None:
         raise ZeroConfigError(
             f"`stage={stage}`: ZeRO stage {stage} is not part of lzero (stages: {BUILT_STAGES})."
             " HINT: stage 0 is plain data parallel: use `strategy='ddp'`."
-        )
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ZeroConfigError(
-            f"`{name}={value!r}` must be a positive whole number of elements."
-            f" HINT: e.g. `{name}={ZeroConfig.__dataclass_fields__[name].default or 32}`."
         )
 
 

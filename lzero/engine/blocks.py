@@ -10,6 +10,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
+from lzero.config import ScheduleConfig
 from lzero.engine import collectives
 from lzero.engine.flat_unit import FlatUnit, fill_from_gathered
 
@@ -75,24 +76,26 @@ class Block:
 
 
 @dataclass(frozen=True)
-class GatherSchedule:
-    """When blocks are gathered and how long they stay: [Note: stage-3 gather schedule]. ZeroConfig's fields."""
+class GatherSchedule(ScheduleConfig):
+    """When blocks are gathered and how long they stay: [Note: stage-3 gather schedule]. The configuration's
+    schedule section with every knob set: one left at None takes its memory-minimal value (what the first step
+    runs under ``schedule="auto"``, and every step under ``"min_memory"``) until the ``schedule`` policy sets it."""
 
-    prefetch: int = 1
-    prefetch_bucket_size: Optional[int] = None
-    max_live_parameters: Optional[int] = None
-    max_reuse_distance: int = 0
-    param_persistence_threshold: int = 0
-    gather_bucket_size: int = 0
+    def __post_init__(self) -> None:  # the values were checked by the ZeroConfig they come from
+        for name, value in MEMORY_MINIMAL.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
 
     @classmethod
-    def of(cls, config: Any) -> "GatherSchedule":
-        """``config``'s knobs, those left at None at their memory-minimal values (what the first step runs under
-        ``schedule="auto"``, and every step under ``"min_memory"``)."""
-        values = {f.name: getattr(config, f.name) for f in fields(cls)}
-        return cls(**{k: getattr(cls, k) if v is None and k in SCHEDULED else v for k, v in values.items()})
+    def of(cls, config: ScheduleConfig) -> "GatherSchedule":
+        """``config``'s schedule section (a ``ZeroConfig`` is one), its knobs left at None memory-minimal."""
+        return cls(**{f.name: getattr(config, f.name) for f in fields(ScheduleConfig)})
 
 
-SCHEDULED = ("prefetch", "max_reuse_distance", "param_persistence_threshold", "gather_bucket_size")
+MEMORY_MINIMAL = {"prefetch": 1, "max_reuse_distance": 0, "param_persistence_threshold": 0, "gather_bucket_size": 0}
+"""The memory-minimal values of the knobs a ``ZeroConfig`` may leave at None (FSDP's schedule: one block prefetched,
+none kept, none persistent, one all-gather per unit)."""
+
+SCHEDULED = tuple(MEMORY_MINIMAL)
 """The knobs a ``ZeroConfig`` may leave at None: the ``schedule`` policy's to set ([Note: choosing the gather
-schedule] in schedule.py); memory-minimal (the class defaults) until it does."""
+schedule] in schedule.py); memory-minimal until it does."""

@@ -143,11 +143,13 @@ def test_print_config_comments_show_every_strategy_field_with_its_docstring(caps
     assert done.value.code == 0
     printed = capsys.readouterr().out.splitlines()
     tree = ast.parse((ROOT / "lzero/config.py").read_text())
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ZeroConfig")
+    sections = {c.__name__ for c in ZeroConfig.__mro__}  # ZeroConfig and the sections it takes its fields from
     docs = {}
-    for field_node, doc in zip(cls.body, cls.body[1:]):
-        if isinstance(field_node, ast.AnnAssign) and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant):
-            docs[field_node.target.id] = " ".join(doc.value.value.split())
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in sections):
+        for field_node, doc in zip(cls.body, cls.body[1:]):
+            if isinstance(field_node, ast.AnnAssign) and isinstance(doc, ast.Expr) and \
+                    isinstance(doc.value, ast.Constant):
+                docs[field_node.target.id] = " ".join(doc.value.value.split())
     start = printed.index("      config:")
     for f in fields(ZeroConfig):
         line = next(i for i in range(start, len(printed)) if printed[i].strip().startswith(f"{f.name}:"))
