@@ -10,7 +10,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "lzero"
 
 FLOORS = [  # bottom first: (floor, the modules and packages on it)
-    ("configuration", ["lzero.errors", "lzero.config", "lzero.presets", "lzero.auto_sizes"]),
+    ("configuration", ["lzero.errors", "lzero.log", "lzero.config", "lzero.presets", "lzero.auto_sizes"]),
     ("offload", ["lzero.offload"]),
     ("engine", ["lzero.engine"]),
     ("memory", ["lzero.memory"]),
@@ -116,3 +116,25 @@ def test_fabric_door_reaches_no_lightning_pytorch() -> None:
             todo += [".".join(parts[:i]) for i in range(2, len(parts) + 1)]  # a module runs its packages first
     assert "lzero.lightning.wiring" in seen and "lzero.engine.engine" in seen  # the walk reached the shared floor
     assert not found, "Fabric's door reaches lightning.pytorch:\n" + "\n".join(found)
+
+
+PLAIN_TORCH = ["lzero.offload", "lzero.engine"]  # the README: the engine needs only torch
+LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities")
+
+
+def test_engine_and_offload_import_no_lightning() -> None:
+    """No module of the engine or the offload stores imports Lightning (lazy imports too): they log through
+    lzero/log.py, and what needs Lightning lives on the lightning floor."""
+    found = []
+    for package in PLAIN_TORCH:
+        for path in sorted((PACKAGE.parent / package.replace(".", "/")).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                    names = [node.module]
+                else:
+                    continue
+                found += [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} imports {n}" for n in names
+                          if n.split(".")[0] in LIGHTNING]
+    assert not found, "Lightning imported below the lightning floor:\n" + "\n".join(found)
