@@ -57,7 +57,7 @@ def consolidate(checkpoint_dir: Any, out: Any, progress: bool = False) -> Path:
     bar = _progress(len(keys), progress)
     if out.suffix == ".safetensors":
         stored = list(first_key.values())
-        entries = [(key, *_dtype_shape(reader, key)) for key in stored]
+        entries = [(key, *dtype_shape(reader, key)) for key in stored]
         tied = {key: first for key in keys if (first := first_key[reader.param_name(key) or key]) != key}
         with SafetensorsStreamWriter(out, entries, {"aliases": json.dumps(tied), "format": "lzero-consolidated"}) as w:
             for key in stored:
@@ -185,7 +185,7 @@ def convert_to_safetensors(path: Path, out: Path) -> Path:
     return out
 
 
-def _dtype_shape(reader: PiecedCheckpoint, key: str) -> tuple[Any, tuple[int, ...]]:
+def dtype_shape(reader: PiecedCheckpoint, key: str) -> tuple[Any, tuple[int, ...]]:
     import torch
 
     name = reader.param_name(key)

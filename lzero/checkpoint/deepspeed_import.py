@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from lzero.checkpoint.deepspeed_checkpoint import DeepSpeedCheckpoint
-from lzero.checkpoint.files import CheckpointError, _fsync_dir, write_json_atomic, write_tensors
+from lzero.checkpoint.files import CheckpointError, fsync_dir, write_json_atomic, write_tensors
 from lzero.checkpoint.reader import FORMAT, MANIFEST, VERSION, PiecedCheckpoint, shard_name
 from lzero.checkpoint.tree import encode_tree
 
@@ -71,7 +71,7 @@ def import_deepspeed(source: Any, out: Any) -> dict[str, Any]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    _fsync_dir(str(out.parent))
+    fsync_dir(str(out.parent))
     return manifest
 
 
