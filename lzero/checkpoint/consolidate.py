@@ -24,7 +24,9 @@ from typing import Any
 
 from lzero.checkpoint import CheckpointError, SafetensorsStreamWriter, TensorFile, TorchStreamWriter
 from lzero.checkpoint.deepspeed_files import deepspeed_tag_folder
-from lzero.checkpoint.reader import MANIFEST, PiecedCheckpoint, ShardedCheckpoint, open_reader
+from lzero.checkpoint.formats import open_reader
+from lzero.checkpoint.pieces import PiecedCheckpoint
+from lzero.checkpoint.reader import MANIFEST, ShardedCheckpoint
 
 KEPT = ("pytorch-lightning_version", "epoch", "global_step", "loops", "hyper_parameters", "hparams_name")
 """What a consolidated file keeps besides the state dict: what ``load_from_checkpoint`` needs, and the loops'
