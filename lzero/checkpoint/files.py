@@ -18,6 +18,8 @@ from typing import Any, BinaryIO, Iterable, NamedTuple
 import torch
 from torch import Tensor
 
+from lzero.errors import ZeroError
+
 MAX_HEADER_BYTES = 100_000_000
 """The safetensors limit; a larger declared header means the file is not a tensor file."""
 
@@ -40,7 +42,7 @@ DAMAGED = "this checkpoint is incomplete or damaged; resume from an earlier chec
 _FOREIGN = "lzero only reads files it wrote; never point it at a pickle or torch.save file"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ZeroError, ValueError):
     """A checkpoint file or value lzero refuses; the message names it and ends with a HINT."""
 
 

@@ -68,6 +68,8 @@ from typing import Callable, Optional, Union
 import torch
 from torch import Tensor
 
+from lzero.errors import ZeroError
+
 ALIGN = 4096
 """Bytes to which O_DIRECT buffers, offsets and lengths are aligned (the largest logical block size)."""
 
@@ -79,7 +81,7 @@ RANK_FOLDER = re.compile(r"rank(\d+)")
 PathLike = Union[str, os.PathLike]
 
 
-class NvmeError(RuntimeError):
+class NvmeError(ZeroError, RuntimeError):
     """NVMe offload cannot go on: a swap file's I/O failed or ``nvme_path`` is unusable. The message names
     the path, the bytes and the fix; ``path``, ``op``, ``nbytes`` and ``errno`` hold them where known."""
 
