@@ -14,6 +14,7 @@ from lzero.engine.engine import ZeroEngine, ZeroEngineError
 from lzero.engine.loss_scale import LossScaleConfig, LossScaleError, LossScaler
 from lzero.optimizer import ZeroOptimizer, ZeroOptimizerError
 from lzero.engine.partition import ParamSpec, Partition, UnitSpec, partition_by_size
+from lzero.errors import ZeroError
 
 __version__ = "0.1.0"
 
@@ -51,6 +52,7 @@ __all__ = [
     "ZeroConfigError",
     "ZeroEngine",
     "ZeroEngineError",
+    "ZeroError",
     "ZeroFabricPrecision",
     "ZeroFabricStrategy",
     "ZeroOptimizer",

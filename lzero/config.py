@@ -16,13 +16,15 @@ import functools
 from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar, Literal, Optional, Sequence, Union
 
+from lzero.errors import ZeroError
+
 BUILT_STAGES = (1, 2, 3)
 """Stages this release implements; the others are refused with a clear error."""
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 
 
-class ZeroConfigError(ValueError):
+class ZeroConfigError(ZeroError, ValueError):
     """A configuration value that lzero cannot run with; the message names the value and the fix."""
 
 

@@ -1,5 +1,12 @@
-"""The engine's error type, shared by the modules that set a model up for sharding."""
+"""lzero's root error, :class:`ZeroError`, and the engine's error type, shared by the modules that set a model up
+for sharding. Every error class of lzero derives from :class:`ZeroError` and keeps its builtin base (a
+``ValueError``, a ``RuntimeError``...), so ``except lzero.ZeroError`` catches any of lzero's refusals and an
+``except ValueError`` written before still catches the ones it caught."""
 
 
-class ZeroEngineError(RuntimeError):
+class ZeroError(Exception):
+    """Any error lzero raises on purpose; the message says what was wrong and ends with a HINT on how to fix it."""
+
+
+class ZeroEngineError(ZeroError, RuntimeError):
     """A model or optimizer setup that the engine cannot shard; the message says how to fix it."""

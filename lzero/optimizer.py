@@ -42,6 +42,7 @@ from torch.optim import Optimizer
 from lzero.checkpoint.full_state import gather_optimizer_state, load_optimizer_state
 from lzero.engine.engine import ZeroEngine
 from lzero.engine.flat_unit import FlatUnit
+from lzero.errors import ZeroError
 
 ELEMENTWISE_OPTIMIZERS = tuple(
     getattr(torch.optim, name)
@@ -59,7 +60,7 @@ KERNEL_FLAGS = ("fused", "foreach")
 """Group keys that choose the kernel rather than the update: not copied from the user's groups each step."""
 
 
-class ZeroOptimizerError(TypeError):
+class ZeroOptimizerError(ZeroError, TypeError):
     """An optimizer lzero cannot shard as written; the message says how to fix it."""
 
 

@@ -413,7 +413,7 @@ def stage3_state_dicts(rank: int, world_size: int) -> dict:
     reference = {k: v.detach().clone() for k, v in model.state_dict().items()}
     engine = ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)], ZeroConfig(stage=3))
     sharded = sharded_state_dict(engine, model)
-    pieces_ok = True
+    pieces_differ = []  # keys whose pieces, gathered from every rank, differ from the reference
     for key, value in sharded.items():
         if isinstance(value, ShardedTensor):
             start, local = value.local_shard()
@@ -422,18 +422,20 @@ def stage3_state_dicts(rank: int, world_size: int) -> dict:
             rebuilt = torch.zeros(value.shape.numel())
             for s0, vals in pieces:
                 rebuilt[s0 : s0 + len(vals)] = torch.tensor(vals)
-            pieces_ok &= torch.equal(rebuilt.view(value.shape), reference[key])
-    full_tensor_ok = all(torch.equal(v.full_tensor(), reference[k]) for k, v in sharded.items()
-                         if isinstance(v, ShardedTensor))
-    released = engine.gatherer.gathered_names() == []
+            if not torch.equal(rebuilt.view(value.shape), reference[key]):
+                pieces_differ.append(key)
+    full_tensor_differs = [k for k, v in sharded.items()
+                           if isinstance(v, ShardedTensor) and not torch.equal(v.full_tensor(), reference[k])]
+    still_gathered = engine.gatherer.gathered_names()
     full = consolidate(engine, sharded)
     result = {
-        "keys": list(sharded) == list(reference),
-        "shapes": all(tuple(v.shape) == tuple(reference[k].shape) for k, v in sharded.items()),
+        "keys": list(sharded), "reference_keys": list(reference),
+        "shapes": {k: tuple(v.shape) for k, v in sharded.items()},
+        "reference_shapes": {k: tuple(v.shape) for k, v in reference.items()},
         "tied_same_object": sharded["embed.weight"] is sharded["head.weight"],
-        "pieces": pieces_ok, "full_tensor": full_tensor_ok, "released": released,
-        "consolidated": (full.keys() == reference.keys() and all(torch.equal(full[k], reference[k]) for k in full))
-        if rank == 0 else full == {},
+        "pieces_differ": pieces_differ, "full_tensor_differs": full_tensor_differs, "still_gathered": still_gathered,
+        "consolidated_keys": list(full),  # rank 0 only; the others get {}
+        "consolidated_differ": [k for k in full if not torch.equal(full[k], reference[k])],
     }
     engine.remove()
     return result

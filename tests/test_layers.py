@@ -10,7 +10,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "lzero"
 
 FLOORS = [  # bottom first: (floor, the modules and packages on it)
-    ("configuration", ["lzero.errors", "lzero.config", "lzero.presets", "lzero.auto_sizes"]),
+    ("configuration", ["lzero.errors", "lzero.log", "lzero.config", "lzero.presets", "lzero.auto_sizes"]),
     ("offload", ["lzero.offload"]),
     ("engine", ["lzero.engine"]),
     ("memory", ["lzero.memory"]),
@@ -116,3 +116,55 @@ def test_fabric_door_reaches_no_lightning_pytorch() -> None:
             todo += [".".join(parts[:i]) for i in range(2, len(parts) + 1)]  # a module runs its packages first
     assert "lzero.lightning.wiring" in seen and "lzero.engine.engine" in seen  # the walk reached the shared floor
     assert not found, "Fabric's door reaches lightning.pytorch:\n" + "\n".join(found)
+
+
+PLAIN_TORCH = ["lzero.offload", "lzero.engine"]  # the README: the engine needs only torch
+LIGHTNING = ("lightning", "pytorch_lightning", "lightning_fabric", "lightning_utilities")
+
+
+def test_engine_and_offload_import_no_lightning() -> None:
+    """No module of the engine or the offload stores imports Lightning (lazy imports too): they log through
+    lzero/log.py, and what needs Lightning lives on the lightning floor."""
+    found = []
+    for package in PLAIN_TORCH:
+        for path in sorted((PACKAGE.parent / package.replace(".", "/")).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                    names = [node.module]
+                else:
+                    continue
+                found += [f"{path.relative_to(PACKAGE.parent)}:{node.lineno} imports {n}" for n in names
+                          if n.split(".")[0] in LIGHTNING]
+    assert not found, "Lightning imported below the lightning floor:\n" + "\n".join(found)
+
+
+def private_imports(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, module.name) of every private name (one leading underscore) that ``tree`` takes from an lzero module:
+    by ``from lzero... import _name``, or as ``module._name`` of an lzero module it imported."""
+    found, modules = [], {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules.update({a.asname or a.name.split(".")[0]: a.name for a in node.names
+                            if a.name.split(".")[0] == "lzero"})
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "lzero":
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                if (PACKAGE.parent / sub.replace(".", "/")).with_suffix(".py").exists():
+                    modules[a.asname or a.name] = sub
+                elif a.name.startswith("_") and not a.name.startswith("__"):
+                    found.append((node.lineno, sub))
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+                and node.attr.startswith("_") and not node.attr.startswith("__")):
+            found.append((node.lineno, f"{modules[node.value.id]}.{node.attr}"))
+    return found
+
+
+def test_no_module_takes_a_private_name_of_another() -> None:
+    """A leading underscore means "this module's own": a name another module needs is public at its definition
+    (or the code that needs it moves next to it)."""
+    taken = [f"{path.relative_to(PACKAGE.parent)}:{line} takes {name}"
+             for path in sorted(PACKAGE.rglob("*.py")) for line, name in private_imports(ast.parse(path.read_text()))]
+    assert not taken, "private names taken across modules:\n" + "\n".join(taken)

@@ -4,6 +4,7 @@ a defect found is kept below as an explicit ``@example``."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -229,6 +230,16 @@ def test_a_damaged_shard_file_is_refused_by_name_or_reads_as_written(files: tupl
 
 
 CHECKPOINT = Path(__file__).parent / "data" / "stop7_zero3_frozen.ckpt"
+
+
+@functools.lru_cache(maxsize=1)
+def _written() -> dict[str, torch.Tensor]:
+    """CHECKPOINT's tensors as written: read through its undamaged manifest."""
+    from lzero.checkpoint.reader import ShardedCheckpoint
+
+    return ShardedCheckpoint(CHECKPOINT).full_state_dict()
+
+
 json_values = st.recursive(st.none() | st.booleans() | st.integers(-3, 10**6) | st.floats(allow_nan=False)
                            | st.text(max_size=12), lambda inner: st.lists(inner, max_size=3)
                            | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=6)
@@ -301,4 +312,7 @@ def test_a_damaged_manifest_is_refused_by_name_or_reads_as_written(manifest: byt
         except CheckpointError as err:
             assert str(path) in str(err), err
             return
-    assert state and all(isinstance(t, torch.Tensor) for t in state.values())
+    written = _written()
+    differ = [k for k, t in state.items()
+              if k not in written or t.dtype != written[k].dtype or not torch.equal(t, written[k])]
+    assert state and differ == [], f"read {sorted(state)}; not as written: {differ}"

@@ -2,10 +2,11 @@
 
 Storage, readable without a run (no Lightning, no torch.distributed, nothing of the engine): ``files``
 (safetensors-format tensor files, the atomic JSON manifest), ``tree`` (the pickle-free codec),
-``stream`` (streaming writers for consolidated outputs), ``reader`` (a sharded checkpoint directory,
-validated and read by flat range), ``consolidate`` (``lzero consolidate`` / ``lzero inspect``), and a DeepSpeed ZeRO
-folder read the same way (``deepspeed_files``, ``deepspeed_checkpoint``) or written as an lzero checkpoint
-(``deepspeed_import``: ``lzero import-deepspeed``).
+``stream`` (streaming writers for consolidated outputs), ``pieces`` (a checkpoint read by flat range, whatever
+its format), ``reader`` (lzero's sharded checkpoint directory, validated and read so), a DeepSpeed ZeRO folder read the
+same way (``deepspeed_files``, ``deepspeed_checkpoint``) or written as an lzero checkpoint (``deepspeed_import``:
+``lzero import-deepspeed``), ``formats`` (a directory's reader, in whichever of the two formats it holds) and
+``consolidate`` (``lzero consolidate`` / ``lzero inspect``).
 
 A rank's state, for the ranks of a run: ``rank_state`` (the owned pieces of each parameter, the
 optimizers' param groups), ``state_dict`` (the module's parameters out as state dicts and in from

@@ -24,7 +24,9 @@ from typing import Any
 
 from lzero.checkpoint import CheckpointError, SafetensorsStreamWriter, TensorFile, TorchStreamWriter
 from lzero.checkpoint.deepspeed_files import deepspeed_tag_folder
-from lzero.checkpoint.reader import MANIFEST, PiecedCheckpoint, ShardedCheckpoint, open_reader
+from lzero.checkpoint.formats import open_reader
+from lzero.checkpoint.pieces import PiecedCheckpoint
+from lzero.checkpoint.reader import MANIFEST, ShardedCheckpoint
 
 KEPT = ("pytorch-lightning_version", "epoch", "global_step", "loops", "hyper_parameters", "hparams_name")
 """What a consolidated file keeps besides the state dict: what ``load_from_checkpoint`` needs, and the loops'
@@ -57,7 +59,7 @@ def consolidate(checkpoint_dir: Any, out: Any, progress: bool = False) -> Path:
     bar = _progress(len(keys), progress)
     if out.suffix == ".safetensors":
         stored = list(first_key.values())
-        entries = [(key, *_dtype_shape(reader, key)) for key in stored]
+        entries = [(key, *dtype_shape(reader, key)) for key in stored]
         tied = {key: first for key in keys if (first := first_key[reader.param_name(key) or key]) != key}
         with SafetensorsStreamWriter(out, entries, {"aliases": json.dumps(tied), "format": "lzero-consolidated"}) as w:
             for key in stored:
@@ -185,7 +187,7 @@ def convert_to_safetensors(path: Path, out: Path) -> Path:
     return out
 
 
-def _dtype_shape(reader: PiecedCheckpoint, key: str) -> tuple[Any, tuple[int, ...]]:
+def dtype_shape(reader: PiecedCheckpoint, key: str) -> tuple[Any, tuple[int, ...]]:
     import torch
 
     name = reader.param_name(key)

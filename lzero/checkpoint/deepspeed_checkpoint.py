@@ -1,5 +1,5 @@
 """A DeepSpeed ZeRO checkpoint folder read as lzero reads its own checkpoints (:class:`DeepSpeedCheckpoint`, a
-:class:`~lzero.checkpoint.reader.PiecedCheckpoint`), without DeepSpeed (its files: deepspeed_files.py): the fp32
+:class:`~lzero.checkpoint.pieces.PiecedCheckpoint`), without DeepSpeed (its files: deepspeed_files.py): the fp32
 masters, the optimizer's per-element state and step, its param groups, the LR scheduler, the loss scale and the step
 count, so that a DeepSpeed run resumes under any lzero stage and world size, each rank reading only the bytes of its
 own shard.
@@ -45,7 +45,7 @@ from torch import Tensor
 
 from lzero.checkpoint.deepspeed_files import DeepSpeedFiles, deepspeed_tag_folder
 from lzero.checkpoint.files import CheckpointError
-from lzero.checkpoint.reader import PiecedCheckpoint, Piece, prefix_renaming
+from lzero.checkpoint.pieces import Piece, PiecedCheckpoint, prefix_renaming
 
 _DEEPSPEED_KEYS = {
     "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params",

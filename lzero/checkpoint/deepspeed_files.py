@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 
 from lzero.checkpoint.files import CheckpointError
-from lzero.checkpoint.reader import MANIFEST
+from lzero.checkpoint.reader import is_sharded_checkpoint
 
 
 class LossScalerFields:
@@ -68,7 +68,7 @@ def deepspeed_tag_folder(path: Any) -> Optional[Path]:
     """The folder of DeepSpeed files that ``path`` names (a save directory with ``latest``, a Lightning
     ``DeepSpeedStrategy`` ``.ckpt`` directory, or the tag folder itself), or None if ``path`` is no DeepSpeed folder."""
     path = Path(path)
-    if not path.is_dir() or (path / MANIFEST).exists():
+    if not path.is_dir() or is_sharded_checkpoint(path):
         return None
     latest = path / "latest"
     if latest.is_file():

@@ -13,7 +13,7 @@ scaler). No RNG state: DeepSpeed's folders hold none. Each piece is read from De
 writer reaches it, so memory holds one piece at a time, never the model and its optimizer.
 
 The names stay DeepSpeed's, and the manifest's ``imported_from`` (``format: deepspeed``, the tag, DeepSpeed's
-version) makes a load match them to the module's by one prefix (``prefix_renaming`` in reader.py), as a load of the
+version) makes a load match them to the module's by one prefix (``prefix_renaming`` in pieces.py), as a load of the
 folder itself does: ``Trainer.fit(ckpt_path=DST)`` resumes exactly as ``ckpt_path=SRC`` does.
 
 It is written as lzero's saves are, the shard files first and the manifest (the commit) last, into a hidden folder
@@ -34,8 +34,9 @@ from typing import Any
 import torch
 
 from lzero.checkpoint.deepspeed_checkpoint import DeepSpeedCheckpoint
-from lzero.checkpoint.files import CheckpointError, _fsync_dir, write_json_atomic, write_tensors
-from lzero.checkpoint.reader import FORMAT, MANIFEST, VERSION, PiecedCheckpoint, shard_name
+from lzero.checkpoint.files import CheckpointError, fsync_dir, write_json_atomic, write_tensors
+from lzero.checkpoint.pieces import PiecedCheckpoint
+from lzero.checkpoint.reader import FORMAT, MANIFEST, VERSION, shard_name
 from lzero.checkpoint.tree import encode_tree
 
 
@@ -71,7 +72,7 @@ def import_deepspeed(source: Any, out: Any) -> dict[str, Any]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    _fsync_dir(str(out.parent))
+    fsync_dir(str(out.parent))
     return manifest
 
 

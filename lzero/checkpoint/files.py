@@ -18,6 +18,8 @@ from typing import Any, BinaryIO, Iterable, NamedTuple
 import torch
 from torch import Tensor
 
+from lzero.errors import ZeroError
+
 MAX_HEADER_BYTES = 100_000_000
 """The safetensors limit; a larger declared header means the file is not a tensor file."""
 
@@ -34,17 +36,17 @@ DTYPES: dict[str, torch.dtype] = {
     "BOOL": torch.bool,
 }
 """safetensors dtype code -> torch dtype, for every dtype lzero stores."""
-_CODES = {dtype: code for code, dtype in DTYPES.items()}
+DTYPE_CODES = {dtype: code for code, dtype in DTYPES.items()}
 
-_DAMAGED = "this checkpoint is incomplete or damaged; resume from an earlier checkpoint"
+DAMAGED = "this checkpoint is incomplete or damaged; resume from an earlier checkpoint"
 _FOREIGN = "lzero only reads files it wrote; never point it at a pickle or torch.save file"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(ZeroError, ValueError):
     """A checkpoint file or value lzero refuses; the message names it and ends with a HINT."""
 
 
-def _refuse(what: str, problem: str, hint: str) -> CheckpointError:
+def refuse(what: str, problem: str, hint: str) -> CheckpointError:
     return CheckpointError(f"`{what}` {problem}. HINT: {hint}.")
 
 
@@ -62,14 +64,14 @@ def _byte_view(t: Tensor) -> Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-class _SafetensorsLayout:
+class SafetensorsLayout:
     """The header of one file and the order its tensors must be written in."""
 
     def __init__(self, path: str, entries: Iterable[tuple[str, torch.dtype, Any]], metadata: dict[str, str]):
         if not isinstance(metadata, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
         ):
-            raise _refuse(
+            raise refuse(
                 path, f"cannot take metadata {metadata!r}", "metadata maps str to str; encode other values first"
             )
         header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
@@ -78,19 +80,19 @@ class _SafetensorsLayout:
         for name, dtype, shape in entries:
             shape = tuple(int(n) for n in shape)
             if any(n < 0 for n in shape):
-                raise _refuse(path, f"cannot hold `{name}` of shape {list(shape)}", "declare non-negative sizes")
+                raise refuse(path, f"cannot hold `{name}` of shape {list(shape)}", "declare non-negative sizes")
             if not isinstance(name, str) or name == "__metadata__" or name in header:
-                raise _refuse(
+                raise refuse(
                     path,
                     f"cannot hold a tensor named {name!r} (not a str, reserved, or repeated)",
                     "give every tensor its own str name",
                 )
-            if dtype not in _CODES:
-                raise _refuse(
-                    path, f"cannot hold `{name}` of dtype {dtype}", f"convert it to one of {sorted(map(str, _CODES))}"
-                )
+            if dtype not in DTYPE_CODES:
+                raise refuse(path, f"cannot hold `{name}` of dtype {dtype}",
+                             f"convert it to one of {sorted(map(str, DTYPE_CODES))}")
             nbytes = math.prod(shape) * dtype.itemsize
-            header[name] = {"dtype": _CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            header[name] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape),
+                            "data_offsets": [offset, offset + nbytes]}
             self.order.append((name, dtype, shape))
             offset += nbytes
         text = json.dumps(header, separators=(",", ":")).encode()
@@ -101,7 +103,7 @@ class _SafetensorsLayout:
 
     def write(self, file: BinaryIO, name: str, tensor: Tensor) -> None:
         if self.written == len(self.order):
-            raise _refuse(
+            raise refuse(
                 self.path,
                 f"got tensor `{name}` after every declared tensor was written",
                 "declare every tensor up front",
@@ -109,13 +111,13 @@ class _SafetensorsLayout:
         want, dtype, shape = self.order[self.written]
         t = tensor.detach()
         if name != want:
-            raise _refuse(
+            raise refuse(
                 self.path,
                 f"expected tensor `{want}` next, got `{name}`",
                 "write tensors in the order they were declared",
             )
         if t.dtype != dtype or tuple(t.shape) != shape:
-            raise _refuse(
+            raise refuse(
                 self.path,
                 f"declared `{name}` as {dtype} {list(shape)}, got {t.dtype} {list(t.shape)}",
                 "declare the dtype and shape the tensor will have",
@@ -126,7 +128,7 @@ class _SafetensorsLayout:
     def finish(self, file: BinaryIO) -> None:
         if self.written != len(self.order):
             missing = [n for n, _, _ in self.order[self.written :]]
-            raise _refuse(
+            raise refuse(
                 self.path,
                 f"was closed with {len(missing)} declared tensors unwritten ({missing[:3]}...)",
                 "write every declared tensor before close()",
@@ -143,11 +145,11 @@ def write_tensors(path: str | os.PathLike, tensors: dict[str, Tensor], metadata:
     so a writer can stream tensors that are not all in memory at once.
     """
     path = os.fspath(path)
-    layout = _SafetensorsLayout(path, ((n, t.dtype, t.shape) for n, t in tensors.items()), metadata)
+    layout = SafetensorsLayout(path, ((n, t.dtype, t.shape) for n, t in tensors.items()), metadata)
     try:
         file = open(path, "xb")
     except FileExistsError:
-        raise _refuse(
+        raise refuse(
             path, "already exists", "save into a fresh checkpoint directory, or remove the stale file"
         ) from None
     try:
@@ -177,7 +179,7 @@ def _loads_json(raw: bytes) -> Any:
     return json.loads(raw.decode("utf-8"), object_pairs_hook=_json_pairs, parse_constant=_json_constant)
 
 
-def _is_count(x: Any) -> bool:
+def is_count(x: Any) -> bool:
     return type(x) is int and x >= 0
 
 
@@ -186,21 +188,21 @@ def _parse_header(path: str, raw: bytes) -> tuple[dict[str, str], dict[str, Tens
     try:
         header = _loads_json(raw)
     except ValueError as e:
-        raise _refuse(path, f"has a header that is not JSON ({e})", _DAMAGED) from None
+        raise refuse(path, f"has a header that is not JSON ({e})", DAMAGED) from None
     if not isinstance(header, dict):
-        raise _refuse(path, f"has a header that is a JSON {type(header).__name__}, not an object", _FOREIGN)
+        raise refuse(path, f"has a header that is a JSON {type(header).__name__}, not an object", _FOREIGN)
     metadata = header.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise _refuse(path, "has `__metadata__` that is not an object of strings", _DAMAGED)
+        raise refuse(path, "has `__metadata__` that is not an object of strings", DAMAGED)
     entries, begins = {}, {}
     for name, spec in header.items():
         entries[name], begins[name] = _parse_entry(path, name, spec)
     end, last = 0, None
     for name in sorted(entries, key=lambda n: (begins[n], entries[n].nbytes)):
         if begins[name] < end:
-            raise _refuse(path, f"has overlapping entries `{last}` and `{name}`", _DAMAGED)
+            raise refuse(path, f"has overlapping entries `{last}` and `{name}`", DAMAGED)
         if begins[name] > end:
-            raise _refuse(path, f"has unused bytes [{end}, {begins[name]}) before `{name}`", _DAMAGED)
+            raise refuse(path, f"has unused bytes [{end}, {begins[name]}) before `{name}`", DAMAGED)
         end, last = begins[name] + entries[name].nbytes, name
     return metadata, entries, begins
 
@@ -209,16 +211,16 @@ def _parse_entry(path: str, name: str, spec: Any) -> tuple[TensorEntry, int]:
     """(entry, begin in the data section) of one header entry, every field checked."""
 
     def bad(problem: str) -> CheckpointError:
-        return _refuse(path, f"has a bad entry `{name}`: {problem}", _DAMAGED)
+        return refuse(path, f"has a bad entry `{name}`: {problem}", DAMAGED)
 
     if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "data_offsets"}:
         raise bad("expected exactly the keys dtype, shape, data_offsets")
     if spec["dtype"] not in DTYPES:
         raise bad(f"unknown dtype {spec['dtype']!r}")
     shape, offsets = spec["shape"], spec["data_offsets"]
-    if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
+    if not isinstance(shape, list) or not all(is_count(n) for n in shape):
         raise bad(f"shape {shape!r} is not a list of non-negative ints")
-    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(n) for n in offsets):
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(is_count(n) for n in offsets):
         raise bad(f"data_offsets {offsets!r} is not two non-negative ints")
     nbytes = math.prod(shape) * DTYPES[spec["dtype"]].itemsize
     if offsets[1] - offsets[0] != nbytes:
@@ -239,19 +241,19 @@ class TensorFile:
         try:
             f = open(self.path, "rb")
         except FileNotFoundError:
-            raise _refuse(self.path, "does not exist", _DAMAGED) from None
+            raise refuse(self.path, "does not exist", DAMAGED) from None
         with f:
             self._size = os.fstat(f.fileno()).st_size
             if self._size < 8:
-                raise _refuse(
-                    self.path, f"is truncated: {self._size} bytes, shorter than the 8-byte header length", _DAMAGED
+                raise refuse(
+                    self.path, f"is truncated: {self._size} bytes, shorter than the 8-byte header length", DAMAGED
                 )
             (n,) = struct.unpack("<Q", f.read(8))
             if n > MAX_HEADER_BYTES:
-                raise _refuse(self.path, f"declares a {n}-byte header, more than a tensor file has", _FOREIGN)
+                raise refuse(self.path, f"declares a {n}-byte header, more than a tensor file has", _FOREIGN)
             if 8 + n > self._size:
-                raise _refuse(
-                    self.path, f"is truncated: header says {n} header bytes, file has {self._size - 8}", _DAMAGED
+                raise refuse(
+                    self.path, f"is truncated: header says {n} header bytes, file has {self._size - 8}", DAMAGED
                 )
             raw = f.read(n)
         self._metadata, self._entries, self._begins = _parse_header(self.path, raw)
@@ -259,11 +261,11 @@ class TensorFile:
         data_end = sum(e.nbytes for e in self._entries.values())
         have = self._size - self._data_start
         if have < data_end:
-            raise _refuse(self.path, f"is truncated: header says {data_end} data bytes, file has {have}", _DAMAGED)
+            raise refuse(self.path, f"is truncated: header says {data_end} data bytes, file has {have}", DAMAGED)
         if have > data_end:
-            raise _refuse(self.path, f"has {have - data_end} bytes after its last tensor", _DAMAGED)
+            raise refuse(self.path, f"has {have - data_end} bytes after its last tensor", DAMAGED)
         if save_id is not None and self._metadata.get("save_id") != save_id:
-            raise _refuse(
+            raise refuse(
                 self.path,
                 f"belongs to save {self._metadata.get('save_id')!r}, but the manifest is of save {save_id!r}",
                 "a save was interrupted and left this file behind; resume from an earlier checkpoint",
@@ -280,10 +282,10 @@ class TensorFile:
     def entry(self, name: str) -> TensorEntry:
         if name not in self._entries:
             some = ", ".join(f"`{n}`" for n in list(self._entries)[:5])
-            raise _refuse(
+            raise refuse(
                 self.path,
                 f"has no tensor `{name}` (it has {len(self._entries)}: {some}...)",
-                "the manifest and this file disagree; " + _DAMAGED,
+                "the manifest and this file disagree; " + DAMAGED,
             )
         return self._entries[name]
 
@@ -300,7 +302,7 @@ class TensorFile:
         entry = self.entry(name)
         numel = math.prod(entry.shape)
         if not (type(start) is int and type(end) is int and 0 <= start <= end <= numel):
-            raise _refuse(
+            raise refuse(
                 self.path,
                 f"cannot give elements [{start}, {end}) of `{name}`, which has {numel}",
                 "ask for a range inside [0, numel); the partition metadata and this file disagree",
@@ -314,21 +316,21 @@ class TensorFile:
         view, done = memoryview(buffer.numpy()), 0
         with open(self.path, "rb") as f:
             if os.fstat(f.fileno()).st_size != self._size:
-                raise _refuse(
+                raise refuse(
                     self.path, "changed size since it was opened", "do not write into a checkpoint while loading it"
                 )
             f.seek(self._data_start + offset)
             while done < len(view):
                 n = f.readinto(view[done:])
                 if not n:
-                    raise _refuse(self.path, "ended early while reading", _DAMAGED)
+                    raise refuse(self.path, "ended early while reading", DAMAGED)
                 done += n
 
 
 # ----------------------------------------------------------------------------------- manifest & commit
 
 
-def _fsync_dir(directory: str) -> None:
+def fsync_dir(directory: str) -> None:
     """Make a rename durable. Some platforms cannot open a directory; there is nothing to do there."""
     try:
         fd = os.open(directory, os.O_RDONLY)
@@ -361,11 +363,11 @@ def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         if isinstance(e, (TypeError, ValueError)) and not isinstance(e, CheckpointError):
-            raise _refuse(
+            raise refuse(
                 path, f"cannot be written: the value is not plain JSON ({e})", "encode it with encode_tree() first"
             ) from e
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
 def read_json(path: str | os.PathLike, what: str) -> dict[str, Any]:
@@ -375,11 +377,11 @@ def read_json(path: str | os.PathLike, what: str) -> dict[str, Any]:
         with open(path, "rb") as f:
             raw = f.read()
     except FileNotFoundError:
-        raise _refuse(
+        raise refuse(
             path, f"does not exist, so there is no {what}", "the save did not finish; resume from an earlier checkpoint"
         ) from None
     if raw[:1] == b"\x80" or raw[:4] == b"PK\x03\x04":
-        raise _refuse(
+        raise refuse(
             path,
             f"is a pickle or torch.save file, not the JSON {what}",
             _FOREIGN + "; load trusted legacy files with torch.load yourself",
@@ -387,9 +389,9 @@ def read_json(path: str | os.PathLike, what: str) -> dict[str, Any]:
     try:
         obj = _loads_json(raw)
     except ValueError as e:
-        raise _refuse(path, f"is not a JSON {what} ({str(e)[:200]})", _DAMAGED) from None
+        raise refuse(path, f"is not a JSON {what} ({str(e)[:200]})", DAMAGED) from None
     if not isinstance(obj, dict):
-        raise _refuse(path, f"holds a JSON {type(obj).__name__}, not the {what} object", _DAMAGED)
+        raise refuse(path, f"holds a JSON {type(obj).__name__}, not the {what} object", DAMAGED)
     return obj
 
 

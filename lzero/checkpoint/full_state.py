@@ -17,13 +17,14 @@ from torch import Tensor
 
 from lzero.engine import collectives
 from lzero.checkpoint.rank_state import ShardedOptimizer, fill_shard, pack_param_groups, restore_param_groups
+from lzero.errors import ZeroError
 
 if TYPE_CHECKING:
     from lzero.engine.flat_unit import FlatUnit
     from lzero.engine.partition import ParamSpec
 
 
-class OptimizerStateError(ValueError):
+class OptimizerStateError(ZeroError, ValueError):
     """A state dict that does not fit this optimizer; the message names the mismatch."""
 
 

@@ -14,7 +14,8 @@ from torch import Tensor, nn
 
 from lzero.checkpoint.rank_state import ShardedOptimizer
 from lzero.checkpoint.deepspeed_checkpoint import PRECISION_STATE
-from lzero.checkpoint.reader import PiecedCheckpoint, is_sharded_checkpoint, open_reader
+from lzero.checkpoint.formats import is_checkpoint_directory, open_reader
+from lzero.checkpoint.pieces import PiecedCheckpoint
 from lzero.checkpoint.sharded import load_optimizer_shards, restore_rng
 from lzero.checkpoint.state_dict import fetch_full, load_params
 
@@ -37,7 +38,7 @@ def open_checkpoint(path: Any, rank: int, world_size: int, weights_only: Optiona
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"Checkpoint `{path}` does not exist. HINT: check `ckpt_path`.")
-    if is_sharded_checkpoint(path):
+    if is_checkpoint_directory(path):
         return _open_sharded(open_reader(path, names), rank, world_size)
     safe = weights_only is None or weights_only
     try:

@@ -44,7 +44,8 @@ from lzero.engine import collectives
 from lzero.checkpoint.files import CheckpointError, write_json_atomic, write_tensors
 from lzero.checkpoint.rank_state import (ShardedOptimizer, fill_shard, pack_param_groups, restore_param_groups,
                                          shard_pieces)
-from lzero.checkpoint.reader import FORMAT, MANIFEST, VERSION, PiecedCheckpoint, shard_name
+from lzero.checkpoint.pieces import PiecedCheckpoint
+from lzero.checkpoint.reader import FORMAT, MANIFEST, VERSION, shard_name
 from lzero.checkpoint.state_dict import ShardedTensor
 from lzero.checkpoint.tree import encode_tree
 

@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch import Tensor, nn
 
-from lzero.checkpoint.reader import PiecedCheckpoint
+from lzero.checkpoint.pieces import PiecedCheckpoint
 
 
 class LoadedState(Mapping):

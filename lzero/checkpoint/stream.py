@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lzero.checkpoint.files import _fsync_dir, _refuse, _SafetensorsLayout
-from lzero.checkpoint.tree import _cannot_store, _join
+from lzero.checkpoint.files import SafetensorsLayout, fsync_dir, refuse
+from lzero.checkpoint.tree import cannot_store, join_path
 
 
 
@@ -28,7 +28,7 @@ def _commit(file: BinaryIO, partial: str, path: str) -> None:
     os.fsync(file.fileno())
     file.close()
     os.replace(partial, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 class _PartialFile:
@@ -41,7 +41,7 @@ class _PartialFile:
 
     def _live(self) -> BinaryIO:
         if self._file is None:
-            raise _refuse(self.path, "is already closed", "create a new writer")
+            raise refuse(self.path, "is already closed", "create a new writer")
         return self._file
 
     def _commit(self) -> None:
@@ -73,7 +73,7 @@ class SafetensorsStreamWriter(_PartialFile):
     def __init__(
         self, path: str | os.PathLike, entries: Iterable[tuple[str, torch.dtype, Any]], metadata: dict[str, str]
     ) -> None:
-        self._layout = _SafetensorsLayout(os.fspath(path), entries, metadata)
+        self._layout = SafetensorsLayout(os.fspath(path), entries, metadata)
         super().__init__(path)
         self._live().write(self._layout.header)
 
@@ -163,7 +163,7 @@ class TorchStreamWriter(_PartialFile):
     def add(self, tensor: Tensor) -> StoredTensor:
         t = tensor.detach()
         if t.dtype not in torch.storage._dtype_to_storage_type_map() or t.layout != torch.strided:
-            raise _refuse(self.path, f"cannot hold a {t.layout} {t.dtype} tensor", "convert it to a dense tensor")
+            raise refuse(self.path, f"cannot hold a {t.layout} {t.dtype} tensor", "convert it to a dense tensor")
         tie = (t.device, t.untyped_storage().data_ptr(), t.dtype, t.storage_offset(), tuple(t.shape), t.stride())
         known = self._ties.get(tie)
         if known is not None and known[0]() is not None:
@@ -214,21 +214,21 @@ def _check_torch_tree(writer: TorchStreamWriter, obj: Any, path: str) -> None:
         return
     if kind is StoredTensor:
         if obj.owner is not writer:
-            raise _refuse(path or "<root>", "is a tensor stored by another writer", "add() it to this writer")
+            raise refuse(path or "<root>", "is a tensor stored by another writer", "add() it to this writer")
         return
     if kind in (list, tuple):
         for i, v in enumerate(obj):
-            _check_torch_tree(writer, v, _join(path, i))
+            _check_torch_tree(writer, v, join_path(path, i))
         return
     if kind in (dict, collections.OrderedDict):
         for k, v in obj.items():
             if type(k) not in _TORCH_LEAVES:
-                raise _refuse(_join(path, k), "has a key that is not a str/int/float/bool/None", "use plain keys")
-            _check_torch_tree(writer, v, _join(path, k))
+                raise refuse(join_path(path, k), "has a key that is not a str/int/float/bool/None", "use plain keys")
+            _check_torch_tree(writer, v, join_path(path, k))
         return
     if isinstance(obj, Tensor):
-        raise _refuse(
+        raise refuse(
             path or "<root>", "is a tensor that was not added", "pass writer.add(tensor) instead of the tensor"
         )
-    raise _cannot_store(path, obj)
+    raise cannot_store(path, obj)
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lzero.checkpoint.files import _CODES, _DAMAGED, CheckpointError, _is_count, _refuse
+from lzero.checkpoint.files import DAMAGED, DTYPE_CODES, CheckpointError, is_count, refuse
 
 
 _I64 = 2**63
@@ -33,7 +33,7 @@ def _qualname(kind: type) -> str:
     return f"{kind.__module__}.{kind.__qualname__}"
 
 
-def _join(path: str, key: Any) -> str:
+def join_path(path: str, key: Any) -> str:
     key = key if isinstance(key, str) else repr(key)
     return f"{path}.{key}" if path else key
 
@@ -86,25 +86,26 @@ class _Encoder:
             return {"@device": str(obj)}
         if kind in (list, tuple, set, frozenset, argparse.Namespace) or isinstance(obj, dict):
             if id(obj) in self._open:
-                raise _refuse(path or "<root>", "contains itself", "break the cycle before saving")
+                raise refuse(path or "<root>", "contains itself", "break the cycle before saving")
             self._open.add(id(obj))
             try:
                 return self._container(obj, path)
             finally:
                 self._open.discard(id(obj))
-        raise _cannot_store(path, obj)
+        raise cannot_store(path, obj)
 
     def _container(self, obj: Any, path: str) -> Any:
         kind = type(obj)
         if kind is list:
-            return [self.encode(v, _join(path, i)) for i, v in enumerate(obj)]
+            return [self.encode(v, join_path(path, i)) for i, v in enumerate(obj)]
         if kind in (tuple, set, frozenset):
-            return {f"@{kind.__name__}": [self.encode(v, _join(path, i)) for i, v in enumerate(obj)]}
+            return {f"@{kind.__name__}": [self.encode(v, join_path(path, i)) for i, v in enumerate(obj)]}
         if kind is argparse.Namespace:
             return {"@namespace": self._container(vars(obj), path)}
         if _qualname(kind) in _ATTRIBUTE_DICTS:
             return {"@attrdict": [_qualname(kind), self._container(dict(obj), path)]}
-        pairs = [(self.encode(k, _join(path, f"<key {k!r}>")), self.encode(v, _join(path, k))) for k, v in obj.items()]
+        pairs = [(self.encode(k, join_path(path, f"<key {k!r}>")), self.encode(v, join_path(path, k)))
+                 for k, v in obj.items()]
         if kind is collections.OrderedDict:
             return {"@odict": [list(p) for p in pairs]}
         if all(type(k) is str for k in obj) and not (len(obj) == 1 and next(iter(obj)).startswith("@")):
@@ -112,11 +113,11 @@ class _Encoder:
         return {"@dict": [list(p) for p in pairs]}
 
     def _tensor(self, t: Tensor, path: str) -> str:
-        if t.dtype not in _CODES or t.layout != torch.strided:
-            raise _refuse(
+        if t.dtype not in DTYPE_CODES or t.layout != torch.strided:
+            raise refuse(
                 path or "<root>",
                 f"is a {t.layout} {t.dtype} tensor, which a tensor file cannot hold",
-                f"convert it to a dense tensor of one of {sorted(map(str, _CODES))}",
+                f"convert it to a dense tensor of one of {sorted(map(str, DTYPE_CODES))}",
             )
         if id(t) not in self._tensor_keys:  # keeps t alive, so its id is not reused while encoding
             self._tensor_keys[id(t)] = (t, self._store(t.detach(), path))
@@ -132,14 +133,14 @@ class _Encoder:
 
     def _numpy(self, numpy: Any, obj: Any, path: str) -> Any:
         if obj.dtype.hasobject or obj.dtype.fields is not None:
-            raise _refuse(path or "<root>", f"is a numpy value of dtype {obj.dtype}", "store plain numeric arrays only")
+            raise refuse(path or "<root>", f"is a numpy value of dtype {obj.dtype}", "store plain numeric arrays only")
         if isinstance(obj, numpy.generic):
             return {"@npscalar": [obj.dtype.str, base64.b64encode(obj.tobytes()).decode("ascii")]}
         data = torch.from_numpy(numpy.ascontiguousarray(obj).reshape(-1).view(numpy.uint8).copy())
         return {"@ndarray": {"dtype": obj.dtype.str, "shape": list(obj.shape), "data": self._store(data, path)}}
 
 
-def _cannot_store(path: str, obj: Any) -> CheckpointError:
+def cannot_store(path: str, obj: Any) -> CheckpointError:
     if isinstance(obj, (types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial)):
         what = "a function"
     elif isinstance(obj, type):
@@ -163,13 +164,13 @@ class _Decoder:
         self.tensors, self.source = tensors, source
 
     def fail(self, path: str, problem: str) -> CheckpointError:
-        return _refuse(self.source, f"has a bad value at `{path or '<root>'}`: {problem}", _DAMAGED)
+        return refuse(self.source, f"has a bad value at `{path or '<root>'}`: {problem}", DAMAGED)
 
     def decode(self, obj: Any, path: str) -> Any:
         if obj is None or type(obj) in (bool, int, float, str):
             return obj
         if type(obj) is list:
-            return [self.decode(v, _join(path, i)) for i, v in enumerate(obj)]
+            return [self.decode(v, join_path(path, i)) for i, v in enumerate(obj)]
         if type(obj) is not dict:
             raise self.fail(path, f"a {type(obj).__name__} is not JSON")
         if len(obj) == 1 and next(iter(obj)).startswith("@"):
@@ -180,7 +181,7 @@ class _Decoder:
                 if isinstance(e, CheckpointError):
                     raise
                 raise self.fail(path, f"cannot decode {tag} {str(payload)[:80]!r} ({type(e).__name__}: {e})") from None
-        return {k: self.decode(v, _join(path, k)) for k, v in obj.items()}
+        return {k: self.decode(v, join_path(path, k)) for k, v in obj.items()}
 
     def _pairs(self, payload: Any, path: str) -> list[tuple[Any, Any]]:
         out = []
@@ -189,7 +190,7 @@ class _Decoder:
                 raise self.fail(path, f"{pair!r} is not a [key, value] pair")
             key = self.decode(pair[0], path)
             hash(key)  # a TypeError for an unhashable key
-            out.append((key, self.decode(pair[1], _join(path, key))))
+            out.append((key, self.decode(pair[1], join_path(path, key))))
         return out
 
     def _tagged(self, tag: str, payload: Any, path: str) -> Any:
@@ -200,7 +201,7 @@ class _Decoder:
         if tag == "@bytes":
             return base64.b64decode(_expect(payload, str), validate=True)
         if tag in ("@tuple", "@set", "@frozenset"):
-            items = [self.decode(v, _join(path, i)) for i, v in enumerate(_expect(payload, list))]
+            items = [self.decode(v, join_path(path, i)) for i, v in enumerate(_expect(payload, list))]
             return {"@tuple": tuple, "@set": set, "@frozenset": frozenset}[tag](items)
         if tag == "@dict":
             return dict(self._pairs(payload, path))
@@ -236,7 +237,7 @@ class _Decoder:
         shape = _expect(payload["shape"], list)
         data = self._tagged("@tensor", payload["data"], path)
         if (
-            not all(_is_count(n) for n in shape)
+            not all(is_count(n) for n in shape)
             or data.dtype != torch.uint8
             or data.numel() != math.prod(shape) * dtype.itemsize
         ):

@@ -25,8 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from lzero.errors import ZeroError
 
-class LossScaleError(RuntimeError):
+
+class LossScaleError(ZeroError, RuntimeError):
     """fp16 training can no longer make progress; the message says what to change."""
 
 

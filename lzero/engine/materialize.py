@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from lzero.engine.partition import UnitSpec
+from lzero.errors import ZeroError
 
 InitFn = Callable[[nn.Module], None]
 
@@ -63,7 +64,7 @@ class WeightSource(Protocol):
         completed. A collective."""
 
 
-class UninitializedModuleError(RuntimeError):
+class UninitializedModuleError(ZeroError, RuntimeError):
     """A module built on the meta device that lzero cannot initialize."""
 
 

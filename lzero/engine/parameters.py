@@ -47,6 +47,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lzero.errors import ZeroError
+
 _RAW_GRAD = torch._C.TensorBase.grad  # the C-level descriptor autograd itself uses
 _T = torch.Tensor
 _ORIGINAL_ZERO_GRAD = nn.Module.zero_grad
@@ -74,7 +76,7 @@ class ZeroParameter(nn.Parameter):
                 listener(self)
 
 
-class ReleasedParameterError(RuntimeError):
+class ReleasedParameterError(ZeroError, RuntimeError):
     """Code touched a stage-3 parameter whose full value is released. See [Note: released parameters are guarded]."""
 
 

@@ -43,6 +43,8 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lzero.errors import ZeroError
+
 
 def storage_key(t: Tensor) -> int:
     """Which storage ``t`` views: its address, unique while the recording keeps the storage alive."""
@@ -96,7 +98,7 @@ class Record(Protocol):
     nbytes: dict[int, int]  # recorded storage -> its bytes
 
 
-class ReplayError(RuntimeError):
+class ReplayError(ZeroError, RuntimeError):
     """The record cannot be replayed."""
 
 

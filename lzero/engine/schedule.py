@@ -47,6 +47,7 @@ import torch
 
 from lzero.engine import collectives
 from lzero.engine.blocks import SCHEDULED, GatherSchedule
+from lzero.log import info_on_rank_zero
 
 
 def host_available_bytes() -> Optional[int]:
@@ -264,9 +265,7 @@ class AutoSchedule:
             "budget_bytes": budget, "margin": self.margin, "headroom_bytes": None if unknown else headroom,
             "fixed": list(self.fixed),
         }
-        from lightning.fabric.utilities import rank_zero_info
-
-        rank_zero_info(summary(self.record))
+        info_on_rank_zero(summary(self.record))
 
 
 def summary(record: dict[str, Any]) -> str:

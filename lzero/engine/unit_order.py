@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from lzero.engine import collectives
+from lzero.errors import ZeroError
 
 KEY = "lzero/unit_order_error/"
 """The default store's key prefix of a published UnitOrderError (the check's number in this process follows)."""
@@ -37,7 +38,7 @@ READ_WAIT_S = 10.0
 """How long the rank that published a UnitOrderError waits, before it exits, for its peers to read it."""
 
 
-class UnitOrderError(RuntimeError):
+class UnitOrderError(ZeroError, RuntimeError):
     """Ranks did not run the same stage-3 units in the same order."""
 
 

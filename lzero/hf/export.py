@@ -49,7 +49,7 @@ class _Source:
     """The state dict of a checkpoint, key by key: a sharded lzero directory or a plain torch/Lightning file."""
 
     def __init__(self, path: Path) -> None:
-        from lzero.checkpoint.consolidate import _dtype_shape, source_kind
+        from lzero.checkpoint.consolidate import dtype_shape, source_kind
 
         self.kind = source_kind(path, "export")
         if self.kind == "sharded":
@@ -59,7 +59,7 @@ class _Source:
             self.keys: list[str] = list(reader.manifest["state_dict_keys"])
             self._same = lambda key: reader.param_name(key) or key
             self.read: Callable[[str], torch.Tensor] = reader.state_tensor
-            self.dtype_shape = lambda key: _dtype_shape(reader, key)  # from the manifest: no tensor read
+            self.dtype_shape = lambda key: dtype_shape(reader, key)  # from the manifest: no tensor read
         else:
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             state = obj["state_dict"] if isinstance(obj, dict) and "state_dict" in obj else obj

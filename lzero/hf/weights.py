@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from lzero.checkpoint.files import CheckpointError, TensorFile
+from lzero.errors import ZeroError
 
 SAFE_INDEX = "model.safetensors.index.json"
 SAFE_SINGLE = "model.safetensors"
@@ -38,7 +39,7 @@ BIN_INDEX = "pytorch_model.bin.index.json"
 BIN_SINGLE = "pytorch_model.bin"
 
 
-class PretrainedLoadError(RuntimeError):
+class PretrainedLoadError(ZeroError, RuntimeError):
     """A pretrained checkpoint lzero cannot load into shards; the message names the fix."""
 
 

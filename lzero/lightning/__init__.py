@@ -9,3 +9,11 @@
   (the model a fit leaves sharded).
 
 ``tests/test_layers.py`` checks the floors and that Fabric's door reaches no ``lightning.pytorch``."""
+
+import logging
+
+_root, _lzero = logging.getLogger(), logging.getLogger("lzero")
+_lzero.setLevel(logging.INFO)  # lzero's lines (lzero/log.py) show as Lightning's own do
+if not _root.hasHandlers():
+    _lzero.addHandler(logging.StreamHandler())
+    _lzero.propagate = False

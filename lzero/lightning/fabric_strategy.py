@@ -43,8 +43,9 @@ from typing_extensions import override
 
 from lzero.lightning import args as strategy_args
 from lzero.checkpoint.full_state import gather_optimizer_state
-from lzero.checkpoint.reader import PiecedCheckpoint, is_sharded_checkpoint
-from lzero.checkpoint.resume import READER, load_module_state, load_optimizer_states, open_reader
+from lzero.checkpoint.formats import is_checkpoint_directory, open_reader
+from lzero.checkpoint.pieces import PiecedCheckpoint
+from lzero.checkpoint.resume import READER, load_module_state, load_optimizer_states
 from lzero.checkpoint.sharded import restore_rng, save_sharded
 from lzero.checkpoint.state_dict import (ShardedTensor, consolidate, keys_as_loaded, master_state_dict,
                                          sharded_state_dict)
@@ -454,7 +455,7 @@ class ZeroFabricStrategy(DDPStrategy):
         path = Path(path)
         if not path.exists():
             raise FileNotFoundError(f"Checkpoint `{path}` does not exist. HINT: check the path given to `fabric.load`.")
-        if is_sharded_checkpoint(path):
+        if is_checkpoint_directory(path):
             modules = [v for v in (state.values() if isinstance(state, dict) else [state]) if isinstance(v, nn.Module)]
             names = [n for n, _ in self._model_of(modules[0]).module.named_parameters(remove_duplicate=False)
                      ] if modules else None  # a DeepSpeed folder's names are matched to them

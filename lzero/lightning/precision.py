@@ -47,6 +47,7 @@ from typing_extensions import override
 
 from lzero.engine.loss_scale import LossScaleConfig, LossScaler
 from lzero.engine.mixed_precision import PrecisionPolicy
+from lzero.errors import ZeroError
 
 log = logging.getLogger("lzero")
 
@@ -61,7 +62,7 @@ _HALF = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 NONFINITE_POLICIES = ("skip", "raise")
 
 
-class ZeroPrecisionError(ValueError):
+class ZeroPrecisionError(ZeroError, ValueError):
     """A precision setting lzero cannot run; the message says what to use."""
 
 

@@ -76,6 +76,7 @@ from torch import nn
 
 from lzero.config import AUTO, ZeroConfig
 from lzero.engine.mesh import local_world_size
+from lzero.errors import ZeroError
 from lzero.offload.store import KINDS
 
 GB = 1e9
@@ -93,7 +94,7 @@ ADAM_BYTES = 8
 """Optimizer state bytes per parameter of Adam/AdamW: two fp32 moments."""
 
 
-class EstimateError(ValueError):
+class EstimateError(ZeroError, ValueError):
     """An input the estimate cannot use; the message names the value and the fix."""
 
 

@@ -68,18 +68,20 @@ from typing import Callable, Optional, Union
 import torch
 from torch import Tensor
 
+from lzero.errors import ZeroError
+
 ALIGN = 4096
 """Bytes to which O_DIRECT buffers, offsets and lengths are aligned (the largest logical block size)."""
 
 _KEY = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")  # a file name: no separator, no leading dot
-_RUN_ID = re.compile(r"[A-Za-z0-9_]+")  # no "-": the user name before it may contain one
-_LOCK = re.compile(r"rank(\d+)\.lock")
-_RANK = re.compile(r"rank(\d+)")
+RUN_ID = re.compile(r"[A-Za-z0-9_]+")  # no "-": the user name before it may contain one
+LOCK_FILE = re.compile(r"rank(\d+)\.lock")
+RANK_FOLDER = re.compile(r"rank(\d+)")
 
 PathLike = Union[str, os.PathLike]
 
 
-class NvmeError(RuntimeError):
+class NvmeError(ZeroError, RuntimeError):
     """NVMe offload cannot go on: a swap file's I/O failed or ``nvme_path`` is unusable. The message names
     the path, the bytes and the fix; ``path``, ``op``, ``nbytes`` and ``errno`` hold them where known."""
 
@@ -138,12 +140,12 @@ def _host_bytes(nbytes: int, pin: bool) -> Tensor:
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
-def _byte_view(tensor: Tensor, nbytes: int) -> memoryview:
+def byte_view(tensor: Tensor, nbytes: int) -> memoryview:
     """A writable view of ``nbytes`` bytes from the tensor's address (its padding included)."""
     return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
-def _move(op: Callable, fd: int, view: memoryview, offset: int) -> None:
+def move_all(op: Callable, fd: int, view: memoryview, offset: int) -> None:
     """``op`` (``os.pwritev`` or ``os.preadv``) all of ``view`` at ``offset``, looping over short transfers."""
     done = 0
     while done < len(view):
@@ -186,7 +188,7 @@ class _Request:
         self.path = path
         self.tensor = tensor  # keeps the buffer alive while the workers use it
         self.nbytes = nbytes
-        self.view = _byte_view(tensor, padded)
+        self.view = byte_view(tensor, padded)
         self.chunks = [(at, min(block_size, padded - at)) for at in range(0, padded, block_size)]
         self.left = len(self.chunks)
         self.fd: Optional[int] = None
@@ -220,7 +222,7 @@ class SwapFiles:
         odirect: bool = True,
     ) -> None:
         run_id = new_run_id() if run_id is None else run_id
-        if not _RUN_ID.fullmatch(run_id):
+        if not RUN_ID.fullmatch(run_id):
             raise ValueError(f"run_id={run_id!r}: use letters, digits and '_' only.")
         if block_size <= 0 or block_size % ALIGN:
             raise ValueError(f"block_size={block_size:,} is not a positive multiple of {ALIGN} bytes (O_DIRECT).")
@@ -229,7 +231,7 @@ class SwapFiles:
         self.nvme_path = Path(nvme_path).expanduser().absolute()
         self.rank, self.run_id = rank, run_id
         self.block_size, self.queue_depth, self.threads = block_size, queue_depth, threads
-        self.run_folder = self.nvme_path / f"lzero-{_user()}-{run_id}"
+        self.run_folder = self.nvme_path / f"lzero-{user_name()}-{run_id}"
         self.lock_path = self.run_folder / f"rank{rank}.lock"
         self.folder = self.run_folder / f"rank{rank}"
         self.bytes_written = self.bytes_read = 0  # payload bytes of completed requests
@@ -266,7 +268,7 @@ class SwapFiles:
             except FileExistsError:
                 _check_own_folder(self.run_folder)
         except OSError as err:
-            raise _path_error(self.nvme_path, f"cannot make the swap folder {self.run_folder}", err) from err
+            raise path_error(self.nvme_path, f"cannot make the swap folder {self.run_folder}", err) from err
         try:
             fd = os.open(self.lock_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except FileExistsError:
@@ -276,15 +278,15 @@ class SwapFiles:
                 path=self.lock_path,
             ) from None
         except OSError as err:
-            raise _path_error(self.nvme_path, f"cannot write the lock file {self.lock_path}", err) from err
+            raise path_error(self.nvme_path, f"cannot write the lock file {self.lock_path}", err) from err
         with os.fdopen(fd, "w") as lock:
-            json.dump({"lzero": 1, "pid": os.getpid(), "start": _start_time(os.getpid()), "host": _host()}, lock)
+            json.dump({"lzero": 1, "pid": os.getpid(), "start": start_time(os.getpid()), "host": host_name()}, lock)
         try:
             self.folder.mkdir(mode=0o700)
             os.chmod(self.folder, 0o700)
         except OSError as err:
             self.lock_path.unlink(missing_ok=True)
-            raise _path_error(self.nvme_path, f"cannot make the swap folder {self.folder}", err) from err
+            raise path_error(self.nvme_path, f"cannot make the swap folder {self.folder}", err) from err
 
     def _probe_direct(self) -> bool:
         """Whether this folder takes O_DIRECT: open, write and read one aligned block (see [Note: O_DIRECT and
@@ -293,12 +295,12 @@ class SwapFiles:
         fd = None
         try:
             fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
-            _move(os.pwritev, fd, _byte_view(block, ALIGN), 0)
-            _move(os.preadv, fd, _byte_view(block, ALIGN), 0)
+            move_all(os.pwritev, fd, byte_view(block, ALIGN), 0)
+            move_all(os.preadv, fd, byte_view(block, ALIGN), 0)
             return True
         except OSError as err:
             if err.errno != errno.EINVAL:
-                raise _path_error(self.nvme_path, f"cannot write in the swap folder {self.folder}", err) from err
+                raise path_error(self.nvme_path, f"cannot write in the swap folder {self.folder}", err) from err
             warnings.warn(
                 f"lzero's swap folder {self.folder} refuses O_DIRECT ([Errno {err.errno}] {os.strerror(err.errno)});"
                 " its files use buffered I/O, which goes through the page cache (host memory). HINT: point"
@@ -433,7 +435,7 @@ class SwapFiles:
         at, length = request.chunks[index]
         error = None
         try:
-            _move(os.pwritev if request.op == "write" else os.preadv, request.fd, request.view[at : at + length], at)
+            move_all(os.pwritev if request.op == "write" else os.preadv, request.fd, request.view[at : at + length], at)
         except OSError as err:
             error = self._io_error(request, at, err)
         except BaseException as err:  # a bug: still fail the request rather than hang its future
@@ -498,7 +500,7 @@ class SwapFiles:
 def _hint(code: Optional[int], folder: Path, padded: int) -> str:
     """How to fix an I/O error ``code`` on a file of ``padded`` bytes under ``folder`` (``nvme_path``)."""
     if code in (errno.ENOSPC, errno.EDQUOT):
-        free = _free_bytes(folder)
+        free = free_bytes(folder)
         what = "is full" if code == errno.ENOSPC else "is over your disk quota"
         return (f"the file system of `nvme_path` ({folder}) {what} ({free:,} bytes free; this file"
                 f" needs {padded:,}): free space there or point `nvme_path` at a disk with room (check_space says"
@@ -518,7 +520,7 @@ def new_run_id() -> str:
     return f"{time.strftime('%Y%m%d%H%M%S')}_{uuid.uuid4().hex[:8]}"
 
 
-def _user() -> str:
+def user_name() -> str:
     try:
         name = getpass.getuser()
     except (KeyError, OSError):  # no passwd entry (containers)
@@ -526,11 +528,11 @@ def _user() -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
 
 
-def _host() -> str:
+def host_name() -> str:
     return socket.gethostname()
 
 
-def _proc_stat(pid: int) -> Optional[list[str]]:
+def proc_stat(pid: int) -> Optional[list[str]]:
     """The fields of ``/proc/<pid>/stat`` after the command name (field 3, the state, first); None where /proc
     does not say."""
     try:
@@ -540,10 +542,10 @@ def _proc_stat(pid: int) -> Optional[list[str]]:
         return None
 
 
-def _start_time(pid: int) -> Optional[int]:
+def start_time(pid: int) -> Optional[int]:
     """The process's start time in clock ticks since boot (``/proc/<pid>/stat`` field 22), telling a reused
     pid from the process that wrote a lock; None where /proc does not say."""
-    fields = _proc_stat(pid)
+    fields = proc_stat(pid)
     try:
         return None if fields is None else int(fields[19])
     except (IndexError, ValueError):
@@ -557,7 +559,7 @@ def _check_own_folder(folder: Path) -> None:
                         " another run_id or `nvme_path`.", path=folder)
 
 
-def _free_bytes(path: Path) -> int:
+def free_bytes(path: Path) -> int:
     while not os.path.exists(path) and path != path.parent:
         path = path.parent
     try:
@@ -566,7 +568,7 @@ def _free_bytes(path: Path) -> int:
         return 0
 
 
-def _path_error(path: Path, what: str, err: OSError) -> NvmeError:
+def path_error(path: Path, what: str, err: OSError) -> NvmeError:
     return NvmeError(
         f"{what} ([Errno {err.errno}] {os.strerror(err.errno) if err.errno else err}). HINT: create it or make it"
         " writable for this user, or point `nvme_path` at a folder on a local disk you can write.",

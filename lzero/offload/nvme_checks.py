@@ -21,8 +21,8 @@ from typing import Callable, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from lzero.offload.nvme import (_LOCK, _RANK, _RUN_ID, NvmeError, PathLike, _byte_view, _free_bytes, _host, _move,
-                        _path_error, _proc_stat, _start_time, _user, aligned_empty)
+from lzero.offload.nvme import (LOCK_FILE, RANK_FOLDER, RUN_ID, NvmeError, PathLike, aligned_empty, byte_view,
+                                free_bytes, host_name, move_all, path_error, proc_stat, start_time, user_name)
 
 
 # --- stale runs ----------------------------------------------------------------------------------
@@ -34,14 +34,14 @@ def cleanup_stale(nvme_path: PathLike) -> list[Path]:
     nothing but ``rank<r>`` folders and their ``rank<r>.lock`` files, and every lock names a process of this
     host that no longer exists."""
     root = Path(nvme_path).expanduser()
-    prefix = f"lzero-{_user()}-"
+    prefix = f"lzero-{user_name()}-"
     removed = []
     try:
         entries = sorted(root.iterdir())
     except OSError:
         return removed
     for entry in entries:
-        if entry.name.startswith(prefix) and _RUN_ID.fullmatch(entry.name[len(prefix) :]) and _is_stale(entry):
+        if entry.name.startswith(prefix) and RUN_ID.fullmatch(entry.name[len(prefix) :]) and _is_stale(entry):
             shutil.rmtree(entry, ignore_errors=True)  # another process may be removing it too
             if not entry.exists():
                 removed.append(entry)
@@ -85,7 +85,7 @@ def _children_hold(run_folder: Path) -> bool:
     """Some lock in ``run_folder`` names a live child of this process."""
     for lock_file in run_folder.glob("rank*.lock"):
         lock = _read_lock(lock_file)
-        fields = _proc_stat(lock["pid"]) if lock else None
+        fields = proc_stat(lock["pid"]) if lock else None
         if fields is not None and fields[0] not in ("Z", "X") and fields[1] == str(os.getpid()):
             return True
     return False
@@ -98,17 +98,17 @@ def _is_stale(run_folder: Path, exiting: Optional[int] = None) -> bool:
             return False
         locks, ranks = {}, set()
         for child in os.scandir(run_folder):
-            if _LOCK.fullmatch(child.name) and child.is_file(follow_symlinks=False):
-                locks[_LOCK.fullmatch(child.name).group(1)] = _read_lock(Path(child.path))
-            elif _RANK.fullmatch(child.name) and child.is_dir(follow_symlinks=False):
-                ranks.add(_RANK.fullmatch(child.name).group(1))
+            if LOCK_FILE.fullmatch(child.name) and child.is_file(follow_symlinks=False):
+                locks[LOCK_FILE.fullmatch(child.name).group(1)] = _read_lock(Path(child.path))
+            elif RANK_FOLDER.fullmatch(child.name) and child.is_dir(follow_symlinks=False):
+                ranks.add(RANK_FOLDER.fullmatch(child.name).group(1))
             else:
                 return False  # something lzero did not put there
     except OSError:
         return False
     if not locks or None in locks.values() or not ranks <= set(locks):
         return False
-    return all(lock["host"] == _host() and (lock["pid"] == exiting or not _alive(lock["pid"], lock.get("start")))
+    return all(lock["host"] == host_name() and (lock["pid"] == exiting or not _alive(lock["pid"], lock.get("start")))
                for lock in locks.values())
 
 
@@ -128,12 +128,12 @@ def _alive(pid: int, start: Optional[int]) -> bool:
         return False
     except PermissionError:  # exists, another user's
         pass
-    fields = _proc_stat(pid)
+    fields = proc_stat(pid)
     if fields is not None and fields[0] in ("Z", "X"):
         # a zombie: killed (SIGKILL, OOM) but not yet reaped by its parent, e.g. a rank whose launcher is still
         # alive; signal 0 reaches it, yet it is dead and will never touch its folder again
         return False
-    now = _start_time(pid)
+    now = start_time(pid)
     return start is None or now is None or now == start  # a different start time: the pid was reused
 
 
@@ -150,13 +150,13 @@ def check_path(nvme_path: PathLike) -> Path:
     try:
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as err:
-        raise _path_error(path, f"`nvme_path` {path} does not exist and cannot be created", err) from err
+        raise path_error(path, f"`nvme_path` {path} does not exist and cannot be created", err) from err
     try:
         fd, probe = tempfile.mkstemp(prefix=".lzero-check-", dir=path)
         os.close(fd)
         os.unlink(probe)
     except OSError as err:
-        raise _path_error(path, f"`nvme_path` {path} is not writable", err) from err
+        raise path_error(path, f"`nvme_path` {path} is not writable", err) from err
     return path
 
 
@@ -164,7 +164,7 @@ def check_space(nvme_path: PathLike, bytes_needed: int, margin: float = 0.1) -> 
     """Raise :class:`NvmeError` when the file system of ``nvme_path`` (or of its nearest existing parent) has
     fewer than ``bytes_needed * (1 + margin)`` bytes free; returns the free bytes."""
     path = Path(nvme_path).expanduser().absolute()
-    free = _free_bytes(path)
+    free = free_bytes(path)
     needed = math.ceil(bytes_needed * (1 + margin))
     if free < needed:
         raise NvmeError(
@@ -233,9 +233,9 @@ def _timed_blocks(op: Callable, fd: int, buffers: list[Tensor], blocks: int, blo
     threads = len(buffers)
 
     def run(worker: int) -> None:
-        view = _byte_view(buffers[worker], block_size)
+        view = byte_view(buffers[worker], block_size)
         for block in range(worker, blocks, threads):
-            _move(op, fd, view, block * block_size)
+            move_all(op, fd, view, block * block_size)
 
     start = time.perf_counter()
     with ThreadPoolExecutor(threads) as pool:

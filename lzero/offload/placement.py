@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 import torch
 
+from lzero.log import info_on_rank_zero
 from lzero.offload.nvme import SwapFiles
 from lzero.offload.nvme_checks import check_buffer, check_path, check_space, cleanup_stale, sweep_at_exit
 from lzero.offload.nvme_store import NvmeStore
@@ -74,8 +75,6 @@ def _nvme_store(config: Any, device: torch.device, need: float, initial: float, 
 def announce_offload(engine: Any, optimizers: list[Any], threads: Optional[int]) -> None:
     """One line on rank 0: what is offloaded, the host step's kernel and its threads (``engine``: a ZeroEngine;
     ``optimizers``: its ZeroOptimizers)."""
-    from lightning.fabric.utilities import rank_zero_info
-
     trainable = [u for u in engine.units if not u.spec.frozen]
     host = sum(u.spec.shard_numel for u in trainable if u.store.name != "device")
     total = sum(u.spec.shard_numel for u in trainable)
@@ -97,5 +96,5 @@ def announce_offload(engine: Any, optimizers: list[Any], threads: Optional[int])
             ", or at stage 3 once the model it leaves sharded is gathered back or freed)" if engine.gatherer else ")")
     count = threads or torch.get_num_threads()
     thread_note = f"{count} thread{'s' if count > 1 else ''} per process" + (" (torch.set_num_threads)" if threads else "")
-    rank_zero_info(f"lzero offload: fp32 masters and optimizer state of {host:,} of {total:,} shard elements per rank in"
+    info_on_rank_zero(f"lzero offload: fp32 masters and optimizer state of {host:,} of {total:,} shard elements per rank in"
                    f" {places}{params}; host step: {kernels or 'none'}, {thread_note}.")

@@ -92,6 +92,7 @@ def main(suite: str, out: Path) -> None:
         die_while_writing(rank=1, call=3)
         fit(out, "killed_async", ZeroStrategy(stage=2, async_save=True), 2, steps=20, every=5)
     elif suite in ("enospc_rank1", "enospc_both"):  # the disk fills while writing epoch=0-step=4.ckpt/ (3rd write)
+        fit(out, f"{suite}_reference", zero[3](), 2, steps=2, every=2)  # what the surviving step-2 saves must hold
         disk_full_while_writing(ranks=(1,) if suite == "enospc_rank1" else (0, 1), call=3)
         fit(out, suite, zero[3](), 2, steps=8, every=2)
     elif suite == "after_kill":  # resume from what the killed run left, saving into the same directory

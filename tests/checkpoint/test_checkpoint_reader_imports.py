@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-STORAGE = ["reader.py", "files.py", "tree.py", "stream.py", "consolidate.py", "__init__.py", "deepspeed_files.py",
-           "deepspeed_checkpoint.py", "deepspeed_import.py"]
+STORAGE = ["pieces.py", "reader.py", "formats.py", "files.py", "tree.py", "stream.py", "consolidate.py", "__init__.py",
+           "deepspeed_files.py", "deepspeed_checkpoint.py", "deepspeed_import.py"]
 FORBIDDEN = ("lightning", "pytorch_lightning", "torch.distributed", "lzero.engine.engine", "lzero.optimizer",
              "lzero.lightning", "lzero.engine.collectives", "lzero.checkpoint.sharded", "lzero.checkpoint.resume")
 
@@ -27,6 +27,7 @@ sys.modules["lzero"] = package
 import torch
 with_torch = set(sys.modules)
 import lzero.checkpoint.reader, lzero.checkpoint.consolidate, lzero.checkpoint.deepspeed_checkpoint
+import lzero.checkpoint.formats
 import lzero.checkpoint.deepspeed_import
 print(json.dumps({"torch_loads_distributed": "torch.distributed" in with_torch,
                   "new": sorted(set(sys.modules) - with_torch)}))

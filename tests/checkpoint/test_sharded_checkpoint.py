@@ -149,7 +149,8 @@ def test_rank_killed_while_rewriting_last_leaves_the_previous_checkpoint(runs: P
 def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path: Path, suite: str) -> None:
     """ENOSPC inside the shard writer at step 4 (zero3, a save every 2 steps), on rank 1 or on both ranks at once:
     every failing rank raises a CheckpointError naming its file and the disk-full error, the other rank names the
-    failing ranks, the step-2 checkpoints stay loadable, and the failed save leaves no directory behind."""
+    failing ranks, the step-2 checkpoints stay loadable and hold what a run without the fault saved at step 2 (a
+    2-step reference run), and the failed save leaves no directory behind."""
     import subprocess
 
     proc = subprocess.run([sys.executable, str(script("ckpt_runs.py")), suite, str(tmp_path)], capture_output=True,
@@ -167,11 +168,15 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path: Path, s
         assert "epoch=0-step=4.ckpt" in errors[-1] and "not committed" in errors[-1]
     run = tmp_path / suite
     assert sorted(p.name for p in run.iterdir()) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+    reference = ShardedCheckpoint(tmp_path / f"{suite}_reference" / "epoch=0-step=2.ckpt").full_state_dict()
+    assert "net.0.weight" in reference
     for name in ("epoch=0-step=2.ckpt", "last.ckpt"):
         checkpoint = ShardedCheckpoint(run / name)
         assert checkpoint.manifest["global_step"] == 2
         state = checkpoint.full_state_dict()
-        assert "net.0.weight" in state and all(t.isfinite().all() for t in state.values())
+        assert list(state) == list(reference), (name, list(state), list(reference))
+        differ = [k for k in state if not torch.equal(state[k], reference[k])]
+        assert differ == [], f"{name}: not the uninterrupted run's step-2 values: {differ}"
 
 
 def test_lightning_pointed_at_a_sharded_directory_says_consolidate(runs: Path) -> None:

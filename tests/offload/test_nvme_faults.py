@@ -21,7 +21,7 @@ import torch
 
 from _launch import run_script, script, script_env
 from lzero.checkpoint.reader import ShardedCheckpoint
-from lzero.offload.nvme import _host, _start_time, _user
+from lzero.offload.nvme import host_name, start_time, user_name
 from test_failure import DEADLINE_S, _gone, _last_error
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,9 +46,9 @@ def _faulty_run(mode: str, out: Path, swap_root: Path) -> SimpleNamespace:
 
 def _live_run_folder(folder: Path) -> str:
     """A run folder whose lock names a live process (this one): no start may remove it."""
-    run = folder / f"lzero-{_user()}-live_1"
+    run = folder / f"lzero-{user_name()}-live_1"
     (run / "rank0").mkdir(parents=True)
-    lock = {"lzero": 1, "pid": os.getpid(), "start": _start_time(os.getpid()), "host": _host()}
+    lock = {"lzero": 1, "pid": os.getpid(), "start": start_time(os.getpid()), "host": host_name()}
     (run / "rank0.lock").write_text(json.dumps(lock))
     return run.name
 
@@ -102,7 +102,7 @@ def test_rank_killed_during_swap_writes(runs: SimpleNamespace) -> None:
     # rank 0 fails in its next collective, or Lightning's launcher, polling its child every 5 s, SIGKILLs it first
     assert kill.proc.returncode in (1, -9), kill.output[-6000:]
     assert max(kill.exit_s) < DEADLINE_S, kill.exit_s
-    dead = [name for name in kill.left if name.startswith(f"lzero-{_user()}-") and name != runs.live]
+    dead = [name for name in kill.left if name.startswith(f"lzero-{user_name()}-") and name != runs.live]
     if kill.proc.returncode == 1:  # rank 0 ended through its exception and removed the whole run folder on the way out
         assert "Connection closed by peer" in _last_error(kill.output, 0) or "Connection reset by peer" in kill.output
         assert dead == [], kill.left

@@ -371,14 +371,14 @@ def test_exit_sweep_removes_the_folder_of_a_child_that_dies_during_its_check(dis
     check saw it alive, and it is a zombie by the time the sweep asks whether a child still holds the folder.
     The sweep must look again and remove the folder (it once gave up here: the Ctrl+C flake under load)."""
     from lzero.offload import nvme_checks
-    from lzero.offload.nvme import _host, _start_time
+    from lzero.offload.nvme import host_name, start_time
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         run_folder = disk / "lzero-user-run"
         (run_folder / "rank1").mkdir(parents=True)
         (run_folder / "rank1" / "unit0.master").write_bytes(b"x" * 4096)
-        lock = {"lzero": 1, "pid": child.pid, "start": _start_time(child.pid), "host": _host()}
+        lock = {"lzero": 1, "pid": child.pid, "start": start_time(child.pid), "host": host_name()}
         (run_folder / "rank1.lock").write_text(json.dumps(lock))
         real_is_stale, checks = nvme_checks._is_stale, []
 
@@ -387,7 +387,7 @@ def test_exit_sweep_removes_the_folder_of_a_child_that_dies_during_its_check(dis
             checks.append(stale)
             if len(checks) == 1:
                 child.kill()  # SIGKILL, as Lightning's launcher sends on Ctrl+C; not reaped: a zombie
-                while nvme_checks._proc_stat(child.pid)[0] not in ("Z", "X"):
+                while nvme_checks.proc_stat(child.pid)[0] not in ("Z", "X"):
                     time.sleep(0.01)
             return stale
 

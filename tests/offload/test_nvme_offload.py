@@ -132,7 +132,7 @@ def test_bad_paths_are_refused_before_the_first_step(disk: Path, monkeypatch) ->
         _engine(disk / "file.txt" / "sub")
     import lzero.offload.nvme_checks
 
-    monkeypatch.setattr(lzero.offload.nvme_checks, "_free_bytes", lambda path: 1000)
+    monkeypatch.setattr(lzero.offload.nvme_checks, "free_bytes", lambda path: 1000)
     with pytest.raises(NvmeError, match=rf"{disk}.*1,000 bytes"):
         _engine(disk)
     assert [p.name for p in disk.iterdir()] == ["file.txt"]  # nothing made
