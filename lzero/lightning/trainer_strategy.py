@@ -41,7 +41,7 @@ from lzero.optimizer import ZeroOptimizer, check_optimizer
 from lzero.lightning.precision import to_zero_precision
 from lzero.lightning.trainer_kept import gather_back, keep, kept_engine, take_kept
 from lzero.lightning.trainer_precision import ZeroPrecision
-from lzero.memory.auto import rank_budget_bytes
+from lzero.engine.rank_memory import rank_budget_bytes
 from lzero.engine.recording import settle
 from lzero.lightning.trainer_wiring import (activation_probe, add_memory_monitor, guard_lr_schedulers, micro_batch_size,
                                             optimizers_from_deepspeed_blocks, refuse_weight_averaging,

@@ -45,7 +45,7 @@ def start_engine(module: torch.nn.Module, optimizers: list[Optimizer], config: Z
     from lzero.deepspeed.config import as_written
     from lzero.engine.engine import ZeroEngine
     from lzero.engine.hybrid import Layout
-    from lzero.engine.schedule import MemoryBudget
+    from lzero.engine.rank_memory import MemoryBudget
     from lzero.offload.placement import announce_offload
     from lzero.offload.store import divide_host_threads
     from lzero.optimizer import ZeroOptimizer
@@ -168,7 +168,7 @@ def generation(engine: Any, module: torch.nn.Module, mode: str, device: torch.de
                margin: float, num_processes: int) -> Generator:
     """Both doors' ``strategy.generation(module, mode)`` over ``engine`` (None, or no gatherer: nothing to do). A
     collective on entry. See ``ZeroStrategy.generation`` for the modes."""
-    from lzero.memory.auto import rank_budget_bytes
+    from lzero.engine.rank_memory import rank_budget_bytes
 
     if mode not in GENERATION_MODES:
         raise ValueError(f"`generation(mode={mode!r})`: the modes are 'gathered' (every block on the device) and"
