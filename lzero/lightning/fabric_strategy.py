@@ -42,6 +42,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lzero.lightning import args as strategy_args
+from lzero.checkpoint.deepspeed_checkpoint import PRECISION_STATE
 from lzero.checkpoint.full_state import gather_optimizer_state
 from lzero.checkpoint.reader import PiecedCheckpoint, is_sharded_checkpoint
 from lzero.checkpoint.resume import READER, load_module_state, load_optimizer_states, open_reader
@@ -59,7 +60,7 @@ from lzero.checkpoint.sources import LoadedState, ShardedCheckpointWeights, Stat
 from lzero.lightning.fabric_model import SetUpModel, fresh_parameters, placeholders, state_dict_shadows, swap_parameters
 from lzero.engine.recording import settle
 from lzero.lightning.wiring import (choose_configuration, generation, meta_device, start_engine, sync_module_states,
-                                    synced_generation)
+                                    synced_generation, take_precision_state)
 
 FABRIC_KEYS = "lzero/fabric"
 """The sharded checkpoint's entry naming the state keys of the module and of its optimizers (a Fabric save)."""
@@ -399,6 +400,7 @@ class ZeroFabricStrategy(DDPStrategy):
             self._save_sharded(Path(path), state, modules, filter)
             return
         out = {key: self._saved_value(key, value, modules, filter) for key, value in state.items()}
+        out[PRECISION_STATE] = self.precision.state_dict()  # as the sharded form keeps it: both doors restore it
         if self.is_global_zero:
             self.checkpoint_io.save_checkpoint(checkpoint=out, path=path, storage_options=storage_options)
 
@@ -419,7 +421,8 @@ class ZeroFabricStrategy(DDPStrategy):
             module_state = {k: v for k, v in module_state.items() if filter[key](k, v)}
             names = {v.spec.name for v in module_state.values() if isinstance(v, ShardedTensor)}
             kept = names.__contains__
-        checkpoint: dict[str, Any] = {"state_dict": module_state, FABRIC_KEYS: {"module": key, "optimizers": list(optimizers)}}
+        checkpoint: dict[str, Any] = {"state_dict": module_state, PRECISION_STATE: self.precision.state_dict(),
+                                      FABRIC_KEYS: {"module": key, "optimizers": list(optimizers)}}
         checkpoint.update({name: self._saved_value(name, value, modules, filter) for name, value in state.items()
                            if name != key and name not in optimizers})
         ordered = [model.zero.index(z) for z in optimizers.values()]
@@ -466,6 +469,9 @@ class ZeroFabricStrategy(DDPStrategy):
         missing = [k for k in state if k not in checkpoint]
         if strict and missing:
             raise KeyError(f"The checkpoint `{path}` has no {missing}. HINT: pass `strict=False` to load the rest.")
+        precision = take_precision_state(checkpoint)
+        if precision is not None:
+            self.precision.load_state_dict(precision)
         for name, obj in list(state.items()):
             if name not in checkpoint:
                 continue
@@ -480,7 +486,8 @@ class ZeroFabricStrategy(DDPStrategy):
 
     def _load_sharded(self, reader: PiecedCheckpoint, state: Any, strict: bool) -> dict[str, Any]:
         saved = reader.lightning_state()
-        common = {k: v for k, v in saved.items() if not k.startswith("lzero/")}
+        common = {k: v for k, v in saved.items() if not k.startswith("lzero/") or k == PRECISION_STATE}
+        precision = take_precision_state(common)
         keys = saved.get(FABRIC_KEYS) or {"module": "state_dict", "optimizers": []}  # a Trainer's: its module state
         if reader.from_deepspeed and isinstance(state, dict):  # one module and its optimizer
             keys = {"module": next((k for k, v in state.items() if isinstance(v, nn.Module)), "state_dict"),
@@ -507,6 +514,8 @@ class ZeroFabricStrategy(DDPStrategy):
         if optimizers:
             load_optimizer_states([_zero(o).started() for o in optimizers], checkpoint)
         restore_rng(reader, self.global_rank, self.world_size)
+        if precision is not None:
+            self.precision.load_state_dict(precision)
         for name, obj in list(state.items()):
             if name == module_key or name in optimizer_keys or name not in common:
                 continue

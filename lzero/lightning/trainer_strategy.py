@@ -28,7 +28,6 @@ from typing_extensions import override
 from lzero.engine import activation_checkpointing as checkpointing
 from lzero.deepspeed import config as deepspeed_config
 from lzero.checkpoint.full_state import gather_optimizer_state
-from lzero.checkpoint.deepspeed_checkpoint import PRECISION_STATE
 from lzero.checkpoint.resume import load_module_state, load_optimizer_states, open_checkpoint
 from lzero.checkpoint.sharded import AsyncSaver, save_sharded
 from lzero.checkpoint.state_dict import consolidate, has_sharded, module_state_dict
@@ -47,7 +46,7 @@ from lzero.lightning.trainer_wiring import (activation_probe, add_memory_monitor
                                             optimizers_from_deepspeed_blocks, refuse_weight_averaging,
                                             watch_gradient_reads)
 from lzero.lightning.wiring import (choose_configuration, generation, meta_device, start_engine, sync_module_states,
-                                    synced_generation)
+                                    synced_generation, take_precision_state)
 
 
 class ZeroStrategy(DDPStrategy):
@@ -672,8 +671,8 @@ class ZeroStrategy(DDPStrategy):
         checkpoint = open_checkpoint(checkpoint_path, self.global_rank, self.world_size, weights_only,
                                      lambda safe: super(ZeroStrategy, self).load_checkpoint(checkpoint_path,
                                                                                            weights_only=safe), names)
-        precision = checkpoint.pop(PRECISION_STATE, None)
-        if precision is not None:  # a DeepSpeed folder's loss scale and skipped steps: Lightning restores by class name
+        precision = take_precision_state(checkpoint)
+        if precision is not None:  # the loss scale and skipped steps: Lightning restores them by the class name
             checkpoint.setdefault(type(self.precision_plugin).__qualname__, precision)
         return checkpoint
 

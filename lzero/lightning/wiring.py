@@ -12,6 +12,7 @@ from typing import Any, Generator, Optional, Sequence
 import torch
 from torch.optim import Optimizer
 
+from lzero.checkpoint.deepspeed_checkpoint import PRECISION_STATE
 from lzero.config import ZeroConfig
 from lzero.lightning.precision import ZeroFabricPrecision
 
@@ -99,6 +100,15 @@ def expected_schedule(module: torch.nn.Module, config: ZeroConfig, precision: Ze
             f" states alone, without activations: {r['persistent_blocks']} of {r['blocks']} blocks persistent,"
             f" {r['kept_blocks']} kept across the turn, {r['gathers_per_step']} all-gathers per step instead of"
             f" {r['min_memory_gathers_per_step']}).")
+
+
+def take_precision_state(checkpoint: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The precision plugin's state (skipped steps, the fp16 loss scaler's) that ``checkpoint`` holds, removed from
+    it: under :data:`PRECISION_STATE` (a Fabric save, a DeepSpeed folder) or under the Trainer plugin's class name (as
+    Lightning saves it: ``ZeroPrecision``). Each door restores it into its plugin, so a run resumed through either
+    continues the loss scale where it was saved."""
+    states = [checkpoint.pop(key) for key in (PRECISION_STATE, "ZeroPrecision") if key in checkpoint]
+    return states[0] if states else None
 
 
 def pretrained_weights(model: torch.nn.Module) -> Optional[Any]:
