@@ -128,3 +128,148 @@ def test_fabric_resumes_fp16_loss_scaling_after_an_overflow(tmp_path: Path, in_p
     resumed = _fabric_run(tmp_path / "ckpt", checkpoint_format, resume=True)
     assert resumed.strategy.precision.state_dict() == reference
     assert resumed.strategy.precision.loss_scale == 128.0
+
+
+# --- stage="auto" and the "auto" sizes ---------------------------------------------------------------------------
+
+GPT_SIZES = {"vocab_size": 256, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}
+AUTO_BUDGET = 10**9  # bytes: far more than 16 bytes x ~35k parameters, so zero1 (the least communication) fits
+
+
+def _auto_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    lines = [r.getMessage() for r in caplog.records]
+    return [line for line in lines if line.startswith(("lzero zero_auto:", "lzero: \"auto\""))]
+
+
+def test_stage_auto_chooses_records_and_logs_alike_at_both_doors(tmp_path: Path, in_process_fit,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """The same model at both doors with ``stage="auto"``, a fixed budget and ``reduce_bucket_size="auto"``: the
+    record of the choice is ``auto.choose``'s for the model's count, kept in the sharded checkpoint's manifest, and
+    the two lines logged (the choice, the sizes from the hidden size 32) are the same at both doors."""
+    from lightning.pytorch import Trainer
+
+    from lzero import ZeroConfig, ZeroStrategy
+    from lzero.checkpoint.reader import ShardedCheckpoint
+    from lzero.demo import DemoGPT, TextDataModule
+    from lzero.demo.model import GPT, GPTConfig
+    from lzero.memory import auto
+    from lzero.memory.estimate import count_parameters
+
+    options = {"stage": "auto", "memory_budget_bytes": AUTO_BUDGET, "reduce_bucket_size": "auto"}
+    _, reference = auto.choose(ZeroConfig(), count_parameters(GPT(GPTConfig(**GPT_SIZES))), 1, 1, "32-true",
+                               torch.device("cpu"), AUTO_BUDGET)
+    assert reference["chosen"] == "zero1" and reference["host_budget_bytes"] == AUTO_BUDGET
+    expected_lines = ["lzero: \"auto\" sizes from the model's hidden size: reduce_bucket_size=1024",
+                      auto.summary(reference)]
+
+    with caplog.at_level(logging.INFO):
+        torch.manual_seed(0)
+        trainer = Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(**options), max_steps=1, logger=False,
+                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path / "trainer",
+                          limit_val_batches=0)
+        trainer.fit(DemoGPT(**GPT_SIZES), datamodule=TextDataModule(block_size=16, batch_size=2, steps_per_epoch=1))
+    trainer_lines, caplog.records[:] = _auto_lines(caplog), []
+    trainer_saved = ShardedCheckpoint(tmp_path / "trainer" / "checkpoints" / "epoch=0-step=1.ckpt").manifest["auto"]
+
+    with caplog.at_level(logging.INFO):
+        fabric = _fabric(**options)
+        model = fabric.setup_module(GPT(GPTConfig(**GPT_SIZES)))
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
+        fabric.save(tmp_path / "fabric.ckpt", {"model": model, "optimizer": optimizer})
+    fabric_lines = _auto_lines(caplog)
+    fabric_saved = ShardedCheckpoint(tmp_path / "fabric.ckpt").manifest["auto"]
+
+    assert trainer.strategy._auto_record == fabric.strategy._auto_record == reference
+    assert trainer_saved == fabric_saved == reference
+    assert trainer.strategy.config.stage == fabric.strategy.config.stage == 1
+    assert trainer.strategy.config.reduce_bucket_size == fabric.strategy.config.reduce_bucket_size == 32 * 32
+    assert trainer_lines == fabric_lines == expected_lines
+
+
+# --- generation() misused ----------------------------------------------------------------------------------------
+
+
+def test_generation_refuses_the_same_misuse_alike_at_both_doors() -> None:
+    """Before anything runs (no model set up, no engine): a mode given where the module goes, and an unknown mode,
+    refused by the same check with the same words; each door names what it takes and its own call."""
+    from lzero import ZeroFabricStrategy, ZeroStrategy
+
+    doors = {"trainer": ZeroStrategy(stage=3, parallel_devices=[torch.device("cpu")]),
+             "fabric": ZeroFabricStrategy(stage=3)}
+    takes = {"trainer": ("the LightningModule or a module inside it", "with trainer.strategy.generation(self.policy):"),
+             "fabric": ("a model set up by `fabric.setup`", "with fabric.strategy.generation(model, mode='streamed'):")}
+    for door, strategy in doors.items():
+        with pytest.raises(ValueError) as positional:
+            with strategy.generation("streamed"):
+                pass
+        what, call = takes[door]
+        assert str(positional.value) == (f"`strategy.generation(module=...)` takes {what}, got 'streamed'. HINT:"
+                                         f" `{call}`; the mode is a keyword argument: `generation(mode='streamed')`.")
+        with pytest.raises(ValueError) as unknown:
+            with strategy.generation(mode="all"):
+                pass
+        assert str(unknown.value) == ("`generation(mode='all')`: the modes are 'gathered' (every block on the device)"
+                                      " and 'streamed' (blocks copied from host memory per forward).")
+
+
+# --- the rank's memory budget ------------------------------------------------------------------------------------
+
+
+def test_one_budget_function_behind_the_schedule_stage_auto_and_generation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU, with the host's available memory read as 8 GiB and this process's resident memory as 1 GiB: the
+    budget of a rank of 2 on the host is 4 GiB for stage="auto" and generation, 5 GiB (plus what the process holds)
+    for the schedule, whose peak is measured over the whole process; a given budget wins everywhere."""
+    from lzero import ZeroConfig
+    from lzero.engine import rank_memory
+    from lzero.engine.rank_memory import MemoryBudget, rank_budget_bytes
+    from lzero.memory import auto
+    from lzero.memory.estimate import ModelCount
+
+    gib, cpu = 2**30, torch.device("cpu")
+    monkeypatch.setattr(rank_memory, "host_available_bytes", lambda: 8 * gib)
+    monkeypatch.setattr(rank_memory, "proc_bytes", lambda path, key: gib if key == "VmRSS:" else None)
+    assert rank_budget_bytes(cpu, None, 2) == rank_budget_bytes(cpu, None, 2, total=True) == 4 * gib
+    assert MemoryBudget(None, 2).read(cpu) == rank_budget_bytes(cpu, None, 2, held=True) == 5 * gib
+    assert MemoryBudget(123, 2).read(cpu) == rank_budget_bytes(cpu, 123, 2, held=True) == 123
+    _, record = auto.choose(ZeroConfig(), ModelCount(trainable=10**6), 2, 2, "32-true", cpu)
+    assert record["host_budget_bytes"] == 4 * gib and record["device_budget_bytes"] is None
+
+
+def test_generation_prices_against_the_same_budget_at_both_doors(tmp_path: Path, in_process_fit,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stage 3, the same model at both doors, the host's available memory read as 100 kB (less than the
+    model's fp32 copy, about 137 kB): ``generation(mode=
+    'streamed')`` refuses alike, pricing the whole model's fp32 copy (its units' padded sizes) against the budget
+    of rank_budget_bytes."""
+    from lightning.pytorch import Trainer
+
+    from lzero import ZeroStrategy
+    from lzero.demo import DemoGPT, TextDataModule
+    from lzero.demo.model import GPT, GPTConfig
+    from lzero.engine import rank_memory
+
+    options = {"stage": 3, "schedule": "min_memory"}
+    torch.manual_seed(0)
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(**options), max_steps=1, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      limit_val_batches=0)
+    trainer.fit(DemoGPT(**GPT_SIZES), datamodule=TextDataModule(block_size=16, batch_size=2, steps_per_epoch=1))
+    fabric = _fabric(**options)
+    model = fabric.setup_module(GPT(GPTConfig(**GPT_SIZES)))
+    fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))  # an engine with an optimizer, as the Trainer's
+    fabric.strategy._start(fabric.strategy._model_of(model))
+    engines = [trainer.strategy.engine or trainer.strategy._live_engine, fabric.strategy._models[0].engine]
+    need = [sum(u.spec.padded_numel * u.flat_param.element_size() for u in e.units) for e in engines]
+    assert need[0] == need[1] > 0.8 * 10**5
+
+    monkeypatch.setattr(rank_memory, "host_available_bytes", lambda: 10**5)
+    errors = []
+    for strategy in (trainer.strategy, fabric.strategy):
+        with pytest.raises(RuntimeError) as refused:
+            with strategy.generation(mode="streamed"):
+                pass
+        errors.append(str(refused.value))
+    assert errors[0] == errors[1]
+    assert errors[0].startswith(f"`strategy.generation(mode='streamed')` holds the whole model on every rank:"
+                                f" {need[0] / 2**30:.2f} GiB more in host memory, where {10**5 / 2**30:.2f} GiB are"
+                                " free (x 0.8 margin). HINT:")
