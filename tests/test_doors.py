@@ -273,3 +273,30 @@ def test_generation_prices_against_the_same_budget_at_both_doors(tmp_path: Path,
     assert errors[0].startswith(f"`strategy.generation(mode='streamed')` holds the whole model on every rank:"
                                 f" {need[0] / 2**30:.2f} GiB more in host memory, where {10**5 / 2**30:.2f} GiB are"
                                 " free (x 0.8 margin). HINT:")
+
+
+# --- the optimizer behind the doors' wrappers ---------------------------------------------------------------------
+
+
+def test_an_optimizer_not_set_up_by_lzero_is_named_alike_at_both_doors() -> None:
+    """A plain torch optimizer where the ZeRO one belongs (clipping at the Trainer's door, the optimizer state at
+    Fabric's): the same error naming it, each with its door's HINT; a wrapped ZeRO optimizer is unwrapped."""
+    from lightning.fabric.wrappers import _FabricOptimizer
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    from lzero import ZeroFabricStrategy, ZeroOptimizer, ZeroOptimizerError, ZeroPrecision
+    from lzero.lightning.wiring import zero_optimizer
+
+    plain = torch.optim.SGD(_net().parameters(), lr=0.1)
+    with pytest.raises(ZeroOptimizerError) as trainer_door:
+        ZeroPrecision().clip_grad_by_norm(plain, 1.0)
+    with pytest.raises(ZeroOptimizerError) as fabric_door:
+        ZeroFabricStrategy().get_optimizer_state(plain)
+    assert str(trainer_door.value) == ("`SGD` is not an optimizer set up by lzero's strategy. HINT: pass the optimizer"
+                                       " of `self.optimizers()` (or `trainer.strategy.optimizers`).")
+    assert str(fabric_door.value) == ("`SGD` is not an optimizer set up by lzero's strategy. HINT: pass the optimizer"
+                                      " returned by `fabric.setup_optimizers` (or `fabric.setup`).")
+    zopt = ZeroOptimizer(plain, None, start=lambda: None)
+    fabric = ZeroFabricStrategy()
+    for wrapped in (zopt, LightningOptimizer(zopt), _FabricOptimizer(zopt, fabric)):
+        assert zero_optimizer(wrapped, "") is zopt
