@@ -34,12 +34,14 @@ class _LazyPreset:
         self.fabric = fabric
 
     def __call__(self, **init_params):
-        if self.fabric:
-            from lzero.lightning.fabric_strategy import build_preset
-        else:
-            from lzero.lightning.trainer_strategy import build_preset
+        from lzero.lightning.wiring import build_preset
 
-        return build_preset(self.name, **init_params)
+        if self.fabric:
+            from lzero.lightning.fabric_strategy import ZeroFabricStrategy as strategy
+        else:
+            from lzero.lightning.trainer_strategy import ZeroStrategy as strategy
+
+        return build_preset(strategy, self.name, **init_params)
 
 
 def register(registry, fabric=False):

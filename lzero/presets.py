@@ -2,7 +2,8 @@
 each stands for.
 
 Names are registered in one place, ``_lzero_startup.register`` (the start-up hook, and ``import lzero``):
-each entry is a lazy factory that calls :func:`lzero.lightning.trainer_strategy.build_preset` on first use."""
+each entry is a lazy factory that calls :func:`lzero.lightning.wiring.build_preset` on first use, with the
+Trainer's or Fabric's strategy class."""
 
 from __future__ import annotations
 

@@ -39,8 +39,7 @@ same, only the gathers are cheaper.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import replace
 from typing import Any, Optional, Sequence
 
 import torch
@@ -48,57 +47,7 @@ import torch
 from lzero.engine import collectives
 from lzero.engine.blocks import SCHEDULED, GatherSchedule
 from lzero.log import info_on_rank_zero
-
-
-def host_available_bytes() -> Optional[int]:
-    """MemAvailable of this host (Linux), or None."""
-    return _proc_kib("/proc/meminfo", "MemAvailable:")
-
-
-def peak_bytes(device: torch.device) -> Optional[int]:
-    """This rank's peak since :func:`reset_peak`: allocated device bytes on CUDA, the process's VmHWM on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return _proc_kib("/proc/self/status", "VmHWM:")
-
-
-def reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-    except OSError:
-        pass  # not allowed here: the peak runs from the start of the process (an overestimate)
-
-
-def _proc_kib(path: str, key: str) -> Optional[int]:
-    try:
-        for line in Path(path).read_text().splitlines():
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-@dataclass(frozen=True)
-class MemoryBudget:
-    """What one rank's in-step peak may reach: ``limit`` bytes (``memory_budget_bytes``), or what the machine has
-    (see [Note: choosing the gather schedule]); ``processes``: the ranks sharing this host."""
-
-    limit: Optional[int] = None
-    processes: int = 1
-
-    def read(self, device: torch.device) -> Optional[int]:
-        if self.limit is not None:
-            return self.limit
-        if device.type == "cuda":
-            return torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
-        available, resident = host_available_bytes(), _proc_kib("/proc/self/status", "VmRSS:")
-        if available is None or resident is None:
-            return None
-        return available // max(1, self.processes) + resident
+from lzero.engine.rank_memory import MemoryBudget, peak_bytes, reset_peak
 
 
 # --- the arithmetic -------------------------------------------------------------------------------------------

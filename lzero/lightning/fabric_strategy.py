@@ -42,6 +42,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lzero.lightning import args as strategy_args
+from lzero.checkpoint.deepspeed_checkpoint import PRECISION_STATE
 from lzero.checkpoint.full_state import gather_optimizer_state
 from lzero.checkpoint.formats import is_checkpoint_directory, open_reader
 from lzero.checkpoint.pieces import PiecedCheckpoint
@@ -59,11 +60,14 @@ from lzero.lightning.precision import ZeroFabricPrecision, to_zero_precision
 from lzero.checkpoint.sources import LoadedState, ShardedCheckpointWeights, StateDictWeights
 from lzero.lightning.fabric_model import SetUpModel, fresh_parameters, placeholders, state_dict_shadows, swap_parameters
 from lzero.engine.recording import settle
-from lzero.lightning.wiring import (choose_configuration, generation, meta_device, run_mesh, start_engine,
-                                    sync_module_states, synced_generation)
+from lzero.lightning.wiring import (AUTO_RECORD, EveryRankCheck, RanksApart, before_forward,
+                                    check_generation_arguments, choose_configuration, fill_auto_sizes, generation,
+                                    keep_generation_synced, meta_device, run_mesh, start_engine, sync_module_states,
+                                    take_precision_state, zero_optimizer)
 
 FABRIC_KEYS = "lzero/fabric"
 """The sharded checkpoint's entry naming the state keys of the module and of its optimizers (a Fabric save)."""
+OPTIMIZER_HINT = "pass the optimizer returned by `fabric.setup_optimizers` (or `fabric.setup`)"
 
 
 class ZeroFabricStrategy(DDPStrategy):
@@ -113,7 +117,8 @@ class ZeroFabricStrategy(DDPStrategy):
                 " and build that optimizer in the script (`lzero convert-config` prints its class and arguments).")
         self.config, self._auto, self._deepspeed = args.config, args.auto, args.deepspeed
         self.memory_budget_bytes, self.memory_margin = memory_budget_bytes, memory_margin
-        self._explicit_precision = args.precision
+        self._given_precision = args.precision  # the strategy's own (`precision=...`): it wins over Fabric's
+        self._auto_record: Optional[dict] = None  # stage="auto": the choice, kept in checkpoints
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision=args.precision, process_group_backend=process_group_backend, timeout=timeout,
@@ -125,7 +130,7 @@ class ZeroFabricStrategy(DDPStrategy):
         self._recording: Optional[contextlib.ExitStack] = None  # a meta build's record, open until setup_module
         self._steps = 0  # optimizer steps taken or skipped, all optimizers: the "global step" of skip reports
         self._mesh: Any = None  # the run's process groups (run_mesh), made at the first that one needs
-        self._check_group: Any = None  # gloo with a short timeout: every rank at a collective call?
+        self._ranks_check: Optional[EveryRankCheck] = None  # see [Note: every rank at a collective call]
 
     # --- plugins -----------------------------------------------------------------------------
 
@@ -137,8 +142,8 @@ class ZeroFabricStrategy(DDPStrategy):
     @precision.setter
     @override
     def precision(self, plugin: Optional[Precision]) -> None:
-        explicit = getattr(self, "_explicit_precision", None)
-        self._precision = explicit if explicit is not None else to_zero_precision(plugin)
+        given = getattr(self, "_given_precision", None)
+        self._precision = given if given is not None else to_zero_precision(plugin)
 
     # --- building the model -----------------------------------------------------------------
 
@@ -196,8 +201,8 @@ class ZeroFabricStrategy(DDPStrategy):
         settle(module)  # the fake tensors of `init_module(empty_init=True)` become meta ones: [Note: a fake device]
         if any(m.module is module for m in self._models):
             raise RuntimeError(f"`{type(module).__name__}` is set up already. HINT: call `fabric.setup` once per model.")
-        if self._check_group is None and self.world_size > 1:  # for all_ranks_at; made while every rank is here
-            self._check_group = self._run_mesh().group("control", self.config.exception_checkpoint_timeout_s)
+        if self._ranks_check is None:  # for all_ranks_at; made while every rank is here
+            self._ranks_check = EveryRankCheck(self._run_mesh(), self.config.exception_checkpoint_timeout_s)
         model = SetUpModel(module)
         if has_meta(module):  # Fabric refuses optimizers over meta tensors: they get placeholders until the start
             model.meta = placeholders(module, self.root_device)
@@ -252,13 +257,11 @@ class ZeroFabricStrategy(DDPStrategy):
             swap_parameters(model.module, model.zero, model.meta)
             model.meta = {}
         module, optimizers = model.module, [z.optimizer for z in model.zero]
+        self.config = fill_auto_sizes(self.config, module)  # then the stage, as at the Trainer's door
         if self._auto:
-            self.config, _ = choose_configuration(self.config, module, self.precision, self.world_size,
-                                                  self.num_processes, self.root_device, self.memory_budget_bytes,
-                                                  self.memory_margin)
-        from lzero import auto_sizes
-
-        self.config, _ = auto_sizes.fill(self.config, module)
+            self.config, self._auto_record = choose_configuration(
+                self.config, module, self.precision, self.world_size, self.num_processes, self.root_device,
+                self.memory_budget_bytes, self.memory_margin)
         if not optimizers and self.config.stage < 3:
             sync_module_states(module)  # as DDP's wrapper does: rank 0's weights everywhere
             return
@@ -271,12 +274,11 @@ class ZeroFabricStrategy(DDPStrategy):
                                  mesh=self._run_mesh())
         engine.automatic = False  # stage 1 reduces in the step, whether the script uses no_backward_sync or not
         model.engine = engine
-        if self.config.stage >= 3 and self.world_size > 1:
-            model.undo.enter_context(synced_generation(module, True))
+        keep_generation_synced(model.undo, module, self.config, self.world_size)
 
     def engine_of(self, optimizer: Any) -> tuple[Optional[ZeroEngine], list[ZeroOptimizer]]:
         """The engine that ``optimizer`` steps and all the optimizers of its model (for :class:`lzero.MemoryMonitor`)."""
-        zopt = _zero(optimizer)
+        zopt = zero_optimizer(optimizer, OPTIMIZER_HINT)
         model = next((m for m in self._models if any(z is zopt for z in m.zero)), None)
         return (model.engine, model.zero) if model is not None else (None, [])
 
@@ -284,9 +286,7 @@ class ZeroFabricStrategy(DDPStrategy):
 
     def _before_forward(self, model: SetUpModel) -> None:
         self._start(model)
-        if model.engine is not None:
-            model.engine.before_forward()
-            model.engine.gather_root()
+        before_forward(model.engine)
 
     def _after_forward(self, model: SetUpModel) -> None:
         if model.engine is not None and not torch.is_grad_enabled():
@@ -299,7 +299,7 @@ class ZeroFabricStrategy(DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        zopt = _zero(optimizer).started()
+        zopt = zero_optimizer(optimizer, OPTIMIZER_HINT).started()
         self.precision.step_or_skip(zopt, self._steps, self.is_global_zero, **kwargs)
         self._steps += 1
 
@@ -310,7 +310,7 @@ class ZeroFabricStrategy(DDPStrategy):
         if float(norm_type) != 2.0:
             raise ValueError(f"`clip_gradients(norm_type={norm_type!r})`: lzero clips by the global L2 norm only."
                              " HINT: use `norm_type=2` (the default), or `clip_val=` to clip by value.")
-        zopt = _zero(optimizer).started()
+        zopt = zero_optimizer(optimizer, OPTIMIZER_HINT).started()
         norm = zopt.engine.clip_grad_norm_(zopt.units, float(max_norm))
         if error_if_nonfinite and not bool(torch.isfinite(norm)):
             raise RuntimeError(f"The total norm of the gradients is {norm.item()}: non-finite, so they cannot be"
@@ -320,13 +320,13 @@ class ZeroFabricStrategy(DDPStrategy):
 
     @override
     def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: Union[float, int]) -> None:
-        zopt = _zero(optimizer).started()
+        zopt = zero_optimizer(optimizer, OPTIMIZER_HINT).started()
         zopt.engine.clip_grad_value_(zopt.units, float(clip_val))
 
     @override
     def get_optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
         """The full per-parameter state in torch's format, on every rank (a collective)."""
-        return _zero(optimizer).state_dict()
+        return zero_optimizer(optimizer, OPTIMIZER_HINT).state_dict()
 
     # --- state dicts and checkpoints -----------------------------------------------------------
 
@@ -405,6 +405,9 @@ class ZeroFabricStrategy(DDPStrategy):
             self._save_sharded(Path(path), state, modules, filter)
             return
         out = {key: self._saved_value(key, value, modules, filter) for key, value in state.items()}
+        out[PRECISION_STATE] = self.precision.state_dict()  # as the sharded form keeps it: both doors restore it
+        if self._auto_record:
+            out[AUTO_RECORD] = self._auto_record
         if self.is_global_zero:
             self.checkpoint_io.save_checkpoint(checkpoint=out, path=path, storage_options=storage_options)
 
@@ -425,12 +428,14 @@ class ZeroFabricStrategy(DDPStrategy):
             module_state = {k: v for k, v in module_state.items() if filter[key](k, v)}
             names = {v.spec.name for v in module_state.values() if isinstance(v, ShardedTensor)}
             kept = names.__contains__
-        checkpoint: dict[str, Any] = {"state_dict": module_state, FABRIC_KEYS: {"module": key, "optimizers": list(optimizers)}}
+        checkpoint: dict[str, Any] = {"state_dict": module_state, PRECISION_STATE: self.precision.state_dict(),
+                                      FABRIC_KEYS: {"module": key, "optimizers": list(optimizers)}}
         checkpoint.update({name: self._saved_value(name, value, modules, filter) for name, value in state.items()
                            if name != key and name not in optimizers})
         ordered = [model.zero.index(z) for z in optimizers.values()]
         save_sharded(path, engine, [model.zero[i] for i in ordered], checkpoint, None, kept, stage=self.config.stage,
-                     precision=self.precision.precision, front="fabric")
+                     precision=self.precision.precision, front="fabric",
+                     **({"auto": self._auto_record} if self._auto_record else {}))
 
     def _saved_value(self, key: str, value: Any, modules: dict[str, SetUpModel],
                      filter: dict[str, Callable[[str, Any], bool]]) -> Any:
@@ -467,11 +472,15 @@ class ZeroFabricStrategy(DDPStrategy):
             self.load_full_state_dict(self._model_of(state), checkpoint, strict)
             return {}
         if isinstance(state, Optimizer):
-            _zero(state).load_state_dict(checkpoint)
+            zero_optimizer(state, OPTIMIZER_HINT).load_state_dict(checkpoint)
             return {}
         missing = [k for k in state if k not in checkpoint]
         if strict and missing:
             raise KeyError(f"The checkpoint `{path}` has no {missing}. HINT: pass `strict=False` to load the rest.")
+        precision = take_precision_state(checkpoint)
+        if precision is not None:
+            self.precision.load_state_dict(precision)
+        checkpoint.pop(AUTO_RECORD, None)
         for name, obj in list(state.items()):
             if name not in checkpoint:
                 continue
@@ -486,7 +495,8 @@ class ZeroFabricStrategy(DDPStrategy):
 
     def _load_sharded(self, reader: PiecedCheckpoint, state: Any, strict: bool) -> dict[str, Any]:
         saved = reader.lightning_state()
-        common = {k: v for k, v in saved.items() if not k.startswith("lzero/")}
+        common = {k: v for k, v in saved.items() if not k.startswith("lzero/") or k == PRECISION_STATE}
+        precision = take_precision_state(common)
         keys = saved.get(FABRIC_KEYS) or {"module": "state_dict", "optimizers": []}  # a Trainer's: its module state
         if reader.from_deepspeed and isinstance(state, dict):  # one module and its optimizer
             keys = {"module": next((k for k, v in state.items() if isinstance(v, nn.Module)), "state_dict"),
@@ -511,8 +521,10 @@ class ZeroFabricStrategy(DDPStrategy):
                 load_module_state(model.engine, model.module, checkpoint, strict)
         optimizers = [state[k] for k in optimizer_keys if k in state]
         if optimizers:
-            load_optimizer_states([_zero(o).started() for o in optimizers], checkpoint)
+            load_optimizer_states([zero_optimizer(o, OPTIMIZER_HINT).started() for o in optimizers], checkpoint)
         restore_rng(reader, self.global_rank, self.world_size)
+        if precision is not None:
+            self.precision.load_state_dict(precision)
         for name, obj in list(state.items()):
             if name == module_key or name in optimizer_keys or name not in common:
                 continue
@@ -525,18 +537,15 @@ class ZeroFabricStrategy(DDPStrategy):
 
     def all_ranks_at(self, what: str) -> None:
         """Every rank reached the collective ``what`` within ``exception_checkpoint_timeout_s``, or a clear error
-        (called where a user's call enters a collective: a save, a state dict, a model's first use)."""
-        if self.world_size == 1:
+        (called where a user's call enters a collective: a save, a state dict, a model's first use). See [Note:
+        every rank at a collective call] in wiring.py."""
+        if self._ranks_check is None:
             return
-        import torch.distributed as dist
-
         try:
-            dist.barrier(group=self._check_group)
-        except RuntimeError as err:
-            raise RuntimeError(
-                f"{what} is a collective under lzero (every rank gathers or writes its pieces), but not every rank"
-                f" reached it within exception_checkpoint_timeout_s={self.config.exception_checkpoint_timeout_s:g} s"
-                f" ({err}). HINT: call it on every rank, not inside `if fabric.global_rank == 0:`.") from err
+            self._ranks_check.wait(what)
+        except RanksApart as err:
+            raise RanksApart(f"{what} is a collective under lzero (every rank gathers or writes its pieces), but {err}."
+                             " HINT: call it on every rank, not inside `if fabric.global_rank == 0:`.") from err
 
     # --- the rest of Fabric's calls --------------------------------------------------------------
 
@@ -546,17 +555,15 @@ class ZeroFabricStrategy(DDPStrategy):
         """Stage 3, for generation on some ranks only (a sample on rank 0): entered on every rank (a collective), the
         forwards inside run no collective. ``module``: a model set up by this strategy (the default: the only one).
         The modes and their memory checks are ``ZeroStrategy.generation``'s."""
+        check_generation_arguments(module, mode, "a model set up by `fabric.setup`",
+                                   "with fabric.strategy.generation(model, mode='streamed'):")
         if module is None:
             if len(self._models) != 1:
                 raise ValueError(f"`strategy.generation()` without a module, but {len(self._models)} models are set"
                                  " up. HINT: name one: `fabric.strategy.generation(model)`.")
             model = self._models[0]
-        elif isinstance(module, nn.Module):
-            model = self._model_of(module)
         else:
-            raise ValueError(f"`strategy.generation(module=...)` takes a model set up by `fabric.setup`, got"
-                             f" {module!r}. HINT: `fabric.strategy.generation(model, mode='streamed')`; the mode is a"
-                             " keyword argument.")
+            model = self._model_of(module)
         self._start(model)
         with generation(model.engine, model.module, mode, self.root_device, self.memory_budget_bytes,
                         self.memory_margin, self.num_processes):
@@ -570,9 +577,9 @@ class ZeroFabricStrategy(DDPStrategy):
                 model.engine.flush_delayed_update()
             model.undo.close()
         self._models = []
-        if self._check_group is not None:
-            self._mesh.destroy("control")
-            self._check_group = None
+        if self._ranks_check is not None:
+            self._ranks_check.close()
+            self._ranks_check = None
         super().teardown()
 
 
@@ -590,19 +597,3 @@ class _ZeroBackwardSyncControl(_BackwardSyncControl):
         self.strategy._start(model)
         return model.engine.no_sync() if model.engine is not None else contextlib.nullcontext()
 
-
-def _zero(optimizer: Any) -> ZeroOptimizer:
-    from lightning.fabric.wrappers import _FabricOptimizer
-
-    inner = optimizer.optimizer if isinstance(optimizer, _FabricOptimizer) else optimizer
-    if not isinstance(inner, ZeroOptimizer):
-        raise TypeError(f"`{type(inner).__name__}` was not set up by lzero's strategy. HINT: pass the optimizer"
-                        " returned by `fabric.setup_optimizers` (or `fabric.setup`).")
-    return inner
-
-
-def build_preset(name: str, **init_params: Any) -> ZeroFabricStrategy:
-    """The Fabric strategy a registered name (``lzero.presets.PRESET_CONFIGS``) stands for."""
-    from lzero.presets import PRESET_CONFIGS
-
-    return ZeroFabricStrategy(**{**PRESET_CONFIGS[name], **init_params})

@@ -11,7 +11,10 @@ from lightning.pytorch.plugins.precision import Precision
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lzero.lightning.precision import ZeroFabricPrecision, ZeroPrecisionError
+from lzero.lightning.precision import ZeroFabricPrecision
+from lzero.lightning.wiring import zero_optimizer
+
+OPTIMIZER_HINT = "pass the optimizer of `self.optimizers()` (or `trainer.strategy.optimizers`)"
 
 
 class ZeroPrecision(ZeroFabricPrecision, Precision):
@@ -24,7 +27,7 @@ class ZeroPrecision(ZeroFabricPrecision, Precision):
         See [Note: skipped steps]."""
         from lightning.pytorch.trainer import call
 
-        zopt = _zero_optimizer(optimizer)
+        zopt = zero_optimizer(optimizer, OPTIMIZER_HINT)
         closure_result = closure()
         if getattr(model, "automatic_optimization", False) and closure_result is None:
             return closure_result  # training_step returned None: no backward, no step (as Lightning's AMP)
@@ -47,22 +50,11 @@ class ZeroPrecision(ZeroFabricPrecision, Precision):
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        zopt = _zero_optimizer(optimizer)
+        zopt = zero_optimizer(optimizer, OPTIMIZER_HINT)
         zopt.engine.clip_grad_norm_(zopt.units, float(clip_val))
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        zopt = _zero_optimizer(optimizer)
+        zopt = zero_optimizer(optimizer, OPTIMIZER_HINT)
         zopt.engine.clip_grad_value_(zopt.units, float(clip_val))
 
-
-def _zero_optimizer(optimizer: Any) -> Any:
-    from lzero.optimizer import ZeroOptimizer
-
-    inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
-    if not isinstance(inner, ZeroOptimizer):
-        raise ZeroPrecisionError(
-            f"Gradient clipping under lzero needs the strategy's optimizer, got {type(inner).__name__}."
-            " HINT: clip the optimizer returned by `self.optimizers()`."
-        )
-    return inner

@@ -18,7 +18,6 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch import Trainer
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
@@ -28,7 +27,6 @@ from typing_extensions import override
 from lzero.engine import activation_checkpointing as checkpointing
 from lzero.deepspeed import config as deepspeed_config
 from lzero.checkpoint.full_state import gather_optimizer_state
-from lzero.checkpoint.deepspeed_checkpoint import PRECISION_STATE
 from lzero.checkpoint.resume import load_module_state, load_optimizer_states, open_checkpoint
 from lzero.checkpoint.sharded import AsyncSaver, save_sharded
 from lzero.checkpoint.state_dict import consolidate, has_sharded, module_state_dict
@@ -37,17 +35,19 @@ from lzero.config import ZeroConfig, ZeroConfigError
 from lzero.engine.engine import ZeroEngine
 from lzero.engine.loss_scale import LossScaleConfig
 from lzero.engine.materialize import has_meta
-from lzero.optimizer import ZeroOptimizer, check_optimizer
+from lzero.optimizer import check_optimizer
 from lzero.lightning.precision import to_zero_precision
 from lzero.lightning.trainer_kept import gather_back, keep, kept_engine, take_kept
-from lzero.lightning.trainer_precision import ZeroPrecision
-from lzero.memory.auto import rank_budget_bytes
+from lzero.lightning.trainer_precision import OPTIMIZER_HINT, ZeroPrecision
+from lzero.engine.rank_memory import rank_budget_bytes
 from lzero.engine.recording import settle
 from lzero.lightning.trainer_wiring import (activation_probe, add_memory_monitor, guard_lr_schedulers, micro_batch_size,
                                             optimizers_from_deepspeed_blocks, refuse_weight_averaging,
                                             watch_gradient_reads)
-from lzero.lightning.wiring import (choose_configuration, generation, meta_device, run_mesh, start_engine,
-                                    sync_module_states, synced_generation)
+from lzero.lightning.wiring import (AUTO_RECORD, EveryRankCheck, RanksApart, before_forward,
+                                    check_generation_arguments, choose_configuration, fill_auto_sizes, generation,
+                                    keep_generation_synced, meta_device, named, run_mesh, start_engine,
+                                    sync_module_states, take_precision_state, zero_optimizer)
 
 
 class ZeroStrategy(DDPStrategy):
@@ -122,7 +122,7 @@ class ZeroStrategy(DDPStrategy):
         self.config, self._auto, self._deepspeed = args.config, args.auto, args.deepspeed
         self._auto_record: Optional[dict] = None
         self.memory_budget_bytes, self.memory_margin = memory_budget_bytes, memory_margin
-        self._explicit_precision = args.precision is not None
+        self._given_precision = args.precision  # the strategy's own (`precision=...`): it wins over the Trainer's
         if args.precision is not None:
             precision_plugin = args.precision
         cpu_checkpointing = args.cpu_checkpointing
@@ -141,7 +141,7 @@ class ZeroStrategy(DDPStrategy):
         self._global_batch: Optional[int] = None
         self._failure: Optional[BaseException] = None  # set by on_exception; see [Note: teardown after a failure]
         self._mesh: Optional[Any] = None  # the run's process groups (run_mesh), made at the first that one needs
-        self._exit_group: Optional[Any] = None  # gloo, exception_checkpoint_timeout_s; see [Note: checkpoints after an exception]
+        self._ranks_check: Optional[EveryRankCheck] = None  # see [Note: checkpoints after an exception]
         self._ranks_together: Optional[bool] = None  # every rank reached the exception's checkpoint in time
         self.init_fn = init_fn
         self._checkpoint_policy = checkpointing.CheckpointPolicy(activation_checkpointing, cpu_checkpointing)
@@ -160,8 +160,8 @@ class ZeroStrategy(DDPStrategy):
     @precision_plugin.setter
     @override
     def precision_plugin(self, plugin: Optional[Precision]) -> None:
-        explicit = getattr(self, "_explicit_precision", False) and self._precision_plugin is not None
-        if explicit and not isinstance(plugin, ZeroPrecision):
+        given = getattr(self, "_given_precision", None) is not None and self._precision_plugin is not None
+        if given and not isinstance(plugin, ZeroPrecision):
             return  # the strategy's own precision wins over the Trainer's generic plugin
         self._precision_plugin = None if plugin is None else to_zero_precision(plugin, ZeroPrecision)
         knobs = self._deepspeed.loss_scaling_if_fp16 if getattr(self, "_deepspeed", None) is not None else None
@@ -197,7 +197,7 @@ class ZeroStrategy(DDPStrategy):
             if not fitting and self.config.stage >= 3 and kept.world_size == self.world_size:
                 self._engine = kept
                 self.precision_plugin.bind(kept)
-                self._marksynced_generation()
+                keep_generation_synced(self._exit_stack, self.lightning_module, self.config, self.world_size)
                 self.setup_precision_plugin()
                 return
             gather_back(kept)
@@ -210,7 +210,7 @@ class ZeroStrategy(DDPStrategy):
         if fitting:
             if self._deepspeed is not None:
                 deepspeed_config.apply_to_trainer(self._deepspeed, trainer)
-            self._fill_from_hidden_size()
+            self.config = fill_auto_sizes(self.config, self.lightning_module)
             if self.config.stage >= 3:
                 refuse_weight_averaging(trainer.callbacks)
             self.setup_optimizers(trainer)
@@ -230,13 +230,13 @@ class ZeroStrategy(DDPStrategy):
                 self._saver = AsyncSaver(self._run_mesh().group("saver"))
             guard_lr_schedulers(self.lightning_module, self.precision_plugin)
             watch_gradient_reads(self.lightning_module)
-            self._marksynced_generation()
-            self._exit_group = self._run_mesh().group("control", self.config.exception_checkpoint_timeout_s)
+            keep_generation_synced(self._exit_stack, self.lightning_module, self.config, self.world_size)
+            self._ranks_check = EveryRankCheck(self._run_mesh(), self.config.exception_checkpoint_timeout_s)
         elif self.config.stage >= 3:  # validate/test/predict sharded: see [Note: evaluating under zero3]
             self._engine, _ = start_engine(self.model, [], self.config, self.precision_plugin, self.root_device,
                                            self.num_processes, self.init_fn, evaluating=True, deepspeed=self._deepspeed,
                                            mesh=self._run_mesh())
-            self._marksynced_generation()
+            keep_generation_synced(self._exit_stack, self.lightning_module, self.config, self.world_size)
         else:
             sync_module_states(self.model)
         self.setup_precision_plugin()
@@ -246,12 +246,6 @@ class ZeroStrategy(DDPStrategy):
         if self._mesh is None:
             self._mesh = run_mesh(self.config, self._deepspeed)
         return self._mesh
-
-    def _marksynced_generation(self) -> None:
-        """Stage 3: a Hugging Face ``generate`` keeps the ranks stepping together while the engine lives (a forward
-        gathers blocks: every rank must run as many), unless inside ``generation()``."""
-        if self.config.stage >= 3 and self.world_size > 1:
-            self._exit_stack.enter_context(synced_generation(self.lightning_module, True))
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -263,18 +257,6 @@ class ZeroStrategy(DDPStrategy):
         if ds is not None and (ds.optimizer is not None or ds.scheduler is not None):
             self.optimizers, self.lr_scheduler_configs = optimizers_from_deepspeed_blocks(
                 ds.optimizer, ds.scheduler, self.lightning_module, self.optimizers, self.lr_scheduler_configs)
-
-    def _fill_from_hidden_size(self) -> None:
-        """``"auto"`` sizes filled from the model's hidden size ([Note: sizes from the hidden size] in auto_sizes.py),
-        logged in one line."""
-        from lzero import auto_sizes
-
-        self.config, filled = auto_sizes.fill(self.config, self.lightning_module)
-        if filled:
-            from lightning.pytorch.utilities import rank_zero_info
-
-            rank_zero_info("lzero: \"auto\" sizes from the model's hidden size: "
-                           + ", ".join(f"{k}={v}" for k, v in filled.items()))
 
     def _choose_configuration(self) -> None:
         """``stage="auto"``: the configuration for this model and machine, logged in one line."""
@@ -321,7 +303,7 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._before_forward()
+        before_forward(self._engine)
         if self._probe is not None and not self._probe.measured:  # see [Note: out-of-memory triage]
             with self._probe.measuring(self.lightning_module):
                 return super().training_step(*args, **kwargs)
@@ -340,17 +322,12 @@ class ZeroStrategy(DDPStrategy):
         return self._forward_only(super().predict_step, *args, **kwargs)
 
     def _forward_only(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        self._before_forward()
+        before_forward(self._engine)
         try:
             return step(*args, **kwargs)
         finally:
             if self._engine is not None:
                 self._engine.release_all()  # stage 3: no backward will release the root
-
-    def _before_forward(self) -> None:
-        if self._engine is not None:
-            self._engine.before_forward()
-            self._engine.gather_root()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -387,7 +364,8 @@ class ZeroStrategy(DDPStrategy):
             return
         self._flush_delayed_update()
         if self._sharded_checkpoint:
-            optimizers = [_unwrap(o) for o in self.optimizers] if "optimizer_states" in checkpoint else []
+            optimizers = [zero_optimizer(o, OPTIMIZER_HINT) for o in self.optimizers
+                          ] if "optimizer_states" in checkpoint else []
             save_sharded(filepath, self._live_engine, optimizers, checkpoint, self._saver, stage=self.config.stage,
                          precision=self.precision_plugin.precision,
                          **({"auto": self._auto_record} if self._auto_record else {}))
@@ -395,7 +373,7 @@ class ZeroStrategy(DDPStrategy):
         if has_sharded(checkpoint.get("state_dict", {})):
             checkpoint = {**checkpoint, "state_dict": consolidate(self._live_engine, checkpoint["state_dict"])}
         if self._auto_record:
-            checkpoint = {**checkpoint, "lzero/auto": self._auto_record}
+            checkpoint = {**checkpoint, AUTO_RECORD: self._auto_record}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @property
@@ -434,21 +412,18 @@ class ZeroStrategy(DDPStrategy):
         rank skips it (empty state, nothing written, no barrier) with a warning, and exits."""
         module = self.lightning_module
         trainer = module._trainer if module is not None else None
-        if trainer is None or trainer.state.status != TrainerStatus.INTERRUPTED or self._exit_group is None:
+        if trainer is None or trainer.state.status != TrainerStatus.INTERRUPTED or self._ranks_check is None:
             return True
-        if self._ranks_together is None:
-            import torch.distributed as dist
-
+        if self._ranks_together is None:  # see [Note: every rank at a collective call] in wiring.py
             try:
-                dist.barrier(group=self._exit_group)
+                self._ranks_check.wait("the checkpoint asked for after an exception")
                 self._ranks_together = True
-            except RuntimeError as err:
+            except RanksApart as err:
                 self._ranks_together = False
                 warnings.warn(
-                    f"lzero: rank {self.global_rank} skips the checkpoint asked for after an exception: not every rank"
-                    f" reached it within exception_checkpoint_timeout_s={self.config.exception_checkpoint_timeout_s:g}"
-                    f" s ({err}). A checkpoint needs every rank; with an exception on one rank only, resume from the"
-                    " last regular checkpoint.", stacklevel=2)
+                    f"lzero: rank {self.global_rank} skips the checkpoint asked for after an exception: {err}. A"
+                    " checkpoint needs every rank; with an exception on one rank only, resume from the last regular"
+                    " checkpoint.", stacklevel=2)
         return self._ranks_together
 
     @override
@@ -480,7 +455,7 @@ class ZeroStrategy(DDPStrategy):
             config=self.config, count=count_parameters(self.lightning_module, self.config.unit_modules),
             world_size=self.world_size, precision=self.precision_plugin.precision,
             budget=rank_budget_bytes(self.root_device, self.memory_budget_bytes, self.num_processes, total=True),
-            measured_states=model_state_bytes(engine, [_unwrap(o) for o in self.optimizers]),
+            measured_states=model_state_bytes(engine, [zero_optimizer(o, OPTIMIZER_HINT) for o in self.optimizers]),
             activations=probe.total if measured else None,
             checkpointed_activations=probe.checkpointed() if measured else None,
             activation_checkpointing=self._checkpointed is not None, micro_batch=self._micro_batch,
@@ -506,9 +481,9 @@ class ZeroStrategy(DDPStrategy):
         if self._checkpointed is not None:  # the module leaves fit with its own forward
             self._checkpointed.remove()
             self._checkpointed = None
-        if self._exit_group is not None:  # synchronous barriers only: nothing pending, destroying waits for no rank
-            self._mesh.destroy("control")
-            self._exit_group = None
+        if self._ranks_check is not None:
+            self._ranks_check.close()
+            self._ranks_check = None
         if self._saver is not None:
             saver, self._saver = self._saver, None
             if not failed:
@@ -545,7 +520,7 @@ class ZeroStrategy(DDPStrategy):
     def grad_norm(self, optimizer_index: int = 0) -> torch.Tensor:
         """Global L2 norm of the reduced gradients of one optimizer, as ``clip_grad_norm_`` would
         report it under DDP. A collective: call it on every rank, e.g. in ``on_before_optimizer_step``."""
-        return _unwrap(self.optimizers[optimizer_index]).grad_norm()
+        return zero_optimizer(self.optimizers[optimizer_index], OPTIMIZER_HINT).grad_norm()
 
     @contextmanager
     def generation(self, module: Optional[torch.nn.Module] = None,
@@ -569,12 +544,11 @@ class ZeroStrategy(DDPStrategy):
         prefetch (memory-bounded, one all-gather per block per token) and keeps the ranks stepping together
         (``synced_gpus``). Stages 1-2 hold whole parameters: nothing to do."""
         root = self.lightning_module
-        if module is not None and not (isinstance(module, torch.nn.Module) and root is not None
-                                       and any(m is module for m in root.modules())):
-            raise ValueError(
-                f"`strategy.generation(module=...)` takes the LightningModule or a module inside it, got"
-                f" {_named(module)}. HINT: `with trainer.strategy.generation(self.policy):` or"
-                f" `generation(mode='streamed')`; the mode is a keyword argument.")
+        takes, example = "the LightningModule or a module inside it", "with trainer.strategy.generation(self.policy):"
+        check_generation_arguments(module, mode, takes, example)
+        if module is not None and not (root is not None and any(m is module for m in root.modules())):
+            raise ValueError(f"`strategy.generation(module=...)` takes {takes}, got {named(module)}. HINT: `{example}`"
+                             " or another module inside the LightningModule.")
         with generation(self._live_engine, root, mode, self.root_device, self.memory_budget_bytes,
                         self.memory_margin, self.num_processes):
             yield
@@ -652,7 +626,7 @@ class ZeroStrategy(DDPStrategy):
         self._flush_delayed_update()
         if self._sharded_checkpoint:
             return {"lzero": "written by the sharded checkpoint"}  # the pieces come from the shards
-        return gather_optimizer_state(_unwrap(optimizer))
+        return gather_optimizer_state(zero_optimizer(optimizer, OPTIMIZER_HINT))
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -663,7 +637,7 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        load_optimizer_states([_unwrap(o) for o in self.optimizers], checkpoint)
+        load_optimizer_states([zero_optimizer(o, OPTIMIZER_HINT) for o in self.optimizers], checkpoint)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -674,26 +648,10 @@ class ZeroStrategy(DDPStrategy):
         checkpoint = open_checkpoint(checkpoint_path, self.global_rank, self.world_size, weights_only,
                                      lambda safe: super(ZeroStrategy, self).load_checkpoint(checkpoint_path,
                                                                                            weights_only=safe), names)
-        precision = checkpoint.pop(PRECISION_STATE, None)
-        if precision is not None:  # a DeepSpeed folder's loss scale and skipped steps: Lightning restores by class name
+        precision = take_precision_state(checkpoint)
+        if precision is not None:  # the loss scale and skipped steps: Lightning restores them by the class name
             checkpoint.setdefault(type(self.precision_plugin).__qualname__, precision)
         return checkpoint
 
-
-def build_preset(name: str, **init_params: Any) -> ZeroStrategy:
-    """The strategy a registered name (``lzero.presets.PRESET_CONFIGS``) stands for; Lightning builds it with no
-    arguments."""
-    from lzero.presets import PRESET_CONFIGS
-
-    return ZeroStrategy(**{**PRESET_CONFIGS[name], **init_params})
-
-
-def _named(value: Any) -> str:
-    """A short name of a value for an error message: a module's class, not its printed tree."""
-    return f"a {type(value).__name__}" if isinstance(value, torch.nn.Module) else repr(value)
-
-
-def _unwrap(optimizer: Any) -> ZeroOptimizer:
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 

@@ -1,19 +1,133 @@
-"""What both front doors do alike: the meta device of ``configure_model`` / ``init_module``, the engine's start, the
-configuration ``stage="auto"`` chooses, the weights of a model whose strategy starts no engine, and generation. The
-strategies (trainer_strategy.py, fabric_strategy.py) call these; nothing here imports ``lightning.pytorch``."""
+"""What both front doors do alike: the preset names, the meta device of ``configure_model`` / ``init_module``, the
+engine's start and each forward's, the configuration ``stage="auto"`` chooses and the sizes ``"auto"`` fills, the
+weights of a model whose strategy starts no engine, the check that every rank reached a collective call, the
+optimizer behind Lightning's wrappers, the precision state in a checkpoint, and generation. The strategies
+(trainer_strategy.py, fabric_strategy.py) call these; nothing here imports ``lightning.pytorch``
+(tests/lightning/test_doors.py runs each through both doors)."""
 
 from __future__ import annotations
 
 import contextlib
 import sys
 from contextlib import contextmanager
-from typing import Any, Generator, Optional, Sequence
+from typing import Any, Generator, Optional, Sequence, TypeVar
 
 import torch
 from torch.optim import Optimizer
 
+from lzero.checkpoint.deepspeed_checkpoint import PRECISION_STATE
 from lzero.config import ZeroConfig
+from lzero.errors import ZeroError
 from lzero.lightning.precision import ZeroFabricPrecision
+from lzero.optimizer import ZeroOptimizer, ZeroOptimizerError
+
+Strategy = TypeVar("Strategy")
+
+
+def build_preset(strategy: type[Strategy], name: str, **init_params: Any) -> Strategy:
+    """The ``strategy`` (either door's class) a registered name (``lzero.presets.PRESET_CONFIGS``) stands for; the
+    registry's factory (_lzero_startup.py) builds it with the arguments the user gave, over the preset's."""
+    from lzero.presets import PRESET_CONFIGS
+
+    return strategy(**{**PRESET_CONFIGS[name], **init_params})
+
+
+def zero_optimizer(optimizer: Any, hint: str) -> ZeroOptimizer:
+    """The :class:`ZeroOptimizer` behind an optimizer a door hands back: the Trainer's ``LightningOptimizer`` and
+    Fabric's ``_FabricOptimizer`` both keep the wrapped one in ``_optimizer``. ``hint``: which optimizer to pass
+    instead, at this door."""
+    inner = getattr(optimizer, "_optimizer", optimizer)
+    if not isinstance(inner, ZeroOptimizer):
+        raise ZeroOptimizerError(f"`{type(inner).__name__}` is not an optimizer set up by lzero's strategy. HINT:"
+                                 f" {hint}.")
+    return inner
+
+
+def before_forward(engine: Any) -> None:
+    """Before a forward of the model: a step's pending work settled, the root's parameters gathered (stage 3)."""
+    if engine is not None:
+        engine.before_forward()
+        engine.gather_root()
+
+
+class EveryRankCheck:
+    """[Note: every rank at a collective call]
+    A rank that enters a collective its peers never enter waits for the process group's timeout (30 minutes by
+    default), then fails with an error that names no cause. So where a collective may be entered by some ranks only,
+    a door first meets its peers in a barrier on a gloo group of its own, whose timeout is
+    ``exception_checkpoint_timeout_s``: every rank there in time, or a prompt error naming the call. The group is made
+    at setup, while every rank is there (making a group is itself a collective).
+
+    The doors differ in what a missing peer means, so in what they do with the error (:class:`RanksApart`): the
+    Trainer asks before a checkpoint after an exception (Lightning's ``OnExceptionCheckpoint`` runs on the rank that
+    raised only): it warns and skips the checkpoint, so that the rank exits with the user's exception, not one of
+    its own. Fabric asks before a user's call that is a collective under lzero (``fabric.save``, ``state_dict``,
+    the model's first use): a peer missing there is a script calling it on some ranks only, so it raises."""
+
+    def __init__(self, mesh: Any, timeout_s: float) -> None:
+        """``mesh``: the run's (``run_mesh``), which makes the group (its ``control``; None at world size 1)."""
+        self.mesh, self.timeout_s = mesh, timeout_s
+        self.group: Any = mesh.group("control", timeout_s)
+
+    def wait(self, what: str) -> None:
+        """Returns once every rank reached ``what``; raises :class:`RanksApart` when one did not in time."""
+        if self.group is None:
+            return
+        import torch.distributed as dist
+
+        try:
+            dist.barrier(group=self.group)
+        except RuntimeError as err:
+            raise RanksApart(f"not every rank reached {what} within exception_checkpoint_timeout_s="
+                             f"{self.timeout_s:g} s ({err})") from err
+
+    def close(self) -> None:
+        """Destroys the group: no barrier is pending on it (they are synchronous), so this waits for no rank."""
+        if self.group is not None:
+            self.mesh.destroy("control")
+            self.group = None
+
+
+class RanksApart(ZeroError, RuntimeError):
+    """Not every rank reached a collective call within ``exception_checkpoint_timeout_s``: see [Note: every rank at
+    a collective call]."""
+
+
+AUTO_RECORD = "lzero/auto"
+"""A full checkpoint's entry holding ``stage="auto"``'s record, at both doors (a sharded one keeps it in its
+manifest's ``auto``)."""
+
+
+def take_precision_state(checkpoint: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """The precision plugin's state (skipped steps, the fp16 loss scaler's) that ``checkpoint`` holds, removed from
+    it: under :data:`PRECISION_STATE` (a Fabric save, a DeepSpeed folder) or under the Trainer plugin's class name (as
+    Lightning saves it: ``ZeroPrecision``). Each door restores it into its plugin, so a run resumed through either
+    continues the loss scale where it was saved."""
+    states = [checkpoint.pop(key) for key in (PRECISION_STATE, "ZeroPrecision") if key in checkpoint]
+    return states[0] if states else None
+
+
+def fill_auto_sizes(config: ZeroConfig, module: torch.nn.Module) -> ZeroConfig:
+    """``"auto"`` sizes filled from the model's hidden size ([Note: sizes from the hidden size] in auto_sizes.py),
+    logged in one line on rank 0."""
+    from lightning.fabric.utilities import rank_zero_info
+
+    from lzero import auto_sizes
+
+    config, filled = auto_sizes.fill(config, module)
+    if filled:
+        rank_zero_info("lzero: \"auto\" sizes from the model's hidden size: "
+                       + ", ".join(f"{k}={v}" for k, v in filled.items()))
+    return config
+
+
+def keep_generation_synced(stack: contextlib.ExitStack, module: torch.nn.Module, config: ZeroConfig,
+                           world_size: int) -> None:
+    """Stage 3 over several ranks: until ``stack`` closes (the engine's end), a Hugging Face ``generate`` inside
+    ``module`` keeps the ranks stepping together (a forward gathers blocks: every rank must run as many), unless
+    inside ``generation()``."""
+    if config.stage >= 3 and world_size > 1:
+        stack.enter_context(synced_generation(module, True))
 
 @contextmanager
 def meta_device(device: Optional[torch.device] = None, recording: Optional[contextlib.ExitStack] = None) -> Generator:
@@ -57,7 +171,7 @@ def start_engine(module: torch.nn.Module, optimizers: list[Optimizer], config: Z
     from lzero.deepspeed.config import as_written
     from lzero.engine.engine import ZeroEngine
     from lzero.engine.mesh import Mesh
-    from lzero.engine.schedule import MemoryBudget
+    from lzero.engine.rank_memory import MemoryBudget
     from lzero.offload.placement import announce_offload
     from lzero.offload.store import divide_host_threads
     from lzero.optimizer import ZeroOptimizer
@@ -175,16 +289,31 @@ def choose_configuration(config: ZeroConfig, module: torch.nn.Module, precision:
 GENERATION_MODES = ("gathered", "streamed")
 
 
-@contextmanager
-def generation(engine: Any, module: torch.nn.Module, mode: str, device: torch.device, budget_bytes: Optional[int],
-               margin: float, num_processes: int) -> Generator:
-    """Both doors' ``strategy.generation(module, mode)`` over ``engine`` (None, or no gatherer: nothing to do). A
-    collective on entry. See ``ZeroStrategy.generation`` for the modes."""
-    from lzero.memory.auto import rank_budget_bytes
+def named(value: Any) -> str:
+    """A short name of a value for an error message: a module's class, not its printed tree."""
+    return f"a {type(value).__name__}" if isinstance(value, torch.nn.Module) else repr(value)
 
+
+def check_generation_arguments(module: Any, mode: Any, takes: str, example: str) -> None:
+    """Both doors' ``strategy.generation(module, mode)`` refuses the same misuse alike, before anything runs:
+    ``module`` that is not a module (a mode given as the first argument, most often), and an unknown ``mode``.
+    ``takes``: the modules this door takes; ``example``: its call."""
+    if module is not None and not isinstance(module, torch.nn.Module):
+        raise ValueError(f"`strategy.generation(module=...)` takes {takes}, got {named(module)}. HINT: `{example}`;"
+                         " the mode is a keyword argument: `generation(mode='streamed')`.")
     if mode not in GENERATION_MODES:
         raise ValueError(f"`generation(mode={mode!r})`: the modes are 'gathered' (every block on the device) and"
                          " 'streamed' (blocks copied from host memory per forward).")
+
+
+@contextmanager
+def generation(engine: Any, module: torch.nn.Module, mode: str, device: torch.device, budget_bytes: Optional[int],
+               margin: float, num_processes: int) -> Generator:
+    """Both doors' ``strategy.generation(module, mode)`` over ``engine`` (None, or no gatherer: nothing to do), its
+    arguments checked by :func:`check_generation_arguments`. A collective on entry. See ``ZeroStrategy.generation``
+    for the modes."""
+    from lzero.engine.rank_memory import rank_budget_bytes
+
     if engine is None or engine.gatherer is None:
         yield
         return

@@ -26,7 +26,7 @@ from typing import Any, Optional
 import torch
 
 from lzero.config import ZeroConfig, ZeroConfigError
-from lzero.engine.schedule import host_available_bytes
+from lzero.engine.rank_memory import rank_budget_bytes
 from lzero.memory.estimate import ModelCount, model_states
 from lzero.presets import PRESET_CONFIGS
 
@@ -41,13 +41,11 @@ def choose(base: ZeroConfig, model: ModelCount, world_size: int, local_processes
     a stage]."""
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
         raise ZeroConfigError(f"`memory_margin={margin!r}` must be a fraction in [0, 1). HINT: e.g. 0.2.")
-    host = host_available_bytes()
-    host_share = host // max(1, local_processes) if host is not None else None
     if device.type == "cuda":
-        device_budget = budget_bytes if budget_bytes is not None else torch.cuda.mem_get_info(device)[0]
-        host_budget = host_share
+        device_budget = rank_budget_bytes(device, budget_bytes, local_processes)
+        host_budget = rank_budget_bytes(torch.device("cpu"), None, local_processes)
     else:
-        device_budget, host_budget = None, budget_bytes if budget_bytes is not None else host_share
+        device_budget, host_budget = None, rank_budget_bytes(device, budget_bytes, local_processes)
     if host_budget is None and device_budget is None:
         raise ZeroConfigError("`strategy='zero_auto'` cannot read how much memory this machine has (no"
                               " /proc/meminfo). HINT: pass `ZeroStrategy(stage='auto', memory_budget_bytes=...)`.")
@@ -107,13 +105,3 @@ def summary(record: dict) -> str:
 def _size(nbytes: float) -> str:
     return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.2f} MB"
 
-
-def rank_budget_bytes(device: torch.device, budget: Optional[int], processes: int, total: bool = False) -> Optional[int]:
-    """This rank's budget: ``budget`` when given, else the device's free memory (``total``: all of it), or on CPU
-    the host's available memory shared by the node's processes."""
-    if budget is not None:
-        return budget
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[1 if total else 0]
-    host = host_available_bytes()
-    return host // max(1, processes) if host is not None else None

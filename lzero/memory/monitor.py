@@ -38,7 +38,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lzero.engine import collectives
-from lzero.engine.schedule import peak_bytes, reset_peak
+from lzero.engine.rank_memory import peak_bytes, reset_peak
 from lzero.memory.accounting import KINDS, model_state_bytes
 
 STATE_BYTES = {"Adam": 8, "AdamW": 8, "Adamax": 8, "NAdam": 8, "RAdam": 8, "Adagrad": 4, "RMSprop": 4, "SGD": 0}
