@@ -74,6 +74,10 @@ def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _default_group() -> Any:
+    return dist.GroupMember.WORLD if _initialized() else None
+
+
 @dataclass(eq=False)
 class Mesh:
     """This rank's place among the run's ranks and the process groups made over them. See [Note: the mesh]."""
@@ -85,6 +89,7 @@ class Mesh:
     hpz_size: int = 1  # H: 1 when hpZ is off, or when its partition is the whole shard group
     base: Any = None  # the group of the N ranks; None: the default group
     ranks: tuple[int, ...] = ()  # the N ranks' global ranks, in order
+    default: Any = None  # the default process group this mesh was made in (None: no torch.distributed)
     _made: dict[str, Any] = field(default_factory=dict, repr=False)
     _users: dict[str, int] = field(default_factory=dict, repr=False)  # requests not yet followed by a destroy
 
@@ -112,7 +117,12 @@ class Mesh:
                 f" a divisor of {world}.")
         if hpz >= world:  # one node: the primary gather is the node's already
             hpz = 1
-        return cls(world, rank, local, shard, max(hpz, 1), base, ranks)
+        return cls(world, rank, local, shard, max(hpz, 1), base, ranks, _default_group())
+
+    def current(self) -> bool:
+        """Whether the process group this mesh was made in is still the default one (a strategy that outlives a
+        ``destroy_process_group`` makes a new mesh)."""
+        return self.default is _default_group()
 
     @property
     def hybrid(self) -> bool:

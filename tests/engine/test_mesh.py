@@ -103,3 +103,12 @@ def test_only_the_mesh_makes_groups_or_reads_the_ranks_per_node() -> None:
             if re.search(pattern, code):
                 found.setdefault(pattern, set()).add(path.relative_to(PACKAGE).as_posix())
     assert found == {r"\bnew_group\(": {"engine/mesh.py"}, r"[\"']LOCAL_WORLD_SIZE[\"']": {"engine/mesh.py"}}
+
+
+def test_a_mesh_knows_when_its_process_group_is_gone(tmp_path: Path, in_process_fit) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    mesh = Mesh.of()
+    assert mesh.current() and (mesh.world, mesh.rank) == (1, 0)
+    dist.destroy_process_group()
+    assert not mesh.current()  # a strategy outliving its process group makes a new mesh (the doors' _run_mesh)
+    assert Mesh.of().current()
