@@ -133,6 +133,7 @@ def test_print_config_comments_show_every_strategy_field_with_its_docstring(caps
     """`--print_config=comments` with `trainer.strategy: strategies/zero3.yaml` lists every ZeroConfig field under
     `config`, each under a comment that starts with the first words of its docstring, with the preset's values."""
     import ast
+    import inspect
     from dataclasses import fields
 
     from lzero import ZeroConfig
@@ -142,10 +143,10 @@ def test_print_config_comments_show_every_strategy_field_with_its_docstring(caps
               str(ROOT / "strategies/zero3.yaml"), "--print_config=comments"])
     assert done.value.code == 0
     printed = capsys.readouterr().out.splitlines()
-    tree = ast.parse((ROOT / "lzero/config.py").read_text())
-    sections = {c.__name__ for c in ZeroConfig.__mro__}  # ZeroConfig and the sections it takes its fields from
     docs = {}
-    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in sections):
+    for section in ZeroConfig.__mro__[:-1]:  # ZeroConfig and the sections it takes its fields from, each in its module
+        tree = ast.parse(Path(inspect.getsourcefile(section)).read_text())
+        cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == section.__name__)
         for field_node, doc in zip(cls.body, cls.body[1:]):
             if isinstance(field_node, ast.AnnAssign) and isinstance(doc, ast.Expr) and \
                     isinstance(doc.value, ast.Constant):
