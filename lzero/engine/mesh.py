@@ -42,6 +42,7 @@ they resume flat or hybrid at any world size.
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Optional, Union
@@ -75,7 +76,8 @@ def _initialized() -> bool:
 
 
 def _default_group() -> Any:
-    return dist.GroupMember.WORLD if _initialized() else None
+    world = dist.GroupMember.WORLD if _initialized() else None
+    return weakref.ref(world) if world is not None else None
 
 
 @dataclass(eq=False)
@@ -89,7 +91,9 @@ class Mesh:
     hpz_size: int = 1  # H: 1 when hpZ is off, or when its partition is the whole shard group
     base: Any = None  # the group of the N ranks; None: the default group
     ranks: tuple[int, ...] = ()  # the N ranks' global ranks, in order
-    default: Any = None  # the default process group this mesh was made in (None: no torch.distributed)
+    default: Any = None  # a weak reference to the default process group this mesh was made in (None: no group);
+    # weak, since a strong one would keep a destroyed group's connections open, and a peer blocked in a collective
+    # with this rank would then wait for the process to exit ([Note: the misuse named on every rank])
     _made: dict[str, Any] = field(default_factory=dict, repr=False)
     _users: dict[str, int] = field(default_factory=dict, repr=False)  # requests not yet followed by a destroy
 
@@ -122,7 +126,8 @@ class Mesh:
     def current(self) -> bool:
         """Whether the process group this mesh was made in is still the default one (a strategy that outlives a
         ``destroy_process_group`` makes a new mesh)."""
-        return self.default is _default_group()
+        now = _default_group()
+        return now is None if self.default is None else now is not None and self.default() is now()
 
     @property
     def hybrid(self) -> bool:
