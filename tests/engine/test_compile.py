@@ -7,6 +7,9 @@ and a validation pass.
 
 from __future__ import annotations
 
+import getpass
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,7 +21,11 @@ from _launch import run_script
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("compile_runs")
-    run_script("compile_runs.py", str(out), "inductor", ranks=2)
+    # inductor's on-disk cache does not key its kernels by ATen's CPU capability: kernels cached by a run with the
+    # default kernels, reused under ATEN_CPU_CAPABILITY=avx2, gave DDP NaN weights (torch 2.13); one cache per capability
+    capability = os.environ.get("ATEN_CPU_CAPABILITY", "default")
+    cache = Path(tempfile.gettempdir()) / f"lzero-tests-inductor-{getpass.getuser()}-{capability}"
+    run_script("compile_runs.py", str(out), "inductor", ranks=2, env={"TORCHINDUCTOR_CACHE_DIR": str(cache)})
     return out
 
 
