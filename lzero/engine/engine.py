@@ -162,7 +162,9 @@ class ZeroEngine:
         self._cast_back: list[tuple[nn.Parameter, torch.dtype]] = []  # frozen parameters cast to param_dtype
         self.policy.check_module(module)
         if config.stage >= 3 and has_meta(module):
-            self.units = self._materialize_by_unit(module, optimizers, block_modules, labels, device, init_fn, weights)
+            with recording.as_built(module):  # [Note: the construction's default dtype] in recording.py
+                self.units = self._materialize_by_unit(module, optimizers, block_modules, labels, device, init_fn,
+                                                       weights)
         else:
             self._broadcast_initial_state(module)  # before the units take (fp32 master) copies
             self.units = [self._unit(spec, [by_name[p.name] for p in spec.params]) for spec in self.partition.units]

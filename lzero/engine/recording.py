@@ -37,6 +37,17 @@ the garbage collector frees with the model). The engine at setup (:func:`recorde
 the dynamic extent of a ``with`` block (``building_on``), per context as torch keeps its dispatch modes per thread.
 The recordings themselves are not kept in one: a model built in one context may be set up in another (some
 ipykernel versions run each notebook cell in a fresh context).
+
+[Note: the construction's default dtype]
+Eager code builds a model under whatever default dtype is set around it: Lightning's bf16-true sets bf16 around
+``configure_model`` (its precision plugin's ``module_init_context``), and what the model computes while built
+depends on it, and not only its own tensors: bitsandbytes makes its 4-bit code table once per process, in the
+default dtype of its first quantization, and every later quantization and dequantization of the process uses that
+table (the midpoints of a bf16 table bucket other codes than fp32's). The record runs under the default dtype of
+the build, but the replay and the pretrained reads run at setup, outside it; so a recording keeps the default dtype
+its construction opened under (``Recorder.default_dtype``: the precision's context opens outside lzero's meta
+context, at both doors, as Lightning's own strategies nest them) and the engine materializes the model under it
+(:func:`as_built`).
 """
 
 from __future__ import annotations
@@ -76,6 +87,7 @@ class Recorder(TorchDispatchMode):
         self.nbytes: dict[int, int] = {}  # recorded storage -> its bytes
         self._alive: list[torch.UntypedStorage] = []  # every recorded storage, kept alive (and so its key)
         self.start_states = rng_states()  # (CPU, current CUDA device or None) when the context opened
+        self.default_dtype = torch.get_default_dtype()  # [Note: the construction's default dtype]
         self.final_states = self.start_states  # when it closed
         self._seen = self.start_states  # at the last recorded draw (meta operations draw nothing)
         self.foreign: set[int] = set()  # meta storages read before the record wrote them
@@ -336,6 +348,22 @@ def _recordings_of(tensors: list[Tensor]) -> list[Recorder]:
     runs anyway)."""
     found = {id(r): r for t in tensors for r in getattr(t.untyped_storage(), "_lzero_recordings", ())}
     return sorted((r for r in found.values() if r.closed is not None), key=lambda r: r.closed, reverse=True)
+
+
+@contextlib.contextmanager
+def as_built(module: nn.Module) -> Iterator[None]:
+    """Inside the block, the default dtype is the one ``module``'s construction ran under (the newest recording that
+    built any of its tensors; unchanged for a module no recording built): [Note: the construction's default dtype]."""
+    recordings = _recordings_of([*module.parameters(), *module.buffers()])
+    if not recordings:
+        yield
+        return
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(recordings[0].default_dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 def read_values_from_files(provide: Callable[[], dict[int, Callable[[Tensor], None]]]) -> None:

@@ -160,8 +160,9 @@ class ZeroFabricStrategy(DDPStrategy):
         self._close_recording()
         recording = contextlib.ExitStack()
         try:
-            with meta_device(self.root_device, recording), _EmptyInit(enabled=True), \
-                    self.precision.module_init_context():
+            # the precision's dtype outside the meta context: [Note: the construction's default dtype]
+            with self.precision.module_init_context(), meta_device(self.root_device, recording), \
+                    _EmptyInit(enabled=True):
                 yield
         except BaseException:
             recording.close()

@@ -270,7 +270,8 @@ class ZeroStrategy(DDPStrategy):
         """Stage 3 with ``empty_init=True``: build on the meta device; the engine materializes the model
         one unit at a time at setup, each rank keeping only its shard."""
         if self.config.stage >= 3 and empty_init:
-            with meta_device(self.root_device), self.precision_plugin.tensor_init_context():
+            # the precision's dtype outside the meta context: [Note: the construction's default dtype] in recording.py
+            with self.precision_plugin.tensor_init_context(), meta_device(self.root_device):
                 yield
             return
         with super().tensor_init_context(empty_init):

@@ -7,7 +7,9 @@ RUN is ``MODEL:STRATEGY[:PRECISION[:FLAG]]`` (``gpt2:zero3``, ``llama:ddp:bf16-m
 model in ``__init__`` under an lzero strategy too (DDP always does); ``ckpt`` saves ``OUT_DIR/RUN-ckpt/last.ckpt``;
 ``lora`` wraps the model with peft's LoRA adapters (their initial values set by ``LORA_A`` in ``on_fit_start``, through
 ``strategy.gathered_parameters()`` under lzero, so that every run starts from the same adapters) and exports them
-with ``ExportHF(adapters_only=True)`` to ``OUT_DIR/RUN-adapters``.
+with ``ExportHF(adapters_only=True)`` to ``OUT_DIR/RUN-adapters``; ``head`` adds a fresh ``nn.Linear`` classification head
+after ``from_pretrained`` (drawn where the model is built) whose loss on the last hidden state joins the model's; ``lazy``
+builds the model in ``configure_model`` under DDP too.
 Every run also saves the logits of the trained model on ``PROBE``. Rank 0 writes
 ``OUT_DIR/MODEL-STRATEGY-PRECISION.pt``: the first batch, the losses and the parameters after fit.
 tests/hf/test_pretrained.py compares them.
@@ -38,9 +40,9 @@ def LORA_A(shape: torch.Size) -> torch.Tensor:  # noqa: N802 (a constant's role)
 
 
 class Pretrained(LightningModule):
-    def __init__(self, path: str, lazy: bool, lora: bool = False) -> None:
+    def __init__(self, path: str, lazy: bool, lora: bool = False, head: bool = False) -> None:
         super().__init__()
-        self.path, self.lora = path, lora
+        self.path, self.lora, self.with_head = path, lora, head
         if not lazy:
             self.configure_model()
 
@@ -54,6 +56,8 @@ class Pretrained(LightningModule):
 
             config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
             self.model = get_peft_model(self.model, config)
+        if self.with_head:  # drawn in the default dtype of the build: bf16 under bf16-true's configure_model
+            self.head = torch.nn.Linear(self.model.config.hidden_size, 8)
 
     def on_fit_start(self) -> None:
         if not self.lora:
@@ -68,7 +72,11 @@ class Pretrained(LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         (tokens,) = batch
-        return self.model(input_ids=tokens, labels=tokens).loss
+        if not self.with_head:
+            return self.model(input_ids=tokens, labels=tokens).loss
+        out = self.model(input_ids=tokens, labels=tokens, output_hidden_states=True)
+        classes = self.head(out.hidden_states[-1][:, -1]).float()
+        return out.loss + torch.nn.functional.cross_entropy(classes, tokens[:, 0] % 8)
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)  # the kernel an offloaded step runs
@@ -89,7 +97,7 @@ class Record(Callback):
 def fit(models: Path, out: Path, run: str) -> None:
     name, strategy, *rest = run.split(":")
     precision = rest[0] if rest else "32-true"
-    eager = strategy == "ddp" or "eager" in rest[1:]
+    eager = (strategy == "ddp" and "lazy" not in rest[1:]) or "eager" in rest[1:]
     tag = run.replace(":", "-")
     checkpoints = [ModelCheckpoint(dirpath=out / f"{tag}-ckpt", save_last=True)] if "ckpt" in rest[1:] else []
     lora = "lora" in rest[1:]  # with ckpt too: "llama:zero3_offload:32-true:lora:ckpt"
@@ -103,11 +111,11 @@ def fit(models: Path, out: Path, run: str) -> None:
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, precision=precision, max_steps=10,
                       logger=False, enable_checkpointing="ckpt" in rest[1:], enable_progress_bar=False,
                       enable_model_summary=False, callbacks=[record, *checkpoints])
-    module = Pretrained(str(models / name), lazy=not eager, lora=lora)
+    module = Pretrained(str(models / name), lazy=not eager, lora=lora, head="head" in rest[1:])
     trainer.fit(module, DataLoader(TensorDataset(tokens), batch_size=4))
     lzero.unshard(module)  # zero3 leaves the model sharded: whole tensors to compare (a no-op otherwise)
     if trainer.is_global_zero:
-        params = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+        params = {k: v.detach().clone() for k, v in (module if module.with_head else module.model).state_dict().items()}
         with torch.no_grad():
             logits = module.model(input_ids=PROBE, decoder_input_ids=PROBE).logits if "t5" in name else \
                 module.model(input_ids=PROBE).logits

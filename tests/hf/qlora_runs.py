@@ -12,7 +12,9 @@ generated inside ``strategy.generation()`` on the quantized shards. ``ckpt`` run
 eval-mode forward, where bitsandbytes' CPU kernels repack the 4-bit weights) and saves checkpoints every 5 steps to
 ``OUT_DIR/RUN-ckpt/``, the adapters' ``adapter_config.json`` to ``OUT_DIR/RUN-adapter-config/`` and the logits of the trained model on ``PROBE``. ``resume`` runs on one process, batches of 8
 (the 2 ranks' batches of 4 together), from the step-5 checkpoint of the same run with ``ckpt`` (the same RUN with
-``resume`` in place of ``ckpt``).
+``resume`` in place of ``ckpt``). ``fresh`` runs as the first run of a fresh process would: bitsandbytes makes its 4-bit code
+tables once per process, in the default dtype of its first quantization (bf16 under bf16-true's ``configure_model``,
+fp32 elsewhere), so the run forgets the tables the runs before it made (put such runs last: later ones keep its).
 Rank 0 writes ``OUT_DIR/RUN.pt`` (``:`` as ``-``): losses, adapter weights after fit, and with ``eval`` the
 validation loss and the generated tokens. tests/hf/test_qlora.py compares them with DDP's.
 """
@@ -111,8 +113,19 @@ def _trainer(strategy: str, steps: int, callbacks: list, devices: int = 2) -> Tr
                    callbacks=callbacks)
 
 
+def forget_bitsandbytes_tables() -> None:
+    """What a fresh process starts with: no 4-bit code table yet (bitsandbytes 0.50 caches them on first use)."""
+    from bitsandbytes.backends import utils
+    from bitsandbytes.backends.default import ops
+
+    utils._code_4bit_cache.clear()
+    ops._get_4bit_quantize_bounds.cache_clear()
+
+
 def fit(models: Path, out: Path, run: str) -> None:
     name, quant, strategy, build, *flags = run.split(":")
+    if "fresh" in flags:
+        forget_bitsandbytes_tables()
     # 40 samples: 5 steps an epoch on 2 ranks, so the step-5 checkpoint ends an epoch and a resume sees the same batches
     tokens = torch.randint(0, 128, (40, 12), generator=torch.Generator().manual_seed(1))
     record = Record()
