@@ -432,15 +432,34 @@ def recording_more(module: nn.Module) -> Iterator[None]:
     """Inside the block, operations on ``module``'s meta tensors join the recording that built them (a cast of the
     whole module before setup: bf16-true's ``convert_module``); a no-op for a module no recording built. The newest
     recording that built any of them: a pretrained base's parameters are built unrecorded (their values come from the
-    files), the adapters beside them are recorded."""
+    files), the adapters beside them are recorded. Else the newest recording they joined (:func:`as_fakes`): a
+    pretrained model with nothing recorded beside it, whose cast storages the engine then reads from the files
+    ([Note: a cast of pretrained tensors] in hf/pretrained.py)."""
     tensors = [t for t in [*module.parameters(), *module.buffers()] if _recorded(t)]
     keys = {storage_key(t) for t in tensors}
-    recorder = next((r for r in _recordings_of(tensors) if keys & r.nbytes.keys()), None)
+    recordings = _recordings_of(tensors)
+    recorder = next((r for r in recordings if keys & r.nbytes.keys()), recordings[0] if recordings else None)
     if recorder is None:
         yield
         return
     with recorder:
         yield
+
+
+def casts_of(tensors: list[Tensor], sources: set[int]) -> dict[int, tuple[int, torch.dtype]]:
+    """Storage -> (the storage of ``sources`` it is a recorded whole cast of, its dtype): ``.to(dtype)``, chains
+    followed, in the recordings that ``tensors`` carry. [Note: a cast of pretrained tensors] in hf/pretrained.py."""
+    found: dict[int, tuple[int, torch.dtype]] = {}
+    for recorder in reversed(_recordings_of(tensors)):  # the oldest first: a later one may cast an earlier's output
+        for e in recorder.entries:
+            if e.func is not torch.ops.aten._to_copy.default or len(e.creates) != 1 or not isinstance(e.args[0], Ref):
+                continue
+            source, out = e.args[0], e.outputs
+            origin = found.get(source.storage, (source.storage,))[0]
+            if origin in sources and source.whole(recorder.nbytes[source.storage]) \
+                    and out.whole(recorder.nbytes[out.storage]):
+                found[out.storage] = (origin, out.dtype)
+    return found
 
 
 def settle(module: nn.Module) -> dict[int, Tensor]:

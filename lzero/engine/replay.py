@@ -21,7 +21,10 @@ engine then reads as it reads a pretrained checkpoint (``WeightSource``). Memory
   it) to the last operation touching that version; a version overwritten later without being read (``nn.Linear``'s
   own ``reset_parameters`` draw, redrawn by Hugging Face's ``post_init``) is replayed into storage freed right after,
   so it costs its draws and no memory;
-- the final version of a parameter's storage is cut into the rank's pieces at its last use, then freed.
+- the final version of a parameter's storage is cut into the rank's pieces at its last use, then freed;
+- a storage the files of a pretrained model hold (``loads``: a loaded tensor, or its bf16-true cast) is read from
+  them where an entry reads it, and an entry that only makes such storages, none wanted, is skipped ([Note: a cast
+  of pretrained tensors] in lzero/hf/pretrained.py): the engine reads their pieces from the files itself.
 After the replay the global RNG is left where eager construction would have left it (when nothing drew from it
 since the context opened), so dropout and data order continue as under DDP.
 
@@ -127,6 +130,9 @@ class Replay:
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             _set_state(self.device, state)
             for i, e in enumerate(entries):
+                if self._from_files(e):
+                    self._free(ends.get(i, ()), i, last_touch, real)
+                    continue
                 for key in e.overwrites:  # a new version: fresh storage, the old one's values are not read
                     if key not in real:
                         real[key] = torch.empty(self.record.nbytes[key], dtype=torch.uint8,
@@ -146,12 +152,22 @@ class Replay:
                         if isinstance(ref, Ref) and ref.storage in e.creates:
                             real[ref.storage] = t.untyped_storage()
                 args = kwargs = out = t = None  # views of the storages: freeing below must free them
-                for key in ends.get(i, ()):
-                    if last_touch[key] == i and key in self.wanted:  # the final version: this rank's part of it
-                        self._keep(key, real[key])
-                    real.pop(key, None)
+                self._free(ends.get(i, ()), i, last_touch, real)
             end_state = _get_state(self.device)
         return end_state
+
+    def _from_files(self, e: Entry) -> bool:
+        """``e`` only makes storages the files hold (a cast of a loaded tensor, [Note: a cast of pretrained tensors]
+        in lzero/hf/pretrained.py), none wanted, and draws nothing: skipped, a later read of them reads the files."""
+        return bool(e.creates) and not e.writes and all(k in self.loads and k not in self.wanted for k in e.creates) \
+            and torch.Tag.nondeterministic_seeded not in getattr(e.func, "tags", ())
+
+    def _free(self, keys: Any, i: int, last_touch: dict[int, int], real: dict[int, torch.UntypedStorage]) -> None:
+        """After entry ``i``: the storages whose version ends there freed, a final version's wanted part kept."""
+        for key in keys:
+            if last_touch[key] == i and key in self.wanted:  # the final version: this rank's part of it
+                self._keep(key, real[key])
+            real.pop(key, None)
 
     def _keep(self, key: int, storage: torch.UntypedStorage) -> None:
         for name, ref, ranges in self.wanted[key]:

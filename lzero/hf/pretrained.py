@@ -375,6 +375,14 @@ def _all_storage_loads() -> dict[int, Callable[[Tensor], None]]:
     return {k: v for model in list(_SOURCES.keys()) for k, v in PretrainedWeights(model).storage_loads().items()}
 
 
+def _casts(files: dict[int, tuple], tensors: list[Tensor]) -> dict[int, tuple]:
+    """The storages the recordings of ``tensors`` cast from those of ``files``, as entries of ``files`` in their dtype:
+    [Note: a cast of pretrained tensors]."""
+    from lzero.engine.recording import casts_of
+
+    return {storage: (*files[origin][:3], dtype) for storage, (origin, dtype) in casts_of(tensors, set(files)).items()}
+
+
 def _load_whole(source: PretrainedSource, key: str, numel: int, dtype: torch.dtype, out: Tensor) -> None:
     files = OpenFiles(source.files)
     try:
@@ -384,16 +392,23 @@ def _load_whole(source: PretrainedSource, key: str, numel: int, dtype: torch.dty
 
 
 class PretrainedWeights:
-    over_replay = True  # what the files do not hold comes from the model's replayed construction (replay.py)
-
     """The engine's view of every pretrained model inside one root module: which tensors (by their names in the
     root) come from a checkpoint, and their flat ranges. See [Note: reading a pretrained checkpoint into shards].
 
     Tensors are recognized by identity, not by name: wrappers added after ``from_pretrained`` (peft's LoRA
     layers, activation checkpointing) rename the modules but keep the parameter objects. What the files do not hold
-    (adapters, a new head, missing keys) comes from the model's replayed construction (``over_replay``)."""
+    (adapters, a new head, missing keys) comes from the model's replayed construction (``over_replay``).
 
-    over_replay = True
+    [Note: a cast of pretrained tensors]
+    bf16-true casts the model after ``configure_model`` (``convert_module``: ``module.to(torch.bfloat16)``), as
+    Lightning's DDP casts the model it loaded: each cast tensor gets a new storage, which the model's recording
+    records as a ``_to_copy`` of the loaded one (``recording_more`` in lzero/engine/recording.py). Those storages are
+    the checkpoint's too, in the cast dtype: recognized here from the recording (``casts_of``), each rank reads its
+    pieces of them converted to the parameter's dtype (``copy_`` rounds as ``.to`` does), and the replay, which reads
+    the files for them (``storage_loads``), skips the casts whose result it does not need ([Note: replayed
+    construction] in lzero/engine/replay.py)."""
+
+    over_replay = True  # what the files do not hold comes from the model's replayed construction (replay.py)
 
     def __init__(self, root: nn.Module) -> None:
         self._keys: dict[str, tuple[PretrainedSource, str]] = {}  # root name -> (its source, checkpoint key)
@@ -401,9 +416,12 @@ class PretrainedWeights:
         # by storage: a tensor built on lzero's fake device is swapped for a meta tensor over the same storage at
         # setup (lzero.engine.recording.settle), and one whose storage was replaced since (a resized embedding) is no
         # longer the checkpoint's
-        owner = {storage: (source, key) for source in self.sources
-                 for storage, (key, _, _) in source.by_storage.items()}
         named = [*root.named_parameters(remove_duplicate=False), *root.named_buffers(remove_duplicate=False)]
+        # storage -> (its source, checkpoint key, numel, dtype): the matched tensors and their casts
+        self._files = {storage: (source, key, numel, dtype) for source in self.sources
+                       for storage, (key, numel, dtype) in source.by_storage.items()}
+        self._files.update(_casts(self._files, [t for _, t in named]))
+        owner = {storage: (source, key) for storage, (source, key, _, _) in self._files.items()}
         self._quantized: dict[str, quantize_on_read.QuantizedRead] = {}  # root name -> how to quantize it on read
         for name, t in named:
             if _storage(t) in owner:
@@ -429,8 +447,7 @@ class PretrainedWeights:
         quantized = {_storage(t) for source in self.sources for t, _ in source.by_tensor.values()
                      if id(t) in source.quantized}
         return {storage: functools.partial(_load_whole, source, key, numel, dtype)
-                for source in self.sources for storage, (key, numel, dtype) in source.by_storage.items()
-                if storage not in quantized}
+                for storage, (source, key, numel, dtype) in self._files.items() if storage not in quantized}
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[Callable[[str, int, int, Tensor], None]]:

@@ -26,7 +26,8 @@ pytest.importorskip("transformers")
 PRESETS = ["zero1", "zero2", "zero2_offload", "zero3", "zero3_offload", "zero3_offload_nvme"]
 RUNS = [f"{m}:{p}" for m in ("gpt2", "llama", "llama_tied", "t5") for p in ["ddp", *PRESETS]] + [
     "gpt2:zero3:bf16-mixed", "gpt2:zero3:bf16-mixed:eager", "llama:zero3_offload:32-true:ckpt",
-    "llama:ddp:32-true:lora", "llama:zero3_offload:32-true:lora:ckpt"]
+    "llama:ddp:32-true:lora", "llama:zero3_offload:32-true:lora:ckpt", "llama:ddp:bf16-true", "llama:zero3:bf16-true",
+    "llama:ddp:bf16-true:head:lazy", "llama:zero3:bf16-true:head"]
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +67,20 @@ def test_bf16_mixed_equals_the_model_built_in_init(runs: Path) -> None:
     assert lazy["losses"] == eager["losses"]
     for key, value in eager["params"].items():
         assert torch.equal(lazy["params"][key], value), key
+
+
+@pytest.mark.parametrize("run", ["llama:zero3:bf16-true", "llama:zero3:bf16-true:head"])
+def test_bf16_true_casts_the_loaded_weights_as_ddp(runs: Path, run: str) -> None:
+    """bf16-true casts the fp32 model read in ``configure_model`` to bf16, as DDP casts the one it loaded: the cast
+    tensors are read from the files ([Note: a cast of pretrained tensors] in lzero/hf/pretrained.py), with a fresh
+    head drawn beside them (built in ``configure_model`` under DDP too: drawn in bf16 there as well)."""
+    ours = _load(runs, run)
+    ddp = _load(runs, run.replace("zero3", "ddp") + (":lazy" if run.endswith(":head") else ""))
+    assert ours["losses"] == ddp["losses"]
+    assert ours["params"].keys() == ddp["params"].keys()
+    assert {v.dtype for v in ours["params"].values()} == {torch.bfloat16}
+    for key, value in ddp["params"].items():
+        assert torch.equal(ours["params"][key], value), key
 
 
 def test_round_trip_through_export_hf(runs: Path, models: dict[str, Path], tmp_path: Path) -> None:
