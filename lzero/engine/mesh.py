@@ -126,8 +126,8 @@ class Mesh:
     def current(self) -> bool:
         """Whether the process group this mesh was made in is still the default one (a strategy that outlives a
         ``destroy_process_group`` makes a new mesh)."""
-        now = _default_group()
-        return now is None if self.default is None else now is not None and self.default() is now()
+        now = dist.GroupMember.WORLD if _initialized() else None
+        return now is None if self.default is None else now is not None and self.default() is now
 
     @property
     def hybrid(self) -> bool:

@@ -243,8 +243,7 @@ class ZeroStrategy(DDPStrategy):
 
     def _run_mesh(self) -> Any:
         """The run's process groups, made once (see [Note: the mesh] in lzero/engine/mesh.py)."""
-        if self._mesh is None or not self._mesh.current():
-            self._mesh = run_mesh(self.config, self._deepspeed)
+        self._mesh = run_mesh(self._mesh, self.config, self._deepspeed)
         return self._mesh
 
     @override

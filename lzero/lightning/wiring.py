@@ -147,12 +147,15 @@ def meta_device(device: Optional[torch.device] = None, recording: Optional[conte
             yield
 
 
-def run_mesh(config: ZeroConfig, deepspeed: Any = None) -> Any:
-    """The run's process groups, one owner for the strategy and its engines ([Note: the mesh] in mesh.py); a bad
-    ``shard_group_size`` or ``hpz_partition_size`` is named by its DeepSpeed key when it came from one."""
+def run_mesh(mesh: Any, config: ZeroConfig, deepspeed: Any = None) -> Any:
+    """The run's process groups, one owner for the strategy and its engines ([Note: the mesh] in mesh.py): ``mesh``,
+    the strategy's so far, while the process group it was made in lives, else a new one. A bad ``shard_group_size``
+    or ``hpz_partition_size`` is named by its DeepSpeed key when it came from one."""
     from lzero.deepspeed.config import as_written
     from lzero.engine.mesh import Mesh
 
+    if mesh is not None and mesh.current():
+        return mesh
     with as_written(deepspeed):
         return Mesh.of(config.shard_group_size, config.hpz_partition_size)
 
@@ -170,7 +173,6 @@ def start_engine(module: torch.nn.Module, optimizers: list[Optimizer], config: Z
     strategy's process groups (``run_mesh``); None: a mesh of the engine's own."""
     from lzero.deepspeed.config import as_written
     from lzero.engine.engine import ZeroEngine
-    from lzero.engine.mesh import Mesh
     from lzero.engine.rank_memory import MemoryBudget
     from lzero.offload.placement import announce_offload
     from lzero.offload.store import divide_host_threads
@@ -180,7 +182,6 @@ def start_engine(module: torch.nn.Module, optimizers: list[Optimizer], config: Z
     expected = expected_schedule(module, config, precision, device, budget) \
         if config.stage == 3 and config.schedule == "auto" and not evaluating else None
     with as_written(deepspeed):
-        mesh = mesh if mesh is not None else Mesh.of(config.shard_group_size, config.hpz_partition_size)
         engine = ZeroEngine(module, optimizers, config, precision.policy, device=device, init_fn=init_fn,
                             weights=weights if weights is not None else pretrained_weights(module),
                             evaluating=evaluating, mesh=mesh, memory_budget=budget)
