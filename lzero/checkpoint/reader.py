@@ -18,6 +18,7 @@ from typing import Any, Callable, Collection, Optional
 
 from torch import Tensor
 
+from lzero.checkpoint.base_files import BaseTensor, base_pieces, check_record
 from lzero.checkpoint.files import CheckpointError, TensorFile, read_json
 from lzero.checkpoint.pieces import Piece, PiecedCheckpoint, prefix_renaming
 from lzero.checkpoint.tree import decode_tree
@@ -78,6 +79,8 @@ class ShardedCheckpoint(PiecedCheckpoint):
         if self._rename is not None:
             self.manifest = _renamed_manifest(self.manifest, self._rename)
         self._common: Optional[dict[str, Any]] = None
+        self.base: dict[str, BaseTensor] = {}
+        """The parameters this checkpoint reads from pretrained files (:mod:`lzero.checkpoint.base_files`)."""
         self.files: list[TensorFile] = []
         for entry in self.manifest["files"]:
             file = TensorFile(self.path / entry["name"], save_id=self.save_id)
@@ -95,6 +98,10 @@ class ShardedCheckpoint(PiecedCheckpoint):
                     scalars.setdefault(key, functools.partial(file.read, saved_key))
                 else:
                     pieces[key].append(Piece(span[0], span[1], _FileEntry(file, saved_key)))
+        if "base" in self.manifest:  # the frozen base, read from its pretrained files: see base_files.py
+            self.base = check_record(self.manifest["base"], manifest_path)
+            for key, found in base_pieces(self.base, self.manifest["params"]).items():
+                pieces[key].extend(found)
         self._index(pieces, scalars)
 
     def tree(self, name: str, rank: int = 0) -> Any:

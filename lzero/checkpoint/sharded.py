@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lzero.engine import collectives
+from lzero.checkpoint.base_files import BaseTensor, base_record
 from lzero.checkpoint.files import CheckpointError, write_json_atomic, write_tensors
 from lzero.checkpoint.rank_state import (ShardedOptimizer, fill_shard, pack_param_groups, restore_param_groups,
                                          shard_pieces)
@@ -186,11 +187,28 @@ def save_sharded(path: Any, engine: "ZeroEngine", optimizers: Sequence[ShardedOp
     if engine.mesh.replica_index != 0:
         return
     module_state, extra = describe(engine, checkpoint, kept, weights_only=not optimizers, **fields)
+    written, base = _without_base(engine, kept)
+    if base and engine.rank == 0:  # the manifest's writer alone hashes the files
+        extra["base"] = base_record(base)
     if saver is None:
-        SaveJob(path, engine, optimizers, checkpoint, module_state, extra, engine.group, snapshot=False, kept=kept).run()
+        SaveJob(path, engine, optimizers, checkpoint, module_state, extra, engine.group, snapshot=False,
+                kept=written).run()
         return
     saver.submit(SaveJob(path, engine, optimizers, checkpoint, module_state, extra, saver.group, snapshot=True,
-                         kept=kept))
+                         kept=written))
+
+
+def _without_base(engine: "ZeroEngine", kept: Optional[Callable[[str], bool]]
+                  ) -> tuple[Optional[Callable[[str], bool]], dict[str, BaseTensor]]:
+    """The parameters whose pieces this save writes, and those it reads back from pretrained files instead (of those
+    ``kept`` accepts): see [Note: a checkpoint without its frozen base] in base_files.py. A collective on the
+    engine's group when the engine tracks a frozen base."""
+    if not engine.frozen_base:
+        return kept, {}
+    base = {name: t for name, t in engine.frozen_base.unchanged(engine.group).items() if kept is None or kept(name)}
+    if not base:
+        return kept, {}
+    return (lambda name: name not in base and (kept is None or kept(name))), base
 
 
 class SaveJob:

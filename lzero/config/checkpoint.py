@@ -33,6 +33,12 @@ class CheckpointConfig:
     thread (its collectives on a process group of their own) while training continues. At most one
     save is in flight; the checkpoint a save replaces is deleted only after the new one commits."""
 
+    save_frozen: bool = False
+    """Sharded checkpoints: also write the frozen parameters that are still what their pretrained files hold (a
+    LoRA or QLoRA base read by ``from_pretrained`` in a zero3 ``configure_model``). False: the checkpoint records those
+    files (paths, sizes, SHA-256) and every reader reads the base back from them, refusing a file that changed or is
+    missing. Frozen parameters from anywhere else are always written."""
+
     def __post_init__(self) -> None:
         timeout = self.exception_checkpoint_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
@@ -44,6 +50,7 @@ class CheckpointConfig:
                 f"`state_dict_type={self.state_dict_type!r}` is not one of 'sharded', 'full'. HINT: use 'sharded'."
             )
         true_or_false("async_save", self.async_save)
+        true_or_false("save_frozen", self.save_frozen)
         if self.async_save and self.checkpoint_format != "sharded":
             raise ZeroConfigError("`async_save=True` needs `checkpoint_format='sharded'`: a full checkpoint is gathered"
                                   " onto rank 0. HINT: drop one of the two.")

@@ -32,6 +32,7 @@ from lzero.errors import ZeroEngineError
 from lzero.engine.mixed_precision import PrecisionPolicy
 from lzero.engine.flat_unit import FlatUnit, GradState, fill_from_gathered, shard_bytes
 from lzero.engine import packed_weights, parameters, recording, replayed_weights
+from lzero.engine.frozen_base import FrozenBase
 from lzero.engine.blocks import Block, GatherSchedule
 from lzero.engine.delayed_update import DelayedUpdate
 from lzero.engine.gather import Gatherer, full_graphs_around
@@ -172,6 +173,10 @@ class ZeroEngine:
         self._where: dict[nn.Parameter, tuple[FlatUnit, int]] = {
             p: (unit, i) for unit in self.units for i, p in enumerate(unit.params)
         }
+        # the frozen parameters a checkpoint may read back from their pretrained files instead of holding them
+        # ([Note: a checkpoint without its frozen base] in lzero/checkpoint/base_files.py)
+        self.frozen_base: Optional[FrozenBase] = FrozenBase(self.units, weights, group) \
+            if hasattr(weights, "base_tensor") and config.stage >= 3 and not config.save_frozen else None
         # whole on every rank, outside every unit: the frozen parameters at stages 1-2 (a frozen reference model, a
         # LoRA or QLoRA base), at stage 3 those of other dtypes; model states all the same (lzero/memory/accounting.py)
         self.outside: list[nn.Parameter] = [p for p in module.parameters() if p not in self._where]

@@ -34,6 +34,9 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
+from lzero.checkpoint.base_files import BaseTensor
+from lzero.engine import packed_weights
+from lzero.engine.quantized_read import table_dtype
 from lzero.hf import quantize_on_read
 from lzero.hf.weights import CheckpointFiles, OpenFiles, PretrainedLoadError, find_files
 
@@ -440,6 +443,23 @@ class PretrainedWeights:
     def holds(self, name: str) -> bool:
         """Whether the root's tensor ``name`` is read from a checkpoint."""
         return name in self._keys
+
+    def base_tensor(self, name: str, dtype: Optional[torch.dtype] = None,
+                    saved: Optional[torch.dtype] = None) -> Optional[BaseTensor]:
+        """Where the root's tensor ``name`` is in a safetensors file, read into ``dtype`` and saved as ``saved``
+        ([Note: a checkpoint without its frozen base] in lzero/checkpoint/base_files.py); None when it is not read
+        from one (a ``.bin`` checkpoint's tensors are written into checkpoints)."""
+        if name not in self._keys or self._keys[name][0].files.kind != "safetensors":
+            return None
+        source, key = self._keys[name]
+        read = self._quantized.get(name)
+        if read is not None and read.method == packed_weights.FOUR_BIT:
+            read.table = read.table or table_dtype(read.quant_type)  # a rank that quantized none of it: the process's
+            if read.table is None:  # codes that could not be quantized again alike: [Note: the process's 4-bit code table]
+                return None
+        path = (source.files.folder / source.files.tensors[key].file).resolve()
+        return BaseTensor(str(path), key, dtype or torch.float32, saved or dtype or torch.float32,
+                          read.record() if read is not None else None)
 
     def storage_loads(self) -> dict[int, Callable[[Tensor], None]]:
         """Storage -> a function that fills a flat byte view of it with the checkpoint tensor it was matched with: for

@@ -22,110 +22,17 @@ than a few blocks or rows of a weight unquantized, nor reads a byte of another r
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor, nn
 
 from lzero.engine import packed_weights
+from lzero.engine.quantized_read import QuantizedRead
 from lzero.errors import ZeroEngineError
 from lzero.hf.weights import PretrainedLoadError
 
-CHUNK_WEIGHTS = 1 << 15
-"""Weights read and quantized at once (64 KB in bf16): the temporaries stay small, so the allocator reuses them
-rather than holding freed megabytes between the shards a rank keeps."""
-
-ReadWeights = Callable[[int, int, Tensor], None]
-"""``read(a, b, out)``: elements [a, b) of the unquantized tensor, flattened, into ``out``."""
-
-
-@dataclass
-class QuantizedRead:
-    """How one pretrained weight becomes packed codes as a rank reads its shard of it."""
-
-    method: str  # packed_weights.FOUR_BIT or packed_weights.EIGHT_BIT
-    shape: tuple[int, int]  # (out_features, in_features), unquantized
-    dtype: torch.dtype  # the dtype the weights are quantized from (the model's)
-    blocksize: int = 64  # 4-bit: weights per absmax
-    quant_type: str = "nf4"
-    storage: torch.dtype = torch.uint8  # 4-bit: quant_storage
-    nested: bool = False  # 4-bit: double quantization of the absmax
-    # fp32: absmax per block (4-bit) or scale per row (8-bit), zero where this rank read nothing; a slice of
-    # ``buffer``, which holds the scales of every quantized weight of the model, all-reduced at once by ``finish``
-    scales: Optional[Tensor] = field(default=None, init=False)
-    buffer: Optional[Tensor] = field(default=None, init=False)
-
-    @property
-    def numel(self) -> int:
-        return self.shape[0] * self.shape[1]
-
-    @property
-    def group(self) -> int:
-        """Weights quantized together: a block (4-bit) or a row (8-bit)."""
-        return self.blocksize if self.method == packed_weights.FOUR_BIT else self.shape[1]
-
-    @property
-    def groups(self) -> int:
-        return math.ceil(self.numel / self.group)
-
-    @property
-    def per_element(self) -> int:
-        """Weights one packed element encodes: two per byte at 4 bits, one int8 per weight at 8."""
-        return 2 * self.storage.itemsize if self.method == packed_weights.FOUR_BIT else 1
-
-    def packed_shape(self) -> tuple[int, int]:
-        if self.method == packed_weights.EIGHT_BIT:
-            return self.shape
-        return ((self.numel + 1) // 2 // self.storage.itemsize, 1)  # the codes' bytes, in storage elements
-
-    def packed_dtype(self) -> torch.dtype:
-        return self.storage if self.method == packed_weights.FOUR_BIT else torch.int8
-
-    @torch.no_grad()
-    def read(self, read_weights: ReadWeights, start: int, end: int, out: Tensor) -> None:
-        """Packed elements [start, end) into ``out``: the blocks (rows) that hold them read and quantized, a chunk of
-        at most ``CHUNK_WEIGHTS`` weights at a time (see [Note: quantize on read])."""
-        k, g = self.per_element, self.group
-        first, last = start * k // g, min(math.ceil(end * k / g), self.groups)  # the groups to quantize
-        step = max(1, CHUNK_WEIGHTS // g)
-        for lo in range(first, last, step):
-            hi = min(lo + step, last)
-            codes = self._quantize(read_weights, lo, hi)  # the codes of groups [lo, hi)
-            a, b = max(start, lo * g // k), min(end, min(hi * g, self.numel) // k)  # packed elements they hold
-            out[a - start : b - start].copy_(codes[a - lo * g // k : b - lo * g // k])
-
-    def _quantize(self, read_weights: ReadWeights, lo: int, hi: int) -> Tensor:
-        """Groups [lo, hi) read and quantized; their scales kept. Returns their codes, flat."""
-        import bitsandbytes.functional as F
-
-        a, b = lo * self.group, min(hi * self.group, self.numel)
-        values = torch.empty(b - a, dtype=self.dtype, device="cpu")
-        read_weights(a, b, values)
-        if self.method == packed_weights.FOUR_BIT:
-            codes, absmax = torch.ops.bitsandbytes.quantize_4bit.default(values, self.blocksize, self.quant_type,
-                                                                        self.storage)
-            self.scales[lo:hi] = absmax.float()
-        else:
-            codes, scales, _ = F.int8_vectorwise_quant(values.view(-1, self.shape[1]).to(torch.float16))
-            self.scales[lo:hi] = scales.float()
-        return codes.reshape(-1)
-
-    def state(self, device: torch.device) -> Any:
-        """The whole quantization state, once the scales are whole: what bitsandbytes' own quantization keeps."""
-        import bitsandbytes.functional as F
-
-        if self.method == packed_weights.EIGHT_BIT:
-            return self.scales.to(device)
-        absmax = self.scales.to(device)
-        common = dict(shape=torch.Size(self.shape), dtype=self.dtype, blocksize=self.blocksize,
-                      code=F.get_4bit_type(self.quant_type, device=device), quant_type=self.quant_type)
-        if not self.nested:
-            return F.QuantState(absmax=absmax, **common)
-        offset = absmax.mean()
-        nested, state2 = F.quantize_blockwise(absmax - offset, blocksize=256)
-        return F.QuantState(absmax=nested, offset=offset, state2=state2, **common)
+__all__ = ["QuantizedRead", "finish", "lay_out", "quantizer_for"]
 
 
 def quantizer_for(config: Any, quantization_config: Any, dtype: torch.dtype) -> Optional[Any]:

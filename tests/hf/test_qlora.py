@@ -286,20 +286,19 @@ def test_a_shard_quantized_on_its_own_is_the_whole_tensor_s_codes(method: str, s
     give the bytes and scales of bitsandbytes quantizing the whole tensor at once."""
     import bitsandbytes.functional as F
 
-    from lzero.engine import packed_weights
-    from lzero.hf import quantize_on_read
+    from lzero.engine import packed_weights, quantized_read
 
-    monkeypatch.setattr(quantize_on_read, "CHUNK_WEIGHTS", 3 * 64)  # several chunks per range
+    monkeypatch.setattr(quantized_read, "CHUNK_WEIGHTS", 3 * 64)  # several chunks per range
     weight = torch.randn(96, 128, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     flat = weight.reshape(-1)
     if method == "4bit":
-        read = quantize_on_read.QuantizedRead(packed_weights.FOUR_BIT, (96, 128), torch.bfloat16, 64, "nf4", storage,
+        read = quantized_read.QuantizedRead(packed_weights.FOUR_BIT, (96, 128), torch.bfloat16, 64, "nf4", storage,
                                              False)
         whole, state = F.quantize_4bit(weight, blocksize=64, quant_type="nf4", quant_storage=storage,
                                        compress_statistics=False)
         whole_scales = state.absmax
     else:
-        read = quantize_on_read.QuantizedRead(packed_weights.EIGHT_BIT, (96, 128), torch.bfloat16)
+        read = quantized_read.QuantizedRead(packed_weights.EIGHT_BIT, (96, 128), torch.bfloat16)
         whole, whole_scales, _ = F.int8_vectorwise_quant(weight.to(torch.float16))
     whole = whole.reshape(-1)
     read.scales = torch.zeros(read.groups)
