@@ -164,3 +164,36 @@ def base_pieces(tensors: dict[str, BaseTensor], params: dict[str, Any]) -> dict[
     files: dict[str, TensorFile] = {}
     return {f"param/{name}": [Piece(0, params[name]["numel"], _BaseSource(t, files))] for name, t in tensors.items()
             if name in params}
+
+
+# --- the quantization state of a QLoRA base, left out with its codes -------------------------------------------------
+
+
+def state_keys(tensors: dict[str, BaseTensor]) -> dict[str, tuple[str, str]]:
+    """State-dict key -> (the weight it belongs to, its name under it) of each recorded 4-bit weight's quantization
+    state (``<weight>.absmax``, ``<weight>.quant_map``...), which a checkpoint holding the codes holds beside them."""
+    return {f"{name}.{k}": (name, k) for name, t in tensors.items()
+            if t.quantized is not None and "state" in t.quantized for k in t.quantized["state"]["tensors"]}
+
+
+def state_layout(tensor: BaseTensor, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
+    """The dtype and shape of one of the weight's state tensors, from the record."""
+    info = tensor.quantized["state"]["tensors"][key]
+    return _dtype(info["dtype"]), tuple(info["shape"])
+
+
+def state_again(tensor: BaseTensor, where: Path) -> dict[str, Tensor]:
+    """The weight's quantization state computed again from its file (every group of it read and quantized), each
+    tensor checked against the hash the record holds."""
+    from lzero.engine.quantized_read import QuantizedRead, digest_tensor
+
+    read = QuantizedRead.from_record(tensor.quantized)
+    file = TensorFile(tensor.file)
+    state = read.state_again(lambda a, b, into: into.copy_(file.read_flat_range(tensor.key, a, b)))
+    for key, info in tensor.quantized["state"]["tensors"].items():
+        if key not in state or digest_tensor(state[key]) != info[HASH]:
+            raise CheckpointError(
+                f"`{where}`: the quantization state `{key}` of the frozen base's `{tensor.key}` (from `{tensor.file}`)"
+                " computed again on this machine differs from the one the run saved. HINT: read the checkpoint with"
+                " the bitsandbytes version the run used, or save it with `save_frozen=True`.")
+    return {k: state[k] for k in tensor.quantized["state"]["tensors"]}

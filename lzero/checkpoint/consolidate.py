@@ -193,6 +193,8 @@ def dtype_shape(reader: PiecedCheckpoint, key: str) -> tuple[Any, tuple[int, ...
     name = reader.param_name(key)
     if name is not None:
         return torch.float32, tuple(reader.manifest["params"][name]["shape"])
+    if key in reader.derived_keys():
+        return reader.derived_layout(key)
     rest = reader.lightning_state()["lzero/module_state"][key]
     return rest.dtype, tuple(rest.shape)
 

@@ -6,6 +6,7 @@ is here. Storage only: no Lightning, no torch.distributed, nothing of the engine
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional, Protocol
@@ -132,7 +133,10 @@ class PiecedCheckpoint:
         """Elements of the module's tensors outside every unit (frozen parameters, buffers), a tensor shared by
         several keys counted once."""
         tensors = self.lightning_state()["lzero/module_state"]
-        return sum(t.numel() for t in {id(t): t for t in tensors.values()}.values())
+        return sum(t.numel() for t in {id(t): t for t in tensors.values()}.values()) + self._derived_numel()
+
+    def _derived_numel(self) -> int:
+        return sum(math.prod(self.derived_layout(k)[1]) for k in self.derived_keys())
 
     def full_param(self, name: str) -> Tensor:
         info = self.manifest["params"][name]
@@ -147,7 +151,25 @@ class PiecedCheckpoint:
     def state_tensor(self, key: str) -> Tensor:
         """The whole tensor of one state-dict key."""
         name = self.param_name(key)
-        return self.full_param(name) if name is not None else self.lightning_state()["lzero/module_state"][key]
+        if name is not None:
+            return self.full_param(name)
+        rest = self.lightning_state()["lzero/module_state"]
+        return rest[key] if key in rest else self.derived_tensor(key)
+
+    def derived_keys(self) -> dict[str, Any]:
+        """State-dict keys outside every unit that the checkpoint computes rather than holds (the quantization state
+        of a QLoRA base it reads from pretrained files: base_files.py), each to what the reader knows of it."""
+        return {}
+
+    def derived_tensor(self, key: str) -> Tensor:
+        raise KeyError(key)
+
+    def derived_digest(self, key: str) -> Optional[str]:
+        """The SHA-256 of a derived tensor's bytes, as recorded (no computation)."""
+        return None
+
+    def derived_layout(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        raise KeyError(key)
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """The module's whole state dict in its saved key order; tied keys share one tensor."""

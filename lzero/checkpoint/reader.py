@@ -18,7 +18,7 @@ from typing import Any, Callable, Collection, Optional
 
 from torch import Tensor
 
-from lzero.checkpoint.base_files import BaseTensor, base_pieces, check_record
+from lzero.checkpoint.base_files import BaseTensor, base_pieces, check_record, state_again, state_keys, state_layout
 from lzero.checkpoint.files import CheckpointError, TensorFile, read_json
 from lzero.checkpoint.pieces import Piece, PiecedCheckpoint, prefix_renaming
 from lzero.checkpoint.tree import decode_tree
@@ -98,8 +98,11 @@ class ShardedCheckpoint(PiecedCheckpoint):
                     scalars.setdefault(key, functools.partial(file.read, saved_key))
                 else:
                     pieces[key].append(Piece(span[0], span[1], _FileEntry(file, saved_key)))
+        self._state_keys: dict[str, tuple[str, str]] = {}
+        self._states: dict[str, dict[str, Tensor]] = {}  # a weight's quantization state computed again
         if "base" in self.manifest:  # the frozen base, read from its pretrained files: see base_files.py
             self.base = check_record(self.manifest["base"], manifest_path)
+            self._state_keys = state_keys(self.base)
             for key, found in base_pieces(self.base, self.manifest["params"]).items():
                 pieces[key].extend(found)
         self._index(pieces, scalars)
@@ -132,8 +135,26 @@ class ShardedCheckpoint(PiecedCheckpoint):
         refs = json.loads(file.metadata["common"])["lzero/module_state"]
         if isinstance(refs, dict) and all(isinstance(r, dict) and list(r) == ["@tensor"] for r in refs.values()):
             stored = {r["@tensor"] for r in refs.values()}  # the codec stores a shared tensor once
-            return sum(math.prod(file.entry(f"common/{name}").shape) for name in stored)
+            return sum(math.prod(file.entry(f"common/{name}").shape) for name in stored) + self._derived_numel()
         return super().module_state_numel()  # a key the codec had to tag: decode it
+
+    def derived_keys(self) -> dict[str, tuple[str, str]]:
+        return self._state_keys
+
+    def derived_tensor(self, key: str) -> Tensor:
+        """A quantization state tensor of the frozen base, computed again from the files (once per weight)."""
+        name, sub = self._state_keys[key]
+        if name not in self._states:
+            self._states[name] = state_again(self.base[name], self.path)
+        return self._states[name][sub]
+
+    def derived_layout(self, key: str) -> tuple[Any, tuple[int, ...]]:
+        name, sub = self._state_keys[key]
+        return state_layout(self.base[name], sub)
+
+    def derived_digest(self, key: str) -> Optional[str]:
+        name, sub = self._state_keys[key]
+        return self.base[name].quantized["state"]["tensors"][sub]["sha256"]
 
 
 def _renamed_key(key: str, rename: Callable[[str], str]) -> str:

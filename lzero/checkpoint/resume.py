@@ -131,10 +131,21 @@ def load_module_state(engine: Optional["ZeroEngine"], module: nn.Module, checkpo
     own = module.state_dict(keep_vars=True)
     managed = {id(p) for unit in engine.units for p in unit.params}
     rest = {k: v for k, v in rest.items() if k in own and id(own[k]) not in managed}
+    derived = reader.derived_keys() if reader is not None else {}
+    rest.update({k: reader.derived_tensor(k) for k in derived if k in own and not _same_bytes(own[k], reader, k)})
     result = module.load_state_dict(rest, strict=False)
-    unexpected_missing = [k for k in result.missing_keys if id(own[k]) not in managed]
+    unexpected_missing = [k for k in result.missing_keys if id(own[k]) not in managed and k not in derived]
     if strict and unexpected_missing:
         raise ValueError(f"The checkpoint lacks {unexpected_missing}. HINT: resume with the model it was saved from.")
+
+
+def _same_bytes(mine: Any, reader: PiecedCheckpoint, key: str) -> bool:
+    """Whether the module's tensor ``key`` already holds what the checkpoint computes for it (a QLoRA base built again
+    from the same files holds the same quantization state: not computed again)."""
+    from lzero.engine.quantized_read import digest_tensor
+
+    expected = reader.derived_digest(key)
+    return isinstance(mine, Tensor) and expected is not None and digest_tensor(mine) == expected
 
 
 def load_optimizer_states(optimizers: Sequence[ShardedOptimizer], checkpoint: Mapping[str, Any]) -> None:

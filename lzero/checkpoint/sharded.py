@@ -189,6 +189,7 @@ def save_sharded(path: Any, engine: "ZeroEngine", optimizers: Sequence[ShardedOp
     module_state, extra = describe(engine, checkpoint, kept, weights_only=not optimizers, **fields)
     written, base = _without_base(engine, kept)
     if base and engine.rank == 0:  # the manifest's writer alone hashes the files
+        base = _without_base_states(base, module_state)
         extra["base"] = base_record(base)
     if saver is None:
         SaveJob(path, engine, optimizers, checkpoint, module_state, extra, engine.group, snapshot=False,
@@ -209,6 +210,26 @@ def _without_base(engine: "ZeroEngine", kept: Optional[Callable[[str], bool]]
     if not base:
         return kept, {}
     return (lambda name: name not in base and (kept is None or kept(name))), base
+
+
+def _without_base_states(base: dict[str, BaseTensor], module_state: dict[str, Any]) -> dict[str, BaseTensor]:
+    """The quantization state of each 4-bit weight of ``base`` taken out of ``module_state`` (in place) where it is
+    still the one its record computes again; the record of any other says nothing of its state, which stays."""
+    from lzero.engine.quantized_read import digest_tensor
+
+    out = dict(base)
+    for name, t in base.items():
+        state = (t.quantized or {}).get("state")
+        if state is None:
+            continue
+        keys = {f"{name}.{k}": info["sha256"] for k, info in state["tensors"].items()}
+        if all(k in module_state and isinstance(module_state[k], Tensor) and digest_tensor(module_state[k]) == h
+               for k, h in keys.items()):
+            for k in keys:
+                del module_state[k]
+        else:
+            out[name] = t._replace(quantized={k: v for k, v in t.quantized.items() if k != "state"})
+    return out
 
 
 class SaveJob:

@@ -43,6 +43,8 @@ class QuantizedRead:
     # 4-bit: the dtype of the code table the codes were bucketed with (see [Note: the process's 4-bit code table]);
     # set by the first quantization, or by the record for a read again that must give the same codes
     table: Optional[torch.dtype] = field(default=None, init=False)
+    # 4-bit: how the host computes the whole quantization state again (``keep_state_record``); None: it cannot
+    state_record: Optional[dict[str, Any]] = field(default=None, init=False)
 
     @property
     def numel(self) -> int:
@@ -106,7 +108,8 @@ class QuantizedRead:
         return {"method": self.method, "shape": list(self.shape), "dtype": str(self.dtype).removeprefix("torch."),
                 "blocksize": self.blocksize, "quant_type": self.quant_type,
                 "storage": str(self.storage).removeprefix("torch."), "nested": self.nested,
-                **({"table": str(self.table).removeprefix("torch.")} if self.table is not None else {})}
+                **({"table": str(self.table).removeprefix("torch.")} if self.table is not None else {}),
+                **({"state": self.state_record} if self.state_record is not None else {})}
 
     @classmethod
     def from_record(cls, record: dict[str, Any]) -> "QuantizedRead":
@@ -114,10 +117,12 @@ class QuantizedRead:
                    record["quant_type"], getattr(torch, record["storage"]), record["nested"])
         read.scales = read.buffer = torch.zeros(read.groups, dtype=torch.float32)  # written by each read, unused
         read.table = getattr(torch, record["table"]) if "table" in record else None
+        read.state_record = record.get("state")
         return read
 
-    def state(self, device: torch.device) -> Any:
-        """The whole quantization state, once the scales are whole: what bitsandbytes' own quantization keeps."""
+    def state(self, device: torch.device, offset: Optional[float] = None) -> Any:
+        """The whole quantization state, once the scales are whole: what bitsandbytes' own quantization keeps.
+        ``offset``: double quantization's (recorded; by default the mean of the absmax, as bitsandbytes takes it)."""
         import bitsandbytes.functional as F
 
         if self.method == packed_weights.EIGHT_BIT:
@@ -127,9 +132,56 @@ class QuantizedRead:
                       code=F.get_4bit_type(self.quant_type, device=device), quant_type=self.quant_type)
         if not self.nested:
             return F.QuantState(absmax=absmax, **common)
-        offset = absmax.mean()
+        offset = absmax.mean() if offset is None else torch.tensor(offset, dtype=absmax.dtype, device=device)
         nested, state2 = F.quantize_blockwise(absmax - offset, blocksize=256)
         return F.QuantState(absmax=nested, offset=offset, state2=state2, **common)
+
+    def keep_state_record(self, state: Any) -> None:
+        """After :meth:`state` on the rank's device: whether the host, from the scales and the offset alone,
+        computes the same state (then ``state_record`` says how, and each tensor's hash and layout, so that a
+        checkpoint may leave the state out and read it back: [Note: a checkpoint without its frozen base])."""
+        self.state_record = None
+        if self.method != packed_weights.FOUR_BIT:
+            return
+        offset = float(state.offset) if self.nested else None
+        again = state_tensors(self.state(torch.device("cpu"), offset))
+        done = state_tensors(state)
+        if again.keys() != done.keys() or not all(
+                again[k].dtype == done[k].dtype and torch.equal(byte_view(again[k]), byte_view(done[k].cpu()))
+                for k in done):
+            return
+        self.state_record = {"offset": offset, "default_dtype": str(torch.get_default_dtype()).removeprefix("torch."),
+                             "tensors": {k: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                                             "sha256": digest_tensor(t)} for k, t in again.items()}}
+
+    def state_again(self, read_weights: ReadWeights) -> dict[str, Tensor]:
+        """The state ``state_record`` describes, computed again on the host: every group read and quantized for its
+        scale, then the state from them and the recorded offset, under the recorded default dtype (the code book's).
+        Keyed as bitsandbytes' state dict keys them under the weight (``absmax``, ``quant_map``...)."""
+        record = self.state_record
+        codes = torch.empty(self.packed_shape()[0] * self.packed_shape()[1], dtype=self.packed_dtype())
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(getattr(torch, record["default_dtype"]))
+        try:
+            self.read(read_weights, 0, codes.numel(), codes)
+            return state_tensors(self.state(torch.device("cpu"), record["offset"]))
+        finally:
+            torch.set_default_dtype(default)
+
+
+def state_tensors(state: Any) -> dict[str, Tensor]:
+    """A 4-bit QuantState as bitsandbytes' state dict writes it under the weight (``weight.<key>``)."""
+    return state.as_dict(packed=True)
+
+
+def byte_view(t: Tensor) -> Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def digest_tensor(t: Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha256(byte_view(t.cpu()).numpy().tobytes()).hexdigest()
 
 
 # [Note: the process's 4-bit code table]

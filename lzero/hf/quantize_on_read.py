@@ -120,6 +120,7 @@ def finish(root: nn.Module, reads: dict[str, QuantizedRead], all_reduce_max: Cal
         p, state = owner._parameters[param_name], read.state(device)
         if read.method == packed_weights.FOUR_BIT:
             p.quant_state = owner.quant_state = state
+            read.keep_state_record(state)
         else:
             p.SCB = state
         read.scales = read.buffer = None  # the state keeps what it needs of them

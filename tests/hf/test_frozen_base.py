@@ -71,6 +71,13 @@ def test_the_checkpoint_holds_what_training_changes_and_records_the_base(runs: P
         quantized = [t["quantized"] for t in m["base"]["tensors"].values() if "quantized" in t]
         assert len(quantized) == 14 and {q["quant_type"] for q in quantized} == {"nf4"}
         assert {q["table"] for q in quantized} <= {"float32", "bfloat16"}
+        # and their quantization state (absmax, code books, the nested state) is computed again, not held
+        from lzero.checkpoint.reader import ShardedCheckpoint
+
+        reader = ShardedCheckpoint(lean)
+        held = reader.lightning_state()["lzero/module_state"]
+        assert len(reader.derived_keys()) == 14 * 5 and not any(k in held for k in reader.derived_keys())
+        assert all(k in ShardedCheckpoint(whole).lightning_state()["lzero/module_state"] for k in reader.derived_keys())
     # what is no longer written: the base's bytes, every one of them
     saved = lambda manifest: sum(f["bytes"] for f in manifest["files"])  # noqa: E731
     base_bytes = sum(p["numel"] for n, p in w["params"].items() if n in frozen) * (4 if model == "gpt2" else 2)
