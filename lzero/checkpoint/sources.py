@@ -6,7 +6,7 @@ model's replayed construction (``over_replay``, see ``LoadedOverReplay`` in lzer
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 from torch import Tensor, nn
@@ -76,3 +76,18 @@ class ShardedCheckpointWeights(StateDictWeights):
                 out.copy_(self._reader.read_range(f"param/{name}", start, end))
 
         yield read
+
+    def base_tensor(self, name: str, dtype: Optional[torch.dtype] = None,
+                    saved: Optional[torch.dtype] = None) -> Optional[Any]:
+        """Where the checkpoint read ``name`` from, when it read it from pretrained files into the same dtypes as the
+        engine now keeps: the loaded values are then the files' ([Note: a checkpoint without its frozen base] in
+        base_files.py), and the next save may leave them out too."""
+        base = getattr(self._reader, "base", {}).get(name)
+        if base is None or (dtype is not None and (base.dtype, base.saved) != (dtype, saved or dtype)):
+            return None
+        return base
+
+    def take_storage_loads(self, pretrained: Any) -> None:
+        """The loaded storages of the pretrained models inside the module (``PretrainedWeights.storage_loads``), for a
+        replay of their construction that reads them ([Note: replayed construction] in lzero/engine/replay.py)."""
+        self.storage_loads = pretrained.storage_loads

@@ -183,7 +183,7 @@ def start_engine(module: torch.nn.Module, optimizers: list[Optimizer], config: Z
         if config.stage == 3 and config.schedule == "auto" and not evaluating else None
     with as_written(deepspeed):
         engine = ZeroEngine(module, optimizers, config, precision.policy, device=device, init_fn=init_fn,
-                            weights=weights if weights is not None else pretrained_weights(module),
+                            weights=_with_pretrained(weights, pretrained_weights(module)),
                             evaluating=evaluating, mesh=mesh, memory_budget=budget)
     try:
         zero = list(attach_to) or [ZeroOptimizer(opt, engine, i) for i, opt in enumerate(optimizers)]
@@ -226,6 +226,16 @@ def expected_schedule(module: torch.nn.Module, config: ZeroConfig, precision: Ze
             f" states alone, without activations: {r['persistent_blocks']} of {r['blocks']} blocks persistent,"
             f" {r['kept_blocks']} kept across the turn, {r['gathers_per_step']} all-gathers per step instead of"
             f" {r['min_memory_gathers_per_step']}).")
+
+
+def _with_pretrained(weights: Optional[Any], pretrained: Optional[Any]) -> Optional[Any]:
+    """What a meta model's values are read from: ``weights`` (a checkpoint being loaded), its pretrained models' files
+    otherwise; a checkpoint's replay of the construction reads the pretrained storages it needs from those files."""
+    if weights is None:
+        return pretrained
+    if pretrained is not None and hasattr(weights, "take_storage_loads"):
+        weights.take_storage_loads(pretrained)
+    return weights
 
 
 def pretrained_weights(model: torch.nn.Module) -> Optional[Any]:

@@ -9,7 +9,9 @@ built by ``from_pretrained`` in ``configure_model`` (each rank reads its shard o
 checkpoints every 3 steps in ``OUT_DIR/MODEL-MODE-ckpt/``. MODE: ``whole`` (``save_frozen=True``), ``lean`` (the
 default), ``resume`` (from lean's step-3 checkpoint, to step 6), ``touched`` (lean, but ``on_fit_start`` adds 1 to
 one frozen base weight, which the checkpoints must then hold). Rank 0 writes ``OUT_DIR/MODEL-MODE.pt``: the losses
-and the trainable parameters after fit. tests/hf/test_frozen_base.py compares them.
+and the trainable parameters after fit. ``gpt2:fabric`` runs the LoRA fine-tune through Fabric (``init_module``, 6 steps,
+``fabric.save`` after 3 to ``OUT_DIR/gpt2-fabric.ckpt``), then a second model built alike loads that checkpoint and runs
+steps 4-6: both runs' losses and adapters. tests/hf/test_frozen_base.py compares them.
 """
 
 from __future__ import annotations
@@ -96,9 +98,59 @@ def fit(models: Path, out: Path, run: str) -> None:
         torch.save({"losses": record.losses, "trained": trained}, out / f"{tag}.pt")
 
 
+def fabric_run(models: Path, out: Path) -> None:
+    import lightning as L
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy="zero3")
+    fabric.launch()
+    tokens = torch.randint(0, 128, (24, 12), generator=torch.Generator().manual_seed(1))
+
+    def build() -> tuple[Any, Any]:
+        with fabric.init_module(empty_init=True):  # zero3: each rank reads its shard of the base from the files
+            base = AutoModelForCausalLM.from_pretrained(models / "gpt2", dtype=torch.float32)
+            model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.0,
+                                                    fan_in_fan_out=True))
+        torch.manual_seed(1)  # empty_init skipped peft's draws (under DDP too): the adapters drawn after it
+        for layer in model.modules():
+            if hasattr(layer, "reset_lora_parameters"):
+                layer.reset_lora_parameters("default", True)
+        model = fabric.setup_module(model)
+        return model, fabric.setup_optimizers(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                                                lr=1e-2))
+
+    def steps(model: Any, optimizer: Any, first: int, last: int) -> list[float]:
+        losses = []
+        for i in range(first, last):
+            batch = tokens[(i % 3) * 8 + fabric.global_rank * 4:][:4]
+            loss = model(input_ids=batch, labels=batch).loss
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    def adapters(model: Any) -> dict[str, torch.Tensor]:  # Fabric's state dict: whole tensors on every rank
+        return {k: v.clone() for k, v in model.state_dict().items() if "lora_" in k}
+
+    model, optimizer = build()
+    losses = steps(model, optimizer, 0, 3)
+    fabric.save(out / "gpt2-fabric.ckpt", {"model": model, "optimizer": optimizer})
+    losses += steps(model, optimizer, 3, 6)
+    whole = adapters(model)
+    model, optimizer = build()
+    fabric.load(out / "gpt2-fabric.ckpt", {"model": model, "optimizer": optimizer})
+    resumed = steps(model, optimizer, 3, 6)
+    trained = adapters(model)
+    if fabric.global_rank == 0:
+        torch.save({"losses": losses, "trained": whole, "resumed_losses": resumed, "resumed": trained},
+                   out / "gpt2-fabric.pt")
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     models_dir, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
     for run in sys.argv[3:]:
-        fit(models_dir, out_dir, run)
+        fabric_run(models_dir, out_dir) if run == "gpt2:fabric" else fit(models_dir, out_dir, run)
     destroy_process_group()

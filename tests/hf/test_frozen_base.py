@@ -21,7 +21,7 @@ from _pretrained_models import save_models, save_quantizable
 pytest.importorskip("peft")
 QLORA = importlib.util.find_spec("bitsandbytes") is not None
 MODELS = ["gpt2", *(["qlora"] if QLORA else [])]
-RUNS = [f"{m}:{mode}" for m in MODELS for mode in ("whole", "lean", "resume")] + ["gpt2:touched"]
+RUNS = [f"{m}:{mode}" for m in MODELS for mode in ("whole", "lean", "resume")] + ["gpt2:touched", "gpt2:fabric"]
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +123,19 @@ def test_resume_from_a_checkpoint_without_its_base_continues_the_run(runs: Path,
     assert resumed["trained"].keys() == lean["trained"].keys()
     for key, value in lean["trained"].items():
         assert torch.equal(resumed["trained"][key], value), key
+
+
+def test_fabric_saves_without_the_base_and_loads_into_a_model_built_alike(runs: Path) -> None:
+    """Fabric's door: ``fabric.save`` after 3 steps leaves the base out; a second model built in ``init_module`` (on
+    the meta device, its construction replayed) loads it, reading the base back from the files, and steps 4-6 are the
+    uninterrupted run's, bitwise."""
+    m = _manifest(runs / "gpt2-fabric.ckpt")
+    assert {n for n, p in m["params"].items() if p.get("frozen")} == set(m["base"]["tensors"])
+    run = _load(runs, "gpt2:fabric")
+    assert run["resumed_losses"] == run["losses"][3:]
+    assert run["trained"].keys() == run["resumed"].keys() and len(run["trained"]) == 4
+    for key, value in run["trained"].items():
+        assert torch.equal(run["resumed"][key], value), key
 
 
 def test_a_base_changed_after_loading_is_written_whole(runs: Path, tmp_path: Path) -> None:
