@@ -112,7 +112,9 @@ def export_hf(checkpoint: Any, out_dir: Any, dtype: Optional[str] = None, max_sh
                                  "the model was loaded from (the pretrained model's folder)."))
     source = _Source(source_path)
     keys = source.first_keys()
-    prefix = _prefix(source.keys) if prefix is None else prefix
+    if prefix is None:  # a peft model saved on its own: its keys begin with base_model.model., which merge removes
+        peft = merge and all(k.startswith("base_model.model.") for k in source.keys)
+        prefix = "" if peft else _prefix(source.keys)
     kept = [k for k in keys if k.startswith(prefix) and (not adapters_only or _ADAPTER.search(k))]
     left_out = [k for k in keys if not k.startswith(prefix)]
     if adapters_only:
