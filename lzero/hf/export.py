@@ -238,8 +238,8 @@ def _refuse_modules_to_save(keys: list[str]) -> None:
     saved = [k for k in keys if ".modules_to_save." in k]
     if saved:
         raise CheckpointError(f"The peft model also trains whole modules (`modules_to_save`: {saved[:3]}...), which"
-                              " --adapters-only does not write. HINT: export the merged model without"
-                              " --adapters-only.")
+                              " --adapters-only does not write. HINT: export the merged model with --merge instead"
+                              " of --adapters-only.")
 
 
 def _write_adapters(source: _Source, keys: list[str], prefix: str, target: Optional[torch.dtype],

@@ -10,7 +10,8 @@ a tensor is computed when its file is written, from the base weight and its two 
   transposed for ``fan_in_fan_out`` layers (GPT-2's ``Conv1D``) and always for embeddings; bf16/fp16 adapters are
   multiplied in fp32 and the product cast back, as peft does on the CPU; then ``weight += delta`` in the dtype of the
   export. ``scaling`` is ``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``), per module through
-  ``rank_pattern``/``alpha_pattern`` as peft matches them. The adapters stay in the dtype they were saved in (the
+  ``rank_pattern``/``alpha_pattern`` as peft matches them. A module trained whole (``modules_to_save``) is written
+  in place of the original, as ``merge_and_unload()`` unwraps it. The adapters stay in the dtype they were saved in (the
   fp32 masters, or bf16 under bf16-true), as peft holds them: the export equals ``merge_and_unload()`` of the same
   adapters on the base loaded in the export's dtype.
 - A quantized base (bitsandbytes: 4-bit codes with ``weight.absmax``, ``weight.quant_map``, ``weight.nested_*`` and
@@ -19,8 +20,8 @@ a tensor is computed when its file is written, from the base weight and its two 
   ``int8_vectorwise_dequant``), cast to the export's dtype (bf16 by default) and merged there; the state keys are
   not written, and config.json loses its ``quantization_config``: the folder holds a plain model.
 - The adapter's hyperparameters come from its configuration (peft's ``adapter_config.json`` or the live model's
-  ``peft_config``), never guessed; a LoRA variant whose merge differs (DoRA, ``lora_bias``, ``modules_to_save``,
-  ...) or another kind of adapter is refused by name.
+  ``peft_config``), never guessed; a LoRA variant whose merge differs (DoRA, ``lora_bias``, ...) or another kind of
+  adapter is refused by name.
 """
 
 from __future__ import annotations
@@ -44,12 +45,13 @@ _LORA = re.compile(r"^(?P<module>.+)\.(?P<kind>lora_A|lora_B|lora_embedding_A|lo
 _FOUR_BIT_STATE = re.compile(r"^(?P<weight>.+\.weight)\.(absmax|quant_map|nested_absmax|nested_quant_map"
                              r"|quant_state\.bitsandbytes__(nf4|fp4))$")
 _EIGHT_BIT_STATE = re.compile(r"^(?P<module>.+)\.(SCB|weight_format)$")
-_REFUSED_KEYS = {".lora_magnitude_vector.": "DoRA (`use_dora=True`)", ".modules_to_save.": "`modules_to_save`",
-                 ".original_module.": "`modules_to_save`", ".trainable_tokens_": "`trainable_token_indices`"}
-_REFUSED_OPTIONS = ("use_dora", "lora_bias", "modules_to_save", "layer_replication", "target_parameters",
-                    "trainable_token_indices", "use_qalora", "alora_invocation_tokens", "velora_config",
-                    "monteclora_config")
-"""LoraConfig fields whose merge is not ``weight += scaling * B @ A`` (or that train whole modules beside it)."""
+_SAVED = re.compile(r"^(?P<module>.+)\.modules_to_save\.(?P<adapter>[^.]+)\.(?P<rest>.+)$")
+"""A module trained whole (``modules_to_save``): its copy replaces the original (``X.original_module.*``)."""
+_REFUSED_KEYS = {".lora_magnitude_vector.": "DoRA (`use_dora=True`)", ".trainable_tokens_": "`trainable_token_indices`"}
+_REFUSED_OPTIONS = ("use_dora", "lora_bias", "layer_replication", "target_parameters", "trainable_token_indices",
+                    "use_qalora", "alora_invocation_tokens", "velora_config", "monteclora_config", "modules_to_tie",
+                    "target_modules_to_tie")
+"""LoraConfig fields whose merge is not ``weight += scaling * B @ A`` (or that tie trained copies together)."""
 
 
 @dataclass(frozen=True)
@@ -157,15 +159,17 @@ class MergedSource:
         self.merged = len(pairs)
         self.quantized = len(states)
         self._plans: dict[str, _Plan] = {}
+        saved = {key for key in relative if _SAVED.match(key)}
         for key, full in relative.items():
-            if _LORA.match(key) or _FOUR_BIT_STATE.match(key) or (_EIGHT_BIT_STATE.match(key) and
+            if ".original_module." in key or _LORA.match(key) or _FOUR_BIT_STATE.match(key) or (_EIGHT_BIT_STATE.match(key) and
                                                                  f"{_EIGHT_BIT_STATE.match(key)['module']}.weight" in states):
                 continue
             module = key.rpartition(".")[0].removesuffix(".base_layer")
             adapter = None
             if key.endswith(".weight") and module in pairs:
                 adapter = self._adapter(module, pairs.pop(module), relative, settings)
-            self._plans[key.replace(".base_layer.", ".")] = _Plan(full, states.get(key), adapter)
+            out = f"{_SAVED.match(key)['module']}.{_SAVED.match(key)['rest']}" if key in saved else key
+            self._plans[out.replace(".base_layer.", ".")] = _Plan(full, states.get(key), adapter)
         if pairs:
             module = next(iter(pairs))
             raise CheckpointError(f"The adapters of `{module}` have no base weight `{module}.base_layer.weight` in the"
@@ -238,15 +242,17 @@ class MergedSource:
             base = _dequantize(self._read, base, plan.quantized)
         if not base.is_floating_point():
             return base
-        weight = base.to(self.dtype or base.dtype, copy=True)  # never the checkpoint's own memory
-        if plan.adapter is not None:
-            delta = _delta(self._read(plan.adapter.a), self._read(plan.adapter.b), plan.adapter)
-            if delta.shape != weight.shape:
-                raise CheckpointError(f"The LoRA delta of `{plan.key}` has shape {list(delta.shape)}, the weight"
-                                      f" {list(weight.shape)}. HINT: check `fan_in_fan_out` in the adapter"
-                                      " configuration (true for GPT-2's Conv1D layers).")
-            weight += delta  # peft's merge: `base_layer.weight.data += delta_weight`
-        return weight
+        weight = base.to(self.dtype or base.dtype)
+        if plan.adapter is None:
+            return weight
+        delta = _delta(self._read(plan.adapter.a), self._read(plan.adapter.b), plan.adapter)
+        if delta.shape != weight.shape:
+            raise CheckpointError(f"The LoRA delta of `{plan.key}` has shape {list(delta.shape)}, the weight"
+                                  f" {list(weight.shape)}. HINT: check `fan_in_fan_out` in the adapter"
+                                  " configuration (true for GPT-2's Conv1D layers).")
+        # peft's `base_layer.weight.data += delta_weight`: the sum in the wider dtype, rounded once to the weight's
+        # (out of place, so that the checkpoint's own memory, a plain file's mmap, is never written)
+        return torch.add(weight, delta).to(weight.dtype)
 
 
 def _delta(a: torch.Tensor, b: torch.Tensor, adapter: Adapter) -> torch.Tensor:
@@ -255,8 +261,8 @@ def _delta(a: torch.Tensor, b: torch.Tensor, adapter: Adapter) -> torch.Tensor:
     low = dtype in (torch.float16, torch.bfloat16)
     if low:
         a, b = a.float(), b.float()
-    product = b @ a
-    delta = (product.T if adapter.transposed else product) * adapter.scaling
+    delta = (b @ a).mul_(adapter.scaling)  # peft: transpose(B @ A) * scaling, the same products
+    delta = delta.T if adapter.transposed else delta
     return delta.to(dtype) if low else delta
 
 
