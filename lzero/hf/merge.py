@@ -8,7 +8,8 @@ export's streaming writer ([Note: exporting to a Hugging Face folder] in export.
 a tensor is computed when its file is written, from the base weight and its two adapter matrices alone.
 - The arithmetic is peft's (``LoraLayer.merge`` and ``get_delta_weight``, peft 0.21): ``delta = (B @ A) * scaling``,
   transposed for ``fan_in_fan_out`` layers (GPT-2's ``Conv1D``) and always for embeddings; bf16/fp16 adapters are
-  multiplied in fp32 and the product cast back, as peft does on the CPU; then ``weight += delta`` in the dtype of the
+  multiplied in fp32 and the product cast back, as peft's plain layers do on the CPU (its bnb layers multiply them
+  in their own dtype, and so does the merge of a quantized weight); then ``weight += delta`` in the dtype of the
   export. ``scaling`` is ``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``), per module through
   ``rank_pattern``/``alpha_pattern`` as peft matches them. A module trained whole (``modules_to_save``) is written
   in place of the original, as ``merge_and_unload()`` unwraps it. The adapters stay in the dtype they were saved in (the
@@ -17,7 +18,8 @@ a tensor is computed when its file is written, from the base weight and its two 
 - A quantized base (bitsandbytes: 4-bit codes with ``weight.absmax``, ``weight.quant_map``, ``weight.nested_*`` and
   ``weight.quant_state.bitsandbytes__nf4|fp4`` beside them; 8-bit int8 codes with ``SCB``) is dequantized as peft
   dequantizes a bnb layer before merging (``dequantize_4bit`` with the saved quantization state,
-  ``int8_vectorwise_dequant``), cast to the export's dtype (bf16 by default) and merged there; the state keys are
+  ``int8_vectorwise_dequant``), cast to the export's dtype (bf16 by default) and merged there, as peft's
+  ``Linear4bit.merge`` / ``Linear8bitLt.merge`` compute the merged weight before quantizing it again; the state keys are
   not written, and config.json loses its ``quantization_config``: the folder holds a plain model.
 - The adapter's hyperparameters come from its configuration (peft's ``adapter_config.json`` or the live model's
   ``peft_config``), never guessed; a LoRA variant whose merge differs (DoRA, ``lora_bias``, ...) or another kind of
@@ -116,6 +118,7 @@ class Adapter(NamedTuple):
     b: str  # of B: (out, r)
     scaling: float
     transposed: bool  # fan_in_fan_out, or an embedding's pair (A: (r, num_embeddings))
+    upcast: bool  # half-precision adapters multiplied in fp32 (peft's plain layers on the CPU; not its bnb layers)
 
 
 class Quantized(NamedTuple):
@@ -167,7 +170,7 @@ class MergedSource:
             module = key.rpartition(".")[0].removesuffix(".base_layer")
             adapter = None
             if key.endswith(".weight") and module in pairs:
-                adapter = self._adapter(module, pairs.pop(module), relative, settings)
+                adapter = self._adapter(module, pairs.pop(module), settings, quantized=key in states)
             out = f"{_SAVED.match(key)['module']}.{_SAVED.match(key)['rest']}" if key in saved else key
             self._plans[out.replace(".base_layer.", ".")] = _Plan(full, states.get(key), adapter)
         if pairs:
@@ -206,8 +209,7 @@ class MergedSource:
                 states[f"{eight['module']}.weight"] = Quantized(8, {"SCB": full})
         return states
 
-    def _adapter(self, module: str, pair: dict[str, str], relative: dict[str, str],
-                 settings: LoraSettings) -> Adapter:
+    def _adapter(self, module: str, pair: dict[str, str], settings: LoraSettings, quantized: bool) -> Adapter:
         if set(pair) != {"A", "B"}:
             raise CheckpointError(f"`{module}` holds {sorted(pair)} of a LoRA pair, not both A and B. HINT: the"
                                   " checkpoint is damaged or not a peft LoRA model's.")
@@ -219,7 +221,7 @@ class MergedSource:
                                   " LoRA is not merged). HINT: pass the adapter_config.json of the run that wrote"
                                   " this checkpoint.")
         embedding = ".lora_embedding_" in pair["A"]
-        return Adapter(pair["A"], pair["B"], scaling, embedding or settings.fan_in_fan_out)
+        return Adapter(pair["A"], pair["B"], scaling, embedding or settings.fan_in_fan_out, upcast=not quantized)
 
     def first_keys(self) -> list[str]:
         return self.keys
@@ -256,9 +258,10 @@ class MergedSource:
 
 
 def _delta(a: torch.Tensor, b: torch.Tensor, adapter: Adapter) -> torch.Tensor:
-    """peft's ``get_delta_weight``: half-precision adapters multiplied in fp32 on the CPU, the product cast back."""
+    """peft's ``get_delta_weight``: its plain layers multiply half-precision adapters in fp32 on the CPU and cast the
+    product back; its bnb layers multiply them in their own dtype."""
     dtype = a.dtype if ".lora_embedding_" in adapter.a else b.dtype  # as peft's Embedding and Linear read it
-    low = dtype in (torch.float16, torch.bfloat16)
+    low = adapter.upcast and dtype in (torch.float16, torch.bfloat16)
     if low:
         a, b = a.float(), b.float()
     delta = (b @ a).mul_(adapter.scaling)  # peft: transpose(B @ A) * scaling, the same products
