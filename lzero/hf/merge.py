@@ -12,15 +12,15 @@ a tensor is computed when its file is written, from the base weight and its two 
   in their own dtype, and so does the merge of a quantized weight); then ``weight += delta`` in the dtype of the
   export. ``scaling`` is ``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``), per module through
   ``rank_pattern``/``alpha_pattern`` as peft matches them. A module trained whole (``modules_to_save``) is written
-  in place of the original, as ``merge_and_unload()`` unwraps it. The adapters stay in the dtype they were saved in (the
-  fp32 masters, or bf16 under bf16-true), as peft holds them: the export equals ``merge_and_unload()`` of the same
-  adapters on the base loaded in the export's dtype.
+  in place of the original, as ``merge_and_unload()`` unwraps it. The adapters stay in the dtype they were saved in
+  (the fp32 masters, or bf16 under bf16-true), as peft holds them: the export equals ``merge_and_unload()`` of the
+  same adapters on the base loaded in the export's dtype.
 - A quantized base (bitsandbytes: 4-bit codes with ``weight.absmax``, ``weight.quant_map``, ``weight.nested_*`` and
   ``weight.quant_state.bitsandbytes__nf4|fp4`` beside them; 8-bit int8 codes with ``SCB``) is dequantized as peft
   dequantizes a bnb layer before merging (``dequantize_4bit`` with the saved quantization state,
   ``int8_vectorwise_dequant``), cast to the export's dtype (bf16 by default) and merged there, as peft's
-  ``Linear4bit.merge`` / ``Linear8bitLt.merge`` compute the merged weight before quantizing it again; the state keys are
-  not written, and config.json loses its ``quantization_config``: the folder holds a plain model.
+  ``Linear4bit.merge`` / ``Linear8bitLt.merge`` compute the merged weight before quantizing it again; the state keys
+  are not written, and config.json loses its ``quantization_config``: the folder holds a plain model.
 - The adapter's hyperparameters come from its configuration (peft's ``adapter_config.json`` or the live model's
   ``peft_config``), never guessed; a LoRA variant whose merge differs (DoRA, ``lora_bias``, ...) or another kind of
   adapter is refused by name.
@@ -107,6 +107,14 @@ class LoraSettings:
         return r, alpha / math.sqrt(r) if self.use_rslora else alpha / r
 
 
+def _folded(key: str, states: dict[str, "Quantized"]) -> bool:
+    """Whether the merged model has no tensor of its own for ``key``: an adapter's, a quantization state's, or that
+    of the original of a module trained whole."""
+    eight = _EIGHT_BIT_STATE.match(key)
+    return bool(".original_module." in key or _LORA.match(key) or _FOUR_BIT_STATE.match(key)
+                or (eight and f"{eight['module']}.weight" in states))
+
+
 def _pattern_key(patterns: dict[str, Any], module: str) -> Optional[str]:
     return next((p for p in patterns if re.match(rf"(.*\.)?({p})$", module)), None)
 
@@ -164,8 +172,7 @@ class MergedSource:
         self._plans: dict[str, _Plan] = {}
         saved = {key for key in relative if _SAVED.match(key)}
         for key, full in relative.items():
-            if ".original_module." in key or _LORA.match(key) or _FOUR_BIT_STATE.match(key) or (_EIGHT_BIT_STATE.match(key) and
-                                                                 f"{_EIGHT_BIT_STATE.match(key)['module']}.weight" in states):
+            if _folded(key, states):
                 continue
             module = key.rpartition(".")[0].removesuffix(".base_layer")
             adapter = None
@@ -272,7 +279,8 @@ def _delta(a: torch.Tensor, b: torch.Tensor, adapter: Adapter) -> torch.Tensor:
 def _quant_state(read: Callable[[str], torch.Tensor], quantized: Quantized) -> Any:
     import bitsandbytes.functional as F
 
-    return F.QuantState.from_dict({name: read(key) for name, key in quantized.state.items()}, device=torch.device("cpu"))
+    state = {name: read(key) for name, key in quantized.state.items()}
+    return F.QuantState.from_dict(state, device=torch.device("cpu"))
 
 
 def _dequantize(read: Callable[[str], torch.Tensor], codes: torch.Tensor, quantized: Quantized) -> torch.Tensor:

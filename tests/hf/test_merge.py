@@ -114,7 +114,7 @@ def test_merge_refusals_name_the_fix(gpt2: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     cases = [
         (dict(merge=True, adapters_only=True, config=gpt2), r"--merge and --adapters-only.*HINT: pass one"),
-        (dict(merge=True, config=gpt2), r"holds LoRA adapters but no adapter configuration.*HINT: pass --adapter-config"),
+        (dict(merge=True, config=gpt2), r"LoRA adapters but no adapter configuration.*HINT: pass --adapter-config"),
         (dict(merge=True, adapter_config=gpt2), r"`.*gpt2` holds no adapter_config.json.*HINT"),
         (dict(merge=True, adapter_config={**config.to_dict(), "use_dora": True}), r"`use_dora=True`.*HINT"),
         (dict(merge=True, adapter_config={**config.to_dict(), "peft_type": "IA3"}), r"IA3 adapter.*LoRA.*HINT"),

@@ -167,7 +167,8 @@ def test_lora_on_a_pretrained_base_trains_like_ddp_and_exports_its_adapters(runs
     assert "merged the LoRA adapters of 4 weight(s)" in done.stdout
     peft = PeftModel.from_pretrained(_plain(models["llama"], torch.float32), runs / "llama-ddp-32-true-lora-adapters")
     reference = peft.merge_and_unload().state_dict()
-    for folder in (merged, runs / "llama-zero3_offload-32-true-lora-ckpt-merged", runs / "llama-ddp-32-true-lora-merged"):
+    for folder in (merged, *(runs / f"{run}-merged" for run in ("llama-zero3_offload-32-true-lora-ckpt",
+                                                                 "llama-ddp-32-true-lora"))):
         exported = _safetensors(folder)
         assert exported.keys() == reference.keys(), folder
         assert all(torch.equal(exported[k], reference[k]) for k in reference), folder

@@ -4,12 +4,11 @@ quantizes each rank's shard). See [Note: packed parameters] and [Note: quantize 
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -129,22 +128,6 @@ def test_adapters_exported_from_a_checkpoint_reopen_on_the_4bit_base(runs: Path,
     assert torch.equal(logits, _load(runs, "llama:nf4:zero3_offload:configure:ckpt")["logits"])
 
 
-@contextlib.contextmanager
-def _code_tables(dtype: torch.dtype) -> Iterator[None]:
-    """bitsandbytes' 4-bit code tables made afresh in ``dtype`` (they are made once per process, in the default dtype
-    of the first quantization, see qlora_runs.py), and forgotten again after."""
-    from qlora_runs import forget_bitsandbytes_tables
-
-    default = torch.get_default_dtype()
-    forget_bitsandbytes_tables()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(default)
-        forget_bitsandbytes_tables()
-
-
 def _merged_by_peft(peft: torch.nn.Module) -> dict[str, torch.Tensor]:
     """What peft's bnb layers compute when they merge, before quantizing the sum again: the weight dequantized
     (``dequantize_bnb_weight``), in the adapters' dtype, plus ``get_delta_weight``; key -> merged weight."""
@@ -165,14 +148,18 @@ def _merged_by_peft(peft: torch.nn.Module) -> dict[str, torch.Tensor]:
 def test_merged_export_of_the_4bit_checkpoint_is_peft_s_merge_in_bf16(runs: Path, models: Path,
                                                                       tmp_path: Path) -> None:
     """``lzero export-hf --merge`` of the zero3_offload checkpoint: each 4-bit weight dequantized from its codes and
-    saved quantization state, the adapters folded in, in bf16, a plain model. Bitwise what peft's bnb merge computes
-    on the base transformers quantizes from the same files (before it quantizes the sum again); ``merge_and_unload()``
-    on that base dequantized (``dequantize()``, plain bf16 layers) gives the same base weights bitwise, and merged
-    weights within one bf16 rounding (its plain layers multiply bf16 adapters in fp32, its bnb layers in bf16).
+    saved quantization state, the adapters folded in, in bf16, a plain model. The reference is peft on the codes the
+    run trained on (put into the layers transformers builds: bitsandbytes' code tables depend on the process, see
+    qlora_runs.py): bitwise what its bnb layers compute when they merge (before they quantize the sum again);
+    ``merge_and_unload()`` on that base dequantized (plain bf16 layers) gives the same base weights bitwise, and
+    merged weights within one bf16 rounding (its plain layers multiply bf16 adapters in fp32, its bnb layers in bf16).
     config.json has no ``quantization_config``: transformers loads plain bf16 ``nn.Linear`` layers."""
     import json
 
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as F
     from peft import PeftModel
+    from peft.utils.integrations import dequantize_bnb_weight
     from transformers import AutoModelForCausalLM
 
     from lzero.checkpoint.reader import ShardedCheckpoint
@@ -189,17 +176,26 @@ def test_merged_export_of_the_4bit_checkpoint_is_peft_s_merge_in_bf16(runs: Path
     assert "quantization_config" not in config and config["dtype"] == "bfloat16"
     exported = _safetensors(out)
     assert len(exported) == 21 and {v.dtype for v in exported.values()} == {torch.bfloat16}
-    # the tables the run quantized with (bf16 when the run's first quantization was under bf16-true)
+    base = AutoModelForCausalLM.from_pretrained(models / "llama", quantization_config=quantization("nf4"),
+                                                dtype=torch.bfloat16)
+    peft = PeftModel.from_pretrained(base, adapters).to(torch.bfloat16)  # the adapters as trained: bf16
     reader = ShardedCheckpoint(f"{run}-ckpt/last.ckpt")
-    tables = reader.state_tensor(next(k for k in reader.manifest["state_dict_keys"] if k.endswith(".quant_map"))).dtype
-    with _code_tables(tables):
-        bases = [AutoModelForCausalLM.from_pretrained(models / "llama", quantization_config=quantization("nf4"),
-                                                      dtype=torch.bfloat16) for _ in range(2)]
-    peft = PeftModel.from_pretrained(bases[0], adapters).to(torch.bfloat16)  # the adapters as trained: bf16
+    dequantized = {}
+    for name, module in peft.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            key = f"model.{name}.weight"
+            module.weight.data = reader.state_tensor(key)
+            module.weight.quant_state = F.QuantState.from_dict(
+                {k[len(key) + 1:]: reader.state_tensor(k) for k in reader.manifest["state_dict_keys"]
+                 if k.startswith(f"{key}.")}, device=torch.device("cpu"))
+            plain_key = name.removeprefix("base_model.model.").removesuffix(".base_layer") + ".weight"
+            dequantized[plain_key] = dequantize_bnb_weight(module.weight, state=module.weight.quant_state)
     by_peft = _merged_by_peft(peft)
-    assert len(by_peft) == 4 and all(torch.equal(exported[k], v) for k, v in by_peft.items())
-    unloaded = PeftModel.from_pretrained(bases[1].dequantize(), adapters).to(torch.bfloat16).merge_and_unload()
-    reference = unloaded.state_dict()
+    assert len(dequantized) == 14 and len(by_peft) == 4
+    assert all(torch.equal(exported[k], v) for k, v in by_peft.items())
+    plain = AutoModelForCausalLM.from_pretrained(models / "llama", dtype=torch.bfloat16)
+    plain.load_state_dict(dequantized, strict=False)
+    reference = PeftModel.from_pretrained(plain, adapters).to(torch.bfloat16).merge_and_unload().state_dict()
     assert exported.keys() == reference.keys()
     assert all(torch.equal(exported[k], v) for k, v in reference.items() if k not in by_peft)
     for key in by_peft:  # measured: equal on this run; the two products may round one ulp apart
@@ -231,7 +227,8 @@ def test_merged_export_of_fp4_and_8bit_bases_is_peft_s_merge(models: Path, quant
     state = {f"model.{k}": v.detach().as_subclass(torch.Tensor).clone() for k, v in peft.state_dict().items()}
     assert any(k.endswith(".SCB" if quant == "int8" else ".quant_state.bitsandbytes__fp4") for k in state)
     torch.save({"state_dict": state}, tmp_path / "last.ckpt")
-    done = export_hf(tmp_path / "last.ckpt", tmp_path / "merged", merge=True, adapter_config=peft.peft_config["default"])
+    done = export_hf(tmp_path / "last.ckpt", tmp_path / "merged", merge=True,
+                     adapter_config=peft.peft_config["default"])
     assert done["merged"] == 4 and done["dequantized"] == 14
     exported = _safetensors(tmp_path / "merged")
     by_peft = _merged_by_peft(peft)
