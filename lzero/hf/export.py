@@ -269,14 +269,15 @@ def _copy_config(config: Path, folder: Path, target: Optional[torch.dtype], plai
     for name in CONFIG_FILES:
         if (config / name).is_file():
             shutil.copy2(config / name, folder / name)
-    if target is not None or plain:  # from_pretrained(dtype="auto") then loads what was written
-        data = json.loads((folder / "config.json").read_text())
-        if target is not None:
-            data["dtype"] = str(target).removeprefix("torch.")
-            data.pop("torch_dtype", None)
-        if plain:
-            data.pop("quantization_config", None)
-        (folder / "config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    data = json.loads((folder / "config.json").read_text())
+    edited = dict(data)
+    if target is not None:  # from_pretrained(dtype="auto") then loads what was written
+        edited["dtype"] = str(target).removeprefix("torch.")
+        edited.pop("torch_dtype", None)
+    if plain:
+        edited.pop("quantization_config", None)
+    if edited != data:
+        (folder / "config.json").write_text(json.dumps(edited, indent=2, sort_keys=True) + "\n")
 
 
 def export_command(argv: list[str]) -> int:

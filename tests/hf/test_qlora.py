@@ -209,7 +209,10 @@ def test_merged_export_of_the_4bit_checkpoint_is_peft_s_merge_in_bf16(runs: Path
 def test_merged_export_of_fp4_and_8bit_bases_is_peft_s_merge(models: Path, quant: str, tmp_path: Path) -> None:
     """A 4-bit fp4 base (uint8 storage, no double quantization) and an LLM.int8 base (codes and ``SCB``) with drawn
     bf16 adapters, saved as a Lightning file: the merged export is what peft's bnb merge computes (the 8-bit weight
-    dequantized in fp32, cast to the adapters' bf16, the delta added), bitwise."""
+    dequantized in fp32, cast to the adapters' bf16, the delta added), bitwise; the quantized model's config.json
+    loses its ``quantization_config``, so transformers opens the folder as a plain bf16 model."""
+    import json
+
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -227,13 +230,19 @@ def test_merged_export_of_fp4_and_8bit_bases_is_peft_s_merge(models: Path, quant
     state = {f"model.{k}": v.detach().as_subclass(torch.Tensor).clone() for k, v in peft.state_dict().items()}
     assert any(k.endswith(".SCB" if quant == "int8" else ".quant_state.bitsandbytes__fp4") for k in state)
     torch.save({"state_dict": state}, tmp_path / "last.ckpt")
-    done = export_hf(tmp_path / "last.ckpt", tmp_path / "merged", merge=True,
+    base.config.save_pretrained(tmp_path / "config")
+    assert "quantization_config" in json.loads((tmp_path / "config" / "config.json").read_text())
+    done = export_hf(tmp_path / "last.ckpt", tmp_path / "merged", merge=True, config=tmp_path / "config",
                      adapter_config=peft.peft_config["default"])
     assert done["merged"] == 4 and done["dequantized"] == 14
     exported = _safetensors(tmp_path / "merged")
     by_peft = _merged_by_peft(peft)
     assert len(by_peft) == 4 and all(torch.equal(exported[k], v) for k, v in by_peft.items())
     assert len(exported) == 21 and {v.dtype for v in exported.values()} == {torch.bfloat16}
+    assert "quantization_config" not in json.loads((tmp_path / "merged" / "config.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype="auto")
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in exported.items())
 
 
 def _safetensors(folder: Path) -> dict[str, torch.Tensor]:
