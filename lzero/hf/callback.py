@@ -26,19 +26,29 @@ class ExportHF(Callback):
             Hugging Face ``PreTrainedModel`` (or peft model) inside the LightningModule.
         adapters_only: a peft model's LoRA adapters alone (``adapter_model.safetensors`` and the adapter's
             ``adapter_config.json``), for ``PeftModel.from_pretrained(base, out_dir)``.
+        merge: a peft model's LoRA adapters folded into its base, as ``merge_and_unload()`` folds them (a quantized
+            base dequantized, into bf16 unless ``dtype`` says otherwise): a plain model's folder, with the adapter's
+            hyperparameters taken from the live peft model (see [Note: a merged export] in merge.py).
     """
 
     def __init__(self, out_dir: str, config: Optional[str] = None, dtype: Optional[str] = None,
-                 max_shard_size: str = "5GB", prefix: Optional[str] = None, adapters_only: bool = False) -> None:
+                 max_shard_size: str = "5GB", prefix: Optional[str] = None, adapters_only: bool = False,
+                 merge: bool = False) -> None:
+        if merge and adapters_only:
+            raise ValueError("ExportHF(merge=True, adapters_only=True) asks for two exports. HINT: pass one: merge for"
+                             " the base with the adapters folded in, adapters_only for the adapters alone.")
         self.out_dir = Path(out_dir)
         self.config, self.dtype, self.max_shard_size, self.prefix = config, dtype, max_shard_size, prefix
-        self.adapters_only = adapters_only
+        self.adapters_only, self.merge = adapters_only, merge
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         from lzero.hf.export import export_hf
 
-        prefix, folder = _pretrained_of(pl_module, self.adapters_only)
+        prefix, folder = _pretrained_of(pl_module, self.adapters_only or self.merge)
+        adapter = None
+        if self.merge:  # the peft model's keys, the base's folder, the live adapter's settings (none: a plain model)
+            folder, adapter = _pretrained_of(pl_module)[1], _peft_config(pl_module, required=False)
         staging = self.out_dir.parent / f".{self.out_dir.name}.export.ckpt"  # the same path on every rank
         trainer.save_checkpoint(staging, weights_only=True)  # a collective: each rank writes its own shards
         if trainer.is_global_zero:
@@ -49,17 +59,19 @@ class ExportHF(Callback):
                 try:
                     export_hf(staging, self.out_dir, self.dtype, self.max_shard_size, self.config or folder,
                               self.prefix if self.prefix is not None else prefix, overwrite=True,
-                              adapters_only=self.adapters_only)
+                              adapters_only=self.adapters_only, merge=self.merge, adapter_config=adapter)
                 finally:
                     (shutil.rmtree if staging.is_dir() else Path.unlink)(staging)
         trainer.strategy.barrier("lzero.ExportHF")
 
 
-def _peft_config(module: nn.Module) -> Any:
+def _peft_config(module: nn.Module, required: bool = True) -> Any:
     for sub in module.modules():
         configs = getattr(sub, "peft_config", None)
         if isinstance(configs, dict) and configs:
             return next(iter(configs.values()))
+    if not required:
+        return None
     raise ValueError("ExportHF(adapters_only=True): the LightningModule holds no peft model. HINT: wrap the model"
                      " with `peft.get_peft_model`, or export the whole model (adapters_only=False).")
 

@@ -8,7 +8,8 @@ keys without the LightningModule's attribute prefix (``model.``); a tied tensor 
 ``generation_config.json`` (and tokenizer files) copied from ``--config``, with ``dtype`` set to the exported
 dtype. It streams: tensors are read one at a time from the checkpoint's shards and a file is written once it is
 full, so peak memory stays near one output file. It is written into a temporary folder beside the output and
-renamed at the end: an interrupted export leaves no folder that looks complete.
+renamed at the end: an interrupted export leaves no folder that looks complete. A peft LoRA model is written with
+its adapters alone (``adapters_only``) or folded into its base (``merge``, see [Note: a merged export] in merge.py).
 """
 
 from __future__ import annotations
@@ -59,7 +60,9 @@ class _Source:
             self.keys: list[str] = list(reader.manifest["state_dict_keys"])
             self._same = lambda key: reader.param_name(key) or key
             self.read: Callable[[str], torch.Tensor] = reader.state_tensor
-            self.dtype_shape = lambda key: dtype_shape(reader, key)  # from the manifest: no tensor read
+            self.dtype_shape = lambda key: (reader.dtype(f"param/{reader.param_name(key)}"),  # no tensor read
+                                            tuple(reader.manifest["params"][reader.param_name(key)]["shape"])) \
+                if reader.param_name(key) is not None else dtype_shape(reader, key)
         else:
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             state = obj["state_dict"] if isinstance(obj, dict) and "state_dict" in obj else obj
@@ -81,17 +84,24 @@ class _Source:
 
 def export_hf(checkpoint: Any, out_dir: Any, dtype: Optional[str] = None, max_shard_size: Any = "5GB",
               config: Any = None, prefix: Optional[str] = None, overwrite: bool = False,
-              adapters_only: bool = False) -> dict[str, Any]:
+              adapters_only: bool = False, merge: bool = False, adapter_config: Any = None) -> dict[str, Any]:
     """Write ``checkpoint`` (an lzero checkpoint directory, or a plain Lightning/torch file) as a Hugging Face
     folder at ``out_dir``; see [Note: exporting to a Hugging Face folder]. ``dtype``: ``fp32``, ``bf16`` or
     ``fp16`` for the floating tensors (default: as stored, fp32 for lzero's masters). ``prefix``: the
     LightningModule attribute holding the model, with its dot (default: the one prefix every key shares).
     ``adapters_only``: a peft model's LoRA adapters alone, as peft's ``save_pretrained`` writes them
     (``adapter_model.safetensors``, keys without the adapter name, ``adapter_config.json`` from ``config``).
-    Returns what was written: files, keys, the prefix and the keys left out (outside the prefix)."""
+    ``merge``: the plain model peft's ``merge_and_unload()`` gives, the adapters folded into the base (a quantized
+    base dequantized, into bf16 unless ``dtype`` says otherwise); ``adapter_config``: the adapter's configuration,
+    a folder holding ``adapter_config.json`` (default: ``config``, when it holds one), or a peft ``LoraConfig`` (or
+    its dict). See [Note: a merged export] in merge.py. Returns what was written: files, keys, the prefix, the keys
+    left out (outside the prefix), and with ``merge`` how many weights were merged and dequantized."""
     source_path, out = Path(checkpoint), Path(out_dir)
     if dtype is not None and dtype not in DTYPES:
         raise CheckpointError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}. HINT: --dtype bf16, fp16 or fp32.")
+    if merge and adapters_only:
+        raise CheckpointError("--merge and --adapters-only ask for two different exports. HINT: pass one: --merge"
+                              " for the base with the adapters folded in, --adapters-only for the adapters alone.")
     limit = parse_size(max_shard_size)
     _check_out(out, overwrite)
     wanted = "adapter_config.json" if adapters_only else "config.json"
@@ -102,21 +112,31 @@ def export_hf(checkpoint: Any, out_dir: Any, dtype: Optional[str] = None, max_sh
                                  "the model was loaded from (the pretrained model's folder)."))
     source = _Source(source_path)
     keys = source.first_keys()
-    prefix = _prefix(source.keys) if prefix is None else prefix
+    if prefix is None:  # a peft model saved on its own: its keys begin with base_model.model., which merge removes
+        peft = merge and all(k.startswith("base_model.model.") for k in source.keys)
+        prefix = "" if peft else _prefix(source.keys)
     kept = [k for k in keys if k.startswith(prefix) and (not adapters_only or _ADAPTER.search(k))]
     left_out = [k for k in keys if not k.startswith(prefix)]
     if adapters_only:
         _refuse_modules_to_save(keys)
-    elif any(_ADAPTER.search(k) for k in kept):
+    elif not merge and any(_ADAPTER.search(k) for k in kept):
         raise CheckpointError(
-            f"`{source_path}` holds peft LoRA adapters ({next(k for k in kept if _ADAPTER.search(k))}, ...); a merged"
-            " export is not built. HINT: pass --adapters-only (then `PeftModel.from_pretrained(base, OUT_DIR)`), and"
-            " merge with peft's `merge_and_unload()` after loading if you need one folder.")
+            f"`{source_path}` holds peft LoRA adapters ({next(k for k in kept if _ADAPTER.search(k))}, ...). HINT:"
+            " pass --merge (with --adapter-config DIR_WITH_adapter_config.json) for the base with the adapters folded"
+            " in, or --adapters-only for the adapters alone (then `PeftModel.from_pretrained(base, OUT_DIR)`).")
     if not kept:
         raise CheckpointError(f"No key of `{source_path}` starts with the prefix {prefix!r}; its keys start with"
                               f" {sorted({k.split('.')[0] + '.' for k in keys})}. HINT: pass --prefix with the"
                               " LightningModule attribute that holds the model, e.g. --prefix model.")
     target = DTYPES[dtype] if dtype else None
+    merged = None
+    if merge and kept:
+        from lzero.hf.merge import MergedSource
+
+        settings = _lora_settings(adapter_config, config) if any(_ADAPTER.search(k) for k in kept) else None
+        merged = MergedSource(source.read, source.dtype_shape, kept, prefix, settings, target)
+        if merged.quantized and target is None:  # codes have no dtype of their own to keep
+            target = merged.dtype = torch.bfloat16
     parent = out.resolve().parent
     parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=parent))
@@ -124,6 +144,10 @@ def export_hf(checkpoint: Any, out_dir: Any, dtype: Optional[str] = None, max_sh
         if adapters_only:
             files = _write_adapters(source, kept, prefix, target, staging)
             shutil.copy2(Path(config) / "adapter_config.json", staging / "adapter_config.json")
+        elif merged is not None:
+            files = _write_weights(merged, merged.keys, "", target, limit, staging)
+            if config is not None:
+                _copy_config(Path(config), staging, target, plain=True)
         else:
             files = _write_weights(source, kept, prefix, target, limit, staging)
             if config is not None:
@@ -134,7 +158,28 @@ def export_hf(checkpoint: Any, out_dir: Any, dtype: Optional[str] = None, max_sh
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return {"files": files, "keys": len(kept), "prefix": prefix, "left_out": left_out}
+    done = {"files": files, "keys": len(kept), "prefix": prefix, "left_out": left_out}
+    if merged is not None:
+        done.update(keys=len(merged.keys), merged=merged.merged, dequantized=merged.quantized)
+    return done
+
+
+def _lora_settings(adapter_config: Any, config: Any) -> Any:
+    """The adapter's configuration for a merge: a ``LoraConfig`` (or its dict) as given, else ``adapter_config.json``
+    from ``adapter_config`` or, without it, from ``config``. None when neither folder holds one."""
+    from lzero.hf.merge import LoraSettings
+
+    if adapter_config is not None and not isinstance(adapter_config, (str, os.PathLike)):
+        return LoraSettings.of(adapter_config, "The adapter configuration")
+    if adapter_config is not None:
+        if not (Path(adapter_config) / "adapter_config.json").is_file():
+            raise CheckpointError(f"--adapter-config `{adapter_config}` holds no adapter_config.json. HINT: pass the"
+                                  " folder peft's `save_pretrained` (or `ExportHF(adapters_only=True)`) wrote, or where"
+                                  " `peft_config['default'].save_pretrained(DIR)` put it.")
+        return LoraSettings.read(adapter_config)
+    if config is not None and (Path(config) / "adapter_config.json").is_file():
+        return LoraSettings.read(config)
+    return None
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
@@ -193,8 +238,8 @@ def _refuse_modules_to_save(keys: list[str]) -> None:
     saved = [k for k in keys if ".modules_to_save." in k]
     if saved:
         raise CheckpointError(f"The peft model also trains whole modules (`modules_to_save`: {saved[:3]}...), which"
-                              " --adapters-only does not write. HINT: export the merged model without"
-                              " --adapters-only.")
+                              " --adapters-only does not write. HINT: export the merged model with --merge instead"
+                              " of --adapters-only.")
 
 
 def _write_adapters(source: _Source, keys: list[str], prefix: str, target: Optional[torch.dtype],
@@ -218,22 +263,29 @@ def _nbytes(source: _Source, key: str, target: Optional[torch.dtype]) -> int:
     return math.prod(shape) * dtype.itemsize
 
 
-def _copy_config(config: Path, folder: Path, target: Optional[torch.dtype]) -> None:
+def _copy_config(config: Path, folder: Path, target: Optional[torch.dtype], plain: bool = False) -> None:
+    """The configuration files, config.json with the exported dtype (``plain``: and no ``quantization_config``, so
+    that ``from_pretrained`` builds unquantized layers for the merged weights)."""
     for name in CONFIG_FILES:
         if (config / name).is_file():
             shutil.copy2(config / name, folder / name)
+    data = json.loads((folder / "config.json").read_text())
+    edited = dict(data)
     if target is not None:  # from_pretrained(dtype="auto") then loads what was written
-        data = json.loads((folder / "config.json").read_text())
-        data["dtype"] = str(target).removeprefix("torch.")
-        data.pop("torch_dtype", None)
-        (folder / "config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        edited["dtype"] = str(target).removeprefix("torch.")
+        edited.pop("torch_dtype", None)
+    if plain:
+        edited.pop("quantization_config", None)
+    if edited != data:
+        (folder / "config.json").write_text(json.dumps(edited, indent=2, sort_keys=True) + "\n")
 
 
 def export_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lzero export-hf", description=export_hf.__doc__)
     parser.add_argument("checkpoint", help="an lzero checkpoint directory (e.g. .../checkpoints/last.ckpt)")
     parser.add_argument("out_dir", help="the Hugging Face folder to write (must be new or empty)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), help="dtype of the floating tensors (default: as stored)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="dtype of the floating tensors (default: as stored;"
+                                                               " bf16 for a quantized base under --merge)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest weight file (default 5GB)")
     parser.add_argument("--config", help="the pretrained model's folder: config.json, generation_config.json and"
                                          " tokenizer files are copied from it")
@@ -242,10 +294,15 @@ def export_command(argv: list[str]) -> int:
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     parser.add_argument("--adapters-only", action="store_true", help="a peft model's LoRA adapters alone"
                         " (adapter_model.safetensors; --config names the folder holding adapter_config.json)")
+    parser.add_argument("--merge", action="store_true", help="a peft model's LoRA adapters folded into its base, as"
+                        " peft's merge_and_unload() does: a plain model (a bitsandbytes-quantized base dequantized,"
+                        " config.json without quantization_config)")
+    parser.add_argument("--adapter-config", help="with --merge: the folder holding the adapter's adapter_config.json"
+                                                 " (default: --config, when it holds one)")
     args = parser.parse_args(argv)
     try:
         done = export_hf(args.checkpoint, args.out_dir, args.dtype, args.max_shard_size, args.config, args.prefix,
-                         args.overwrite, args.adapters_only)
+                         args.overwrite, args.adapters_only, args.merge, args.adapter_config)
     except CheckpointError as err:
         print(f"lzero export-hf: {err}", file=sys.stderr)
         return 1
@@ -253,6 +310,10 @@ def export_command(argv: list[str]) -> int:
           " removed")
     if done["left_out"]:
         print(f"left out (outside the prefix): {done['left_out']}")
+    if args.merge:
+        print(f"merged the LoRA adapters of {done['merged']} weight(s), dequantized {done['dequantized']}"
+              if done["merged"] or done["dequantized"] else
+              "note: --merge found no LoRA adapters and no quantized weight: the model was exported as it is")
     if args.config is None and not args.adapters_only:
         print("note: no --config given, so the folder has no config.json; `from_pretrained` needs one. HINT: pass"
               " --config with the pretrained model's folder.")

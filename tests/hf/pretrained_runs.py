@@ -7,7 +7,8 @@ RUN is ``MODEL:STRATEGY[:PRECISION[:FLAG]]`` (``gpt2:zero3``, ``llama:ddp:bf16-m
 model in ``__init__`` under an lzero strategy too (DDP always does); ``ckpt`` saves ``OUT_DIR/RUN-ckpt/last.ckpt``;
 ``lora`` wraps the model with peft's LoRA adapters (their initial values set by ``LORA_A`` in ``on_fit_start``, through
 ``strategy.gathered_parameters()`` under lzero, so that every run starts from the same adapters) and exports them
-with ``ExportHF(adapters_only=True)`` to ``OUT_DIR/RUN-adapters``; ``head`` adds a fresh ``nn.Linear`` classification head
+with ``ExportHF(adapters_only=True)`` to ``OUT_DIR/RUN-adapters`` and merged into the base with ``ExportHF(merge=True)``
+to ``OUT_DIR/RUN-merged``; ``head`` adds a fresh ``nn.Linear`` classification head
 after ``from_pretrained`` (drawn where the model is built) whose loss on the last hidden state joins the model's; ``lazy``
 builds the model in ``configure_model`` under DDP too.
 Every run also saves the logits of the trained model on ``PROBE``. Rank 0 writes
@@ -104,7 +105,8 @@ def fit(models: Path, out: Path, run: str) -> None:
     if lora:
         from lzero.hf import ExportHF
 
-        checkpoints.append(ExportHF(str(out / f"{tag}-adapters"), adapters_only=True))
+        checkpoints += [ExportHF(str(out / f"{tag}-adapters"), adapters_only=True),
+                        ExportHF(str(out / f"{tag}-merged"), merge=True)]
     torch.manual_seed(0)
     tokens = torch.randint(0, 128, (80, 12), generator=torch.Generator().manual_seed(1))
     record = Record()

@@ -128,6 +128,129 @@ def test_adapters_exported_from_a_checkpoint_reopen_on_the_4bit_base(runs: Path,
     assert torch.equal(logits, _load(runs, "llama:nf4:zero3_offload:configure:ckpt")["logits"])
 
 
+def _merged_by_peft(peft: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What peft's bnb layers compute when they merge, before quantizing the sum again: the weight dequantized
+    (``dequantize_bnb_weight``), in the adapters' dtype, plus ``get_delta_weight``; key -> merged weight."""
+    from peft.tuners.lora.bnb import Linear4bit, Linear8bitLt
+    from peft.utils.integrations import dequantize_bnb_weight
+
+    merged = {}
+    for name, module in peft.named_modules():
+        if isinstance(module, (Linear4bit, Linear8bitLt)):
+            weight = module.get_base_layer().weight
+            state = weight.quant_state if isinstance(module, Linear4bit) else module.get_base_layer().state
+            delta = module.get_delta_weight("default")
+            merged[f"{name.removeprefix('base_model.model.')}.weight"] = \
+                dequantize_bnb_weight(weight, state=state).to(delta.dtype) + delta
+    return merged
+
+
+def test_merged_export_of_the_4bit_checkpoint_is_peft_s_merge_in_bf16(runs: Path, models: Path,
+                                                                      tmp_path: Path) -> None:
+    """``lzero export-hf --merge`` of the zero3_offload checkpoint: each 4-bit weight dequantized from its codes and
+    saved quantization state, the adapters folded in, in bf16, a plain model. The reference is peft on the codes the
+    run trained on (put into the layers transformers builds: bitsandbytes' code tables depend on the process, see
+    qlora_runs.py): bitwise what its bnb layers compute when they merge (before they quantize the sum again);
+    ``merge_and_unload()`` on that base dequantized (plain bf16 layers) gives the same base weights bitwise, and
+    merged weights within one bf16 rounding (its plain layers multiply bf16 adapters in fp32, its bnb layers in bf16).
+    config.json has no ``quantization_config``: transformers loads plain bf16 ``nn.Linear`` layers."""
+    import json
+
+    import bitsandbytes as bnb
+    import bitsandbytes.functional as F
+    from peft import PeftModel
+    from peft.utils.integrations import dequantize_bnb_weight
+    from transformers import AutoModelForCausalLM
+
+    from lzero.checkpoint.reader import ShardedCheckpoint
+    from lzero.cli import main as lzero_command
+    from qlora_runs import quantization
+
+    run = runs / "llama-nf4-zero3_offload-configure-ckpt"
+    out, adapters = tmp_path / "merged", tmp_path / "adapters"
+    assert lzero_command(["export-hf", "--merge", "--config", str(models / "llama"), "--adapter-config",
+                          f"{run}-adapter-config", f"{run}-ckpt/last.ckpt", str(out)]) == 0
+    assert lzero_command(["export-hf", "--adapters-only", "--config", f"{run}-adapter-config", f"{run}-ckpt/last.ckpt",
+                          str(adapters)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == "bfloat16"
+    exported = _safetensors(out)
+    assert len(exported) == 21 and {v.dtype for v in exported.values()} == {torch.bfloat16}
+    base = AutoModelForCausalLM.from_pretrained(models / "llama", quantization_config=quantization("nf4"),
+                                                dtype=torch.bfloat16)
+    peft = PeftModel.from_pretrained(base, adapters).to(torch.bfloat16)  # the adapters as trained: bf16
+    reader = ShardedCheckpoint(f"{run}-ckpt/last.ckpt")
+    dequantized = {}
+    for name, module in peft.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            key = f"model.{name}.weight"
+            module.weight.data = reader.state_tensor(key)
+            module.weight.quant_state = F.QuantState.from_dict(
+                {k[len(key) + 1:]: reader.state_tensor(k) for k in reader.manifest["state_dict_keys"]
+                 if k.startswith(f"{key}.")}, device=torch.device("cpu"))
+            plain_key = name.removeprefix("base_model.model.").removesuffix(".base_layer") + ".weight"
+            dequantized[plain_key] = dequantize_bnb_weight(module.weight, state=module.weight.quant_state)
+    by_peft = _merged_by_peft(peft)
+    assert len(dequantized) == 14 and len(by_peft) == 4
+    assert all(torch.equal(exported[k], v) for k, v in by_peft.items())
+    plain = AutoModelForCausalLM.from_pretrained(models / "llama", dtype=torch.bfloat16)
+    plain.load_state_dict(dequantized, strict=False)
+    reference = PeftModel.from_pretrained(plain, adapters).to(torch.bfloat16).merge_and_unload().state_dict()
+    assert exported.keys() == reference.keys()
+    assert all(torch.equal(exported[k], v) for k, v in reference.items() if k not in by_peft)
+    for key in by_peft:  # measured: equal on this run; the two products may round one ulp apart
+        assert torch.allclose(exported[key], reference[key], rtol=2**-7, atol=0), key
+    model = AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in exported.items())
+
+
+@pytest.mark.parametrize("quant", ["fp4", "int8"])
+def test_merged_export_of_fp4_and_8bit_bases_is_peft_s_merge(models: Path, quant: str, tmp_path: Path) -> None:
+    """A 4-bit fp4 base (uint8 storage, no double quantization) and an LLM.int8 base (codes and ``SCB``) with drawn
+    bf16 adapters, saved as a Lightning file: the merged export is what peft's bnb merge computes (the 8-bit weight
+    dequantized in fp32, cast to the adapters' bf16, the delta added), bitwise; the quantized model's config.json
+    loses its ``quantization_config``, so transformers opens the folder as a plain bf16 model."""
+    import json
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from lzero.hf import export_hf
+    from qlora_runs import quantization
+
+    base = AutoModelForCausalLM.from_pretrained(models / "llama", quantization_config=quantization(quant),
+                                                dtype=torch.bfloat16)
+    peft = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_" in name:
+                p.data = (torch.randn(p.shape, generator=generator) * 0.05).to(torch.bfloat16)
+    state = {f"model.{k}": v.detach().as_subclass(torch.Tensor).clone() for k, v in peft.state_dict().items()}
+    assert any(k.endswith(".SCB" if quant == "int8" else ".quant_state.bitsandbytes__fp4") for k in state)
+    torch.save({"state_dict": state}, tmp_path / "last.ckpt")
+    base.config.save_pretrained(tmp_path / "config")
+    assert "quantization_config" in json.loads((tmp_path / "config" / "config.json").read_text())
+    done = export_hf(tmp_path / "last.ckpt", tmp_path / "merged", merge=True, config=tmp_path / "config",
+                     adapter_config=peft.peft_config["default"])
+    assert done["merged"] == 4 and done["dequantized"] == 14
+    exported = _safetensors(tmp_path / "merged")
+    by_peft = _merged_by_peft(peft)
+    assert len(by_peft) == 4 and all(torch.equal(exported[k], v) for k, v in by_peft.items())
+    assert len(exported) == 21 and {v.dtype for v in exported.values()} == {torch.bfloat16}
+    assert "quantization_config" not in json.loads((tmp_path / "merged" / "config.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype="auto")
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in exported.items())
+
+
+def _safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
 def test_resumed_at_world_size_1_continues_the_run(runs: Path) -> None:
     """The step-5 checkpoint of 2 ranks resumed on 1 rank (its shards re-sliced, the 4-bit base re-read and quantized
     by the one rank) with the same global batch: the uninterrupted run's losses (the mean of the 2 ranks' losses),
