@@ -240,8 +240,10 @@ class ShardedAveragedModel(AveragedModel):
         collective) and the average model's buffers."""
         if self.sharded_checkpoint():
             return dict(SHARDED_MARKER)
-        own = self.lightning_module.state_dict(keep_vars=True)
-        return self.averaged_state({k: v.detach() for k, v in own.items()})
+        from lzero.checkpoint.state_dict import consolidate, sharded_state_dict
+
+        engine = self.average.engine
+        return consolidate(engine, self.averaged_state(sharded_state_dict(engine, self.lightning_module)))
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
         """SWA's ``average_model_state`` back: a sharded checkpoint's averages were read with the parameters (the

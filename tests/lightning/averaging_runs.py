@@ -112,7 +112,7 @@ def averaging(kind: str) -> Callback:
     return StochasticWeightAveraging(swa_lrs=0.02, swa_epoch_start=2, annealing_epochs=1)
 
 
-def run(out: Path, name: str, kind: str, strategy: str, ckpt_path: Optional[str] = None, optimizer: str = "adamw",
+def run(out: Path, name: str, kind: str, strategy: Any, ckpt_path: Optional[str] = None, optimizer: str = "adamw",
         memory: bool = False) -> None:
     torch.manual_seed(0)
     model = Net(optimizer)
@@ -137,6 +137,8 @@ def main(out: Path) -> None:
     for kind in ("ema", "swa"):
         for strategy in STRATEGIES:
             run(out, f"{kind}_{strategy}", kind, strategy, memory=strategy.startswith("zero3"))
+        # a full (DDP-format) checkpoint file instead of a sharded directory
+        run(out, f"{kind}_zero3_full", kind, lzero.ZeroStrategy(stage=3, checkpoint_format="full"))
     run(out, "ema_sgd_ddp", "ema", "ddp", optimizer="sgd")
     run(out, "ema_sgd_zero2_offload", "ema", "zero2_offload", optimizer="sgd")
     # resumed after epoch 1 (of 0..2): from a sharded zero3 checkpoint at zero3 and, re-sharded by name, at zero1;
