@@ -64,11 +64,12 @@ def _shadow(stack: contextlib.ExitStack, callback: Any, **methods: Callable) -> 
         stack.callback(callback.__dict__.pop, name, None)
 
 
-def defer_setup(trainer: "Trainer", stack: contextlib.ExitStack) -> None:
-    """Before the callbacks' ``setup`` of a fit: theirs would copy the whole module; the sharded stand-in comes
-    once the engine exists (:func:`shard_weight_averaging`). See [Note: weight averaging under ZeRO]."""
+def defer_setup(trainer: "Trainer", stack: contextlib.ExitStack, fitting: bool) -> None:
+    """Before the callbacks' ``setup``: theirs would copy the whole module (SWA's at every stage, of a model that a
+    zero3 fit left sharded); in a fit the sharded stand-in comes once the engine exists
+    (:func:`shard_weight_averaging`). See [Note: weight averaging under ZeRO]."""
     found = averaging_callbacks(trainer.callbacks)
-    if len(found) > 1:
+    if fitting and len(found) > 1:
         names = ", ".join(type(c).__name__ for c in found)
         raise ZeroConfigError(
             f"{len(found)} weight-averaging callbacks ({names}) were given; lzero keeps one average per run. HINT:"

@@ -193,8 +193,8 @@ class ZeroStrategy(DDPStrategy):
         super().setup_environment()
         module = self.lightning_module
         trainer = module._trainer if module is not None else None
-        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            defer_setup(trainer, self._exit_stack)  # see [Note: weight averaging under ZeRO]
+        if trainer is not None:  # see [Note: weight averaging under ZeRO]
+            defer_setup(trainer, self._exit_stack, fitting=trainer.state.fn == TrainerFn.FITTING)
 
     @override
     def setup(self, trainer: Trainer) -> None:
