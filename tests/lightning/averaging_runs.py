@@ -15,7 +15,8 @@ from typing import Any, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint, StochasticWeightAveraging
+from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint, StochasticWeightAveraging, WeightAveraging
+from torch.optim.swa_utils import get_ema_multi_avg_fn
 from lightning.pytorch.loggers.logger import Logger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -109,6 +110,10 @@ def data(n: int, seed: int) -> DataLoader:
 def averaging(kind: str) -> Callback:
     if kind == "ema":
         return EMAWeightAveraging(decay=0.8)
+    if kind == "wa":  # torch's equal-weight average (foreach lerp over the parameters and buffers)
+        return WeightAveraging()
+    if kind == "wa_multi":  # a multi_avg_fn, the buffers copied rather than averaged
+        return WeightAveraging(multi_avg_fn=get_ema_multi_avg_fn(0.7), use_buffers=False)
     return StochasticWeightAveraging(swa_lrs=0.02, swa_epoch_start=2, annealing_epochs=1)
 
 
@@ -139,6 +144,9 @@ def main(out: Path) -> None:
             run(out, f"{kind}_{strategy}", kind, strategy, memory=strategy.startswith("zero3"))
         # a full (DDP-format) checkpoint file instead of a sharded directory
         run(out, f"{kind}_zero3_full", kind, lzero.ZeroStrategy(stage=3, checkpoint_format="full"))
+    for kind in ("wa", "wa_multi"):
+        for strategy in ("ddp", "zero3"):
+            run(out, f"{kind}_{strategy}", kind, strategy)
     run(out, "ema_sgd_ddp", "ema", "ddp", optimizer="sgd")
     run(out, "ema_sgd_zero2_offload", "ema", "zero2_offload", optimizer="sgd")
     # resumed after epoch 1 (of 0..2): from a sharded zero3 checkpoint at zero3 and, re-sharded by name, at zero1;

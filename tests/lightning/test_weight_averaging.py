@@ -66,6 +66,16 @@ def test_averaged_weights_and_validation_losses_equal_ddp(runs: Path, kind: str,
     assert ours["val_losses"] == ref["val_losses"] and len(ref["val_losses"]) == (6 if kind == "ema" else 8)
 
 
+@pytest.mark.parametrize("kind", ["wa", "wa_multi"])
+def test_weight_averaging_with_torchs_average_and_a_multi_avg_fn_equals_ddp(runs: Path, kind: str) -> None:
+    """``WeightAveraging()`` (torch's equal-weight average, buffers averaged) and ``WeightAveraging(multi_avg_fn=...,
+    use_buffers=False)`` (buffers copied) at zero3."""
+    ref, ours = load(runs, f"{kind}_ddp"), load(runs, f"{kind}_zero3")
+    assert_equal(ours["params"], ref["params"], "parameter")
+    assert_equal(ours["buffers"], ref["buffers"], "buffer")
+    assert ours["val_losses"] == ref["val_losses"]
+
+
 def test_ema_with_sgd_at_zero2_offload_equals_ddp(runs: Path) -> None:
     """The optimizer offloaded to host memory (SGD with momentum): the averages live there too."""
     ref, ours = load(runs, "ema_sgd_ddp"), load(runs, "ema_sgd_zero2_offload")
@@ -180,6 +190,33 @@ def test_swa_and_ema_at_world_size_1_equal_ddp(in_process_fit, stage: int) -> No
         unshard(trainer.lightning_module)
         for p, q in zip(trainer.lightning_module.parameters(), reference.lightning_module.parameters(), strict=True):
             assert torch.equal(p, q)
+
+
+class AverageAtStart(Callback):
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        average = trainer.strategy.engine.average
+        self.pieces = {spec.name: (a, b, piece.clone()) for spec, a, b, piece in average.pieces()}
+        self.n_averaged = int(trainer.callbacks[0]._average_model.n_averaged)
+
+
+def test_the_average_resumes_at_world_size_1(runs: Path, in_process_fit) -> None:
+    """zero3's sharded checkpoint of world size 2, resumed at world size 1 under zero2: the one rank's averaged
+    shards hold every parameter's whole average, read from both ranks' ``average/<name>`` pieces."""
+    from averaging_runs import Net, data
+
+    checkpoint = runs / "ema_zero3" / "epoch=1.ckpt"
+    probe = AverageAtStart()
+    torch.manual_seed(0)
+    Trainer(strategy=ZeroStrategy(stage=2), accelerator="cpu", devices=1, max_epochs=3, logger=False,
+            callbacks=[EMAWeightAveraging(decay=0.8), probe], enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, num_sanity_val_steps=0).fit(Net(), data(32, 0), ckpt_path=str(checkpoint))
+    reader = ShardedCheckpoint(checkpoint)
+    assert probe.pieces.keys() == reader.manifest["params"].keys()
+    for name, (a, b, piece) in probe.pieces.items():
+        assert (a, b) == (0, reader.manifest["params"][name]["numel"])
+        assert torch.equal(piece, reader.read_range(f"average/{name}", 0, b)), name
+        assert torch.equal(piece, reader.full_state_dict()[name].reshape(-1)), name  # the checkpoint's model state
+    assert probe.n_averaged == 8  # 2 epochs of 4 steps
 
 
 def test_two_averaging_callbacks_are_refused(in_process_fit) -> None:
