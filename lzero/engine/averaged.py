@@ -14,7 +14,9 @@ values and the compute parameters are refreshed from the masters, as after a che
 (``ZeroEngine.republish``). The optimizer state stays with the current masters, as under DDP. Frozen parameters and
 units (no optimizer) are not averaged: their average is their value (DDP's whole copy re-averages them, which under
 EMA may round them by an ulp). Buffers (BatchNorm statistics) are whole on every rank and stay with the Lightning
-side (lzero/lightning/trainer_averaging.py), which also keeps the callback's control flow.
+side (lzero/lightning/trainer_averaging.py), which also keeps the callback's control flow. With the offloaded
+optimizer's delayed update, an update (or a swap) first finishes the step in flight, as DDP's average reads the
+stepped weights: the host step then overlaps nothing on those steps.
 """
 
 from __future__ import annotations

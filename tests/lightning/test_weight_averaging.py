@@ -192,6 +192,41 @@ def test_swa_and_ema_at_world_size_1_equal_ddp(in_process_fit, stage: int) -> No
             assert torch.equal(p, q)
 
 
+def fit_net(strategy: Any, **trainer_kwargs: Any) -> tuple[dict, list]:
+    from averaging_runs import Net, data
+
+    torch.manual_seed(0)
+    model = Net()
+    Trainer(strategy=strategy, accelerator="cpu", devices=1, max_epochs=2, logger=False,
+            callbacks=[EMAWeightAveraging(decay=0.8)], enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, num_sanity_val_steps=0, **trainer_kwargs).fit(model, data(32, 0), data(16, 9))
+    from lzero import unshard
+
+    unshard(model)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, model.val_losses
+
+
+@pytest.mark.parametrize("how", ["nvme", "delayed_update", "bf16-mixed"])
+def test_ema_at_world_size_1_with_nvme_the_delayed_update_and_bf16_mixed_equals_ddp(in_process_fit, tmp_path: Path,
+                                                                                      how: str) -> None:
+    """Masters in swap files (the averages in host memory), the host step finished before each update (delayed
+    update), fp32 masters and averages under bf16 compute: DDP's averaged weights and validation losses."""
+    from lzero import ZeroPrecision
+
+    if how == "nvme":
+        swap = {"device": "nvme", "nvme_path": str(tmp_path)}
+        ours = fit_net(ZeroStrategy(stage=3, offload_optimizer=swap, offload_param=swap))
+        ref = fit_net("ddp")
+    elif how == "delayed_update":
+        ours = fit_net(ZeroStrategy(stage=2, offload_optimizer={"device": "cpu", "delayed_update": True}))
+        ref = fit_net("ddp")
+    else:
+        ours = fit_net("zero3", plugins=[ZeroPrecision("bf16-mixed", keep_fp32_modules=["BatchNorm1d"])])
+        ref = fit_net("ddp", precision="bf16-mixed")
+    assert_equal(ours[0], ref[0], "parameter")
+    assert ours[1] == ref[1]
+
+
 class AverageAtStart(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         average = trainer.strategy.engine.average
