@@ -80,39 +80,51 @@ def defer_setup(trainer: "Trainer", stack: contextlib.ExitStack, fitting: bool) 
 
 def shard_weight_averaging(trainer: "Trainer", engine: "ZeroEngine", sharded_checkpoint: Callable[[], bool],
                            stack: contextlib.ExitStack) -> None:
-    """Give a weight-averaging callback of this fit its sharded average (see [Note: weight averaging under ZeRO]),
-    until ``stack`` closes. ``sharded_checkpoint()``: whether the checkpoint being written is a sharded one."""
+    """Give the weight-averaging callback of this fit (one at most: :func:`defer_setup`) its sharded average (see
+    [Note: weight averaging under ZeRO]), until ``stack`` closes. ``sharded_checkpoint()``: whether the checkpoint
+    being written is a sharded one."""
     from lightning.pytorch.callbacks import StochasticWeightAveraging
 
     from lzero.engine.averaged import AveragedShards
 
     for callback in averaging_callbacks(trainer.callbacks):
-        module = trainer.lightning_module
         device = callback._device
-        device = None if device is None else torch.device(device) if isinstance(device, (str, int)) else device
+        device = torch.device(device) if isinstance(device, (str, int)) else device
         engine.average = AveragedShards(engine, device)
-        if isinstance(callback, StochasticWeightAveraging):
-            stand_in = ShardedAveragedModel(engine.average, module, sharded_checkpoint)
-            _shadow(stack, callback,
-                    update_parameters=lambda average_model, model, n_averaged, avg_fn:
-                        stand_in.update_swa(n_averaged, avg_fn),
-                    transfer_weights=lambda source, destination: engine.average.copy_to_masters(),
-                    load_state_dict=_swa_load_state_dict(callback, trainer))
-        else:
-            kwargs = callback._kwargs
-            stand_in = ShardedAveragedModel(engine.average, module, sharded_checkpoint, kwargs.get("avg_fn"),
-                                            kwargs.get("multi_avg_fn"), callback._use_buffers)
-            _shadow(stack, callback,
-                    _swap_models=stand_in.swap, _copy_average_to_current=stand_in.copy_to_current,
-                    on_save_checkpoint=lambda trainer, pl_module, checkpoint: stand_in.save_into(checkpoint),
-                    on_load_checkpoint=lambda trainer, pl_module, checkpoint: stand_in.load_from(checkpoint))
-        callback._average_model = stand_in
+        shard = _shard_swa if isinstance(callback, StochasticWeightAveraging) else _shard_weight_averaging
+        callback._average_model = shard(callback, trainer, engine.average, sharded_checkpoint, device, stack)
+        stack.callback(_forget, callback, engine)
 
-        def forget(callback: Any = callback) -> None:
-            callback._average_model = None  # the model holds the average now, as after DDP's on_train_end
-            engine.average = None
 
-        stack.callback(forget)
+def _forget(callback: Any, engine: "ZeroEngine") -> None:
+    """After fit: the model holds the average (as after DDP's ``on_train_end``); the shards go."""
+    callback._average_model = None
+    engine.average = None
+
+
+def _shard_weight_averaging(callback: Any, trainer: "Trainer", average: "AveragedShards",
+                            sharded_checkpoint: Callable[[], bool], device: Optional[torch.device],
+                            stack: contextlib.ExitStack) -> "ShardedAveragedModel":
+    """``WeightAveraging``'s stand-in (its ``AveragedModel`` arguments) and the hooks that move whole parameters."""
+    module, kwargs = trainer.lightning_module, callback._kwargs
+    stand_in = ShardedAveragedModel(average, module, sharded_checkpoint, kwargs.get("avg_fn"),
+                                    kwargs.get("multi_avg_fn"), callback._use_buffers,
+                                    device if device is not None else module.device)
+    _shadow(stack, callback, _swap_models=stand_in.swap, _copy_average_to_current=stand_in.copy_to_current,
+            on_save_checkpoint=lambda trainer, pl_module, checkpoint: stand_in.save_into(checkpoint),
+            on_load_checkpoint=lambda trainer, pl_module, checkpoint: stand_in.load_from(checkpoint))
+    return stand_in
+
+
+def _shard_swa(callback: Any, trainer: "Trainer", average: "AveragedShards", sharded_checkpoint: Callable[[], bool],
+               device: Optional[torch.device], stack: contextlib.ExitStack) -> "ShardedAveragedModel":
+    """``StochasticWeightAveraging``'s stand-in (its average model) and its static methods on whole parameters."""
+    stand_in = ShardedAveragedModel(average, trainer.lightning_module, sharded_checkpoint)
+    _shadow(stack, callback,
+            update_parameters=lambda average_model, model, n_averaged, avg_fn: stand_in.update_swa(n_averaged, avg_fn),
+            transfer_weights=lambda source, destination: average.copy_to_masters(),
+            load_state_dict=_swa_load_state_dict(callback, trainer))
+    return stand_in
 
 
 def _swa_load_state_dict(callback: Any, trainer: "Trainer") -> Callable[[dict[str, Any]], None]:
@@ -148,10 +160,10 @@ class ShardedAveragedModel(AveragedModel):
 
     def __init__(self, average: "AveragedShards", module: "LightningModule", sharded_checkpoint: Callable[[], bool],
                  avg_fn: Optional[Callable] = None, multi_avg_fn: Optional[Callable] = None,
-                 use_buffers: bool = False) -> None:
+                 use_buffers: bool = False, device: Optional[torch.device] = None) -> None:
         nn.Module.__init__(self)  # not AveragedModel's: no deep copy of the module
         self.module = _Tensors([average.shard(u) for u in average.units], [b.detach().clone() for b in module.buffers()])
-        self.register_buffer("n_averaged", torch.tensor(0, dtype=torch.long))
+        self.register_buffer("n_averaged", torch.tensor(0, dtype=torch.long, device=device))  # where DDP's is
         self.avg_fn, self.multi_avg_fn, self.use_buffers = avg_fn, multi_avg_fn, use_buffers
         # not submodules: the average's owner and the LightningModule stay out of this module's state
         self.__dict__.update(average=average, lightning_module=module, sharded_checkpoint=sharded_checkpoint)
