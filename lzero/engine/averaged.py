@@ -16,7 +16,8 @@ units (no optimizer) are not averaged: their average is their value (DDP's whole
 EMA may round them by an ulp). Buffers (BatchNorm statistics) are whole on every rank and stay with the Lightning
 side (lzero/lightning/trainer_averaging.py), which also keeps the callback's control flow. With the offloaded
 optimizer's delayed update, an update (or a swap) first finishes the step in flight, as DDP's average reads the
-stepped weights: the host step then overlaps nothing on those steps.
+stepped weights: the host step then overlaps nothing on those steps. With NVMe offload every unit's master is
+resident (in host memory) for the length of an update, a swap or a copy.
 """
 
 from __future__ import annotations

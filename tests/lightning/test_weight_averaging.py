@@ -97,6 +97,16 @@ def test_ema_sharded_checkpoint_holds_ddps_model_state(runs: Path, stage: str) -
     assert reader.lightning_state()["averaging_state"]["n_averaged"] == ref["averaging_state"]["n_averaged"] == 12
 
 
+def test_ema_sharded_checkpoint_consolidates_to_the_average(runs: Path, tmp_path: Path) -> None:
+    """``lzero consolidate`` (what ``load_from_checkpoint`` and export read too) writes the average as DDP's file
+    holds it."""
+    from lzero.checkpoint.consolidate import consolidate
+
+    out = consolidate(runs / "ema_zero3" / LAST, tmp_path / "plain.ckpt")
+    assert_equal(torch.load(out, weights_only=True)["state_dict"], ddp_checkpoint(runs, "ema_ddp")["state_dict"],
+                 "state_dict")
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_swa_sharded_checkpoint_holds_ddps_model_state_and_average(runs: Path, stage: str) -> None:
     """SWA keeps the current weights as the model state and its average model in the callback's state: the sharded
