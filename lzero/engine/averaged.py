@@ -16,8 +16,9 @@ units (no optimizer) are not averaged: their average is their value (DDP's whole
 EMA may round them by an ulp). Buffers (BatchNorm statistics) are whole on every rank and stay with the Lightning
 side (lzero/lightning/trainer_averaging.py), which also keeps the callback's control flow. With the offloaded
 optimizer's delayed update, an update (or a swap) first finishes the step in flight, as DDP's average reads the
-stepped weights: the host step then overlaps nothing on those steps. With NVMe offload every unit's master is
-resident (in host memory) for the length of an update, a swap or a copy.
+stepped weights: the host step then overlaps nothing on those steps. With NVMe offload a swap or a copy reads one
+unit's master at a time, and so does SWA's update, but a ``WeightAveraging`` update reads every unit's at once (torch's averaging walks them in
+one call).
 """
 
 from __future__ import annotations
@@ -62,14 +63,21 @@ class AveragedShards:
         return self.shards[unit.spec.index]
 
     @contextlib.contextmanager
-    def masters(self, write: bool = False) -> Iterator[list[tuple[Tensor, Tensor]]]:
-        """(averaged shard, master) of every unit inside the block, the masters resident (``write``: to be written,
-        then republished on exit: a collective at stages 1-2). The delayed update's step in flight is finished first."""
+    def masters(self) -> Iterator[list[tuple[Tensor, Tensor]]]:
+        """(averaged shard, master) of every unit inside the block, the masters resident to be read (an update reads
+        them all at once). The delayed update's step in flight is finished first."""
         self.engine.flush_delayed_update()
-        with self.engine.resident(self.units, write=write):
+        with self.engine.resident(self.units):
             yield [(self.shard(u), u.master_shard.detach()) for u in self.units]
-            if write:
-                for unit in self.units:
+
+    def one_by_one(self, write: bool) -> Iterator[tuple[Tensor, Tensor]]:
+        """(averaged shard, master) of one unit at a time, its master resident (``write``: written, then republished;
+        the parameters are refreshed after the last: a collective at stages 1-2)."""
+        self.engine.flush_delayed_update()
+        for unit in self.units:
+            with unit.resident(write=write):
+                yield self.shard(unit), unit.master_shard.detach()
+                if write:
                     self.engine.republish(unit)
         if write:
             self.engine.refresh_params()
@@ -77,25 +85,22 @@ class AveragedShards:
     @torch.no_grad()
     def swap(self) -> None:
         """Masters and averages trade values; the parameters then compute with the average. A collective."""
-        with self.masters(write=True) as pairs:
-            for average, master in pairs:
-                held = master.clone()
-                master.copy_(average)
-                average.copy_(held)
+        for average, master in self.one_by_one(write=True):
+            held = master.clone()
+            master.copy_(average)
+            average.copy_(held)
 
     @torch.no_grad()
     def copy_to_masters(self) -> None:
         """The masters (and so the parameters) take the averaged values. A collective."""
-        with self.masters(write=True) as pairs:
-            for average, master in pairs:
-                master.copy_(average)
+        for average, master in self.one_by_one(write=True):
+            master.copy_(average)
 
     @torch.no_grad()
     def copy_from_masters(self) -> None:
         """The averages take the masters' values (the average restarts from the model)."""
-        with self.masters() as pairs:
-            for average, master in pairs:
-                average.copy_(master)
+        for average, master in self.one_by_one(write=False):
+            average.copy_(master)
 
     @torch.no_grad()
     def fill(self, fetch: Callable[["ParamSpec", int, int], Optional[Tensor]]) -> None:

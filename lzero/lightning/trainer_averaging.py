@@ -186,10 +186,9 @@ class ShardedAveragedModel(AveragedModel):
     def update_swa(self, n_averaged: Tensor, avg_fn: Callable) -> None:
         """``StochasticWeightAveraging.update_parameters`` on the shards: the masters copied while nothing is
         averaged yet, then ``avg_fn(average, current, n_averaged)``; ``n_averaged`` counts one more."""
-        with self.average.masters() as pairs:
-            for average, master in pairs:
-                current = master.to(average.device)
-                average.copy_(current if n_averaged == 0 else avg_fn(average, current, n_averaged.to(average.device)))
+        for average, master in self.average.one_by_one(write=False):
+            current = master.to(average.device)
+            average.copy_(current if n_averaged == 0 else avg_fn(average, current, n_averaged.to(average.device)))
         n_averaged += 1
 
     @torch.no_grad()
