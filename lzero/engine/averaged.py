@@ -16,9 +16,9 @@ units (no optimizer) are not averaged: their average is their value (DDP's whole
 EMA may round them by an ulp). Buffers (BatchNorm statistics) are whole on every rank and stay with the Lightning
 side (lzero/lightning/trainer_averaging.py), which also keeps the callback's control flow. With the offloaded
 optimizer's delayed update, an update (or a swap) first finishes the step in flight, as DDP's average reads the
-stepped weights: the host step then overlaps nothing on those steps. With NVMe offload a swap or a copy reads one
-unit's master at a time, and so does SWA's update, but a ``WeightAveraging`` update reads every unit's at once (torch's averaging walks them in
-one call).
+stepped weights: the host step then overlaps nothing on those steps. With NVMe offload a swap, a copy and SWA's
+update read one unit's master at a time; a ``WeightAveraging`` update reads every unit's at once (torch's averaging
+walks them in one call).
 """
 
 from __future__ import annotations

@@ -162,7 +162,8 @@ class ShardedAveragedModel(AveragedModel):
                  avg_fn: Optional[Callable] = None, multi_avg_fn: Optional[Callable] = None,
                  use_buffers: bool = False, device: Optional[torch.device] = None) -> None:
         nn.Module.__init__(self)  # not AveragedModel's: no deep copy of the module
-        self.module = _Tensors([average.shard(u) for u in average.units], [b.detach().clone() for b in module.buffers()])
+        self.module = _Tensors([average.shard(u) for u in average.units],
+                               [b.detach().clone() for b in module.buffers()])
         self.register_buffer("n_averaged", torch.tensor(0, dtype=torch.long, device=device))  # where DDP's is
         self.avg_fn, self.multi_avg_fn, self.use_buffers = avg_fn, multi_avg_fn, use_buffers
         # not submodules: the average's owner and the LightningModule stay out of this module's state
@@ -210,7 +211,8 @@ class ShardedAveragedModel(AveragedModel):
     # --- checkpoints -----------------------------------------------------------------------------------------------
 
     def _kinds(self) -> tuple[dict[int, tuple[Any, int]], dict[int, int]]:
-        """id(parameter) -> (unit, index) for the averaged parameters, id(buffer) -> index among the module's buffers."""
+        """id(parameter) -> (unit, index) for the averaged parameters; id(buffer) -> its index among the module's
+        buffers."""
         params = {id(p): (u, i) for u in self.average.units for i, p in enumerate(u.params)}
         return params, {id(b): i for i, b in enumerate(self.lightning_module.buffers())}
 

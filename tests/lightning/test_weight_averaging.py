@@ -192,7 +192,8 @@ def fit(strategy: Any, averaging: Callback) -> Trainer:
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_swa_and_ema_at_world_size_1_equal_ddp(in_process_fit, stage: int) -> None:
-    for make in (lambda: StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1), lambda: EMAWeightAveraging(decay=0.5)):
+    for make in (lambda: StochasticWeightAveraging(swa_lrs=0.05, swa_epoch_start=1),
+                 lambda: EMAWeightAveraging(decay=0.5)):
         trainer, reference = fit(ZeroStrategy(stage=stage), make()), fit("ddp", make())
         assert trainer.global_step == reference.global_step == 8
         from lzero import unshard
