@@ -66,7 +66,7 @@ class PiecedCheckpoint:
                                       " or from another save.")
         for key, pieces in self._pieces.items():
             parts = key.split("/")  # param/<name> or optim/<k>/<name>/<state>; names use dots, never slashes
-            name = parts[1] if parts[0] == "param" else parts[2]
+            name = parts[1] if parts[0] in ("param", "average") else parts[2]  # average/<name>: weight averaging
             covered = 0
             for a, b, _ in pieces:  # sorted by start
                 if a > covered:
@@ -138,9 +138,28 @@ class PiecedCheckpoint:
     def _derived_numel(self) -> int:
         return sum(math.prod(self.derived_layout(k)[1]) for k in self.derived_keys())
 
+    def holds(self, key: str) -> bool:
+        """Whether pieces of ``key`` were saved."""
+        return key in self._pieces
+
+    @property
+    def has_average(self) -> bool:
+        """Whether a weight-averaging run saved its averages (``average/<name>``): [Note: averages in a sharded
+        checkpoint] in averages.py."""
+        return any(key.startswith("average/") for key in self._pieces)
+
+    def model_key(self, name: str) -> str:
+        """The pieces holding parameter ``name`` as the checkpoint's model state: its average when Lightning's
+        ``WeightAveraging`` saved it (the average is then the state dict, as in DDP's file), else ``param/<name>``.
+        See [Note: averages in a sharded checkpoint] in averages.py."""
+        average = f"average/{name}"
+        if self.has_average and self.holds(average) and "averaging_state" in self.lightning_state():
+            return average
+        return f"param/{name}"
+
     def full_param(self, name: str) -> Tensor:
         info = self.manifest["params"][name]
-        return self.read_range(f"param/{name}", 0, info["numel"]).view(info["shape"])
+        return self.read_range(self.model_key(name), 0, info["numel"]).view(info["shape"])
 
     def param_name(self, key: str) -> Optional[str]:
         """The sharded parameter a state-dict key holds (tied keys name the same one), or None for a

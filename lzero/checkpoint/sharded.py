@@ -42,6 +42,7 @@ from torch import Tensor
 
 from lzero.engine import collectives
 from lzero.checkpoint.base_files import BaseTensor, base_record
+from lzero.checkpoint.averages import add_average_pieces
 from lzero.checkpoint.files import CheckpointError, write_json_atomic, write_tensors
 from lzero.checkpoint.rank_state import (ShardedOptimizer, fill_shard, pack_param_groups, restore_param_groups,
                                          shard_pieces)
@@ -260,6 +261,7 @@ class SaveJob:
     def _prepare(self, engine: "ZeroEngine", optimizers: Sequence[ShardedOptimizer], checkpoint: dict[str, Any],
                  module_state: dict[str, Tensor], snapshot: bool, kept: Optional[Callable[[str], bool]] = None) -> None:
         tensors, ranges = _local_pieces(engine, optimizers, kept)
+        add_average_pieces(engine, tensors, ranges, kept)  # weight averaging: lzero/checkpoint/averages.py
         metadata = {"save_id": self.save_id, "rank": str(self.rank), "world_size": str(self.world),
                     "pieces": json.dumps(ranges)}
         trees = {"rng": _rng_state()}

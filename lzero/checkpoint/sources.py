@@ -73,7 +73,7 @@ class ShardedCheckpointWeights(StateDictWeights):
             if name in rest:
                 out.copy_(rest[name].reshape(-1)[start:end])
             else:
-                out.copy_(self._reader.read_range(f"param/{name}", start, end))
+                out.copy_(self._reader.read_range(self._reader.model_key(name), start, end))
 
         yield read
 

@@ -157,13 +157,8 @@ def load_params(engine: "ZeroEngine", fetch: Callable[[str, int, int], Tensor]) 
     for unit in engine.units:
         with unit.resident(write=True):
             fill_shard(unit.master_shard.data, unit, lambda spec, a, b: fetch(spec.name, a, b))
-            unit.publish()
-        if engine.config.stage >= 3 and unit.gathered:
-            lo, hi = unit.spec.shard_range(unit.rank)
-            unit.flat_param[lo:hi].copy_(unit.gather_source())
-    if engine.gatherer is not None:  # other ranks' slices of a gathered block (kept by the schedule) are stale now:
-        engine.gatherer.release_all()  # the next forward gathers the loaded values
-    engine.all_gather_params()
+            engine.republish(unit)
+    engine.refresh_params()
 
 
 def fetch_full(state_dict: dict[str, Tensor]) -> Callable[[str, int, int], Tensor]:

@@ -33,6 +33,7 @@ from lzero.engine.mixed_precision import PrecisionPolicy
 from lzero.engine.flat_unit import FlatUnit, GradState, fill_from_gathered, shard_bytes
 from lzero.engine import packed_weights, parameters, recording, replayed_weights
 from lzero.engine.frozen_base import FrozenBase
+from lzero.engine.averaged import AveragedShards
 from lzero.engine.blocks import Block, GatherSchedule
 from lzero.engine.delayed_update import DelayedUpdate
 from lzero.engine.gather import Gatherer, full_graphs_around
@@ -204,6 +205,8 @@ class ZeroEngine:
         self.automatic = True  # Lightning's automatic optimization
         self.round: Optional[Round] = None  # the backward running now, if it accumulates: see [Note: backward rounds]
         self._task: tuple[int, bool] = (-1, False)  # (graph task id, whether it accumulates): see accumulating()
+        # a weight-averaging callback's average, as sharded as the masters: see [Note: averaged shards] in averaged.py
+        self.average: Optional[AveragedShards] = None
 
     # --- setup -------------------------------------------------------------------------------
 
@@ -804,6 +807,23 @@ class ZeroEngine:
     def param_names(self) -> dict[int, str]:
         """id(parameter) -> its name in the partition."""
         return {id(p): unit.spec.params[i].name for p, (unit, i) in self._where.items()}
+
+    @torch.no_grad()
+    def republish(self, unit: FlatUnit) -> None:
+        """``unit``'s master was written outside a step (a load, a weight-averaging swap; the unit resident): its
+        compute shard takes the values, and so does its slice of a gathered stage-3 buffer. Then
+        :meth:`refresh_params`."""
+        unit.publish()
+        if self.config.stage >= 3 and unit.gathered:
+            lo, hi = unit.spec.shard_range(unit.rank)
+            unit.flat_param[lo:hi].copy_(unit.gather_source())
+
+    def refresh_params(self) -> None:
+        """After :meth:`republish`: stage 3 releases every gathered block (other ranks' slices are stale; the next
+        forward gathers the new values), stages 1-2 all-gather the full parameters. A collective."""
+        if self.gatherer is not None:
+            self.gatherer.release_all()
+        self.all_gather_params()
 
     @torch.no_grad()
     def all_gather_params(self) -> None:

@@ -17,9 +17,10 @@ segfault on CPU, where the placeholder reads NaN and a write into it raises. Com
 not need real strides here, because no compiled graph ever sees a released parameter: lzero's
 gather hooks run outside dynamo (see [Note: hooks and torch.compile] in gather.py), so every graph
 is traced and guarded on gathered parameters. ``attach`` and ``hand_back`` refuse a freed buffer
-rather than create views of it. Callbacks known to read and write every parameter between steps
-(weight averaging) are refused at stage 3 by the strategy before training starts; other code
-should enter ``strategy.gathered_parameters()`` first.
+rather than create views of it. Lightning's weight-averaging callbacks, which read and write every
+parameter between steps, are given the engine's averaged shards instead (see [Note: weight averaging
+under ZeRO] in lzero/lightning/trainer_averaging.py); other code should enter
+``strategy.gathered_parameters()`` first.
 
 [Note: gradient buffers]
 A unit holds gradient memory only between a backward and the step that consumes it, as DeepSpeed

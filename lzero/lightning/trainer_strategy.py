@@ -27,7 +27,8 @@ from typing_extensions import override
 from lzero.engine import activation_checkpointing as checkpointing
 from lzero.deepspeed import config as deepspeed_config
 from lzero.checkpoint.full_state import gather_optimizer_state
-from lzero.checkpoint.resume import load_module_state, load_optimizer_states, open_checkpoint
+from lzero.checkpoint.averages import load_averages
+from lzero.checkpoint.resume import READER, load_module_state, load_optimizer_states, open_checkpoint
 from lzero.checkpoint.sharded import AsyncSaver, save_sharded
 from lzero.checkpoint.state_dict import consolidate, has_sharded, module_state_dict
 from lzero.lightning import args as strategy_args
@@ -41,9 +42,9 @@ from lzero.lightning.trainer_kept import gather_back, keep, kept_engine, take_ke
 from lzero.lightning.trainer_precision import OPTIMIZER_HINT, ZeroPrecision
 from lzero.engine.rank_memory import rank_budget_bytes
 from lzero.engine.recording import settle
+from lzero.lightning.trainer_averaging import defer_setup, shard_weight_averaging
 from lzero.lightning.trainer_wiring import (activation_probe, add_memory_monitor, guard_lr_schedulers, micro_batch_size,
-                                            optimizers_from_deepspeed_blocks, refuse_weight_averaging,
-                                            watch_gradient_reads)
+                                            optimizers_from_deepspeed_blocks, watch_gradient_reads)
 from lzero.lightning.wiring import (AUTO_RECORD, EveryRankCheck, RanksApart, before_forward,
                                     check_generation_arguments, choose_configuration, fill_auto_sizes, generation,
                                     keep_generation_synced, meta_device, named, run_mesh, start_engine,
@@ -188,6 +189,14 @@ class ZeroStrategy(DDPStrategy):
     # --- setup -------------------------------------------------------------------------------
 
     @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if trainer is not None:  # see [Note: weight averaging under ZeRO]
+            defer_setup(trainer, self._exit_stack, fitting=trainer.state.fn == TrainerFn.FITTING)
+
+    @override
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
@@ -211,8 +220,6 @@ class ZeroStrategy(DDPStrategy):
             if self._deepspeed is not None:
                 deepspeed_config.apply_to_trainer(self._deepspeed, trainer)
             self.config = fill_auto_sizes(self.config, self.lightning_module)
-            if self.config.stage >= 3:
-                refuse_weight_averaging(trainer.callbacks)
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:
                 check_optimizer(optimizer, self.config.allow_untested_optimizer)
@@ -225,6 +232,7 @@ class ZeroStrategy(DDPStrategy):
                 self.init_fn, deepspeed=self._deepspeed, memory_budget_bytes=self.memory_budget_bytes,
                 mesh=self._run_mesh())
             self._engine.automatic = self.lightning_module.automatic_optimization
+            shard_weight_averaging(trainer, self._engine, lambda: self._sharded_checkpoint, self._exit_stack)
             add_memory_monitor(trainer, self.config)
             if self.config.async_save:
                 self._saver = AsyncSaver(self._run_mesh().group("saver"))
@@ -370,8 +378,9 @@ class ZeroStrategy(DDPStrategy):
                          precision=self.precision_plugin.precision,
                          **({"auto": self._auto_record} if self._auto_record else {}))
             return
-        if has_sharded(checkpoint.get("state_dict", {})):
-            checkpoint = {**checkpoint, "state_dict": consolidate(self._live_engine, checkpoint["state_dict"])}
+        for key in ("state_dict", "current_model_state"):  # the latter: weight averaging's current weights
+            if has_sharded(checkpoint.get(key, {})):
+                checkpoint = {**checkpoint, key: consolidate(self._live_engine, checkpoint[key])}
         if self._auto_record:
             checkpoint = {**checkpoint, AUTO_RECORD: self._auto_record}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
@@ -634,6 +643,8 @@ class ZeroStrategy(DDPStrategy):
         checkpoint or a full (DDP/Lightning) one."""
         self._flush_delayed_update()
         load_module_state(self._engine, self.lightning_module, checkpoint, strict)
+        if self._engine is not None and self._engine.average is not None:
+            load_averages(self._engine.average, checkpoint.get(READER))  # [Note: averages in a sharded checkpoint]
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

@@ -80,23 +80,6 @@ def watch_gradient_reads(module: LightningModule) -> None:
     module.on_before_optimizer_step = on_before_optimizer_step
 
 
-def refuse_weight_averaging(callbacks: list[Any]) -> None:
-    """Callbacks that read and write every parameter between steps meet released parameters at
-    stage 3 (see [Note: released parameters] in flat_unit.py); Lightning refuses them under FSDP and
-    DeepSpeed for the same reason."""
-    from lightning.pytorch import callbacks as known
-
-    averaging = tuple(getattr(known, n) for n in ("StochasticWeightAveraging", "WeightAveraging") if hasattr(known, n))
-    for callback in callbacks:
-        if isinstance(callback, averaging):
-            raise ZeroConfigError(
-                f"`{type(callback).__name__}` reads and writes every parameter between training steps, but under"
-                " zero3 a parameter is whole only while its block runs; weight averaging does not currently"
-                " support sharded models. HINT: use strategy='zero2' (every rank keeps whole parameters), or"
-                " average the weights in your own callback inside `trainer.strategy.gathered_parameters()`."
-            )
-
-
 def micro_batch_size(loader: Any) -> Optional[int]:
     """The per-rank batch size of a DataLoader (or of the first of several), if it states one."""
     if isinstance(loader, (list, tuple)):

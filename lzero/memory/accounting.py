@@ -1,7 +1,7 @@
 """Model-state memory of one rank, by kind and by store: what the ZeRO formulas count.
 
 Each tensor storage is counted once, under the first kind that claims it, in the order parameters,
-gradients, masters, optimizer state (then the offload stores' staging buffers): a master that is the parameters' own memory (full precision,
+gradients, masters, averaged shards (weight averaging), optimizer state (then the offload stores' staging buffers): a master that is the parameters' own memory (full precision,
 not offloaded) counts as parameters, as the formulas count it. The store is the one the unit keeps
 that kind in ("device", or "cpu" for host memory under offload; "nvme" for swap files), so the split is right on a
 CPU-only machine too, where both stores are host memory. Parameters outside every unit (frozen ones at stages
@@ -75,6 +75,8 @@ def _tensors(engine: "ZeroEngine", optimizers: Sequence[Any]) -> Iterator[tuple[
                 yield "device", "gradients", p.grad
     for unit in engine.units:
         yield unit.store.memory, "masters", unit.master_shard.detach()
+    for memory, shard in engine.average.tensors() if engine.average is not None else ():
+        yield memory, "averages", shard  # a weight-averaging callback's: [Note: averaged shards]
     for zopt in optimizers:
         for unit in zopt.units:
             # one C-level copy of the values: the delayed update's first step may be adding state on its thread

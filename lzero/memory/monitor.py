@@ -8,7 +8,9 @@ After an optimizer step (gradients freed, see [Note: gradient buffers] in flat_u
 - ``memory/model_states_bytes/rank{r}``: parameters, gradients, fp32 masters and optimizer state this rank holds
   (``lzero.memory.accounting.model_state_bytes``), all stores, frozen parameters included (whole at stages 1-2: a
   frozen reference model, a LoRA or QLoRA base); ``memory/{store}/{kind}_bytes/rank{r}`` split by store
-  (``device``, ``cpu``, ``nvme``) and kind; ``memory/{store}/buffers_bytes`` the offload staging buffers and the stage-3 blocks gathered at the time (kept by the gather schedule).
+  (``device``, ``cpu``, ``nvme``) and kind; ``memory/{store}/buffers_bytes`` the offload staging buffers and the stage-3 blocks gathered at the time (kept by the gather schedule); ``memory/{store}/averages_bytes`` a weight-averaging
+  callback's averaged shards (see [Note: averaged shards] in lzero/engine/averaged.py), counted in
+  ``model_states_bytes`` too (the expectation below leaves them out).
 - ``memory/model_states_expected_bytes/rank{r}``: what ``lzero.memory.estimate.model_states`` predicts for this
   configuration, model size and world size between steps (no gradients), for Adam-like, SGD, Adagrad and
   RMSprop optimizers (others: not logged), counting the frozen parameters as ``lzero estimate --frozen-params``

@@ -60,9 +60,10 @@ from torch import Tensor
 from lzero.offload.host_memory import host_empty, unregister
 
 
-KINDS = ("parameters", "gradients", "masters", "optimizer_state", "buffers")
+KINDS = ("parameters", "gradients", "masters", "optimizer_state", "buffers", "averages")
 """The kinds of model-state memory a rank holds, in the order memory accounting claims a storage; ``buffers``: the
-offload stores' staging and swap buffers (see [Note: host store copies])."""
+offload stores' staging and swap buffers (see [Note: host store copies]); ``averages``: a weight-averaging callback's
+averaged shards (see [Note: averaged shards] in lzero/engine/averaged.py)."""
 
 
 class ShardStore(Protocol):

@@ -60,7 +60,7 @@ def main(out: Path) -> None:
         for strategy in ("ddp", *STAGES):
             unseeded_init()
             fit(out, f"{strategy}_manual_{how}", strategy, ManualClear(how), 2, data(), steps=9)
-    for strategy in ("ddp", "zero1", "zero2"):  # SWA's BatchNorm epoch steps with no backward
+    for strategy in ("ddp", *STAGES):  # SWA's BatchNorm epoch steps with no backward
         unseeded_init()
         fit(out, f"{strategy}_swa", strategy, TiedNet(), 2, data(), data(16, seed=9), steps=-1, max_epochs=3,
             callbacks_extra=[StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=1, annealing_epochs=1)])

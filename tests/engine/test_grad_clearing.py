@@ -42,7 +42,7 @@ def test_manual_clear_and_step_without_backward_equal_ddp(runs: Path, stage: str
     assert_params_equal(load(runs, f"{stage}_manual_{how}"), ref)
 
 
-@pytest.mark.parametrize("stage", ["zero1", "zero2"])
+@pytest.mark.parametrize("stage", STAGES)
 def test_swa_with_batchnorm_equals_ddp(runs: Path, stage: str) -> None:
     """StochasticWeightAveraging's BatchNorm epoch steps with no backward after Lightning cleared the
     module's gradients (before validation): no stale gradient may be applied."""
