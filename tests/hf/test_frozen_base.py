@@ -105,12 +105,20 @@ def test_consolidate_and_export_read_the_base_back_as_saved(runs: Path, model: s
         pieces = torch.cat([reader.read_range(f"param/{name}", 0, n // 3), reader.read_range(f"param/{name}", n // 3, n)])
         assert torch.equal(_bytes(pieces), _bytes(whole_param)), name
     config = tmp_path / "adapter"
-    LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"] if model == "gpt2" else ["q_proj", "v_proj"]
-               ).save_pretrained(config)
+    LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"] if model == "gpt2" else ["q_proj", "v_proj"],
+               fan_in_fan_out=model == "gpt2").save_pretrained(config)
     for path, out in ((lean, "lean-adapters"), (whole, "whole-adapters")):
         export_hf(path, tmp_path / out, config=config, adapters_only=True)
     assert (tmp_path / "lean-adapters" / "adapter_model.safetensors").read_bytes() == \
         (tmp_path / "whole-adapters" / "adapter_model.safetensors").read_bytes()
+    # the merged export streams the base back from the files (a QLoRA base dequantized from codes quantized again)
+    base_folder = runs / "models" / ("gpt2" if model == "gpt2" else "llama")
+    for path, out in ((lean, "lean-merged"), (whole, "whole-merged")):
+        export_hf(path, tmp_path / out, config=base_folder, merge=True, adapter_config=config)
+    merged = sorted(p.name for p in (tmp_path / "lean-merged").iterdir())
+    assert merged == sorted(p.name for p in (tmp_path / "whole-merged").iterdir()) and "model.safetensors" in merged
+    for name in merged:
+        assert (tmp_path / "lean-merged" / name).read_bytes() == (tmp_path / "whole-merged" / name).read_bytes(), name
     assert inspect(lean)["total_parameters"] == inspect(whole)["total_parameters"]
 
 
