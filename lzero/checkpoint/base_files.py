@@ -53,9 +53,12 @@ class BaseTensor(NamedTuple):
     dtype: torch.dtype  # what the load read it into (the parameter's dtype)
     saved: torch.dtype  # the dtype of its pieces in a checkpoint that holds them
     quantized: Optional[dict[str, Any]] = None  # a QLoRA base's codes: QuantizedRead.record()
+    shape: Optional[tuple[int, ...]] = None  # a whole tensor of the module's state (not a unit's parameter): its shape
 
     def as_json(self) -> dict[str, Any]:
         out = {"file": self.file, "key": self.key, "dtype": _name(self.dtype), "saved": _name(self.saved)}
+        if self.shape is not None:
+            out["shape"] = list(self.shape)
         return {**out, "quantized": self.quantized} if self.quantized is not None else out
 
 
@@ -80,11 +83,18 @@ def digest(path: str) -> str:
     return _DIGESTS[key]
 
 
-def base_record(tensors: dict[str, BaseTensor]) -> dict[str, Any]:
-    """The manifest's ``base``: ``tensors`` and the size and hash of each of their files."""
-    files = sorted({t.file for t in tensors.values()})
-    return {"files": {f: {"bytes": os.stat(f).st_size, HASH: digest(f)} for f in files},
-            "tensors": {name: t.as_json() for name, t in tensors.items()}}
+def base_record(tensors: dict[str, BaseTensor], whole: Optional[dict[str, tuple[BaseTensor, str]]] = None
+                ) -> dict[str, Any]:
+    """The manifest's ``base``: ``tensors`` (units' parameters, by name), ``whole`` (tensors of the module's state
+    outside every unit, by state-dict key, each with the SHA-256 of its bytes: [Note: an eager model's frozen base] in
+    lzero/hf/eager_base.py) and the size and hash of each of their files."""
+    whole = whole or {}
+    files = sorted({t.file for t in tensors.values()} | {t.file for t, _ in whole.values()})
+    record = {"files": {f: {"bytes": os.stat(f).st_size, HASH: digest(f)} for f in files},
+              "tensors": {name: t.as_json() for name, t in tensors.items()}}
+    if whole:
+        record["whole"] = {key: {**t.as_json(), HASH: h} for key, (t, h) in whole.items()}
+    return record
 
 
 def check_record(record: Any, where: Path) -> dict[str, BaseTensor]:
@@ -103,14 +113,31 @@ def check_record(record: Any, where: Path) -> dict[str, BaseTensor]:
             raise bad(f"names `{path}` without its bytes and {HASH}")
         _check_file(Path(path), info, where)
     tensors = {}
-    for name, t in record["tensors"].items():
+    for name, t in [*record["tensors"].items(), *record.get("whole", {}).items()]:
         try:
-            tensors[name] = BaseTensor(t["file"], t["key"], _dtype(t["dtype"]), _dtype(t["saved"]), t.get("quantized"))
-        except (KeyError, TypeError, AttributeError):
+            shape = tuple(int(d) for d in t["shape"]) if "shape" in t else None
+            tensors[name] = BaseTensor(t["file"], t["key"], _dtype(t["dtype"]), _dtype(t["saved"]), t.get("quantized"),
+                                       shape)
+        except (KeyError, TypeError, AttributeError, ValueError):
             raise bad(f"of `{name}` is not {{file, key, dtype, saved}}") from None
         if tensors[name].file not in record["files"]:
             raise bad(f"of `{name}` names `{tensors[name].file}`, which is not among its files")
+        if name in record.get("whole", {}) and (shape is None or not isinstance(t.get(HASH), str)):
+            raise bad(f"of `{name}` has no shape or {HASH}")
     return tensors
+
+
+def whole_tensor(tensor: BaseTensor, expected: str, key: str, where: Path) -> Tensor:
+    """A tensor of the module's state read whole from its file, converted as it was, checked against its hash."""
+    from lzero.engine.quantized_read import digest_tensor
+
+    out = torch.empty(tensor.shape, dtype=tensor.dtype)
+    out.copy_(TensorFile(tensor.file).read(tensor.key).reshape(tensor.shape))
+    if digest_tensor(out) != expected:
+        raise CheckpointError(f"`{where}`: `{key}`, read from `{tensor.key}` in `{tensor.file}` and converted to"
+                              f" {tensor.dtype}, differs from the tensor the run saved. HINT: read the checkpoint on a"
+                              " machine where the file is the same, or save it with `save_frozen=True`.")
+    return out
 
 
 def _dtype(name: Any) -> torch.dtype:

@@ -18,7 +18,8 @@ from typing import Any, Callable, Collection, Optional
 
 from torch import Tensor
 
-from lzero.checkpoint.base_files import BaseTensor, base_pieces, check_record, state_again, state_keys, state_layout
+from lzero.checkpoint.base_files import (HASH, BaseTensor, base_pieces, check_record, state_again, state_keys,
+                                         state_layout, whole_tensor)
 from lzero.checkpoint.files import CheckpointError, TensorFile, read_json
 from lzero.checkpoint.pieces import Piece, PiecedCheckpoint, prefix_renaming
 from lzero.checkpoint.tree import decode_tree
@@ -99,9 +100,13 @@ class ShardedCheckpoint(PiecedCheckpoint):
                 else:
                     pieces[key].append(Piece(span[0], span[1], _FileEntry(file, saved_key)))
         self._state_keys: dict[str, tuple[str, str]] = {}
+        self._whole: dict[str, tuple[BaseTensor, str]] = {}  # state key -> a whole frozen tensor's file, its hash
         self._states: dict[str, dict[str, Tensor]] = {}  # a weight's quantization state computed again
         if "base" in self.manifest:  # the frozen base, read from its pretrained files: see base_files.py
-            self.base = check_record(self.manifest["base"], manifest_path)
+            recorded = check_record(self.manifest["base"], manifest_path)
+            self._whole = {k: (recorded.pop(k), self.manifest["base"]["whole"][k][HASH])
+                           for k in self.manifest["base"].get("whole", {})}
+            self.base = recorded
             self._state_keys = state_keys(self.base)
             for key, found in base_pieces(self.base, self.manifest["params"]).items():
                 pieces[key].extend(found)
@@ -138,21 +143,28 @@ class ShardedCheckpoint(PiecedCheckpoint):
             return sum(math.prod(file.entry(f"common/{name}").shape) for name in stored) + self._derived_numel()
         return super().module_state_numel()  # a key the codec had to tag: decode it
 
-    def derived_keys(self) -> dict[str, tuple[str, str]]:
-        return self._state_keys
+    def derived_keys(self) -> dict[str, Any]:
+        return {**self._state_keys, **self._whole}
 
     def derived_tensor(self, key: str) -> Tensor:
-        """A quantization state tensor of the frozen base, computed again from the files (once per weight)."""
+        """A tensor of the frozen base outside every unit, read from its file; or a quantization state tensor,
+        computed again from the files (once per weight)."""
+        if key in self._whole:
+            return whole_tensor(*self._whole[key], key, self.path)
         name, sub = self._state_keys[key]
         if name not in self._states:
             self._states[name] = state_again(self.base[name], self.path)
         return self._states[name][sub]
 
     def derived_layout(self, key: str) -> tuple[Any, tuple[int, ...]]:
+        if key in self._whole:
+            return self._whole[key][0].dtype, self._whole[key][0].shape
         name, sub = self._state_keys[key]
         return state_layout(self.base[name], sub)
 
     def derived_digest(self, key: str) -> Optional[str]:
+        if key in self._whole:
+            return self._whole[key][1]
         name, sub = self._state_keys[key]
         return self.base[name].quantized["state"]["tensors"][sub]["sha256"]
 

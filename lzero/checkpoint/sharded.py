@@ -189,9 +189,10 @@ def save_sharded(path: Any, engine: "ZeroEngine", optimizers: Sequence[ShardedOp
         return
     module_state, extra = describe(engine, checkpoint, kept, weights_only=not optimizers, **fields)
     written, base = _without_base(engine, kept)
-    if base and engine.rank == 0:  # the manifest's writer alone hashes the files
+    whole = _without_whole_base(engine, module_state, kept) if engine.rank == 0 else {}
+    if (base or whole) and engine.rank == 0:  # the manifest's writer alone hashes the files
         base = _without_base_states(base, module_state)
-        extra["base"] = base_record(base)
+        extra["base"] = base_record(base, whole)
     if saver is None:
         SaveJob(path, engine, optimizers, checkpoint, module_state, extra, engine.group, snapshot=False,
                 kept=written).run()
@@ -211,6 +212,26 @@ def _without_base(engine: "ZeroEngine", kept: Optional[Callable[[str], bool]]
     if not base:
         return kept, {}
     return (lambda name: name not in base and (kept is None or kept(name))), base
+
+
+def _without_whole_base(engine: "ZeroEngine", module_state: dict[str, Any], kept: Optional[Callable[[str], bool]]
+                        ) -> dict[str, tuple[BaseTensor, str]]:
+    """The frozen tensors outside every unit that are still their pretrained files' (``engine.outside_base``, their
+    bytes' SHA-256 unchanged), taken out of ``module_state`` (in place). Rank 0, which writes the module's state."""
+    from lzero.engine.quantized_read import digest_tensor
+
+    out: dict[str, tuple[BaseTensor, str]] = {}
+    same: dict[int, bool] = {}  # a tied tensor hashed once
+    for key, (where, h) in engine.outside_base.items():
+        value = module_state.get(key)
+        if not isinstance(value, Tensor) or (kept is not None and not kept(key)):
+            continue
+        if id(value) not in same:
+            same[id(value)] = digest_tensor(value) == h
+        if same[id(value)]:
+            out[key] = (where, h)
+            del module_state[key]
+    return out
 
 
 def _without_base_states(base: dict[str, BaseTensor], module_state: dict[str, Any]) -> dict[str, BaseTensor]:

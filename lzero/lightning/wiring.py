@@ -186,6 +186,13 @@ def start_engine(module: torch.nn.Module, optimizers: list[Optimizer], config: Z
                             weights=_with_pretrained(weights, pretrained_weights(module)),
                             evaluating=evaluating, mesh=mesh, memory_budget=budget)
     try:
+        if not config.save_frozen and engine.outside and "transformers" in sys.modules:  # a Hugging Face model
+            from lzero.engine import collectives
+            from lzero.hf.eager_base import find_base
+
+            group = engine.everyone
+            engine.outside_base = find_base(module, engine.outside, group, collectives.rank(group),
+                                            collectives.world_size(group))
         zero = list(attach_to) or [ZeroOptimizer(opt, engine, i) for i, opt in enumerate(optimizers)]
         for i, zopt in enumerate(attach_to):
             zopt.attach(engine, i)

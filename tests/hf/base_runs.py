@@ -3,7 +3,8 @@ without it (the default), and a resume from the one without it.
 
     python tests/hf/base_runs.py MODELS_DIR OUT_DIR RUN [RUN ...]
 
-RUN is ``MODEL:MODE``. MODEL: ``gpt2`` (LoRA r=4 on GPT-2's ``c_attn``, a Conv1D, in fp32) or ``qlora`` (the tiny
+RUN is ``MODEL:MODE[:STAGE]`` (STAGE 3 by default; at 1 and 2 the base is whole on every rank, loaded by
+transformers). MODEL: ``gpt2`` (LoRA r=4 on GPT-2's ``c_attn``, a Conv1D, in fp32) or ``qlora`` (the tiny
 Llama loaded 4-bit NF4 with double quantization and bf16 quant storage, LoRA r=4 on q/v, bf16-true). The model is
 built by ``from_pretrained`` in ``configure_model`` (each rank reads its shard of the files), 6 steps, 3 an epoch,
 checkpoints every 3 steps in ``OUT_DIR/MODEL-MODE-ckpt/``. MODE: ``whole`` (``save_frozen=True``), ``lean`` (the
@@ -78,13 +79,14 @@ class Record(Callback):
 
 
 def fit(models: Path, out: Path, run: str) -> None:
-    model, mode = run.split(":")
+    model, mode, *stage = run.split(":")
     tag = run.replace(":", "-")
     resume = mode == "resume"
-    folder = out / f"{model}-{'lean' if resume else mode}-ckpt"
+    folder = out / f"{model}-{'lean' if resume else mode}{''.join(f'-{s}' for s in stage)}-ckpt"
     record = Record()
     checkpoints = ModelCheckpoint(dirpath=out / f"{tag}-ckpt", every_n_train_steps=3, save_top_k=-1)
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=ZeroStrategy(stage=3, save_frozen=mode == "whole"),
+    strategy = ZeroStrategy(stage=int(stage[0]) if stage else 3, save_frozen=mode == "whole")
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy,
                       precision="32-true" if model == "gpt2" else "bf16-true", max_steps=6, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, callbacks=[record, checkpoints])
     module = FineTune(str(models / ("gpt2" if model == "gpt2" else "llama")), model, touch=mode == "touched")

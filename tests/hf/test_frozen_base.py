@@ -21,7 +21,8 @@ from _pretrained_models import save_models, save_quantizable
 pytest.importorskip("peft")
 QLORA = importlib.util.find_spec("bitsandbytes") is not None
 MODELS = ["gpt2", *(["qlora"] if QLORA else [])]
-RUNS = [f"{m}:{mode}" for m in MODELS for mode in ("whole", "lean", "resume")] + ["gpt2:touched", "gpt2:fabric"]
+RUNS = [f"{m}:{mode}" for m in MODELS for mode in ("whole", "lean", "resume")] + ["gpt2:touched", "gpt2:fabric"] + [
+    f"gpt2:{mode}:2" for mode in ("whole", "lean", "resume")]
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +145,31 @@ def test_fabric_saves_without_the_base_and_loads_into_a_model_built_alike(runs: 
     assert run["trained"].keys() == run["resumed"].keys() and len(run["trained"]) == 4
     for key, value in run["trained"].items():
         assert torch.equal(run["resumed"][key], value), key
+
+
+def test_at_zero2_the_base_transformers_loaded_is_left_out_and_read_back(runs: Path, tmp_path: Path) -> None:
+    """zero2: the base is whole on every rank, loaded by transformers' own ``from_pretrained``; found again in its
+    files ([Note: an eager model's frozen base] in lzero/hf/eager_base.py), it is left out of the module's state and
+    read back: consolidate equal, resume bitwise."""
+    from lzero.checkpoint.consolidate import consolidate
+    from lzero.checkpoint.reader import ShardedCheckpoint
+
+    lean, whole = _checkpoint(runs, "gpt2", "lean-2"), _checkpoint(runs, "gpt2", "whole-2")
+    held = ShardedCheckpoint(whole).lightning_state()["lzero/module_state"]
+    frozen = {k for k in held if "lora_" not in k}
+    recorded = _manifest(lean)["base"]["whole"]
+    assert set(recorded) == frozen and len(frozen) == 29  # 28 tensors, and the head tied to the embedding
+    reader = ShardedCheckpoint(lean)
+    assert not any(k in reader.lightning_state()["lzero/module_state"] for k in frozen)
+    saved = lambda path: sum(f["bytes"] for f in _manifest(path)["files"])  # noqa: E731
+    base_bytes = sum(held[k].numel() * 4 for k in frozen if k != "model.base_model.model.lm_head.weight")
+    assert saved(whole) - saved(lean) >= base_bytes
+    a = torch.load(consolidate(lean, tmp_path / "lean.ckpt"), weights_only=True)["state_dict"]
+    b = torch.load(consolidate(whole, tmp_path / "whole.ckpt"), weights_only=True)["state_dict"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
+    lean_run, resumed = _load(runs, "gpt2:lean:2"), _load(runs, "gpt2:resume:2")
+    assert lean_run["losses"] == _load(runs, "gpt2:whole:2")["losses"] and resumed["losses"] == lean_run["losses"][3:]
+    assert all(torch.equal(resumed["trained"][k], v) for k, v in lean_run["trained"].items())
 
 
 def test_a_base_changed_after_loading_is_written_whole(runs: Path, tmp_path: Path) -> None:
