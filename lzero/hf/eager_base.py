@@ -26,16 +26,16 @@ from lzero.checkpoint.base_files import BaseTensor
 from lzero.checkpoint.files import TensorFile
 from lzero.engine import collectives, packed_weights
 from lzero.engine.quantized_read import byte_view, digest_tensor
-from lzero.hf.pretrained import _candidates, state_keys
+from lzero.hf.pretrained import candidate_keys, state_keys
 from lzero.hf.weights import PretrainedLoadError, find_files
 
 
 def _models(root: nn.Module) -> list[tuple[nn.Module, Path]]:
     """Each outermost Hugging Face ``PreTrainedModel`` inside ``root`` whose ``name_or_path`` is a local folder, with
     that folder."""
-    from lzero.hf.pretrained import _pretrained_class
+    from lzero.hf.pretrained import pretrained_class
 
-    base = _pretrained_class()
+    base = pretrained_class()
     found: list[tuple[str, nn.Module, Path]] = []
     for name, sub in root.named_modules():
         if base is None or not isinstance(sub, base) or any(name.startswith(f"{p}.") or not p for p, _, _ in found):
@@ -60,7 +60,7 @@ def _file_keys(root: nn.Module) -> dict[int, tuple[str, str]]:
         tensors = model.state_dict(keep_vars=True)
         for first, aliases in state_keys(model).items():
             names = [n for a in aliases for n in (a, a.replace(".base_layer.", "."))]
-            key = next((c for n in names for c in _candidates(n, prefix) if c in files.tensors), None)
+            key = next((c for n in names for c in candidate_keys(n, prefix) if c in files.tensors), None)
             if key is not None and tuple(files.tensors[key].shape) == tuple(tensors[first].shape):
                 out[id(tensors[first])] = (str((folder / files.tensors[key].file).resolve()), key)
     return out

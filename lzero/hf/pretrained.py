@@ -91,7 +91,7 @@ def source_of(model: nn.Module) -> Optional[PretrainedSource]:
 def intercept() -> Iterator[None]:
     """Inside the block, ``PreTrainedModel.from_pretrained`` builds into shards (see [Note: from_pretrained under
     zero3]); a no-op when transformers is not installed."""
-    base = _pretrained_class()
+    base = pretrained_class()
     if base is None:
         yield
         return
@@ -113,7 +113,7 @@ def intercept() -> Iterator[None]:
         base.from_pretrained = original
 
 
-def _pretrained_class() -> Optional[type]:
+def pretrained_class() -> Optional[type]:
     if "transformers" not in sys.modules:
         import importlib.util
 
@@ -299,7 +299,7 @@ def state_keys(model: nn.Module) -> dict[str, list[str]]:
     return {first[i]: aliases for i, aliases in names.items()}
 
 
-def _candidates(key: str, prefix: str) -> list[str]:
+def candidate_keys(key: str, prefix: str) -> list[str]:
     """Checkpoint keys that may hold the model's ``key``: itself, and with/without the base model's prefix."""
     out = [key]
     if prefix:
@@ -316,7 +316,7 @@ def _match(model: nn.Module, files: CheckpointFiles, ignore_mismatched: bool,
     missing, mismatched, skipped = [], [], set()
     by_tensor: dict[int, tuple[Tensor, str]] = {}
     for first, aliases in state_keys(model).items():
-        found = next((c for a in aliases for c in _candidates(a, prefix) if c in files.tensors), None)
+        found = next((c for a in aliases for c in candidate_keys(a, prefix) if c in files.tensors), None)
         if found is None:
             missing.append(first)
             continue
