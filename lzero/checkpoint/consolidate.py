@@ -232,6 +232,9 @@ def inspect(checkpoint_dir: Any) -> dict[str, Any]:
         "model_states_bytes_per_rank": needs.get((m.get("stage"), m["world_size"])),
         "resume_needs": needs,
         "files": [(f["name"], f["bytes"]) for f in m["files"]],
+        "frozen_base": None if "base" not in m else {
+            "tensors": len(m["base"]["tensors"]) + len(m["base"].get("whole", {})),
+            "files": {path: info["bytes"] for path, info in m["base"]["files"].items()}},
     }
 
 
@@ -282,8 +285,14 @@ def inspect_command(argv: list[str]) -> int:
         print(f"lzero inspect: {err}", file=sys.stderr)
         return 1
     for key, value in info.items():
-        if key not in ("files", "resume_needs"):
+        if key not in ("files", "resume_needs", "frozen_base"):
             print(f"{key}: {value}")
+    base = info["frozen_base"]
+    if base is not None:  # [Note: a checkpoint without its frozen base] in base_files.py
+        print(f"frozen_base: {base['tensors']} tensors read from {len(base['files'])} pretrained files (checked:"
+              " sizes and SHA-256):")
+        for path, size in base["files"].items():
+            print(f"  {path}  {size} bytes")
     worlds = sorted({world for _, world in info["resume_needs"]})
     print("model states per rank between steps, by stage and world size (lzero.memory.estimate; activations not included):")
     print("  " + "stage".ljust(7) + "".join(f"N={w}".rjust(14) for w in worlds))

@@ -121,6 +121,9 @@ def test_consolidate_and_export_read_the_base_back_as_saved(runs: Path, model: s
     for name in merged:
         assert (tmp_path / "lean-merged" / name).read_bytes() == (tmp_path / "whole-merged" / name).read_bytes(), name
     assert inspect(lean)["total_parameters"] == inspect(whole)["total_parameters"]
+    assert inspect(whole)["frozen_base"] is None
+    assert inspect(lean)["frozen_base"] == {"tensors": len(_manifest(lean)["base"]["tensors"]), "files": {
+        path: os.stat(path).st_size for path in _manifest(lean)["base"]["files"]}}
 
 
 @pytest.mark.parametrize("model", MODELS)
