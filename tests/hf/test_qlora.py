@@ -203,6 +203,17 @@ def test_merged_export_of_the_4bit_checkpoint_is_peft_s_merge_in_bf16(runs: Path
     model = AutoModelForCausalLM.from_pretrained(out, dtype="auto")
     assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
     assert all(torch.equal(model.state_dict()[k], v) for k, v in exported.items())
+    # a process that cannot import peft (nor needs bitsandbytes' layers) opens it as that model
+    from test_pretrained import _logits_without_peft
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            here = model(input_ids=torch.arange(10).reshape(1, 10)).logits
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(_logits_without_peft(out), here)
 
 
 @pytest.mark.parametrize("quant", ["fp4", "int8"])
