@@ -138,7 +138,7 @@ class ZeroEngine:
         self.replicas: Optional[dist.ProcessGroup] = mesh.group("replicate")  # this rank's shard's holders, hybrid
         # tensor parallel: DTensor parameters, flattened by their local tensors ([Note: tensor parallel under ZeRO])
         self.tensor_group = mesh.tensor
-        tensor_parallel.check_parameters(module, mesh.tensor, mesh.tensor_size)
+        tensor_parallel.check_parameters(module, mesh.tensor)
         group = self.group
         self.world_size = collectives.world_size(group)
         self.rank = collectives.rank(group)

@@ -89,16 +89,16 @@ def tensor_sharded(p: Tensor) -> bool:
     return any(placement.is_shard() for placement in p.placements)
 
 
-def check_parameters(module: nn.Module, tensor_group: Any, tensor_size: int) -> bool:
+def check_parameters(module: nn.Module, tensor_group: Any) -> bool:
     """Whether ``module`` holds DTensor parameters, each on the run's tensor-parallel mesh (one dimension over
-    ``tensor_group``); refused by name otherwise, and where the run has no tensor dimension."""
+    ``tensor_group``); refused by name otherwise, and where the run has no tensor dimension (``tensor_group`` None)."""
     found = False
     for name, p in module.named_parameters():
         if not is_dtensor(p):
             continue
         found = True
         mesh = p.device_mesh
-        if tensor_size == 1:
+        if tensor_group is None:
             raise ZeroEngineError(
                 f"Parameter `{name}` is a DTensor (placements {tuple(p.placements)}), and the strategy has no tensor"
                 " dimension: ZeRO would shard it over ranks that hold different pieces of it. HINT: pass"
@@ -107,7 +107,7 @@ def check_parameters(module: nn.Module, tensor_group: Any, tensor_size: int) -> 
         if mesh.ndim != 1 or _ranks(mesh.get_group()) != _ranks(tensor_group):
             raise ZeroEngineError(
                 f"Parameter `{name}` is a DTensor over the mesh {mesh}, not the strategy's tensor-parallel mesh of"
-                f" {tensor_size} ranks. HINT: parallelize with `parallelize_module(..., self.device_mesh"
+                f" {len(_ranks(tensor_group))} ranks. HINT: parallelize with `parallelize_module(..., self.device_mesh"
                 "['tensor_parallel'], plan)` (one dimension; ZeRO shards over 'data_parallel' itself).")
     return found
 
