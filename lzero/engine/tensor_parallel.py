@@ -12,7 +12,7 @@ that group), exactly as over a one-dimensional world, with these differences, wh
 - a DTensor parameter is flattened by its local tensor: the unit's flat buffer holds the local values, and the
   parameter's local tensor becomes the view of the buffer (``_local_tensor``, a private attribute that FSDP2
   repoints too: ``p.data = ...`` on a DTensor changes the wrapper's metadata, not the local tensor its operations
-  read; tests/engine/test_tensor_parallel.py pins both facts);
+  read; tests/engine/test_tensor_parallel_parameters.py pins both facts);
 - its gradient is a DTensor whose local tensor is read. A gradient that comes back with other placements than the
   parameter's (``Partial(sum)`` for the weights of ``SequenceParallel`` norms) is completed over the tensor group
   first (``complete_grad``), before the data-parallel reduction. At stage 1 the gradient given to autograd is a
