@@ -649,6 +649,11 @@ class ZeroEngine:
         total = self._sum_over(units, "sq_norm", dtype=torch.float64)
         return collectives.all_reduce(total, group=self.group).sqrt().float()
 
+    def tensor_sharded(self, name: str) -> bool:
+        """Whether the parameter ``name`` (its name in the partition) is a tensor-parallel shard: see
+        [Note: tensor parallel under ZeRO] in tensor_parallel.py."""
+        return self._tensor_sharded.get(name, False)
+
     def _tensor_parallel_norm(self, units: Sequence[FlatUnit]) -> Tensor:
         """:meth:`grad_norm` under tensor parallel: the squares of the tensor-sharded parameters' pieces summed over
         the data group, then over the tensor group; those of the replicated ones over the data group only, since every
@@ -659,7 +664,7 @@ class ZeroEngine:
             if unit.has_step_grad:
                 for param, start, end, at in unit.spec.owned_pieces(self.rank):
                     piece = unit.shard_grad[at : at + end - start]
-                    sharded = self._tensor_sharded[param.name]
+                    sharded = self.tensor_sharded(param.name)
                     sums[0 if sharded else 1] += torch.linalg.vector_norm(piece, dtype=torch.float64).square()
         collectives.all_reduce(sums, group=self.group)
         sharded = collectives.all_reduce(sums[:1].clone(), group=self.tensor_group)

@@ -22,10 +22,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from _teardown import destroy_process_group  # a sibling: scripts run from their folder
+import lzero
 from lzero import ZeroStrategy
 
 VOCAB, HIDDEN, FFN, SEQ = 16, 16, 32, 4
@@ -138,6 +140,7 @@ class Module(LightningModule):
         self.model = build() if llama is None else load_llama(llama)
         self.losses: list[float] = []
         self.norms: list[float] = []
+        self.per_parameter: list[dict[str, float]] = []  # lzero.grad_norm(self, 2) at each step
 
     def configure_model(self) -> None:
         tp_mesh = self.device_mesh["tensor_parallel"]
@@ -155,6 +158,8 @@ class Module(LightningModule):
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         if not self.fsdp:
             self.norms.append(self.trainer.strategy.grad_norm().item())
+            norms = lzero.grad_norm(self, 2)  # keys named from the LightningModule: "grad_2.0_norm/model.embed.weight"
+            self.per_parameter.append({k.replace("/model.", "/"): v.item() for k, v in norms.items()})
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return optimizer_of(self.parameters(), 1e-8 if isinstance(self.model, TinyBlock) else LLAMA_EPS)
@@ -178,7 +183,7 @@ def run(out: Path, name: str, strategy: Any, devices: int, fsdp: bool = False, l
     fit.fit(module, DataLoader(dataset(), batch_size=MICRO))
     params = full_parameters(module.model)
     if fit.is_global_zero:
-        torch.save({"losses": module.losses, "norms": module.norms, "params": params,
+        torch.save({"losses": module.losses, "norms": module.norms, "params": params, "per_parameter": module.per_parameter,
                     "sampler": fit.strategy.distributed_sampler_kwargs}, out / f"{name}.pt")
 
 
@@ -213,17 +218,19 @@ def reference(out: Path, dp: int, llama: Any = None) -> None:
     optimizer = optimizer_of(model.parameters(), 1e-8 if llama is None else LLAMA_EPS)
     x, y = dataset().tensors
     orders = [list(DistributedSampler(dataset(), num_replicas=dp, rank=d, shuffle=True, seed=0)) for d in range(dp)]
-    losses, norms = [], []
+    losses, norms, per_parameter = [], [], []
     for step in range(STEPS):
         rows = [order[step * MICRO + i] for order in orders for i in range(MICRO)]
         loss = loss_of(model, x[rows], y[rows])  # the mean over dp equal micro-batches: each rank's mean, averaged
         losses.append(loss.item())
         loss.backward()
+        per_parameter.append({k: v.item() for k, v in lightning_grad_norm(model, 2).items()})
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         optimizer.step()
         optimizer.zero_grad()
     name = "reference_llama" if llama is not None else "reference"
-    torch.save({"losses": losses, "norms": norms, "params": full_parameters(model)}, out / f"{name}_dp{dp}.pt")
+    torch.save({"losses": losses, "norms": norms, "params": full_parameters(model), "per_parameter": per_parameter},
+               out / f"{name}_dp{dp}.pt")
 
 
 if __name__ == "__main__":
