@@ -26,18 +26,16 @@ Not built yet: stage 3, offload, hybrid sharding, mixed precision, checkpoints, 
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
-import torch
 from torch import Tensor, nn
 
 from lzero.errors import ZeroEngineError
 
 
 def is_dtensor(t: Any) -> bool:
-    """Whether ``t`` is a DTensor (imported only when torch's distributed tensor is loaded)."""
-    import sys
-
+    """Whether ``t`` is a DTensor (imported only once torch's distributed tensor is loaded: none before)."""
     if "torch.distributed.tensor" not in sys.modules:
         return False
     from torch.distributed.tensor import DTensor
@@ -51,6 +49,7 @@ def local(t: Tensor) -> Tensor:
 
 
 def local_shape(p: Tensor) -> tuple[int, ...]:
+    """The shape a unit lays ``p`` out in: its local tensor's."""
     return tuple(local(p).shape)
 
 
