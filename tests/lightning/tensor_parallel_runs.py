@@ -24,14 +24,14 @@ import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Subset, TensorDataset
 
 from _teardown import destroy_process_group  # a sibling: scripts run from their folder
 import lzero
 from lzero import ZeroStrategy
 
 VOCAB, HIDDEN, FFN, SEQ = 16, 16, 32, 4
-MICRO, STEPS, CLIP, LR = 2, 4, 0.05, 0.02
+MICRO, STEPS, CLIP, LR, VALIDATION = 2, 4, 0.05, 0.02, 8
 
 
 class TinyBlock(nn.Module):
@@ -143,6 +143,10 @@ class Module(LightningModule):
         self.per_parameter: list[dict[str, float]] = []  # lzero.grad_norm(self, 2) at each step
 
     def configure_model(self) -> None:
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(p, DTensor) for p in self.model.parameters()):
+            return  # parallelized by an earlier run of this module (configure_model runs at every fit/validate)
         tp_mesh = self.device_mesh["tensor_parallel"]
         parallelize(self.model, tp_mesh) if isinstance(self.model, TinyBlock) else parallelize_llama(self.model, tp_mesh)
         if self.fsdp:  # Lightning's ModelParallelStrategy: FSDP2 over the data-parallel dimension
@@ -154,6 +158,9 @@ class Module(LightningModule):
         loss = loss_of(self.model, *batch)
         self.losses.append(self.trainer.strategy.reduce(loss.detach(), reduce_op="mean").item())  # the global batch's
         return loss
+
+    def validation_step(self, batch: Any, _: int) -> None:
+        self.log("val_loss", loss_of(self.model, *batch), sync_dist=True)
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         if not self.fsdp:
@@ -178,13 +185,19 @@ def full_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def run(out: Path, name: str, strategy: Any, devices: int, fsdp: bool = False, llama: Any = None) -> None:
+    """Fit, then (the tensor-parallel runs) ``validate`` the fitted model: no engine then, so at stages 1-2 the strategy
+    only lines up the data-parallel ranks' weights."""
     module = Module(fsdp, llama)
     fit = trainer(strategy, devices)
     fit.fit(module, DataLoader(dataset(), batch_size=MICRO))
     params = full_parameters(module.model)
+    if not fsdp:
+        validation = Subset(dataset(), range(VALIDATION))
+        val = fit.validate(module, DataLoader(validation, batch_size=MICRO), verbose=False)[0]["val_loss"]
     if fit.is_global_zero:
         torch.save({"losses": module.losses, "norms": module.norms, "params": params, "per_parameter": module.per_parameter,
-                    "sampler": fit.strategy.distributed_sampler_kwargs}, out / f"{name}.pt")
+                    "sampler": fit.strategy.distributed_sampler_kwargs, "val_loss": None if fsdp else val},
+                   out / f"{name}.pt")
 
 
 def refusal(out: Path, name: str, call: Any) -> None:
@@ -228,9 +241,11 @@ def reference(out: Path, dp: int, llama: Any = None) -> None:
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         optimizer.step()
         optimizer.zero_grad()
+    with torch.no_grad():  # every validation sample once, in batches of equal size: the mean of the batches' means
+        val_loss = loss_of(model, x[:VALIDATION], y[:VALIDATION]).item()
     name = "reference_llama" if llama is not None else "reference"
-    torch.save({"losses": losses, "norms": norms, "params": full_parameters(model), "per_parameter": per_parameter},
-               out / f"{name}_dp{dp}.pt")
+    torch.save({"losses": losses, "norms": norms, "params": full_parameters(model), "per_parameter": per_parameter,
+                "val_loss": val_loss}, out / f"{name}_dp{dp}.pt")
 
 
 if __name__ == "__main__":

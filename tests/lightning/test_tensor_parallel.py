@@ -59,6 +59,7 @@ def test_tensor_parallel_equals_one_process(runs: Path, stage: int, dp: int, mod
     got = _load(runs, f"{model}zero{stage}_dp{dp}")
     _close(got, want)
     assert got["sampler"] == {"num_replicas": dp, "rank": 0}  # the data-parallel rank and size
+    assert abs(got["val_loss"] - want["val_loss"]) <= TOLERANCE * want["val_loss"]  # `validate` after fit
     for ours, theirs in zip(got["per_parameter"], want["per_parameter"]):  # lzero.grad_norm against Lightning's
         assert ours.keys() == theirs.keys() and len(ours) > 2
         for key, value in theirs.items():
