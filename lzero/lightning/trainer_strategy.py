@@ -223,7 +223,8 @@ class ZeroStrategy(DDPStrategy):
         if self.config.tensor_parallel_size > 1:  # see [Note: the tensor dimension] in mesh.py
             from lzero.engine.mesh import tensor_parallel_mesh
 
-            self._device_mesh = tensor_parallel_mesh(self.config.tensor_parallel_size, self.root_device.type)
+            if self._device_mesh is None or self._mesh is None or not self._mesh.current():  # once per process group
+                self._device_mesh = tensor_parallel_mesh(self.config.tensor_parallel_size, self.root_device.type)
             if self.lightning_module is not None:  # `self.device_mesh` in the LightningModule, as Lightning's
                 self.lightning_module._device_mesh = self._device_mesh
         module = self.lightning_module
