@@ -8,7 +8,9 @@ unreduced gradient (stage 1), so Lightning's function returns ``{}`` or local va
 the same dictionary from the shards: each rank sums ``|g|^p`` (the maximum of ``|g|`` for the inf norm) over the
 pieces of each parameter it owns, one all-reduce of that vector (SUM, or MAX) gives every parameter's total, and
 the total norm is taken over the per-parameter norms as Lightning does. It is a collective: every rank calls it,
-in ``on_before_optimizer_step`` (the shards are final there).
+in ``on_before_optimizer_step`` (the shards are final there). Under tensor parallel a tensor-sharded parameter's
+total is taken over its tensor group too, a second all-reduce ([Note: tensor parallel under ZeRO] in
+lzero/engine/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ def parameter_grad_norms(engine: Any, norm_type: float) -> dict[str, Tensor]:
             partial[position[param.name]] = value.to(device)
     op = torch.distributed.ReduceOp.MAX if norm_type == float("inf") else None  # None: SUM
     total = collectives.all_reduce(partial, group=engine.group, op=op)
+    if engine.tensor_group is not None:  # the pieces of a tensor-sharded parameter on the other tensor ranks
+        sharded = torch.tensor([engine.tensor_sharded(name) for name in names], device=device)
+        across = collectives.all_reduce(torch.where(sharded, total, 0.0), group=engine.tensor_group, op=op)
+        total = torch.where(sharded, across, total)
     norms = total if norm_type == float("inf") else total.pow(1.0 / norm_type)
     return dict(zip(names, norms.unbind()))
 

@@ -1,16 +1,18 @@
-"""ZeroConfig's ZeRO++ section: which ranks a collective spans (hybrid sharding) and what it sends (hpZ, qwZ, qgZ)."""
+"""ZeroConfig's ZeRO++ section: which ranks a collective spans (hybrid sharding, tensor parallel) and what it sends (hpZ,
+qwZ, qgZ)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
-from lzero.config.checks import true_or_false
+from lzero.config.checks import true_or_false, whole_number
 from lzero.errors import ZeroConfigError
 
 @dataclass(frozen=True)
 class ZeroPlusPlusConfig:
-    """Which ranks a collective spans and what it sends: hybrid sharding (MiCS) and ZeRO++ (hpZ, qwZ, qgZ)."""
+    """Which ranks a collective spans and what it sends: hybrid sharding (MiCS), tensor parallel and ZeRO++ (hpZ, qwZ,
+    qgZ)."""
 
     shard_group_size: Union[None, int, Literal["node"]] = None
     """Hybrid sharding: the ranks form groups of this many consecutive ranks; states are sharded within a group and
@@ -36,7 +38,18 @@ class ZeroPlusPlusConfig:
     the receiving rank. None: exact reductions. Changes results. DeepSpeed's ``zero_quantized_gradients`` (its
     ``true`` reads as 4). See [Note: quantized collectives] in lzero/engine/quantized_collectives.py."""
 
+    tensor_parallel_size: int = 1
+    """Tensor parallel: the ranks form a 2-D mesh, ``world = data x tensor`` with the tensor dimension innermost (rank
+    r has tensor coordinate r % T), ``strategy.device_mesh`` has the dimensions ``("data_parallel",
+    "tensor_parallel")`` as under Lightning's ``ModelParallelStrategy``, and ZeRO shards over the data-parallel ranks
+    only. The model is parallelized by the user's ``configure_model`` (``parallelize_module(...,
+    self.device_mesh["tensor_parallel"], plan)``). Must divide the world size. Stages 1-2 in fp32, Trainer only, no
+    checkpoints yet. 1: off. See [Note: tensor parallel under ZeRO] in lzero/engine/tensor_parallel.py."""
+
     def __post_init__(self) -> None:
+        object.__setattr__(self, "tensor_parallel_size", whole_number(
+            "tensor_parallel_size", self.tensor_parallel_size, 1, " of ranks",
+            "e.g. `tensor_parallel_size=2` (a divisor of the world size), or 1 for no tensor parallel."))
         size = self.shard_group_size
         if size is not None and size != "node" and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ZeroConfigError(f"`shard_group_size={size!r}` must be a number of ranks >= 1 or 'node'. HINT: e.g."

@@ -343,7 +343,8 @@ def start_all_reduce(tensor: Tensor, group: Optional[dist.ProcessGroup] = None) 
 
 @torch.no_grad()
 def broadcast_(tensors: Sequence[Tensor], src: int = 0, group: Optional[dist.ProcessGroup] = None) -> None:
-    """Overwrite every tensor in place with rank ``src``'s values (as DDP does at construction)."""
+    """Overwrite every tensor in place with rank ``src``'s values (as DDP does at construction); ``src`` is a rank
+    within ``group``."""
     if local(group):
         return
     for t in tensors:
@@ -354,6 +355,8 @@ def broadcast_(tensors: Sequence[Tensor], src: int = 0, group: Optional[dist.Pro
 
 
 def _broadcast(t: Tensor, src: int, group: Optional[dist.ProcessGroup]) -> None:
+    if group is not None:  # torch's ``src`` is a global rank: a group's rank 0 is another rank's in every other group
+        src = dist.get_global_rank(group, src)
     _backend_call(lambda x, async_op: dist.broadcast(x, src=src, group=group, async_op=async_op), t, [], group,
                   async_op=False)
 

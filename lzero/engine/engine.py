@@ -31,7 +31,7 @@ from lzero.config import ZeroConfig
 from lzero.errors import ZeroEngineError
 from lzero.engine.mixed_precision import PrecisionPolicy
 from lzero.engine.flat_unit import FlatUnit, GradState, fill_from_gathered, shard_bytes
-from lzero.engine import packed_weights, parameters, recording, replayed_weights
+from lzero.engine import packed_weights, parameters, recording, replayed_weights, tensor_parallel
 from lzero.engine.frozen_base import FrozenBase
 from lzero.engine.averaged import AveragedShards
 from lzero.engine.blocks import Block, GatherSchedule
@@ -136,6 +136,9 @@ class ZeroEngine:
         self.everyone = mesh.group("world")  # what spans every rank that must agree (every replica of every shard)
         self.group = mesh.group("shard")
         self.replicas: Optional[dist.ProcessGroup] = mesh.group("replicate")  # this rank's shard's holders, hybrid
+        # tensor parallel: DTensor parameters, flattened by their local tensors ([Note: tensor parallel under ZeRO])
+        self.tensor_group = mesh.tensor
+        tensor_parallel.check_parameters(module, mesh.tensor)
         group = self.group
         self.world_size = collectives.world_size(group)
         self.rank = collectives.rank(group)
@@ -143,6 +146,7 @@ class ZeroEngine:
         packed_weights.check_model(module)
         self._owners = packed_weights.owners(module)  # the modules of packed (quantized) parameters
         specs, by_name = _collect_params(module, optimizers, kept, frozen_too=config.stage >= 3, evaluating=evaluating)
+        self._tensor_sharded = {name: tensor_parallel.tensor_sharded(p) for name, p in by_name.items()}
         if config.stage >= 3:
             block_modules = find_blocks(module, config.unit_modules)
             _refuse_full_graphs(module, block_modules)
@@ -315,7 +319,7 @@ class ZeroEngine:
 
     def _broadcast_initial_state(self, module: nn.Module) -> None:
         """Rank 0's parameters and buffers everywhere, as DDP does, so unseeded models agree."""
-        tensors = [p.data for p in module.parameters()] + [b for b in module.buffers()]
+        tensors = [tensor_parallel.local(p).detach() for p in module.parameters()] + [b for b in module.buffers()]
         collectives.broadcast_coalesced_(tensors, src=0, group=self.everyone, max_numel=self.config.reduce_bucket_size)
 
     def _shard_parameters(self, block_modules: dict[str, nn.Module], labels: dict[str, str]) -> Gatherer:
@@ -489,6 +493,8 @@ class ZeroEngine:
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         unit, index = self._where[param]
+        if self.tensor_group is not None:  # a partial gradient summed over the tensor group first
+            parameters.set_grad_quietly(param, tensor_parallel.complete_grad(parameters.raw_grad(param), param))
         if self.round is None:
             self._open_round()
         if unit.grad_state is GradState.REDUCED and unit.accumulates_locally:
@@ -638,8 +644,31 @@ class ZeroEngine:
         and fp32 partial sums would round differently with each split (a 1-ulp different norm, and so different
         clipped weights, for a run resumed at another stage); in fp64 the splits' rounding stays far below fp32's."""
         self.prepare_step(units)
+        if self.tensor_group is not None:
+            return self._tensor_parallel_norm(units)
         total = self._sum_over(units, "sq_norm", dtype=torch.float64)
         return collectives.all_reduce(total, group=self.group).sqrt().float()
+
+    def tensor_sharded(self, name: str) -> bool:
+        """Whether the parameter ``name`` (its name in the partition) is a tensor-parallel shard: see
+        [Note: tensor parallel under ZeRO] in tensor_parallel.py."""
+        return self._tensor_sharded.get(name, False)
+
+    def _tensor_parallel_norm(self, units: Sequence[FlatUnit]) -> Tensor:
+        """:meth:`grad_norm` under tensor parallel: the squares of the tensor-sharded parameters' pieces summed over
+        the data group, then over the tensor group; those of the replicated ones over the data group only, since every
+        rank of a tensor group holds the same ([Note: tensor parallel under ZeRO] in tensor_parallel.py)."""
+        device = units[0].flat_param.device if units else None
+        sums = torch.zeros(2, dtype=torch.float64, device=device)  # (tensor-sharded, tensor-replicated)
+        for unit in units:
+            if unit.has_step_grad:
+                for param, start, end, at in unit.spec.owned_pieces(self.rank):
+                    piece = unit.shard_grad[at : at + end - start]
+                    sharded = self.tensor_sharded(param.name)
+                    sums[0 if sharded else 1] += torch.linalg.vector_norm(piece, dtype=torch.float64).square()
+        collectives.all_reduce(sums, group=self.group)
+        sharded = collectives.all_reduce(sums[:1].clone(), group=self.tensor_group)
+        return (sharded[0] + sums[1]).sqrt().float()
 
     def _sum_over(self, units: Sequence[FlatUnit], which: str, dtype: torch.dtype = torch.float32) -> Tensor:
         """The sum (in ``dtype``) of each shard gradient's ``GRAD_STATS[which]`` over ``units`` that have one, on the
@@ -897,7 +926,7 @@ def _collect_params(module: nn.Module, optimizers: Sequence[torch.optim.Optimize
                     " parameters. HINT: keep parameters in float32 and choose the compute dtype with"
                     " `Trainer(precision=...)`."
                 )
-            specs.append(ParamSpec(name, tuple(p.shape), group_of[p], keep_fp32=name in kept))
+            specs.append(ParamSpec(name, tensor_parallel.local_shape(p), group_of[p], keep_fp32=name in kept))
             by_name[name] = p
         elif frozen_too and not p.requires_grad and p.dtype in (torch.float32, torch.bfloat16):
             specs.append(ParamSpec(name, tuple(p.shape), FROZEN, keep_fp32=name in kept))

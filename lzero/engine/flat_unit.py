@@ -42,6 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from lzero.engine.packed_weights import Binding
+from lzero.engine.tensor_parallel import as_grad, local, repoint
 from lzero.engine.parameters import mark_gathered, mark_released, name_param, quiet_params, raw_grad, set_grad_quietly
 from lzero.engine.partition import UnitSpec
 from lzero.offload.store import GRAD_STATS, DeviceStore, ShardStore
@@ -94,7 +95,7 @@ class FlatUnit:
             if values is None:
                 full = torch.zeros(spec.padded_numel, device=device, dtype=master_dtype)  # 1D, the unit's values
                 for p, (start, end) in zip(self.params, self.ranges):
-                    full[start:end].copy_(p.detach().reshape(-1))
+                    full[start:end].copy_(local(p).detach().reshape(-1))
                 self.flat_param = full.to(compute_dtype) if self.mixed else full  # 1D, padded_numel
                 # full precision at stages 1-2: the master is the owned slice of the parameters itself
                 owned, alias_ok, compute = full[lo:hi], not self.mixed and stage < 3, self.flat_param[lo:hi]
@@ -112,7 +113,7 @@ class FlatUnit:
                 master = self.store.hold_master(owned, alias_ok=alias_ok, key=f"unit{spec.index}")
             del owned
             for p, (start, end) in zip(self.params, self.ranges):
-                p.data = self.flat_param[start:end].view(p.shape)
+                repoint(p, self.flat_param[start:end].view(local(p).shape))  # a DTensor: its local tensor
         self.master_dtype = master_dtype  # the parameters' dtype, which they get back at the end of fit
         # 1D, shard_numel: what the optimizer steps (a frozen unit: its compute shard, stepped by nothing)
         self.master_shard = nn.Parameter(master, requires_grad=not spec.frozen)
@@ -211,7 +212,8 @@ class FlatUnit:
         """Stage 1: the full flat gradient that micro-batches accumulate into (zeros when first needed)."""
         if self.flat_grad is None:
             self.flat_grad = torch.zeros_like(self.flat_param, memory_format=torch.contiguous_format)
-            self._grad_views = [self.flat_grad[start:end].view(p.shape) for p, (start, end) in zip(self.params, self.ranges)]
+            self._grad_views = [as_grad(p, self.flat_grad[start:end].view(local(p).shape))
+                                for p, (start, end) in zip(self.params, self.ranges)]
         return self.flat_grad
 
     def grad_view(self, index: int) -> Tensor:
@@ -226,9 +228,9 @@ class FlatUnit:
         with quiet_params():
             grad = raw_grad(self.params[index])
             view = self.grad_view(index)
-            if grad is not None and grad is not view and grad.data_ptr() != view.data_ptr():
+            if grad is not None and grad is not view and local(grad).data_ptr() != local(view).data_ptr():
                 with torch.no_grad():
-                    view.copy_(grad)
+                    local(view).copy_(local(grad))
                 set_grad_quietly(self.params[index], view)
 
     def prelink(self) -> None:
@@ -277,7 +279,7 @@ class FlatUnit:
         with quiet_params():
             for p, (start, end) in zip(self.params, self.ranges):
                 grad = raw_grad(p)
-                write(start, end, None if grad is None else grad.reshape(-1))
+                write(start, end, None if grad is None else local(grad).reshape(-1))
                 if grad is not None:
                     set_grad_quietly(p, None)
         write(self.spec.numel, self.spec.padded_numel, None)

@@ -26,6 +26,17 @@ A group stays made until each of its requesters has destroyed it by name (``dest
 request makes it afresh.
 ``LOCAL_WORLD_SIZE``, the ranks per node, is read here only (``local_world_size``).
 
+[Note: the tensor dimension]
+With ``tensor_parallel_size=T`` the run's N*T ranks form a 2-D torch ``DeviceMesh`` (``tensor_parallel_mesh``),
+dimensions ``("data_parallel", "tensor_parallel")``, the tensor dimension innermost: rank r has tensor coordinate
+r % T and data coordinate r // T, as torchtitan's ``ParallelDims`` and Lightning's ``ModelParallelStrategy`` lay
+them out. The user's model is parallelized over the tensor dimension; lzero's mesh is then made over the
+data-parallel group of this rank's tensor coordinate (``base``, ``tensor_size=T``), so ``world`` above is that
+group's N ranks and every ZeRO collective runs over it. Since ``dist.new_group`` is a collective over the default
+group, each named group is made for every tensor coordinate's data group alike (``layers``), this rank keeping its
+own. ``tensor`` is this rank's tensor-parallel group (the DeviceMesh made it): the norm sums tensor-sharded
+gradients over it (see [Note: tensor parallel under ZeRO] in tensor_parallel.py).
+
 [Note: hybrid sharding]
 With ``shard_group_size=G`` the N ranks form N/G shard groups of G consecutive ranks (one node each, typically):
 parameters, gradients and optimizer state are sharded within a group, as a flat run of world size G would shard
@@ -94,14 +105,22 @@ class Mesh:
     default: Any = None  # a weak reference to the default process group this mesh was made in (None: no group);
     # weak, since a strong one would keep a destroyed group's connections open, and a peer blocked in a collective
     # with this rank would then wait for the process to exit ([Note: the misuse named on every rank])
+    tensor_size: int = 1  # T: the ranks of a tensor-parallel group; see [Note: the tensor dimension]
+    tensor: Any = None  # this rank's tensor-parallel group (None: T = 1)
     _made: dict[str, Any] = field(default_factory=dict, repr=False)
     _users: dict[str, int] = field(default_factory=dict, repr=False)  # requests not yet followed by a destroy
 
     @classmethod
     def of(cls, shard_group_size: Union[int, str, None] = None, hpz_partition_size: Union[int, str] = 1,
-           base: Any = None) -> "Mesh":
+           base: Any = None, device_mesh: Any = None) -> "Mesh":
         """The mesh of the current process group (``base``: a group in place of the default one). A plain process,
-        without ``torch.distributed``, is a mesh of one rank."""
+        without ``torch.distributed``, is a mesh of one rank. ``device_mesh``: a 2-D ``tensor_parallel_mesh``; the
+        mesh is then its data-parallel group's (see [Note: the tensor dimension])."""
+        if device_mesh is not None:
+            mesh = cls.of(shard_group_size, hpz_partition_size, base=device_mesh["data_parallel"].get_group())
+            mesh.tensor_size = device_mesh["tensor_parallel"].size()
+            mesh.tensor = device_mesh["tensor_parallel"].get_group()
+            return mesh
         if _initialized():
             world, rank = dist.get_world_size(base), dist.get_rank(base)
             ranks = tuple(dist.get_process_group_ranks(base)) if base is not None else tuple(range(world))
@@ -167,6 +186,13 @@ class Mesh:
             return [list(range(i * h, (i + 1) * h)) for i in range(n // h)]
         raise ValueError(f"no dimension {dim!r}; the mesh has {[_WORLD, _SHARD, _REPLICATE, _HPZ]}")
 
+    def layers(self) -> list[tuple[int, ...]]:
+        """The global ranks of every data-parallel group like this mesh's, one per tensor coordinate (this mesh's own
+        alone when T = 1): every rank makes every group of a dimension in each of them."""
+        if self.tensor_size == 1:
+            return [self.ranks]
+        return [tuple(t + i * self.tensor_size for i in range(self.world)) for t in range(self.tensor_size)]
+
     def group(self, name: str, timeout_s: Optional[float] = None) -> Any:
         """The named process group of this rank (see ``GROUPS``), made on first request; a collective then.
         ``timeout_s``: the group's timeout, when this request makes it. ``world`` is the base group; ``shard`` is
@@ -190,11 +216,11 @@ class Mesh:
         options: dict[str, Any] = {} if backend is None else {"backend": backend}
         if timeout_s is not None:
             options["timeout"] = timedelta(seconds=timeout_s)
-        for indices in self.partition(dim):
-            ranks = [self.ranks[i] for i in indices]
-            made = dist.new_group(ranks, **options)
-            if self.rank in indices:
-                mine = made
+        for layer in self.layers():
+            for indices in self.partition(dim):
+                made = dist.new_group([layer[i] for i in indices], **options)
+                if layer == self.ranks and self.rank in indices:
+                    mine = made
         self._made[name], self._users[name] = mine, 1
         return mine
 
@@ -216,3 +242,17 @@ class Mesh:
                 del self._users[name]
                 if made is not None:
                     dist.destroy_process_group(made)
+
+
+def tensor_parallel_mesh(tensor_parallel_size: int, device_type: str) -> Any:
+    """The run's 2-D ``DeviceMesh``, ``("data_parallel", "tensor_parallel")``, the tensor dimension innermost (see
+    [Note: the tensor dimension]). A collective: every rank makes every group of both dimensions."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size() if _initialized() else 1
+    if world % tensor_parallel_size:
+        raise ZeroConfigError(
+            f"`tensor_parallel_size={tensor_parallel_size}` does not divide the world size {world}. HINT: use a"
+            f" divisor of {world} (the ranks of one node, typically), or 1 for no tensor parallel.")
+    return init_device_mesh(device_type, (world // tensor_parallel_size, tensor_parallel_size),
+                            mesh_dim_names=("data_parallel", "tensor_parallel"))

@@ -110,6 +110,11 @@ class ZeroFabricStrategy(DDPStrategy):
     ) -> None:
         args = strategy_args.resolve(config, stage, allow_untested_optimizer, precision, loss_scaling,
                                      cpu_checkpointing, {}, options)
+        if args.config.tensor_parallel_size > 1:
+            raise ZeroConfigError(
+                f"`tensor_parallel_size={args.config.tensor_parallel_size}` at Fabric's door: tensor parallel runs"
+                " through the Trainer's `ZeroStrategy` so far. HINT: use `Trainer(strategy=ZeroStrategy(stage=2,"
+                " tensor_parallel_size=T))`, or Lightning's `ModelParallelStrategy` with Fabric.")
         if args.deepspeed is not None and (args.deepspeed.optimizer is not None or args.deepspeed.scheduler is not None):
             raise ZeroConfigError(
                 "The DeepSpeed configuration has an `optimizer` or `scheduler` block, which a Fabric script does not"

@@ -150,6 +150,11 @@ class ZeroStrategy(DDPStrategy):
         self._exit_stack = contextlib.ExitStack()  # what setup changed on the module until teardown
         self._probe: Optional[Any] = None  # activations of the first step; see [Note: out-of-memory triage]
         self._micro_batch: Optional[int] = None
+        self._device_mesh: Optional[Any] = None  # tensor parallel: the 2-D DeviceMesh, made at setup_environment
+        if self._auto and self.config.tensor_parallel_size > 1:
+            raise ZeroConfigError(f"`stage='auto'` with `tensor_parallel_size={self.config.tensor_parallel_size}`: the"
+                                  " automatic choice does not count tensor-parallel shards yet. HINT: choose"
+                                  " `stage=1` or `stage=2`.")
 
     # --- plugins -----------------------------------------------------------------------------
 
@@ -188,9 +193,40 @@ class ZeroStrategy(DDPStrategy):
 
     # --- setup -------------------------------------------------------------------------------
 
+    @property
+    def device_mesh(self) -> Any:
+        """Tensor parallel (``tensor_parallel_size`` > 1): the run's 2-D torch ``DeviceMesh``, dimensions
+        ``("data_parallel", "tensor_parallel")``, as Lightning's ``ModelParallelStrategy`` has it, so that
+        ``configure_model`` can call ``parallelize_module(self.model, self.device_mesh["tensor_parallel"], plan)``.
+        See [Note: the tensor dimension] in lzero/engine/mesh.py."""
+        if self._device_mesh is None:
+            raise RuntimeError("`strategy.device_mesh` exists with `tensor_parallel_size` > 1, once the processes have"
+                               f" started (tensor_parallel_size={self.config.tensor_parallel_size}). HINT: read it in"
+                               " `configure_model` or later, with `ZeroStrategy(tensor_parallel_size=T)`.")
+        return self._device_mesh
+
+    @property
+    def data_parallel_size(self) -> int:
+        """The ranks ZeRO shards over: the world size divided by ``tensor_parallel_size``."""
+        return self.world_size // self.config.tensor_parallel_size
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """The data-parallel rank and size: the ranks of one tensor-parallel group read the same batches."""
+        tensor = self.config.tensor_parallel_size
+        return {"num_replicas": self.data_parallel_size, "rank": self.global_rank // tensor}
+
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
+        if self.config.tensor_parallel_size > 1:  # see [Note: the tensor dimension] in mesh.py
+            from lzero.engine.mesh import tensor_parallel_mesh
+
+            if self._device_mesh is None or self._mesh is None or not self._mesh.current():  # once per process group
+                self._device_mesh = tensor_parallel_mesh(self.config.tensor_parallel_size, self.root_device.type)
+            if self.lightning_module is not None:  # `self.device_mesh` in the LightningModule, as Lightning's
+                self.lightning_module._device_mesh = self._device_mesh
         module = self.lightning_module
         trainer = module._trainer if module is not None else None
         if trainer is not None:  # see [Note: weight averaging under ZeRO]
@@ -201,6 +237,8 @@ class ZeroStrategy(DDPStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if self.config.tensor_parallel_size > 1:
+            self._refuse_beside_tensor_parallel(trainer, fitting)
         kept = take_kept(self.lightning_module)
         if kept is not None:  # see [Note: the model stays sharded after fit]
             if not fitting and self.config.stage >= 3 and kept.world_size == self.world_size:
@@ -246,13 +284,27 @@ class ZeroStrategy(DDPStrategy):
                                            mesh=self._run_mesh())
             keep_generation_synced(self._exit_stack, self.lightning_module, self.config, self.world_size)
         else:
-            sync_module_states(self.model)
+            sync_module_states(self.model, self._run_mesh().group("world") if self._device_mesh is not None else None)
         self.setup_precision_plugin()
 
     def _run_mesh(self) -> Any:
         """The run's process groups, made once (see [Note: the mesh] in lzero/engine/mesh.py)."""
-        self._mesh = run_mesh(self._mesh, self.config, self._deepspeed)
+        self._mesh = run_mesh(self._mesh, self.config, self._deepspeed, self._device_mesh)
         return self._mesh
+
+    def _refuse_beside_tensor_parallel(self, trainer: Trainer, fitting: bool) -> None:
+        """What tensor parallel does not run with yet, refused at setup rather than after training (see [Note:
+        tensor parallel under ZeRO] in lzero/engine/tensor_parallel.py)."""
+        size = self.config.tensor_parallel_size
+        precision = self.precision_plugin.precision
+        if precision != "32-true":
+            raise ZeroConfigError(f"`tensor_parallel_size={size}` with precision={precision!r}: tensor parallel runs in"
+                                  " fp32 so far. HINT: `Trainer(precision='32-true')`, or `tensor_parallel_size=1`.")
+        if fitting and trainer.checkpoint_callbacks:
+            raise ZeroConfigError(
+                f"`tensor_parallel_size={size}` with a checkpoint callback"
+                f" ({type(trainer.checkpoint_callbacks[0]).__name__}): checkpoints of tensor-parallel runs are not built"
+                " yet. HINT: `Trainer(enable_checkpointing=False)` and no ModelCheckpoint callback.")
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -349,6 +401,7 @@ class ZeroStrategy(DDPStrategy):
         an empty dict (see [Note: checkpoints after an exception])."""
         if not self._all_ranks_here():
             return {}
+        self._refuse_tensor_parallel_checkpoint()
         engine = self._live_engine
         if engine is None:
             return super().lightning_module_state_dict()
@@ -370,6 +423,7 @@ class ZeroStrategy(DDPStrategy):
         sharded values gathered one unit at a time."""
         if not self._all_ranks_here():
             return
+        self._refuse_tensor_parallel_checkpoint()
         self._flush_delayed_update()
         if self._sharded_checkpoint:
             optimizers = [zero_optimizer(o, OPTIMIZER_HINT) for o in self.optimizers
@@ -384,6 +438,14 @@ class ZeroStrategy(DDPStrategy):
         if self._auto_record:
             checkpoint = {**checkpoint, AUTO_RECORD: self._auto_record}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _refuse_tensor_parallel_checkpoint(self) -> None:
+        """Checkpoints of tensor-parallel runs are not built yet: refused at the first call a save makes."""
+        if self.config.tensor_parallel_size > 1:
+            raise ZeroConfigError(
+                f"A checkpoint with `tensor_parallel_size={self.config.tensor_parallel_size}`: checkpoints of"
+                " tensor-parallel runs are not built yet. HINT: train without `trainer.save_checkpoint` and"
+                " ModelCheckpoint for now (`Trainer(enable_checkpointing=False)`), or with `tensor_parallel_size=1`.")
 
     @property
     def _sharded_checkpoint(self) -> bool:
@@ -585,7 +647,7 @@ class ZeroStrategy(DDPStrategy):
         super().on_train_start()
         trainer = self.lightning_module.trainer
         micro = self._micro_batch = micro_batch_size(trainer.train_dataloader)
-        accumulation, world = trainer.accumulate_grad_batches, self.world_size
+        accumulation, world = trainer.accumulate_grad_batches, self.data_parallel_size
         self._global_batch = None if micro is None else micro * accumulation * world
         if self._deepspeed is not None:
             deepspeed_config.resolve_batch(self._deepspeed.batch, world, micro, accumulation)
@@ -632,6 +694,7 @@ class ZeroStrategy(DDPStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if not self._all_ranks_here():
             return {}
+        self._refuse_tensor_parallel_checkpoint()
         self._flush_delayed_update()
         if self._sharded_checkpoint:
             return {"lzero": "written by the sharded checkpoint"}  # the pieces come from the shards

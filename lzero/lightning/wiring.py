@@ -147,17 +147,18 @@ def meta_device(device: Optional[torch.device] = None, recording: Optional[conte
             yield
 
 
-def run_mesh(mesh: Any, config: ZeroConfig, deepspeed: Any = None) -> Any:
+def run_mesh(mesh: Any, config: ZeroConfig, deepspeed: Any = None, device_mesh: Any = None) -> Any:
     """The run's process groups, one owner for the strategy and its engines ([Note: the mesh] in mesh.py): ``mesh``,
     the strategy's so far, while the process group it was made in lives, else a new one. A bad ``shard_group_size``
-    or ``hpz_partition_size`` is named by its DeepSpeed key when it came from one."""
+    or ``hpz_partition_size`` is named by its DeepSpeed key when it came from one. ``device_mesh``: tensor parallel's
+    2-D mesh; lzero's is then over its data-parallel group ([Note: the tensor dimension] in mesh.py)."""
     from lzero.deepspeed.config import as_written
     from lzero.engine.mesh import Mesh
 
     if mesh is not None and mesh.current():
         return mesh
     with as_written(deepspeed):
-        return Mesh.of(config.shard_group_size, config.hpz_partition_size)
+        return Mesh.of(config.shard_group_size, config.hpz_partition_size, device_mesh=device_mesh)
 
 
 def start_engine(module: torch.nn.Module, optimizers: list[Optimizer], config: ZeroConfig,
@@ -276,15 +277,18 @@ def synced_generation(module: Optional[torch.nn.Module], synced: bool) -> Genera
 
 
 
-def sync_module_states(module: torch.nn.Module) -> None:
+def sync_module_states(module: torch.nn.Module, group: Any = None) -> None:
     """Rank 0's parameters and buffers on every rank, as DDP's wrapper starts: for a run that starts no engine (stages
-    1-2 evaluating). A collective."""
+    1-2 evaluating). A collective. ``group``: over these ranks only (tensor parallel: the data-parallel group, each
+    DTensor by its local tensor); None: every rank."""
     from lzero.engine.collectives import broadcast_coalesced_
+    from lzero.engine.tensor_parallel import local
 
     ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", []))
-    states = {id(t): t.data for name, t in [*module.named_parameters(), *module.named_buffers()] if name not in ignored}
+    states = {id(t): local(t).data for name, t in [*module.named_parameters(), *module.named_buffers()]
+              if name not in ignored}
     with torch.no_grad():
-        broadcast_coalesced_(list(states.values()), src=0, max_numel=2**26)  # packed 256 MB of fp32 at most
+        broadcast_coalesced_(list(states.values()), src=0, group=group, max_numel=2**26)  # packed 256 MB of fp32 at most
 
 
 def choose_configuration(config: ZeroConfig, module: torch.nn.Module, precision: ZeroFabricPrecision,

@@ -31,6 +31,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from lzero.config import ZeroConfig
+from lzero.engine.tensor_parallel import local
 from lzero.memory.estimate import ModelCount, model_states, working_set
 from lzero.presets import PRESET_CONFIGS
 
@@ -57,7 +58,8 @@ class ActivationProbe:
                 base = t._base if t._base is not None else t
                 if id(base) in params or id(t) in params or t.device.type == "meta":
                     return t
-                storage = t.untyped_storage()
+                storage = local(t).untyped_storage()  # a DTensor's: its local tensor's (tensor parallel)
+                storage.data_ptr()
             except (RuntimeError, NotImplementedError):  # a tensor without plain storage (sparse, nested...)
                 return t
             if storage.data_ptr() not in seen:

@@ -1,0 +1,118 @@
+"""Tensor-parallel parameters under ZeRO: DTensor parameters flattened by their local tensors.
+
+[Note: tensor parallel under ZeRO]
+With ``tensor_parallel_size=T`` the N*T ranks form a 2-D mesh, data x tensor, the tensor dimension innermost (rank r
+has tensor coordinate r % T and data coordinate r // T; see ``tensor_parallel_mesh`` in mesh.py). The user's
+``configure_model`` parallelizes the model over the tensor dimension (``parallelize_module(model,
+device_mesh["tensor_parallel"], plan)``, as under Lightning's ``ModelParallelStrategy``): its parameters become
+DTensors, each rank holding a local tensor (a shard for ``Shard`` placements, the whole value for ``Replicate``).
+ZeRO then runs over the data-parallel group of the rank's tensor coordinate only (the engine's mesh is built over
+that group), exactly as over a one-dimensional world, with these differences, which this module holds:
+
+- a DTensor parameter is flattened by its local tensor: the unit's flat buffer holds the local values, and the
+  parameter's local tensor becomes the view of the buffer (``_local_tensor``, a private attribute that FSDP2
+  repoints too: ``p.data = ...`` on a DTensor changes the wrapper's metadata, not the local tensor its operations
+  read; tests/engine/test_tensor_parallel_parameters.py pins both facts);
+- its gradient is a DTensor whose local tensor is read. A gradient that comes back with other placements than the
+  parameter's (``Partial(sum)`` for the weights of ``SequenceParallel`` norms) is completed over the tensor group
+  first (``complete_grad``), before the data-parallel reduction. At stage 1 the gradient given to autograd is a
+  DTensor over the view of the flat gradient with the parameter's placements, and autograd's in-place accumulation
+  completes a partial gradient itself;
+- the global gradient norm counts the squares of tensor-sharded parameters summed over the tensor group, and those
+  of tensor-replicated parameters (all ``Replicate``, or plain tensors) once (``ZeroEngine.grad_norm``).
+
+Not built yet: stage 3, offload, hybrid sharding, mixed precision, checkpoints, Fabric (each refused by name).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional
+
+from torch import Tensor, nn
+
+from lzero.errors import ZeroEngineError
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a DTensor (imported only once torch's distributed tensor is loaded: none before)."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local(t: Tensor) -> Tensor:
+    """The tensor whose values this rank holds: a DTensor's local tensor, any other tensor itself."""
+    return t._local_tensor if is_dtensor(t) else t
+
+
+def local_shape(p: Tensor) -> tuple[int, ...]:
+    """The shape a unit lays ``p`` out in: its local tensor's."""
+    return tuple(local(p).shape)
+
+
+def repoint(p: nn.Parameter, view: Tensor) -> None:
+    """``p`` holds ``view`` (the shape of its local tensor) from now on: a DTensor's local tensor is ``view``, any other
+    parameter's ``.data``. See [Note: tensor parallel under ZeRO]."""
+    if is_dtensor(p):
+        p._local_tensor = view
+    else:
+        p.data = view
+
+
+def as_grad(p: nn.Parameter, view: Tensor) -> Tensor:
+    """``view`` (the shape of ``p``'s local tensor) as a gradient autograd accepts for ``p``: a DTensor with ``p``'s
+    placements over it for a DTensor parameter."""
+    if not is_dtensor(p):
+        return view
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(view, p._spec, requires_grad=False)
+
+
+def complete_grad(grad: Optional[Tensor], p: nn.Parameter) -> Optional[Tensor]:
+    """``grad`` with ``p``'s placements: a ``Partial`` gradient summed over the tensor group (a collective over that
+    group), any other returned as it is. None stays None."""
+    if grad is None or not is_dtensor(grad) or tuple(grad.placements) == tuple(p.placements):
+        return grad
+    return grad.redistribute(placements=p.placements)
+
+
+def tensor_sharded(p: Tensor) -> bool:
+    """Whether ``p``'s values differ between the ranks of a tensor group (some ``Shard`` placement): its squares sum over
+    the group in a norm, where a replicated parameter counts once."""
+    if not is_dtensor(p):
+        return False
+    return any(placement.is_shard() for placement in p.placements)
+
+
+def check_parameters(module: nn.Module, tensor_group: Any) -> bool:
+    """Whether ``module`` holds DTensor parameters, each on the run's tensor-parallel mesh (one dimension over
+    ``tensor_group``); refused by name otherwise, and where the run has no tensor dimension (``tensor_group`` None)."""
+    found = False
+    for name, p in module.named_parameters():
+        if not is_dtensor(p):
+            continue
+        found = True
+        mesh = p.device_mesh
+        if tensor_group is None:
+            raise ZeroEngineError(
+                f"Parameter `{name}` is a DTensor (placements {tuple(p.placements)}), and the strategy has no tensor"
+                " dimension: ZeRO would shard it over ranks that hold different pieces of it. HINT: pass"
+                " `tensor_parallel_size=T` to the strategy and parallelize with"
+                " `parallelize_module(..., self.device_mesh['tensor_parallel'], plan)` in `configure_model`.")
+        if mesh.ndim != 1 or _ranks(mesh.get_group()) != _ranks(tensor_group):
+            raise ZeroEngineError(
+                f"Parameter `{name}` is a DTensor over the mesh {mesh}, not the strategy's tensor-parallel mesh of"
+                f" {len(_ranks(tensor_group))} ranks. HINT: parallelize with `parallelize_module(..., self.device_mesh"
+                "['tensor_parallel'], plan)` (one dimension; ZeRO shards over 'data_parallel' itself).")
+    return found
+
+
+
+def _ranks(group: Any) -> list[int]:
+    import torch.distributed as dist
+
+    return dist.get_process_group_ranks(group)

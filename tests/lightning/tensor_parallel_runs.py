@@ -1,0 +1,273 @@
+"""Tensor parallel under ZeRO (``tensor_parallel_size=2``) against one process on the same global batches, and against
+Lightning's ``ModelParallelStrategy`` (FSDP2 + TP) on the same run (one launched script).
+
+    python tests/lightning/tensor_parallel_runs.py OUT_DIR LLAMA_DIR   # with 4 ranks (tp2 x dp2) or 2 (tp2 x dp1)
+
+Two models parallelized by the user's ``configure_model`` with torch's plan styles: a tiny transformer-like model (an
+embedding, a norm, a column-wise then row-wise Linear pair, a norm, an output Linear), the norms ``SequenceParallel``
+(their gradients come back ``Partial``), and a tiny Hugging Face Llama read with ``from_pretrained`` from LLAMA_DIR,
+with a plan over q/k/v/o and gate/up/down. Each trained 4 AdamW steps (fused=False) with gradient clipping. Rank 0
+writes ``OUT_DIR/<run>_dp<N>.pt``: each step's loss (the global batch's) and pre-clip gradient norm, the final
+parameters as full tensors, and the messages of the refusals tried; ``reference[_llama]_dp<N>.pt`` is one process on
+the same global batches.
+tests/lightning/test_tensor_parallel.py compares them.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities import grad_norm as lightning_grad_norm
+from torch import nn
+from torch.utils.data import DataLoader, Subset, TensorDataset
+
+from _teardown import destroy_process_group  # a sibling: scripts run from their folder
+import lzero
+from lzero import ZeroStrategy
+
+VOCAB, HIDDEN, FFN, SEQ = 16, 16, 32, 4
+MICRO, STEPS, CLIP, LR, VALIDATION = 2, 4, 0.05, 0.02, 8
+
+
+class TinyBlock(nn.Module):
+    """An embedding, one pre-norm MLP block with a residual, a final norm and the output layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.norm1 = nn.LayerNorm(HIDDEN)
+        self.up = nn.Linear(HIDDEN, FFN)
+        self.down = nn.Linear(FFN, HIDDEN)
+        self.norm2 = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, S) -> (B, S, V)
+        x = self.embed(tokens)
+        x = x + self.down(torch.nn.functional.gelu(self.up(self.norm1(x))))
+        return self.head(self.norm2(x))
+
+
+def build() -> TinyBlock:
+    torch.manual_seed(7)
+    model = TinyBlock()
+    with torch.no_grad():  # norms away from their (1, 0) start, so their gradients matter
+        for norm in (model.norm1, model.norm2):
+            norm.weight.uniform_(0.5, 1.5)
+            norm.bias.uniform_(-0.2, 0.2)
+    return model
+
+
+def parallelize(model: TinyBlock, tp_mesh: Any) -> None:
+    """torchtitan's plan: the embedding row-wise into sequence shards, norms ``SequenceParallel``, the pair column-wise
+    then row-wise, the output column-wise gathered back to whole logits."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    parallelize_module(model, tp_mesh, {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm1": SequenceParallel(),
+        "up": ColwiseParallel(input_layouts=Shard(1)),
+        "down": RowwiseParallel(output_layouts=Shard(1)),
+        "norm2": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    })
+
+
+LLAMA_PLAN = {  # the user's plan: attention heads and MLP columns split, their outputs summed back (row-wise)
+    **{f"model.layers.*.self_attn.{name}": "colwise" for name in ("q_proj", "k_proj", "v_proj")},
+    "model.layers.*.self_attn.o_proj": "rowwise",
+    **{f"model.layers.*.mlp.{name}": "colwise" for name in ("gate_proj", "up_proj")},
+    "model.layers.*.mlp.down_proj": "rowwise",
+}
+
+
+def save_llama(folder: Path) -> None:
+    """A tiny Llama (2 layers, 4 heads, 2 KV heads: one per tensor rank), written with ``save_pretrained``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32, bos_token_id=0,
+                         eos_token_id=0, pad_token_id=0, initializer_range=0.2)
+    LlamaForCausalLM(config).save_pretrained(folder)
+
+
+def load_llama(folder: Path) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+
+def parallelize_llama(model: nn.Module, tp_mesh: Any) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    parallelize_module(model, tp_mesh, {pattern: styles[style]() for pattern, style in LLAMA_PLAN.items()})
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, VOCAB, (64, SEQ + 1), generator=g)
+    return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(x) if isinstance(model, TinyBlock) else model(input_ids=x).logits
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+
+
+def optimizer_of(params: Any, eps: float = 1e-8) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, eps=eps, fused=False, foreach=False)
+
+
+LLAMA_EPS = 1e-4
+"""AdamW's eps for the Llama: its gradients hold elements near zero (embedding rows, attention), where Adam's division
+by sqrt(v) turns the last bits of a sum into a whole step; with eps=1e-8 tensor parallel alone (no ZeRO, plain torch)
+ends 4e-5 relative from one process after 4 steps, as lzero does. A larger eps keeps those elements' steps in
+proportion to their gradients, so the comparison sees the algorithm rather than that amplification."""
+
+
+class Module(LightningModule):
+    def __init__(self, fsdp: bool = False, llama: Any = None) -> None:
+        super().__init__()
+        self.fsdp = fsdp
+        self.model = build() if llama is None else load_llama(llama)
+        self.losses: list[float] = []
+        self.norms: list[float] = []
+        self.per_parameter: list[dict[str, float]] = []  # lzero.grad_norm(self, 2) at each step
+
+    def configure_model(self) -> None:
+        from torch.distributed.tensor import DTensor
+
+        if any(isinstance(p, DTensor) for p in self.model.parameters()):
+            return  # parallelized by an earlier run of this module (configure_model runs at every fit/validate)
+        tp_mesh = self.device_mesh["tensor_parallel"]
+        parallelize(self.model, tp_mesh) if isinstance(self.model, TinyBlock) else parallelize_llama(self.model, tp_mesh)
+        if self.fsdp:  # Lightning's ModelParallelStrategy: FSDP2 over the data-parallel dimension
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(self.model, mesh=self.device_mesh["data_parallel"])
+
+    def training_step(self, batch: Any, _: int) -> torch.Tensor:
+        loss = loss_of(self.model, *batch)
+        self.losses.append(self.trainer.strategy.reduce(loss.detach(), reduce_op="mean").item())  # the global batch's
+        return loss
+
+    def validation_step(self, batch: Any, _: int) -> None:
+        self.log("val_loss", loss_of(self.model, *batch), sync_dist=True)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        if not self.fsdp:
+            self.norms.append(self.trainer.strategy.grad_norm().item())
+            norms = lzero.grad_norm(self, 2)  # keys named from the LightningModule: "grad_2.0_norm/model.embed.weight"
+            self.per_parameter.append({k.replace("/model.", "/"): v.item() for k, v in norms.items()})
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return optimizer_of(self.parameters(), 1e-8 if isinstance(self.model, TinyBlock) else LLAMA_EPS)
+
+
+def trainer(strategy: Any, devices: int, **kwargs: Any) -> Trainer:
+    return Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                   gradient_clip_val=CLIP, **kwargs)
+
+
+def full_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in module.named_parameters()}
+
+
+def run(out: Path, name: str, strategy: Any, devices: int, fsdp: bool = False, llama: Any = None) -> None:
+    """Fit, then (the tensor-parallel runs) ``validate`` the fitted model: no engine then, so at stages 1-2 the strategy
+    only lines up the data-parallel ranks' weights."""
+    module = Module(fsdp, llama)
+    fit = trainer(strategy, devices)
+    fit.fit(module, DataLoader(dataset(), batch_size=MICRO))
+    params = full_parameters(module.model)
+    if not fsdp:
+        validation = Subset(dataset(), range(VALIDATION))
+        val = fit.validate(module, DataLoader(validation, batch_size=MICRO), verbose=False)[0]["val_loss"]
+    if fit.is_global_zero:
+        torch.save({"losses": module.losses, "norms": module.norms, "params": params, "per_parameter": module.per_parameter,
+                    "sampler": fit.strategy.distributed_sampler_kwargs, "val_loss": None if fsdp else val},
+                   out / f"{name}.pt")
+
+
+def refusal(out: Path, name: str, call: Any) -> None:
+    try:
+        call()
+        message = None
+    except Exception as err:  # noqa: BLE001 - the message is what the test reads
+        message = f"{type(err).__name__}: {err}"
+    if dist.get_rank() == 0:
+        torch.save({"message": message}, out / f"{name}.pt")
+
+
+def refusals(out: Path, devices: int, dp: int) -> None:
+    fitted = Module()
+    fit = trainer(ZeroStrategy(stage=2, tensor_parallel_size=2), devices)
+    fit.fit(fitted, DataLoader(dataset(), batch_size=MICRO))
+    refusal(out, f"refused_save_dp{dp}", lambda: fit.save_checkpoint(out / "never.ckpt"))
+    with_callback = Trainer(accelerator="cpu", devices=devices, strategy=ZeroStrategy(stage=2, tensor_parallel_size=2),
+                            max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                            default_root_dir=out)
+    refusal(out, f"refused_checkpointing_dp{dp}", lambda: with_callback.fit(Module(), DataLoader(dataset(),
+                                                                                              batch_size=MICRO)))
+
+
+def reference(out: Path, dp: int, llama: Any = None) -> None:
+    """One process, the global batch of each step: what each data rank's distributed sampler hands it (Lightning's, for
+    a training DataLoader: shuffled with seed 0), MICRO samples per data rank and step."""
+    from torch.utils.data import DistributedSampler
+
+    model = build() if llama is None else load_llama(llama)
+    optimizer = optimizer_of(model.parameters(), 1e-8 if llama is None else LLAMA_EPS)
+    x, y = dataset().tensors
+    orders = [list(DistributedSampler(dataset(), num_replicas=dp, rank=d, shuffle=True, seed=0)) for d in range(dp)]
+    losses, norms, per_parameter = [], [], []
+    for step in range(STEPS):
+        rows = [order[step * MICRO + i] for order in orders for i in range(MICRO)]
+        loss = loss_of(model, x[rows], y[rows])  # the mean over dp equal micro-batches: each rank's mean, averaged
+        losses.append(loss.item())
+        loss.backward()
+        per_parameter.append({k: v.item() for k, v in lightning_grad_norm(model, 2).items()})
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():  # every validation sample once, in batches of equal size: the mean of the batches' means
+        val_loss = loss_of(model, x[:VALIDATION], y[:VALIDATION]).item()
+    name = "reference_llama" if llama is not None else "reference"
+    torch.save({"losses": losses, "norms": norms, "params": full_parameters(model), "per_parameter": per_parameter,
+                "val_loss": val_loss}, out / f"{name}_dp{dp}.pt")
+
+
+if __name__ == "__main__":
+    out_dir, llama_dir = Path(sys.argv[1]), Path(sys.argv[2])
+    torch.set_num_threads(1)
+    world = int(__import__("os").environ["WORLD_SIZE"])
+    dp = world // 2
+    for stage in (1, 2):
+        run(out_dir, f"zero{stage}_dp{dp}", ZeroStrategy(stage=stage, tensor_parallel_size=2), world)
+        run(out_dir, f"llama_zero{stage}_dp{dp}", ZeroStrategy(stage=stage, tensor_parallel_size=2), world,
+            llama=llama_dir)
+    if dp == 2:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        # not the Llama: its embeddings and norms stay out of the plan, so FSDP2 puts them on the data mesh alone and
+        # the linears on data x tensor, and torch's clip_grad_norm_ then stops ("All operands in aten.stack.default
+        # must have the same mesh"); lzero clips that model (compared with one process above)
+        run(out_dir, f"model_parallel_dp{dp}", ModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=2),
+            world, fsdp=True)
+    else:
+        refusals(out_dir, world, dp)
+    if dist.get_rank() == 0:
+        reference(out_dir, dp)
+        reference(out_dir, dp, llama_dir)
+    destroy_process_group()

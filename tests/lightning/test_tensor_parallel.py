@@ -1,0 +1,137 @@
+"""Tensor parallel under ZeRO, the first slice (stages 1-2, fp32, the Trainer): ``ZeroStrategy(tensor_parallel_size=2)``
+at tp2 x dp2 (world 4) and tp2 x dp1 (world 2) trains a model parallelized by the user's ``configure_model`` as one
+process does on the same global batches (4 clipped AdamW steps: losses, gradient norms and final parameters within
+1e-5 relative), zero1 and zero2 bitwise alike, and as Lightning's ``ModelParallelStrategy`` (FSDP2 + TP) does. What
+the slice does not build is refused by name. See [Note: tensor parallel under ZeRO] in lzero/engine/tensor_parallel.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from _launch import run_script
+from lzero import ZeroConfig, ZeroConfigError
+from lzero.lightning.fabric_strategy import ZeroFabricStrategy
+
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tensor_parallel_runs import save_llama
+
+    out = tmp_path_factory.mktemp("tensor_parallel_runs")
+    save_llama(out / "llama")
+    run_script("tensor_parallel_runs.py", str(out), str(out / "llama"), ranks=4)
+    run_script("tensor_parallel_runs.py", str(out), str(out / "llama"), ranks=2)
+    return out
+
+
+def _load(runs: Path, name: str) -> dict:
+    return torch.load(runs / f"{name}.pt", weights_only=True)
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def _close(got: dict, want: dict, norms: bool = True) -> None:
+    assert len(got["losses"]) == len(want["losses"]) == 4
+    for key in ("losses", "norms") if norms else ("losses",):
+        worst = _relative(torch.tensor(got[key]), torch.tensor(want[key]))
+        assert worst <= TOLERANCE, (key, got[key], want[key], worst)
+    assert got["params"].keys() == want["params"].keys()
+    for name, value in want["params"].items():
+        assert got["params"][name].shape == value.shape, name
+        worst = _relative(got["params"][name], value)
+        assert worst <= TOLERANCE, (name, worst)
+
+
+@pytest.mark.parametrize("model", ["", "llama_"])
+@pytest.mark.parametrize("dp", [2, 1])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_tensor_parallel_equals_one_process(runs: Path, stage: int, dp: int, model: str) -> None:
+    want = _load(runs, f"reference_{model}dp{dp}" if model else f"reference_dp{dp}")
+    assert all(norm > 0.05 for norm in want["norms"])  # the clipping (0.05) acts at every step
+    got = _load(runs, f"{model}zero{stage}_dp{dp}")
+    _close(got, want)
+    assert got["sampler"] == {"num_replicas": dp, "rank": 0}  # the data-parallel rank and size
+    assert abs(got["val_loss"] - want["val_loss"]) <= TOLERANCE * want["val_loss"]  # `validate` after fit
+    for ours, theirs in zip(got["per_parameter"], want["per_parameter"]):  # lzero.grad_norm against Lightning's
+        assert ours.keys() == theirs.keys() and len(ours) > 2
+        for key, value in theirs.items():
+            assert abs(ours[key] - value) <= TOLERANCE * value, (key, ours[key], value)
+
+
+@pytest.mark.parametrize("model", ["", "llama_"])
+@pytest.mark.parametrize("dp", [2, 1])
+def test_zero1_and_zero2_are_bitwise_alike(runs: Path, dp: int, model: str) -> None:
+    one, two = _load(runs, f"{model}zero1_dp{dp}"), _load(runs, f"{model}zero2_dp{dp}")
+    assert one["losses"] == two["losses"] and one["norms"] == two["norms"]
+    for name, value in one["params"].items():
+        assert torch.equal(value, two["params"][name]), name
+
+
+def test_tensor_parallel_equals_lightning_model_parallel(runs: Path) -> None:
+    """The TinyBlock only: Lightning's ModelParallelStrategy cannot clip the Llama (see tensor_parallel_runs.py)."""
+    lightning = _load(runs, "model_parallel_dp2")
+    _close(lightning, _load(runs, "reference_dp2"), norms=False)  # the peer itself matches one process
+    _close(_load(runs, "zero2_dp2"), lightning, norms=False)
+
+
+def test_checkpoints_are_refused_by_name(runs: Path) -> None:
+    save = _load(runs, "refused_save_dp1")["message"]
+    assert save is not None and "checkpoints of tensor-parallel runs are not built yet" in save and "HINT" in save
+    callback = _load(runs, "refused_checkpointing_dp1")["message"]
+    assert callback is not None and "checkpoints of tensor-parallel runs are not built yet" in callback
+    assert "enable_checkpointing=False" in callback
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"stage": 3}, r"`tensor_parallel_size=2` with `stage=3`.*HINT"),
+    ({"stage": 2, "offload_optimizer": "cpu"}, r"`tensor_parallel_size=2` with `offload_optimizer='cpu'`.*HINT"),
+    ({"stage": 2, "shard_group_size": 2}, r"`tensor_parallel_size=2` with `shard_group_size=2`.*HINT"),
+])
+def test_what_the_slice_does_not_build_is_refused(options: dict, match: str) -> None:
+    with pytest.raises(ZeroConfigError, match=match):
+        ZeroConfig(tensor_parallel_size=2, **options)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "2"])
+def test_tensor_parallel_size_is_a_whole_number(bad: object) -> None:
+    with pytest.raises(ZeroConfigError, match=rf"`tensor_parallel_size={bad!r}` must be .*HINT"):
+        ZeroConfig(tensor_parallel_size=bad)
+    assert ZeroConfig(tensor_parallel_size=2.0).tensor_parallel_size == 2
+
+
+def test_fabric_refuses_tensor_parallel() -> None:
+    with pytest.raises(ZeroConfigError, match=r"`tensor_parallel_size=2` at Fabric's door.*HINT"):
+        ZeroFabricStrategy(stage=2, tensor_parallel_size=2)
+
+
+def test_the_strategy_takes_it_as_any_zero_config_key() -> None:
+    from lzero import ZeroStrategy
+
+    assert ZeroStrategy(stage=2, tensor_parallel_size=2).config.tensor_parallel_size == 2
+    assert ZeroStrategy(config={"zero_optimization": {"stage": 1}}, tensor_parallel_size=4).config.tensor_parallel_size == 4
+    with pytest.raises(ZeroConfigError, match="`stage='auto'` with `tensor_parallel_size=2`"):
+        ZeroStrategy(stage="auto", tensor_parallel_size=2)
+
+
+def test_yaml_takes_it_beside_stage(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A strategy YAML (`trainer.strategy: file.yaml`) sets it under `config`, as every other ZeroConfig key."""
+    from lzero.cli import main
+
+    root = Path(__file__).resolve().parents[2]
+    strategy = tmp_path / "zero2_tp2.yaml"
+    strategy.write_text("class_path: lzero.ZeroStrategy\ninit_args:\n  config:\n    stage: 2\n"
+                        "    tensor_parallel_size: 2\n")
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--config", str(root / "configs/demo_ddp.yaml"), "--trainer.strategy", str(strategy),
+              "--print_config"])
+    assert done.value.code == 0
+    printed = capsys.readouterr().out
+    assert "tensor_parallel_size: 2" in printed and "stage: 2" in printed
