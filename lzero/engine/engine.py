@@ -33,7 +33,6 @@ from lzero.engine.mixed_precision import PrecisionPolicy
 from lzero.engine.flat_unit import FlatUnit, GradState, fill_from_gathered, shard_bytes
 from lzero.engine import packed_weights, parameters, recording, replayed_weights, tensor_parallel
 from lzero.engine.frozen_base import FrozenBase
-from lzero.engine.averaged import AveragedShards
 from lzero.engine.blocks import Block, GatherSchedule
 from lzero.engine.delayed_update import DelayedUpdate
 from lzero.engine.gather import Gatherer, full_graphs_around
@@ -212,8 +211,9 @@ class ZeroEngine:
         self.automatic = True  # Lightning's automatic optimization
         self.round: Optional[Round] = None  # the backward running now, if it accumulates: see [Note: backward rounds]
         self._task: tuple[int, bool] = (-1, False)  # (graph task id, whether it accumulates): see accumulating()
-        # a weight-averaging callback's average, as sharded as the masters: see [Note: averaged shards] in averaged.py
-        self.average: Optional[AveragedShards] = None
+        # a weight-averaging callback's average, as sharded as the masters (an ``AveragedShards``, which the Lightning
+        # side makes over this engine and sets here): see [Note: averaged shards] in averaged.py
+        self.average: Optional[Any] = None
 
     # --- setup -------------------------------------------------------------------------------
 
