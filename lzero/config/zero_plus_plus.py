@@ -9,6 +9,10 @@ from typing import Literal, Optional, Union
 from lzero.config.checks import true_or_false, whole_number
 from lzero.errors import ZeroConfigError
 
+TP_STYLES = ("colwise", "rowwise")
+"""The plan styles lzero applies: torch's ``ColwiseParallel()`` and ``RowwiseParallel()``."""
+
+
 @dataclass(frozen=True)
 class ZeroPlusPlusConfig:
     """Which ranks a collective spans and what it sends: hybrid sharding (MiCS), tensor parallel and ZeRO++ (hpZ, qwZ,
@@ -46,6 +50,14 @@ class ZeroPlusPlusConfig:
     self.device_mesh["tensor_parallel"], plan)``). Must divide the world size. Stages 1-2 in fp32, Trainer only, no
     checkpoints yet. 1: off. See [Note: tensor parallel under ZeRO] in lzero/engine/tensor_parallel.py."""
 
+    tp_plan: Union[None, Literal["auto"], dict[str, str]] = None
+    """Tensor parallel without user code: the plan the strategy applies over ``device_mesh["tensor_parallel"]`` right
+    after ``configure_model`` (or at setup for a model built in ``__init__``). None: the user's ``configure_model``
+    parallelizes. ``"auto"``: each Hugging Face model's own ``config.base_model_tp_plan``, prefixed with its base
+    model's path. A dict: module-name patterns of the LightningModule (``*`` matches one path component) to
+    ``"colwise"`` or ``"rowwise"`` (torch's ``ColwiseParallel()``/``RowwiseParallel()`` on ``nn.Linear``). Needs
+    ``tensor_parallel_size`` > 1. See [Note: the tensor-parallel plan] in lzero/engine/tensor_parallel_plan.py."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "tensor_parallel_size", whole_number(
             "tensor_parallel_size", self.tensor_parallel_size, 1, " of ranks",
@@ -62,6 +74,7 @@ class ZeroPlusPlusConfig:
             raise ZeroConfigError(f"`hpz_partition_size={hpz!r}` with `shard_group_size={size!r}`: both keep the"
                                   " all-gathers within a node, one by sharding states there, the other by a secondary"
                                   " copy. HINT: choose one.")
+        self._check_tp_plan()
         true_or_false("quantized_weights", self.quantized_weights)
         if self.quantized_gradients not in (None, 8, 4) or isinstance(self.quantized_gradients, bool):
             raise ZeroConfigError(f"`quantized_gradients={self.quantized_gradients!r}` is not one of None, 8, 4 (bits"
@@ -69,3 +82,25 @@ class ZeroPlusPlusConfig:
 
     def _hpz_on(self) -> bool:
         return self.hpz_partition_size == "node" or self.hpz_partition_size > 1
+
+    def _check_tp_plan(self) -> None:
+        plan = self.tp_plan
+        if plan is None:
+            return
+        if plan != "auto" and not (isinstance(plan, dict) and plan and all(isinstance(k, str) and isinstance(v, str)
+                                                                           for k, v in plan.items())):
+            raise ZeroConfigError(f"`tp_plan={plan!r}` is not None, 'auto' or a non-empty dict of module-name patterns to"
+                                  " style names. HINT: e.g. `tp_plan={'model.layers.*.mlp.up_proj': 'colwise',"
+                                  " 'model.layers.*.mlp.down_proj': 'rowwise'}`, or 'auto' for a Hugging Face model.")
+        if self.tensor_parallel_size == 1:
+            raise ZeroConfigError(f"`tp_plan={plan!r}` with `tensor_parallel_size=1`: a plan splits modules over the"
+                                  " tensor dimension, and there is none. HINT: set `tensor_parallel_size=T` (T > 1),"
+                                  " or drop `tp_plan`.")
+        if isinstance(plan, dict):
+            for pattern, style in plan.items():
+                if style not in TP_STYLES:
+                    raise ZeroConfigError(
+                        f"`tp_plan` style {style!r} for {pattern!r} is not built: lzero applies {list(TP_STYLES)}"
+                        " (torch's ColwiseParallel() and RowwiseParallel()). HINT: parallelize with"
+                        " `parallelize_module(..., self.device_mesh['tensor_parallel'], plan)` in `configure_model`"
+                        " yourself, and leave `tp_plan` None.")

@@ -239,6 +239,7 @@ class ZeroStrategy(DDPStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if self.config.tensor_parallel_size > 1:
             self._refuse_beside_tensor_parallel(trainer, fitting)
+            self._apply_tp_plan()
         kept = take_kept(self.lightning_module)
         if kept is not None:  # see [Note: the model stays sharded after fit]
             if not fitting and self.config.stage >= 3 and kept.world_size == self.world_size:
@@ -291,6 +292,25 @@ class ZeroStrategy(DDPStrategy):
         """The run's process groups, made once (see [Note: the mesh] in lzero/engine/mesh.py)."""
         self._mesh = run_mesh(self._mesh, self.config, self._deepspeed, self._device_mesh)
         return self._mesh
+
+    def _apply_tp_plan(self) -> None:
+        """``tp_plan`` applied over the tensor dimension, once per model: after ``configure_model`` (or to a model built
+        in ``__init__``), before ZeRO wraps it. See [Note: the tensor-parallel plan] in
+        lzero/engine/tensor_parallel_plan.py."""
+        plan, module = self.config.tp_plan, self.lightning_module
+        if plan is None or getattr(module, "_lzero_tp_plan_applied", False):
+            return  # no plan, or applied by an earlier fit/validate of this module
+        from lzero.engine.tensor_parallel import is_dtensor
+        from lzero.engine.tensor_parallel_plan import apply_plan
+        from lzero.hf.tensor_parallel_plan import plan_for
+
+        parallel = next((name for name, p in module.named_parameters() if is_dtensor(p)), None)
+        if parallel is not None:
+            raise ZeroConfigError(f"`tp_plan={plan!r}` on a model already parallelized (parameter `{parallel}` is a"
+                                  " DTensor): the plan would split it twice. HINT: drop `tp_plan`, or drop the"
+                                  " `parallelize_module` call from `configure_model`.")
+        apply_plan(module, plan_for(module, plan, self.config.tensor_parallel_size), self.device_mesh["tensor_parallel"])
+        module._lzero_tp_plan_applied = True
 
     def _refuse_beside_tensor_parallel(self, trainer: Trainer, fitting: bool) -> None:
         """What tensor parallel does not run with yet, refused at setup rather than after training (see [Note:
