@@ -184,10 +184,12 @@ def full_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in module.named_parameters()}
 
 
-def run(out: Path, name: str, strategy: Any, devices: int, fsdp: bool = False, llama: Any = None) -> None:
+def run(out: Path, name: str, strategy: Any, devices: int, fsdp: bool = False, llama: Any = None,
+        module: Any = None) -> None:
     """Fit, then (the tensor-parallel runs) ``validate`` the fitted model: no engine then, so at stages 1-2 the strategy
-    only lines up the data-parallel ranks' weights."""
-    module = Module(fsdp, llama)
+    only lines up the data-parallel ranks' weights. ``module``: a LightningModule of this file's kind to use instead of
+    ``Module(fsdp, llama)`` (tp_plan_runs.py)."""
+    module = Module(fsdp, llama) if module is None else module
     fit = trainer(strategy, devices)
     fit.fit(module, DataLoader(dataset(), batch_size=MICRO))
     params = full_parameters(module.model)
