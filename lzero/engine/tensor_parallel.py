@@ -4,7 +4,8 @@
 With ``tensor_parallel_size=T`` the N*T ranks form a 2-D mesh, data x tensor, the tensor dimension innermost (rank r
 has tensor coordinate r % T and data coordinate r // T; see ``tensor_parallel_mesh`` in mesh.py). The user's
 ``configure_model`` parallelizes the model over the tensor dimension (``parallelize_module(model,
-device_mesh["tensor_parallel"], plan)``, as under Lightning's ``ModelParallelStrategy``): its parameters become
+device_mesh["tensor_parallel"], plan)``, as under Lightning's ``ModelParallelStrategy``), or the strategy does from
+``tp_plan`` (see [Note: the tensor-parallel plan] in tensor_parallel_plan.py): its parameters become
 DTensors, each rank holding a local tensor (a shard for ``Shard`` placements, the whole value for ``Replicate``).
 ZeRO then runs over the data-parallel group of the rank's tensor coordinate only (the engine's mesh is built over
 that group), exactly as over a one-dimensional world, with these differences, which this module holds:
