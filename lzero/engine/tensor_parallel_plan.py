@@ -58,7 +58,7 @@ def resolve_plan(root: nn.Module, plan: dict[str, str], tensor_parallel_size: in
 
 def _check_module(name: str, module: nn.Module, style: str, size: int) -> None:
     if type(module) is not nn.Linear:
-        raise ZeroConfigError(f"`tp_plan` puts {style!r} on `{name}`, a {type(module).__name__}: lzero's plans split"
+        raise ZeroConfigError(f"`tp_plan` puts {style!r} on `{name}`, of type {type(module).__name__}: lzero's plans split"
                               f" nn.Linear only. {_HINT}")
     dim, features = ("out_features", module.out_features) if style == "colwise" else ("in_features", module.in_features)
     if features % size:

@@ -88,7 +88,7 @@ def test_auto_reads_the_base_model_plan_under_its_prefix(llama: Path) -> None:
     ({"model.model.layers.*.mlp.up_proj": "colwise_rep"}, r"style 'colwise_rep' .* is not built.*HINT.*configure_model"),
     ({"model.model.layers.*.mlp.up_proj": "sequence_parallel"}, r"style 'sequence_parallel' .* is not built.*HINT"),
     ({"model.layers.*.mlp.up_proj": "colwise"}, r"pattern 'model.layers.\*.mlp.up_proj' matches no module.*HINT"),
-    ({"model.model.embed_tokens": "colwise"}, r"`model.model.embed_tokens`, a Embedding: .*nn.Linear only.*HINT"),
+    ({"model.model.embed_tokens": "colwise"}, r"`model.model.embed_tokens`, of type Embedding: .*nn.Linear only.*HINT"),
 ])
 def test_a_plan_that_cannot_be_applied_is_refused_by_name(llama: Path, plan: dict, match: str) -> None:
     with pytest.raises(ZeroConfigError, match=match):

@@ -15,14 +15,13 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from _teardown import destroy_process_group  # a sibling: scripts run from their folder
 from lzero import ZeroStrategy
-from tensor_parallel_runs import LLAMA_PLAN, Module, load_llama, reference, refusal, run, trainer, dataset, MICRO
+from tensor_parallel_runs import MICRO, LLAMA_PLAN, Module, dataset, load_llama, reference, refusal, run, trainer
 
 
 class PlannedModule(Module):
