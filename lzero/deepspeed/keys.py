@@ -27,7 +27,8 @@ NOT_BUILT_TOP = {
                       " parameter copies and fp32 masters",
     "hybrid_engine": "DeepSpeed's RLHF hybrid engine is not part of lzero",
     "tensor_parallel": "DeepSpeed's AutoTP block is not read yet; `ZeroStrategy(tensor_parallel_size=T)` runs tensor"
-                       " parallel at stages 1-2 with your own `parallelize_module` plan (docs/training.md)",
+                       " parallel at stages 1-2 with your own `parallelize_module` plan or `tp_plan=\"auto\"` (the"
+                       " Hugging Face model's own; docs/training.md)",
     "expert_parallel": "expert (MoE) parallelism is not part of lzero",
     "use_data_before_expert_parallelism": "expert (MoE) parallelism is not part of lzero",
     "sequence_parallel_size": "sequence parallelism is not part of lzero",
