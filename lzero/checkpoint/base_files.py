@@ -97,39 +97,43 @@ def base_record(tensors: dict[str, BaseTensor], whole: Optional[dict[str, tuple[
     return record
 
 
-def check_record(record: Any, where: Path) -> dict[str, BaseTensor]:
-    """The recorded tensors, once the record is well formed and every file it names is there with its recorded size
-    and hash; a missing or changed file is refused by its path, before any tensor is read."""
+def check_record(record: Any, where: Path) -> tuple[dict[str, BaseTensor], dict[str, tuple[BaseTensor, str]]]:
+    """The recorded units' parameters (by name) and whole tensors of the module's state (by state-dict key, each with
+    its bytes' SHA-256), once the record is well formed and every file it names is there with its recorded size and
+    hash; a missing or changed file is refused by its path, before any tensor is read."""
 
     def bad(problem: str) -> CheckpointError:
         return CheckpointError(f"`{where}`: the record of the frozen base {problem}. HINT: this checkpoint's manifest is"
                                " damaged; resume from an earlier checkpoint.")
 
+    def tensor(name: str, t: Any) -> BaseTensor:
+        try:
+            shape = tuple(int(d) for d in t["shape"]) if "shape" in t else None
+            out = BaseTensor(t["file"], t["key"], _dtype(t["dtype"]), _dtype(t["saved"]), t.get("quantized"), shape)
+        except (KeyError, TypeError, AttributeError, ValueError):
+            raise bad(f"of `{name}` is not {{file, key, dtype, saved}}") from None
+        if out.file not in record["files"]:
+            raise bad(f"of `{name}` names `{out.file}`, which is not among its files")
+        return out
+
     if not isinstance(record, dict) or not isinstance(record.get("files"), dict) \
-            or not isinstance(record.get("tensors"), dict):
-        raise bad("must be {files: {...}, tensors: {...}}")
+            or not isinstance(record.get("tensors"), dict) or not isinstance(record.get("whole", {}), dict):
+        raise bad("must be {files: {...}, tensors: {...}, whole: {...}}")
     for path, info in record["files"].items():
         if not isinstance(info, dict) or not isinstance(info.get("bytes"), int) or not isinstance(info.get(HASH), str):
             raise bad(f"names `{path}` without its bytes and {HASH}")
         _check_file(Path(path), info, where)
-    tensors = {}
-    for name, t in [*record["tensors"].items(), *record.get("whole", {}).items()]:
-        try:
-            shape = tuple(int(d) for d in t["shape"]) if "shape" in t else None
-            tensors[name] = BaseTensor(t["file"], t["key"], _dtype(t["dtype"]), _dtype(t["saved"]), t.get("quantized"),
-                                       shape)
-        except (KeyError, TypeError, AttributeError, ValueError):
-            raise bad(f"of `{name}` is not {{file, key, dtype, saved}}") from None
-        if tensors[name].file not in record["files"]:
-            raise bad(f"of `{name}` names `{tensors[name].file}`, which is not among its files")
-        if name in record.get("whole", {}) and (shape is None or not isinstance(t.get(HASH), str)):
-            raise bad(f"of `{name}` has no shape or {HASH}")
-    return tensors
+    whole = {}
+    for key, t in record.get("whole", {}).items():
+        whole[key] = (tensor(key, t), t.get(HASH))  # tensor() refused anything but a mapping
+        if whole[key][0].shape is None or not isinstance(whole[key][1], str):
+            raise bad(f"of `{key}` has no shape or {HASH}")
+    return {name: tensor(name, t) for name, t in record["tensors"].items()}, whole
 
 
 def whole_tensor(tensor: BaseTensor, expected: str, key: str, where: Path) -> Tensor:
     """A tensor of the module's state read whole from its file, converted as it was, checked against its hash."""
-    from lzero.engine.quantized_read import digest_tensor
+    from lzero.engine.frozen_base import digest_tensor
 
     out = torch.empty(tensor.shape, dtype=tensor.dtype)
     out.copy_(TensorFile(tensor.file).read(tensor.key).reshape(tensor.shape))
@@ -212,7 +216,8 @@ def state_layout(tensor: BaseTensor, key: str) -> tuple[torch.dtype, tuple[int, 
 def state_again(tensor: BaseTensor, where: Path) -> dict[str, Tensor]:
     """The weight's quantization state computed again from its file (every group of it read and quantized), each
     tensor checked against the hash the record holds."""
-    from lzero.engine.quantized_read import QuantizedRead, digest_tensor
+    from lzero.engine.frozen_base import digest_tensor
+    from lzero.engine.quantized_read import QuantizedRead
 
     read = QuantizedRead.from_record(tensor.quantized)
     file = TensorFile(tensor.file)

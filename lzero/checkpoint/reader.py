@@ -18,7 +18,7 @@ from typing import Any, Callable, Collection, Optional
 
 from torch import Tensor
 
-from lzero.checkpoint.base_files import (HASH, BaseTensor, base_pieces, check_record, state_again, state_keys,
+from lzero.checkpoint.base_files import (BaseTensor, base_pieces, check_record, state_again, state_keys,
                                          state_layout, whole_tensor)
 from lzero.checkpoint.files import CheckpointError, TensorFile, read_json
 from lzero.checkpoint.pieces import Piece, PiecedCheckpoint, prefix_renaming
@@ -103,10 +103,7 @@ class ShardedCheckpoint(PiecedCheckpoint):
         self._whole: dict[str, tuple[BaseTensor, str]] = {}  # state key -> a whole frozen tensor's file, its hash
         self._states: dict[str, dict[str, Tensor]] = {}  # a weight's quantization state computed again
         if "base" in self.manifest:  # the frozen base, read from its pretrained files: see base_files.py
-            recorded = check_record(self.manifest["base"], manifest_path)
-            self._whole = {k: (recorded.pop(k), self.manifest["base"]["whole"][k][HASH])
-                           for k in self.manifest["base"].get("whole", {})}
-            self.base = recorded
+            self.base, self._whole = check_record(self.manifest["base"], manifest_path)
             self._state_keys = state_keys(self.base)
             for key, found in base_pieces(self.base, self.manifest["params"]).items():
                 pieces[key].extend(found)

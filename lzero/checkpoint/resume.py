@@ -145,7 +145,7 @@ def load_module_state(engine: Optional["ZeroEngine"], module: nn.Module, checkpo
 def _same_bytes(mine: Any, reader: PiecedCheckpoint, key: str) -> bool:
     """Whether the module's tensor ``key`` already holds what the checkpoint computes for it (a QLoRA base built again
     from the same files holds the same quantization state: not computed again)."""
-    from lzero.engine.quantized_read import digest_tensor
+    from lzero.engine.frozen_base import digest_tensor
 
     expected = reader.derived_digest(key)
     return isinstance(mine, Tensor) and expected is not None and digest_tensor(mine) == expected

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lzero.engine import collectives
+from lzero.engine.frozen_base import digest_tensor, fingerprint
 from lzero.checkpoint.base_files import BaseTensor, base_record
 from lzero.checkpoint.averages import add_average_pieces
 from lzero.checkpoint.files import CheckpointError, write_json_atomic, write_tensors
@@ -217,19 +218,18 @@ def _without_base(engine: "ZeroEngine", kept: Optional[Callable[[str], bool]]
 def _without_whole_base(engine: "ZeroEngine", module_state: dict[str, Any], kept: Optional[Callable[[str], bool]]
                         ) -> dict[str, tuple[BaseTensor, str]]:
     """The frozen tensors outside every unit that are still their pretrained files' (``engine.outside_base``, their
-    bytes' SHA-256 unchanged), taken out of ``module_state`` (in place). Rank 0, which writes the module's state."""
-    from lzero.engine.quantized_read import digest_tensor
-
+    fingerprint unchanged), taken out of ``module_state`` (in place), each with its SHA-256. Rank 0, which writes the
+    module's state."""
     out: dict[str, tuple[BaseTensor, str]] = {}
-    same: dict[int, bool] = {}  # a tied tensor hashed once
-    for key, (where, h) in engine.outside_base.items():
+    same: dict[int, bool] = {}  # a tied tensor fingerprinted once
+    for key, whole in engine.outside_base.items():
         value = module_state.get(key)
         if not isinstance(value, Tensor) or (kept is not None and not kept(key)):
             continue
         if id(value) not in same:
-            same[id(value)] = digest_tensor(value) == h
+            same[id(value)] = fingerprint(value) == whole.fingerprint
         if same[id(value)]:
-            out[key] = (where, h)
+            out[key] = (whole.where, whole.sha256)
             del module_state[key]
     return out
 
@@ -237,8 +237,6 @@ def _without_whole_base(engine: "ZeroEngine", module_state: dict[str, Any], kept
 def _without_base_states(base: dict[str, BaseTensor], module_state: dict[str, Any]) -> dict[str, BaseTensor]:
     """The quantization state of each 4-bit weight of ``base`` taken out of ``module_state`` (in place) where it is
     still the one its record computes again; the record of any other says nothing of its state, which stays."""
-    from lzero.engine.quantized_read import digest_tensor
-
     out = dict(base)
     for name, t in base.items():
         state = (t.quantized or {}).get("state")

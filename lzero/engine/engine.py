@@ -32,7 +32,7 @@ from lzero.errors import ZeroEngineError
 from lzero.engine.mixed_precision import PrecisionPolicy
 from lzero.engine.flat_unit import FlatUnit, GradState, fill_from_gathered, shard_bytes
 from lzero.engine import packed_weights, parameters, recording, replayed_weights, tensor_parallel
-from lzero.engine.frozen_base import FrozenBase
+from lzero.engine.frozen_base import FrozenBase, WholeBase
 from lzero.engine.blocks import Block, GatherSchedule
 from lzero.engine.delayed_update import DelayedUpdate
 from lzero.engine.gather import Gatherer, full_graphs_around
@@ -181,9 +181,9 @@ class ZeroEngine:
         # ([Note: a checkpoint without its frozen base] in lzero/checkpoint/base_files.py)
         self.frozen_base: Optional[FrozenBase] = FrozenBase(self.units, weights, group) \
             if hasattr(weights, "base_tensor") and config.stage >= 3 and not config.save_frozen else None
-        # the same for frozen parameters outside every unit, found by the doors: state key -> (where the files hold
-        # it, the SHA-256 of its bytes) ([Note: an eager model's frozen base] in lzero/hf/eager_base.py)
-        self.outside_base: dict[str, tuple[Any, str]] = {}
+        # the same for frozen parameters outside every unit, found by the doors: state key -> where the files hold
+        # it ([Note: an eager model's frozen base] in lzero/hf/eager_base.py)
+        self.outside_base: dict[str, WholeBase] = {}
         # whole on every rank, outside every unit: the frozen parameters at stages 1-2 (a frozen reference model, a
         # LoRA or QLoRA base), at stage 3 those of other dtypes; model states all the same (lzero/memory/accounting.py)
         self.outside: list[nn.Parameter] = [p for p in module.parameters() if p not in self._where]

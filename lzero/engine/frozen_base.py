@@ -9,7 +9,7 @@ unchanged on every rank (one all-reduce), since every rank writes its pieces of 
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -23,12 +23,32 @@ if TYPE_CHECKING:
 _WORDS = 1 << 22  # elements weighed at once on an accelerator (a 32 MB int64 temporary)
 
 
+class WholeBase(NamedTuple):
+    """A frozen tensor outside every unit that is its pretrained file's ([Note: an eager model's frozen base] in
+    lzero/hf/eager_base.py): where the files hold it, the SHA-256 of its bytes (what readers check) and its
+    :func:`fingerprint` (what a save compares, without copying it to the host), both taken at setup on rank 0."""
+
+    where: Any  # lzero.checkpoint.base_files.BaseTensor
+    sha256: str
+    fingerprint: int
+
+
+def byte_view(t: Tensor) -> Tensor:
+    """The tensor's bytes, flat (a view where it is contiguous)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def digest_tensor(t: Tensor) -> str:
+    """The SHA-256 of the tensor's bytes (read on the host): the hash a checkpoint's record keeps."""
+    return hashlib.sha256(byte_view(t.cpu()).numpy()).hexdigest()
+
+
 @torch.no_grad()
 def fingerprint(t: Tensor) -> int:
     """A digest of the tensor's bytes: SHA-256 on the host (0.35 s for 700 MB here); on an accelerator a weighted sum
     of its bytes, each byte by a weight that depends on its position (any one changed byte changes it), without a copy
     to the host."""
-    flat = t.detach().reshape(-1).view(torch.uint8)
+    flat = byte_view(t)
     if flat.device.type == "cpu":
         return int.from_bytes(hashlib.sha256(flat.numpy()).digest()[:16], "little")
     total = torch.zeros((), dtype=torch.int64, device=flat.device)

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from lzero.engine import packed_weights
+from lzero.engine.frozen_base import byte_view, digest_tensor
 
 CHUNK_WEIGHTS = 1 << 15
 """Weights read and quantized at once (64 KB in bf16): the temporaries stay small, so the allocator reuses them
@@ -172,16 +173,6 @@ class QuantizedRead:
 def state_tensors(state: Any) -> dict[str, Tensor]:
     """A 4-bit QuantState as bitsandbytes' state dict writes it under the weight (``weight.<key>``)."""
     return state.as_dict(packed=True)
-
-
-def byte_view(t: Tensor) -> Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def digest_tensor(t: Tensor) -> str:
-    import hashlib
-
-    return hashlib.sha256(byte_view(t.cpu()).numpy().tobytes()).hexdigest()
 
 
 # [Note: the process's 4-bit code table]

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from lzero.checkpoint.base_files import BaseTensor
 from lzero.checkpoint.files import TensorFile
 from lzero.engine import collectives, packed_weights
-from lzero.engine.quantized_read import byte_view, digest_tensor
+from lzero.engine.frozen_base import WholeBase, byte_view, digest_tensor, fingerprint
 from lzero.hf.pretrained import candidate_keys, state_keys
 from lzero.hf.weights import PretrainedLoadError, find_files
 
@@ -75,10 +75,11 @@ def _same_as_file(t: Tensor, path: str, key: str) -> bool:
 
 
 def find_base(root: nn.Module, outside: list[nn.Parameter], group: Optional[dist.ProcessGroup], rank: int,
-              world: int) -> dict[str, tuple[BaseTensor, str]]:
-    """State-dict key -> (where the files hold it, the SHA-256 of its bytes) of each frozen floating parameter in
-    ``outside`` that is exactly its pretrained file's tensor; see [Note: an eager model's frozen base]. A collective on
-    ``group`` (every rank calls it with the same model)."""
+              world: int) -> dict[str, WholeBase]:
+    """State-dict key -> where the files hold it, with its bytes' SHA-256 and fingerprint (on rank 0, which writes
+    the module's state), of each frozen floating parameter in ``outside`` that is exactly its pretrained file's
+    tensor; see [Note: an eager model's frozen base]. A collective on ``group`` (every rank calls it with the same
+    model)."""
     where = _file_keys(root)
     frozen = [p for p in outside if not p.requires_grad and p.is_floating_point() and not packed_weights.is_packed(p)
               and id(p) in where]
@@ -89,12 +90,12 @@ def find_base(root: nn.Module, outside: list[nn.Parameter], group: Optional[dist
     if frozen:
         collectives.all_reduce(same, group=group)  # each flag set by exactly one rank
     kept = {id(p) for p, ok in zip(frozen, same.tolist()) if ok == 1.0}
-    out: dict[str, tuple[BaseTensor, str]] = {}
-    digests: dict[int, str] = {}
+    out: dict[str, WholeBase] = {}
+    hashed: dict[int, tuple[str, int]] = {}  # a tied tensor hashed once
     for key, t in root.state_dict(keep_vars=True).items():
         if id(t) in kept:
-            if id(t) not in digests:
-                digests[id(t)] = digest_tensor(t) if rank == 0 else ""  # rank 0 writes the module's state
+            if id(t) not in hashed:
+                hashed[id(t)] = (digest_tensor(t), fingerprint(t)) if rank == 0 else ("", 0)
             path, file_key = where[id(t)]
-            out[key] = (BaseTensor(path, file_key, t.dtype, t.dtype, shape=tuple(t.shape)), digests[id(t)])
+            out[key] = WholeBase(BaseTensor(path, file_key, t.dtype, t.dtype, shape=tuple(t.shape)), *hashed[id(t)])
     return out
