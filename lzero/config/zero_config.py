@@ -103,7 +103,6 @@ class ZeroConfig(ZeroPlusPlusConfig, OffloadConfig, CheckpointConfig, ScheduleCo
     def _check_combinations(self) -> None:
         """Options of different sections that cannot run together."""
         nvme = "nvme" in (self.offload_optimizer.device, self.offload_param.device)
-        self._check_tensor_parallel()
         if self._hpz_on() and self.offload_param.device != "none":
             raise ZeroConfigError(f"`hpz_partition_size={self.hpz_partition_size!r}` with `offload_param="
                                   f"{self.offload_param.device!r}`: hpZ's secondary copy lives in device memory, which"
@@ -127,21 +126,6 @@ class ZeroConfig(ZeroPlusPlusConfig, OffloadConfig, CheckpointConfig, ScheduleCo
                 " whole state in host memory, which NVMe offload exists to avoid. HINT: drop `async_save` (NVMe runs"
                 " save synchronously, one unit at a time, read from the swap files)."
             )
-
-    def _check_tensor_parallel(self) -> None:
-        """What tensor parallel does not run with yet (see [Note: tensor parallel under ZeRO])."""
-        size = self.tensor_parallel_size
-        if size == 1:
-            return
-        offload = self.offload_optimizer.device if self.offload_optimizer.device != "none" else None
-        refused = (("`stage=3`", "use `stage=1` or `stage=2`") if self.stage >= 3
-                   else (f"`offload_optimizer={offload!r}`", "drop the offload (use 'zero1' or 'zero2')") if offload
-                   else (f"`shard_group_size={self.shard_group_size!r}`", "drop `shard_group_size`")
-                   if self.shard_group_size is not None else None)
-        if refused is not None:
-            raise ZeroConfigError(f"`tensor_parallel_size={size}` with {refused[0]}: tensor parallel runs at ZeRO stages"
-                                  f" 1-2 without offload or hybrid sharding so far. HINT: {refused[1]}, or set"
-                                  " `tensor_parallel_size=1`.")
 
     def with_overrides(self, **overrides: Any) -> "ZeroConfig":
         """A copy with some fields changed; an unknown field name is refused with a suggestion."""

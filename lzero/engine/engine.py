@@ -507,6 +507,14 @@ class ZeroEngine:
         if self.round.launch_in_hooks:
             self.reducer.launch_ready_in_order()
 
+    def _arrived(self, unit: FlatUnit) -> None:
+        """Stage 3: count the gradients ``unit``'s parameters hold (partial ones summed over the tensor group first)."""
+        for i in unit.arrivals():
+            if self.tensor_group is not None:
+                param = unit.params[i]
+                parameters.set_grad_quietly(param, tensor_parallel.complete_grad(parameters.raw_grad(param), param))
+            unit.grad_arrived(i)
+
     def _on_block_backward(self, block: Block, done: bool) -> None:
         """Stage 3: a backward hook of ``block`` runs. The first one in a backward that accumulates into parameters
         (:meth:`accumulating`) opens the round. ``done``: the block's backward is over, so its parameters' gradients are final:
@@ -519,8 +527,7 @@ class ZeroEngine:
         if not done:
             return
         for unit in block.units:
-            for i in unit.arrivals():
-                unit.grad_arrived(i)
+            self._arrived(unit)
         if self.round.launch_in_hooks:
             self.reducer.launch_ready_in_order()
 
@@ -563,8 +570,7 @@ class ZeroEngine:
                     unit.end_backward()
             if self.gatherer is not None:  # blocks no input hook reported (inputs without gradients)
                 for unit in self._block_units:
-                    for i in unit.arrivals():
-                        unit.grad_arrived(i)
+                    self._arrived(unit)
             if self.round.reduce:
                 self.reducer.reduce_remaining(self.units)
         finally:

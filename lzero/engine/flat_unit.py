@@ -415,10 +415,11 @@ class FlatUnit:
         """Point every parameter at its slice of the (gathered) full flat buffer."""
         self._require_gathered("attach")
         if self._views is None:  # views of the buffer's storage stay valid while it is resized to 0 and back
-            self._views = [self.flat_param[start:end].view(p.shape) for p, (start, end) in zip(self.params, self.ranges)]
+            self._views = [self.flat_param[start:end].view(local(p).shape)
+                           for p, (start, end) in zip(self.params, self.ranges)]
         for p, view in zip(self.params, self._views):
             mark_gathered(p)  # first: the guard's class would route the ``.data`` write through __torch_function__
-            p.data = view
+            repoint(p, view)  # a DTensor: its local tensor
         if self.bindings is not None:
             for p, binding in zip(self.params, self.bindings):
                 binding.attach(p)
@@ -432,11 +433,11 @@ class FlatUnit:
         if self.owns_params:
             if self._placeholders is None:
                 placeholder = _placeholder(self.flat_param.dtype, self.flat_param.device)
-                self._placeholders = [placeholder.expand(p.shape) for p in self.params]
+                self._placeholders = [placeholder.expand(local(p).shape) for p in self.params]
                 for p, spec in zip(self.params, self.spec.params):
                     name_param(p, spec.name)
             for p, placeholder in zip(self.params, self._placeholders):
-                p.data = placeholder
+                repoint(p, placeholder)
                 mark_released(p)
         self.flat_param.untyped_storage().resize_(0)
 
@@ -447,9 +448,9 @@ class FlatUnit:
             self._require_gathered("hand back")
         for p, (start, end) in zip(self.params, self.ranges):
             # the masters in their dtype (a frozen unit's are in the compute dtype), or the gathered parameters
-            p.data = values[start:end].view(p.shape).to(self.flat_param.device, self.master_dtype, copy=True) \
-                if values is not None \
-                else p.detach().clone()
+            repoint(p, values[start:end].view(local(p).shape).to(self.flat_param.device, self.master_dtype, copy=True)
+                    if values is not None
+                    else local(p).detach().clone())
             mark_gathered(p)
         if self.bindings is not None:
             for p, binding in zip(self.params, self.bindings):

@@ -116,17 +116,16 @@ class Mesh:
         """The mesh of the current process group (``base``: a group in place of the default one). A plain process,
         without ``torch.distributed``, is a mesh of one rank. ``device_mesh``: a 2-D ``tensor_parallel_mesh``; the
         mesh is then its data-parallel group's (see [Note: the tensor dimension])."""
+        tensor_size = device_mesh["tensor_parallel"].size() if device_mesh is not None else 1
         if device_mesh is not None:
-            mesh = cls.of(shard_group_size, hpz_partition_size, base=device_mesh["data_parallel"].get_group())
-            mesh.tensor_size = device_mesh["tensor_parallel"].size()
-            mesh.tensor = device_mesh["tensor_parallel"].get_group()
-            return mesh
+            base = device_mesh["data_parallel"].get_group()
         if _initialized():
             world, rank = dist.get_world_size(base), dist.get_rank(base)
             ranks = tuple(dist.get_process_group_ranks(base)) if base is not None else tuple(range(world))
         else:
             world, rank, ranks = 1, 0, (0,)
-        local = local_world_size(world)
+        # a node's data-parallel ranks: its ranks over the tensor size (a tensor group lies within a node)
+        local = max(local_world_size(world * tensor_size) // tensor_size, 1)
         shard = world if shard_group_size is None else local if shard_group_size == "node" else int(shard_group_size)
         if shard <= 0 or world % shard:
             raise ZeroConfigError(
@@ -140,7 +139,11 @@ class Mesh:
                 f" a divisor of {world}.")
         if hpz >= world:  # one node: the primary gather is the node's already
             hpz = 1
-        return cls(world, rank, local, shard, max(hpz, 1), base, ranks, _default_group())
+        mesh = cls(world, rank, local, shard, max(hpz, 1), base, ranks, _default_group())
+        if device_mesh is not None:
+            mesh.tensor_size = tensor_size
+            mesh.tensor = device_mesh["tensor_parallel"].get_group()
+        return mesh
 
     def current(self) -> bool:
         """Whether the process group this mesh was made in is still the default one (a strategy that outlives a

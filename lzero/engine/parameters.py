@@ -47,6 +47,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lzero.engine.tensor_parallel import is_dtensor
 from lzero.errors import ZeroError
 
 _RAW_GRAD = torch._C.TensorBase.grad  # the C-level descriptor autograd itself uses
@@ -110,7 +111,7 @@ class ReleasedParameter(ZeroParameter):
 def _released_error(func: object, args: tuple, kwargs: Optional[dict]) -> ReleasedParameterError:
     from torch.utils._pytree import tree_flatten
 
-    names = [_NAMES.get(t, "?") for t in tree_flatten((args, kwargs or {}))[0] if isinstance(t, ReleasedParameter)]
+    names = [_NAMES.get(t, "?") for t in tree_flatten((args, kwargs or {}))[0] if released(t)]
     what = getattr(func, "__name__", str(func))
     return ReleasedParameterError(
         f"`{what}` on the ZeRO-3 parameter {', '.join(f'`{n}`' for n in dict.fromkeys(names))}, whose full value is"
@@ -135,22 +136,62 @@ def name_param(p: nn.Parameter, name: str) -> None:
 _OWN_CLASSES: WeakIdKeyDictionary = WeakIdKeyDictionary()  # released parameter -> its own subclass of Parameter
 
 
+_RELEASED_DTENSOR: list[type] = []  # the guard's DTensor class, made once torch's DTensor is in use
+
+
+def _released_dtensor() -> type:
+    """The class of a released tensor-parallel parameter: torch's ``DTensor`` (whose ``__slots__`` rule out a
+    ``Parameter`` class, so ``ReleasedParameter`` cannot take its place) with the same guard. Its local tensor is
+    the placeholder (see [Note: tensor parallel under ZeRO] in tensor_parallel.py)."""
+    if not _RELEASED_DTENSOR:
+        from torch.distributed.tensor import DTensor
+
+        class ReleasedDTensor(DTensor):
+            """A stage-3 tensor-parallel parameter between uses. See [Note: released parameters are guarded]."""
+
+            __slots__ = ()
+            __torch_function__ = ReleasedParameter.__torch_function__
+            __deepcopy__ = ReleasedParameter.__deepcopy__
+            __reduce_ex__ = ReleasedParameter.__reduce_ex__
+
+            # DTensor's own methods read the local tensor below ``__torch_function__``
+            def to_local(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+                raise _released_error("to_local", (self,), None)
+
+            def full_tensor(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+                raise _released_error("full_tensor", (self,), None)
+
+            def redistribute(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+                raise _released_error("redistribute", (self,), None)
+
+        _RELEASED_DTENSOR.append(ReleasedDTensor)
+    return _RELEASED_DTENSOR[0]
+
+
+def released(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a released stage-3 parameter (guarded)."""
+    return type(p) is ReleasedParameter or (bool(_RELEASED_DTENSOR) and type(p) is _RELEASED_DTENSOR[0])
+
+
 def mark_released(p: nn.Parameter) -> None:
     """``p`` points at a placeholder now: refuse access to it. See [Note: released parameters are guarded].
-    A parameter of a class of its own (bitsandbytes' ``Params4bit``) gets that class back when gathered."""
-    if type(p) not in (ZeroParameter, ReleasedParameter, nn.Parameter):
+    A parameter of a class of its own (bitsandbytes' ``Params4bit``, torch's ``DTensor``) gets that class back when
+    gathered."""
+    if released(p):
+        return
+    if type(p) not in (ZeroParameter, nn.Parameter):
         _OWN_CLASSES[p] = type(p)
-    p.__class__ = ReleasedParameter
+    p.__class__ = _released_dtensor() if is_dtensor(p) else ReleasedParameter
 
 
 def own_class(p: torch.Tensor) -> type:
     """``p``'s class, or while it is released, the class of its own it gets back when gathered."""
-    return _OWN_CLASSES.get(p, type(p)) if type(p) is ReleasedParameter else type(p)
+    return _OWN_CLASSES.get(p, type(p)) if released(p) else type(p)
 
 
 def mark_gathered(p: nn.Parameter) -> None:
     """``p`` holds its full value again."""
-    if type(p) is ReleasedParameter:
+    if released(p):
         p.__class__ = _OWN_CLASSES.pop(p, ZeroParameter)
 
 
@@ -161,7 +202,7 @@ def drop_released(module: nn.Module) -> None:
     fresh: dict[int, nn.Parameter] = {}
     for m in module.modules():
         for name, p in list(m._parameters.items()):
-            if type(p) is ReleasedParameter:
+            if released(p):
                 if id(p) not in fresh:
                     fresh[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
                                                 requires_grad=p.requires_grad)
@@ -196,7 +237,8 @@ def unwatch(params: Iterable[nn.Parameter], on_module_zero_grad: Callable[[nn.Mo
     """Give ``params`` back their plain class; unwrap ``nn.Module.zero_grad`` once no engine watches."""
     for p in params:
         _PARAM_LISTENERS.pop(p, None)
-        if type(p) in (ZeroParameter, ReleasedParameter):
+        _NAMES.pop(p, None)  # no weak reference left: torch swaps a DTensor parameter moved by ``module.to``
+        if type(p) is ZeroParameter or released(p):
             p.__class__ = _OWN_CLASSES.pop(p, nn.Parameter)
     if on_module_zero_grad in _MODULE_LISTENERS:
         _MODULE_LISTENERS.remove(on_module_zero_grad)

@@ -20,9 +20,15 @@ that group), exactly as over a one-dimensional world, with these differences, wh
   DTensor over the view of the flat gradient with the parameter's placements, and autograd's in-place accumulation
   completes a partial gradient itself;
 - the global gradient norm counts the squares of tensor-sharded parameters summed over the tensor group, and those
-  of tensor-replicated parameters (all ``Replicate``, or plain tensors) once (``ZeroEngine.grad_norm``).
+  of tensor-replicated parameters (all ``Replicate``, or plain tensors) once (``ZeroEngine.grad_norm``);
+- at stage 3 a unit's full buffer is the concatenation of its parameters' local tensors, gathered over the data
+  group: an all-gather moves 1/T of what it would without tensor parallel. Gathering repoints each local tensor into
+  it, releasing repoints it to the placeholder of the local shape, and the released parameter's class is a guarded
+  DTensor (see [Note: released parameters are guarded] in parameters.py). Gradients read at the end of a block's
+  backward are completed as above. Offload (host or NVMe stores) and hybrid sharding hold shards of the flat buffer
+  and so need nothing more.
 
-Not built yet: stage 3, offload, hybrid sharding, mixed precision, checkpoints, Fabric (each refused by name).
+Not built yet: mixed precision, checkpoints, Fabric (each refused by name).
 """
 
 from __future__ import annotations

@@ -71,6 +71,34 @@ def test_a_unit_holds_a_dtensor_by_its_local_tensor(tp_mesh) -> None:  # noqa: A
         engine.remove()
 
 
+def test_a_released_dtensor_parameter_refuses_its_values_and_gets_its_class_back(tp_mesh) -> None:  # noqa: ANN001
+    """Stage 3: between uses a DTensor parameter's local tensor is the placeholder, and its class guards it as
+    ``ReleasedParameter`` guards a plain one, DTensor's own methods (``full_tensor``, ``to_local``, ``redistribute``)
+    included; gathered, it is torch's DTensor again ([Note: released parameters are guarded])."""
+    from torch.distributed.tensor import DTensor
+
+    from lzero.engine.parameters import ReleasedParameterError
+
+    layer = _parallel_linear(tp_mesh)
+    want = layer(torch.ones(2, 4)).detach()
+    model = nn.Sequential(layer)
+    engine = ZeroEngine(model, [torch.optim.SGD(model.parameters(), lr=0.1)],
+                        ZeroConfig(stage=3, unit_modules=("Linear",)), mesh=Mesh.of(device_mesh=tp_mesh))
+    try:
+        weight = layer.weight
+        assert isinstance(weight, DTensor) and type(weight) is not DTensor and weight.shape == (6, 4)
+        for touch in (lambda: weight.full_tensor(), lambda: weight.to_local(), lambda: weight + 1,
+                      lambda: weight.redistribute(placements=weight.placements), lambda: weight.detach().clone()):
+            with pytest.raises(ReleasedParameterError, match=r"ZeRO-3 parameter `0.weight`.*HINT"):
+                touch()
+        assert torch.equal(model(torch.ones(2, 4)), want)  # the forward gathers it
+        with engine.gathered(layer):
+            assert type(layer.weight) is DTensor and torch.isfinite(layer.weight.full_tensor()).all()
+        assert type(layer.weight) is not DTensor
+    finally:
+        engine.remove()
+
+
 def test_dtensor_parameters_need_the_strategy_s_tensor_dimension(tp_mesh) -> None:  # noqa: ANN001
     layer = _parallel_linear(tp_mesh)
     with pytest.raises(ZeroEngineError, match=r"Parameter `weight` is a DTensor .* HINT: pass `tensor_parallel_size"):

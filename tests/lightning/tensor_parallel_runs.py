@@ -16,6 +16,7 @@ tests/lightning/test_tensor_parallel.py compares them.
 from __future__ import annotations
 
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +173,16 @@ class Module(LightningModule):
         return optimizer_of(self.parameters(), 1e-8 if isinstance(self.model, TinyBlock) else LLAMA_EPS)
 
 
+CONFIGURATIONS = {  # each ZeRO configuration under tensor parallel, by the name its results are written under
+    "zero1": {"stage": 1},
+    "zero2": {"stage": 2},
+    "zero3": {"stage": 3},
+    "zero3_offload": {"stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"},
+    "zero3_hybrid": {"stage": 3, "shard_group_size": 1},  # 2 replicas of 1 shard over the 2 data ranks
+}
+HYBRID = ("zero3_hybrid",)  # at dp2 only
+
+
 def trainer(strategy: Any, devices: int, **kwargs: Any) -> Trainer:
     return Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -192,7 +203,8 @@ def run(out: Path, name: str, strategy: Any, devices: int, fsdp: bool = False, l
     module = Module(fsdp, llama) if module is None else module
     fit = trainer(strategy, devices)
     fit.fit(module, DataLoader(dataset(), batch_size=MICRO))
-    params = full_parameters(module.model)
+    with fit.strategy.gathered_parameters(module.model) if not fsdp else nullcontext():  # zero3 keeps the model sharded
+        params = full_parameters(module.model)
     if not fsdp:
         validation = Subset(dataset(), range(VALIDATION))
         val = fit.validate(module, DataLoader(validation, batch_size=MICRO), verbose=False)[0]["val_loss"]
@@ -255,10 +267,11 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     world = int(__import__("os").environ["WORLD_SIZE"])
     dp = world // 2
-    for stage in (1, 2):
-        run(out_dir, f"zero{stage}_dp{dp}", ZeroStrategy(stage=stage, tensor_parallel_size=2), world)
-        run(out_dir, f"llama_zero{stage}_dp{dp}", ZeroStrategy(stage=stage, tensor_parallel_size=2), world,
-            llama=llama_dir)
+    for name, options in CONFIGURATIONS.items():
+        if name in HYBRID and dp == 1:
+            continue
+        run(out_dir, f"{name}_dp{dp}", ZeroStrategy(**options, tensor_parallel_size=2), world)
+        run(out_dir, f"llama_{name}_dp{dp}", ZeroStrategy(**options, tensor_parallel_size=2), world, llama=llama_dir)
     if dp == 2:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
