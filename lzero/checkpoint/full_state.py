@@ -10,6 +10,7 @@ entry (``step``) is per unit and is copied to every parameter of the unit.
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -119,10 +120,10 @@ def _slice_into_shard(unit: "FlatUnit", per_param: list[Optional[dict[str, Any]]
                 " HINT: the checkpoint was written by a different optimizer setup."
             )
         value = entry[key]
-        if value.numel() != spec.numel:
+        if value.numel() != math.prod(spec.whole_shape):
             raise OptimizerStateError(
                 f"Optimizer state '{key}' of `{spec.name}` has {value.numel()} elements, the parameter has"
-                f" {spec.numel}. HINT: the checkpoint belongs to a different model."
+                f" {math.prod(spec.whole_shape)}. HINT: the checkpoint belongs to a different model."
             )
         return value.reshape(-1)[a:b]
 

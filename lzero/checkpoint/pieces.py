@@ -6,6 +6,8 @@ is here. Storage only: no Lightning, no torch.distributed, nothing of the engine
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections import defaultdict
 from pathlib import Path
@@ -15,6 +17,7 @@ import torch
 from torch import Tensor
 
 from lzero.checkpoint.files import CheckpointError
+from lzero.engine.tensor_layout import TensorLayout
 
 
 class RangeSource(Protocol):
@@ -29,6 +32,29 @@ class Piece(NamedTuple):
     start: int
     end: int
     source: RangeSource
+
+
+class _Shifted:
+    """A piece's source read from ``offset`` elements into another source."""
+
+    def __init__(self, source: RangeSource, offset: int) -> None:
+        self.source, self.offset = source, offset
+
+    def read_flat_range(self, start: int, end: int) -> Tensor:
+        return self.source.read_flat_range(start + self.offset, end + self.offset)
+
+
+def whole_pieces(piece: Piece, layout: TensorLayout, rank: int) -> list[Piece]:
+    """A piece of tensor rank ``rank``'s flattened local tensor as the pieces of the whole flattened tensor it covers
+    (one per contiguous run). See [Note: tensor-parallel checkpoints] in lzero/engine/tensor_layout.py."""
+    return [Piece(whole, whole + hi - lo, _Shifted(piece.source, lo - piece.start) if lo != piece.start else piece.source)
+            for lo, hi, whole in layout.runs(rank, piece.start, piece.end)]
+
+
+def param_of(key: str) -> str:
+    """The parameter a piece key belongs to: ``param/<name>``, ``average/<name>``, ``optim/<k>/<name>/<state>``."""
+    parts = key.split("/")  # names use dots, never slashes
+    return parts[1] if parts[0] in ("param", "average") else parts[2]
 
 
 class PiecedCheckpoint:
@@ -49,6 +75,7 @@ class PiecedCheckpoint:
     def _index(self, pieces: dict[str, list[Piece]], scalars: dict[str, Callable[[], Tensor]]) -> None:
         """Take the pieces and the 0-dim entries (read when asked for), and check that they cover every parameter."""
         self._pieces = {key: sorted(found, key=lambda p: p.start) for key, found in pieces.items()}
+        self._reach: dict[str, list[int]] = {}  # key -> the furthest end among its first i+1 pieces, when first read
         self._scalars = scalars
         self._optimizer_keys: dict[tuple[str, str], set[str]] = defaultdict(set)  # (k, name) -> state keys
         for key in list(self._pieces) + list(self._scalars):
@@ -65,8 +92,7 @@ class PiecedCheckpoint:
                 raise CheckpointError(f"`{self.path}`: no file holds `param/{name}`. HINT: a shard file is missing"
                                       " or from another save.")
         for key, pieces in self._pieces.items():
-            parts = key.split("/")  # param/<name> or optim/<k>/<name>/<state>; names use dots, never slashes
-            name = parts[1] if parts[0] in ("param", "average") else parts[2]  # average/<name>: weight averaging
+            name = param_of(key)
             covered = 0
             for a, b, _ in pieces:  # sorted by start
                 if a > covered:
@@ -100,7 +126,12 @@ class PiecedCheckpoint:
             raise CheckpointError(f"`{self.path}` holds no `{key}`. HINT: the checkpoint belongs to another model"
                                   " or optimizer setup.")
         out: Optional[Tensor] = None
-        for a, b, source in pieces:
+        reach = self._reach.get(key)
+        if reach is None:  # pieces sorted by start: skip those that end before ``start`` (a tensor-parallel
+            reach = self._reach[key] = list(itertools.accumulate((p.end for p in pieces), max))  # read: many runs)
+        for a, b, source in pieces[bisect.bisect_right(reach, start):]:
+            if a >= end:
+                break
             lo, hi = max(a, start), min(b, end)
             if lo >= hi:
                 continue

@@ -40,11 +40,14 @@ class ShardedOptimizer(Protocol):
 def fill_shard(shard: Tensor, unit: "FlatUnit", fetch: Callable[["ParamSpec", int, int], Tensor]) -> Tensor:
     """Write into ``shard`` (1D: this rank's shard of ``unit``, or a tensor of its shape) the elements
     this rank owns of each parameter: ``fetch(spec, a, b)`` returns elements ``[a, b)`` of the
-    flattened parameter, or None to keep the elements there. Padding is left as it is. See [Note: owned pieces]."""
+    flattened parameter (the whole one under tensor parallel: a local range is read as its runs, see [Note:
+    tensor-parallel checkpoints] in lzero/engine/tensor_layout.py), or None to keep the elements there. Padding is
+    left as it is. See [Note: owned pieces]."""
     for spec, a, b, s in unit.spec.owned_pieces(unit.rank):
-        value = fetch(spec, a, b)
-        if value is not None:
-            shard[s : s + (b - a)].copy_(value)
+        for lo, hi, whole in spec.whole_runs(a, b):
+            value = fetch(spec, whole, whole + hi - lo)
+            if value is not None:
+                shard[s + lo - a : s + hi - a].copy_(value)
     return shard
 
 

@@ -21,8 +21,9 @@ from torch import Tensor
 from lzero.checkpoint.base_files import (BaseTensor, base_pieces, check_record, state_again, state_keys,
                                          state_layout, whole_tensor)
 from lzero.checkpoint.files import CheckpointError, TensorFile, read_json
-from lzero.checkpoint.pieces import Piece, PiecedCheckpoint, prefix_renaming
+from lzero.checkpoint.pieces import Piece, PiecedCheckpoint, param_of, prefix_renaming, whole_pieces
 from lzero.checkpoint.tree import decode_tree
+from lzero.engine.tensor_layout import layout_of
 
 FORMAT = "lzero-sharded"
 VERSION = 1
@@ -92,13 +93,19 @@ class ShardedCheckpoint(PiecedCheckpoint):
             self.files.append(file)
         pieces: dict[str, list[Piece]] = defaultdict(list)
         scalars: dict[str, Callable[[], Tensor]] = {}
-        for file in self.files:
+        tensor = self.manifest.get("tensor_parallel")  # see [Note: tensor-parallel checkpoints] in tensor_layout.py
+        layouts = {name: layout_of(record, tensor["size"], self.manifest["params"][name]["shape"])
+                   for name, record in tensor["params"].items()} if tensor else {}
+        for entry, file in zip(self.manifest["files"], self.files):
+            tensor_rank = entry["rank"] % tensor["size"] if tensor else 0
             for saved_key, span in json.loads(file.metadata["pieces"]).items():
                 key = _renamed_key(saved_key, self._rename) if self._rename else saved_key
                 if span is None:
                     scalars.setdefault(key, functools.partial(file.read, saved_key))
-                else:
-                    pieces[key].append(Piece(span[0], span[1], _FileEntry(file, saved_key)))
+                    continue
+                piece = Piece(span[0], span[1], _FileEntry(file, saved_key))
+                layout = layouts.get(param_of(key))
+                pieces[key].extend([piece] if layout is None else whole_pieces(piece, layout, tensor_rank))
         self._state_keys: dict[str, tuple[str, str]] = {}
         self._whole: dict[str, tuple[BaseTensor, str]] = {}  # state key -> a whole frozen tensor's file, its hash
         self._states: dict[str, dict[str, Tensor]] = {}  # a weight's quantization state computed again
@@ -218,3 +225,11 @@ def _check_manifest(m: dict, path: Path) -> None:
         raise bad("weights_only", "true or false")
     if not isinstance(m.get("imported_from", {}), dict):
         raise bad("imported_from", "a mapping (the source a checkpoint was imported from)")
+    tensor = m.get("tensor_parallel")
+    if tensor is not None and not (
+            isinstance(tensor, dict) and whole(tensor.get("size"), 1) and m["world_size"] % tensor["size"] == 0
+            and isinstance(tensor.get("params"), dict) and all(
+                name in params and isinstance(record, dict) and whole(record.get("dim"))
+                and record["dim"] < len(params[name]["shape"]) for name, record in tensor["params"].items())):
+        raise bad("tensor_parallel", "{size: T dividing world_size, params: {name of `params`: {dim: its sharded"
+                                     " dimension}}}")

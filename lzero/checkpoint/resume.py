@@ -121,8 +121,8 @@ def load_module_state(engine: Optional["ZeroEngine"], module: nn.Module, checkpo
         saved_shapes = {k: tuple(v.shape) for k, v in state.items()}
         fetch = fetch_full(state)
         rest = {k: v for k, v in state.items() if k not in specs}
-    wrong = [f"`{n}` saved {saved_shapes.get(n)} now {s.shape}" for n, s in specs.items()
-             if n in saved_shapes and saved_shapes[n] != tuple(s.shape)]
+    wrong = [f"`{n}` saved {saved_shapes.get(n)} now {s.whole_shape}" for n, s in specs.items()
+             if n in saved_shapes and saved_shapes[n] != tuple(s.whole_shape)]
     missing = [n for n in specs if n not in saved_shapes]
     if wrong or (strict and missing):
         raise ValueError(f"The checkpoint does not fit this model: {'; '.join(wrong + [f'`{n}` missing' for n in missing])}."

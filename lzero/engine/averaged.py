@@ -109,9 +109,10 @@ class AveragedShards:
         for unit in self.units:
             shard = self.shard(unit)
             for spec, a, b, s in unit.spec.owned_pieces(unit.rank):
-                value = fetch(spec, a, b)
-                if value is not None:
-                    shard[s : s + (b - a)].copy_(value)
+                for lo, hi, whole in spec.whole_runs(a, b):  # tensor parallel: ranges of the whole parameter
+                    value = fetch(spec, whole, whole + hi - lo)
+                    if value is not None:
+                        shard[s + lo - a : s + hi - a].copy_(value)
 
     def pieces(self) -> Iterator[tuple["ParamSpec", int, int, Tensor]]:
         """(parameter, a, b, elements [a, b) of its average as a view of the shard) for every piece this rank owns."""

@@ -18,6 +18,7 @@ import contextlib
 import functools
 import warnings
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Sequence
 
 import torch
@@ -145,7 +146,11 @@ class ZeroEngine:
         packed_weights.check_model(module)
         self._owners = packed_weights.owners(module)  # the modules of packed (quantized) parameters
         specs, by_name = _collect_params(module, optimizers, kept, frozen_too=config.stage >= 3, evaluating=evaluating)
-        self._tensor_sharded = {name: tensor_parallel.tensor_sharded(p) for name, p in by_name.items()}
+        # tensor-sharded parameters: where the local tensors lie ([Note: tensor-parallel checkpoints])
+        self.tensor_layouts = tensor_parallel.layouts(by_name)
+        self.tensor_rank = collectives.rank(mesh.tensor) if mesh.tensor is not None else 0
+        specs = [replace(s, whole=self.tensor_layouts[s.name], tensor_rank=self.tensor_rank)
+                 if s.name in self.tensor_layouts else s for s in specs]
         if config.stage >= 3:
             block_modules = find_blocks(module, config.unit_modules)
             _refuse_full_graphs(module, block_modules)
@@ -658,7 +663,7 @@ class ZeroEngine:
     def tensor_sharded(self, name: str) -> bool:
         """Whether the parameter ``name`` (its name in the partition) is a tensor-parallel shard: see
         [Note: tensor parallel under ZeRO] in tensor_parallel.py."""
-        return self._tensor_sharded.get(name, False)
+        return name in self.tensor_layouts
 
     def _tensor_parallel_norm(self, units: Sequence[FlatUnit]) -> Tensor:
         """:meth:`grad_norm` under tensor parallel: the squares of the tensor-sharded parameters' pieces summed over
@@ -935,7 +940,7 @@ def _collect_params(module: nn.Module, optimizers: Sequence[torch.optim.Optimize
             specs.append(ParamSpec(name, tensor_parallel.local_shape(p), group_of[p], keep_fp32=name in kept))
             by_name[name] = p
         elif frozen_too and not p.requires_grad and p.dtype in (torch.float32, torch.bfloat16):
-            specs.append(ParamSpec(name, tuple(p.shape), FROZEN, keep_fp32=name in kept))
+            specs.append(ParamSpec(name, tensor_parallel.local_shape(p), FROZEN, keep_fp32=name in kept))
             by_name[name] = p
     return specs, by_name
 

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Optional, Sequence
+
+from lzero.engine.tensor_layout import TensorLayout
 
 GroupKey = tuple[int, int]
 """(optimizer index, param group index) of a parameter."""
@@ -36,10 +38,28 @@ class ParamSpec:
     group: GroupKey
     keep_fp32: bool = False  # mixed precision: computes in fp32 (a module type kept out of 16-bit)
     storage: str = ""  # a packed (quantized) frozen weight: its storage dtype, e.g. "uint8" (see packed_weights.py)
+    # tensor parallel: a tensor-sharded parameter's whole layout and this rank's tensor coordinate; ``shape`` is then
+    # its local tensor's (see [Note: tensor-parallel checkpoints] in tensor_layout.py)
+    whole: Optional[TensorLayout] = None
+    tensor_rank: int = 0
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def whole_shape(self) -> tuple[int, ...]:
+        """The parameter's shape: its whole tensor's under tensor parallel."""
+        return self.whole.shape if self.whole is not None else self.shape
+
+    def whole_runs(self, start: int, end: int) -> Iterator[tuple[int, int, int]]:
+        """Elements ``[start, end)`` of the flattened (local) parameter as contiguous runs (start, end, where the run
+        starts in the flattened whole parameter): one run, unless tensor parallel cut the parameter on a dimension
+        after the first."""
+        if self.whole is None:
+            yield start, end, start
+        else:
+            yield from self.whole.runs(self.tensor_rank, start, end)
 
     @property
     def frozen(self) -> bool:

@@ -38,6 +38,7 @@ from typing import Any, Optional
 
 from torch import Tensor, nn
 
+from lzero.engine.tensor_layout import TensorLayout
 from lzero.errors import ZeroEngineError
 
 
@@ -87,12 +88,30 @@ def complete_grad(grad: Optional[Tensor], p: nn.Parameter) -> Optional[Tensor]:
     return grad.redistribute(placements=p.placements)
 
 
-def tensor_sharded(p: Tensor) -> bool:
-    """Whether ``p``'s values differ between the ranks of a tensor group (some ``Shard`` placement): its squares sum over
-    the group in a norm, where a replicated parameter counts once."""
-    if not is_dtensor(p):
-        return False
-    return any(placement.is_shard() for placement in p.placements)
+def layouts(params: dict[str, nn.Parameter]) -> dict[str, TensorLayout]:
+    """The tensor-sharded parameters among ``params`` (by name), each with where its local tensors lie in it (see
+    [Note: tensor-parallel checkpoints] in tensor_layout.py): their values differ between the ranks of a tensor group,
+    so their squares sum over the group in a norm, where a replicated parameter counts once. A placement other than
+    ``Shard``/``Replicate``, or a local tensor cut otherwise than torch's even chunks, is refused by name."""
+    out = {}
+    for name, p in params.items():
+        if not is_dtensor(p) or all(placement.is_replicate() for placement in p.placements):
+            continue
+        (placement,) = p.placements  # one dimension: check_parameters
+        if not placement.is_shard() or type(placement).__name__ != "Shard":
+            raise ZeroEngineError(
+                f"Parameter `{name}` is a DTensor placed {placement} over the tensor dimension: lzero shards"
+                " parameters placed `Shard(dim)` or `Replicate()`. HINT: use torch's ColwiseParallel/RowwiseParallel/"
+                "SequenceParallel styles (or `tp_plan`), which place parameters so.")
+        layout = TensorLayout(tuple(p.shape), placement.dim, p.device_mesh.size())
+        rank = p.device_mesh.get_local_rank()
+        if tuple(local(p).shape) != layout.local_shape(rank):
+            raise ZeroEngineError(
+                f"Parameter `{name}`: tensor rank {rank} holds a local tensor of shape {tuple(local(p).shape)}, where"
+                f" torch's chunks of {tuple(p.shape)} over dim {placement.dim} give {layout.local_shape(rank)}."
+                " HINT: distribute it with `distribute_tensor`/`parallelize_module`, not a hand-made DTensor.")
+        out[name] = layout
+    return out
 
 
 def check_parameters(module: nn.Module, tensor_group: Any) -> bool:

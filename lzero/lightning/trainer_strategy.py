@@ -320,11 +320,16 @@ class ZeroStrategy(DDPStrategy):
         if precision != "32-true":
             raise ZeroConfigError(f"`tensor_parallel_size={size}` with precision={precision!r}: tensor parallel runs in"
                                   " fp32 so far. HINT: `Trainer(precision='32-true')`, or `tensor_parallel_size=1`.")
-        if fitting and trainer.checkpoint_callbacks:
+        config = self.config
+        unbuilt = ("`checkpoint_format='full'`" if config.checkpoint_format != "sharded"
+                   else "`async_save=True`" if config.async_save
+                   else f"`shard_group_size={config.shard_group_size!r}`" if config.shard_group_size is not None
+                   else None)
+        if fitting and trainer.checkpoint_callbacks and unbuilt is not None:
             raise ZeroConfigError(
-                f"`tensor_parallel_size={size}` with a checkpoint callback"
-                f" ({type(trainer.checkpoint_callbacks[0]).__name__}): checkpoints of tensor-parallel runs are not built"
-                " yet. HINT: `Trainer(enable_checkpointing=False)` and no ModelCheckpoint callback.")
+                f"`tensor_parallel_size={size}` with a checkpoint callback and {unbuilt}: checkpoints of tensor-parallel"
+                f" runs are sharded directories written synchronously, without hybrid sharding, so far. HINT: drop"
+                f" {unbuilt}, or `Trainer(enable_checkpointing=False)`.")
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -460,12 +465,16 @@ class ZeroStrategy(DDPStrategy):
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def _refuse_tensor_parallel_checkpoint(self) -> None:
-        """Checkpoints of tensor-parallel runs are not built yet: refused at the first call a save makes."""
-        if self.config.tensor_parallel_size > 1:
+        """A tensor-parallel run saves sharded directories only (see [Note: tensor-parallel checkpoints] in
+        lzero/engine/tensor_layout.py): a one-file checkpoint is refused at the first call a save makes."""
+        if self.config.tensor_parallel_size > 1 and not self._sharded_checkpoint:
+            where = ("`checkpoint_format='full'`" if self._live_engine is not None
+                     else "after a stage-1/2 fit (the engine is gone, the model holds DTensors)")
             raise ZeroConfigError(
-                f"A checkpoint with `tensor_parallel_size={self.config.tensor_parallel_size}`: checkpoints of"
-                " tensor-parallel runs are not built yet. HINT: train without `trainer.save_checkpoint` and"
-                " ModelCheckpoint for now (`Trainer(enable_checkpointing=False)`), or with `tensor_parallel_size=1`.")
+                f"A one-file checkpoint with `tensor_parallel_size={self.config.tensor_parallel_size}`, {where}: a"
+                " tensor-parallel run saves sharded checkpoint directories only. HINT: save while fitting (a"
+                " ModelCheckpoint callback) with `checkpoint_format='sharded'` (the default), and turn a checkpoint into"
+                " one file with `lzero consolidate`.")
 
     @property
     def _sharded_checkpoint(self) -> bool:

@@ -6,6 +6,7 @@ sizes 2 and 4."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,22 @@ def test_every_tensor_coordinate_has_its_data_group() -> None:
     mesh = Mesh(world=2, rank=0, local_world=4, shard_size=2, ranks=(1, 3), tensor_size=2)
     assert mesh.layers() == [(0, 2), (1, 3)]
     assert Mesh(world=2, rank=0, local_world=2, shard_size=2, ranks=(0, 1)).layers() == [(0, 1)]
+
+
+@pytest.mark.parametrize("shape, dim, size", [((7, 5), 0, 2), ((6, 9), 1, 4), ((3, 4, 5), 1, 3), ((2, 3), 1, 4)])
+def test_a_layout_s_runs_are_torch_s_chunks(shape: tuple, dim: int, size: int) -> None:
+    """``TensorLayout`` cuts as ``torch.chunk`` does (empty trailing ranks included), and its runs map every element of
+    a local tensor's flattened range to that element of the whole tensor ([Note: tensor-parallel checkpoints])."""
+    from lzero.engine.tensor_layout import TensorLayout
+
+    whole = torch.arange(math.prod(shape), dtype=torch.float32).view(shape)
+    chunks = list(torch.chunk(whole, size, dim))
+    chunks += [whole.narrow(dim, 0, 0)] * (size - len(chunks))
+    layout = TensorLayout(shape, dim, size)
+    flat = whole.reshape(-1)
+    for rank, chunk in enumerate(chunks):
+        assert layout.local_shape(rank) == tuple(chunk.shape)
+        local = chunk.reshape(-1)
+        for start, end in ((0, local.numel()), (1, max(local.numel() - 2, 1))):
+            got = [flat[w : w + hi - lo] for lo, hi, w in layout.runs(rank, start, end)]
+            assert torch.equal(torch.cat(got) if got else local[:0], local[start:end])

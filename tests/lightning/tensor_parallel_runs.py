@@ -229,11 +229,16 @@ def refusals(out: Path, devices: int, dp: int) -> None:
     fit = trainer(ZeroStrategy(stage=2, tensor_parallel_size=2), devices)
     fit.fit(fitted, DataLoader(dataset(), batch_size=MICRO))
     refusal(out, f"refused_save_dp{dp}", lambda: fit.save_checkpoint(out / "never.ckpt"))
-    with_callback = Trainer(accelerator="cpu", devices=devices, strategy=ZeroStrategy(stage=2, tensor_parallel_size=2),
+    with_callback = Trainer(accelerator="cpu", devices=devices,
+                            strategy=ZeroStrategy(stage=2, tensor_parallel_size=2, checkpoint_format="full"),
                             max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
                             default_root_dir=out)
     refusal(out, f"refused_checkpointing_dp{dp}", lambda: with_callback.fit(Module(), DataLoader(dataset(),
                                                                                               batch_size=MICRO)))
+    in_background = Trainer(accelerator="cpu", devices=devices, max_steps=1, logger=False, enable_progress_bar=False,
+                            strategy=ZeroStrategy(stage=2, tensor_parallel_size=2, async_save=True),
+                            enable_model_summary=False, default_root_dir=out)
+    refusal(out, f"refused_async_dp{dp}", lambda: in_background.fit(Module(), DataLoader(dataset(), batch_size=MICRO)))
 
 
 def reference(out: Path, dp: int, llama: Any = None) -> None:

@@ -87,12 +87,17 @@ def test_tensor_parallel_equals_lightning_model_parallel(runs: Path) -> None:
     _close(_load(runs, "zero2_dp2"), lightning, norms=False)
 
 
-def test_checkpoints_are_refused_by_name(runs: Path) -> None:
+def test_one_file_checkpoints_are_refused_by_name(runs: Path) -> None:
+    """Sharded directories only (tests/lightning/test_tp_checkpoint.py): a save after a stage-2 fit (the engine gone,
+    the model's DTensors left) and a checkpoint callback with `checkpoint_format='full'` are refused by name."""
     save = _load(runs, "refused_save_dp1")["message"]
-    assert save is not None and "checkpoints of tensor-parallel runs are not built yet" in save and "HINT" in save
+    assert save is not None and "A one-file checkpoint with `tensor_parallel_size=2`, after a stage-1/2 fit" in save
+    assert "HINT" in save and "lzero consolidate" in save
     callback = _load(runs, "refused_checkpointing_dp1")["message"]
-    assert callback is not None and "checkpoints of tensor-parallel runs are not built yet" in callback
+    assert callback is not None and "checkpoint callback and `checkpoint_format='full'`" in callback
     assert "enable_checkpointing=False" in callback
+    background = _load(runs, "refused_async_dp1")["message"]
+    assert background is not None and "checkpoint callback and `async_save=True`" in background and "HINT" in background
 
 
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True, "2"])
