@@ -47,7 +47,8 @@ class _Shifted:
 def whole_pieces(piece: Piece, layout: TensorLayout, rank: int) -> list[Piece]:
     """A piece of tensor rank ``rank``'s flattened local tensor as the pieces of the whole flattened tensor it covers
     (one per contiguous run). See [Note: tensor-parallel checkpoints] in lzero/engine/tensor_layout.py."""
-    return [Piece(whole, whole + hi - lo, _Shifted(piece.source, lo - piece.start) if lo != piece.start else piece.source)
+    return [Piece(whole, whole + hi - lo,
+                  _Shifted(piece.source, lo - piece.start) if lo != piece.start else piece.source)
             for lo, hi, whole in layout.runs(rank, piece.start, piece.end)]
 
 

@@ -181,8 +181,8 @@ def describe(engine: "ZeroEngine", checkpoint: dict[str, Any], kept: Optional[Ca
         "aliases": {k: v.spec.name for k, v in state.items() if isinstance(v, ShardedTensor) and v.spec.name != k},
     }
     if engine.tensor_group is not None:
-        manifest["tensor_parallel"] = {"size": collectives.world_size(engine.tensor_group),
-                                       "params": {name: {"dim": layouts[name].dim} for name in params if name in layouts}}
+        cut = {name: {"dim": layouts[name].dim} for name in params if name in layouts}
+        manifest["tensor_parallel"] = {"size": collectives.world_size(engine.tensor_group), "params": cut}
     return {k: v for k, v in state.items() if not isinstance(v, ShardedTensor)}, manifest
 
 

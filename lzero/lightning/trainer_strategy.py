@@ -242,7 +242,8 @@ class ZeroStrategy(DDPStrategy):
             self._apply_tp_plan()
         kept = take_kept(self.lightning_module)
         if kept is not None:  # see [Note: the model stays sharded after fit]
-            if not fitting and self.config.stage >= 3 and kept.world_size * self.config.tensor_parallel_size == self.world_size:
+            same_world = kept.world_size * self.config.tensor_parallel_size == self.world_size  # its data ranks
+            if not fitting and self.config.stage >= 3 and same_world:
                 self._engine = kept
                 self.precision_plugin.bind(kept)
                 keep_generation_synced(self._exit_stack, self.lightning_module, self.config, self.world_size)

@@ -99,6 +99,45 @@ def save_llama(folder: Path) -> None:
     LlamaForCausalLM(config).save_pretrained(folder)
 
 
+GPT = "gpt"
+"""In place of a Llama folder: lzero's demo GPT (2 blocks), its MLPs parallelized by ``parallelize_gpt``."""
+
+
+def build_gpt() -> nn.Module:
+    from lzero.demo.model import GPT as DemoGPT, GPTConfig
+
+    torch.manual_seed(5)
+    return DemoGPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=2, n_embd=HIDDEN))
+
+
+def parallelize_gpt(model: nn.Module, tp_mesh: Any) -> None:
+    """A user's plan for the demo GPT: each MLP column-wise then row-wise (its attention's fused q/k/v projection and
+    the head tied to the embedding stay whole)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    parallelize_module(model, tp_mesh, {"blocks.*.mlp.fc": ColwiseParallel(), "blocks.*.mlp.proj": RowwiseParallel()})
+
+
+def make_model(llama: Any) -> nn.Module:
+    """The small block (None), the demo GPT (``GPT``) or the Llama read from the folder ``llama``."""
+    return build() if llama is None else build_gpt() if llama == GPT else load_llama(llama)
+
+
+def parallelize_any(model: nn.Module, tp_mesh: Any) -> None:
+    if isinstance(model, TinyBlock):
+        parallelize(model, tp_mesh)
+    elif hasattr(model, "blocks"):
+        parallelize_gpt(model, tp_mesh)
+    else:
+        parallelize_llama(model, tp_mesh)
+
+
+def eps_of(llama: Any) -> float:
+    """AdamW's eps: ``LLAMA_EPS`` for the Llama and the GPT (the GPT's attention key bias has a gradient of rounding
+    alone, softmax being blind to it: at 1e-8 it ends 5.9e-5 relative from one process)."""
+    return 1e-8 if llama is None else LLAMA_EPS
+
+
 def load_llama(folder: Path) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
@@ -119,7 +158,7 @@ def dataset() -> TensorDataset:
 
 
 def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    logits = model(x) if isinstance(model, TinyBlock) else model(input_ids=x).logits
+    logits = model(x) if isinstance(model, TinyBlock) or hasattr(model, "blocks") else model(input_ids=x).logits
     return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
 
 
@@ -128,9 +167,9 @@ def optimizer_of(params: Any, eps: float = 1e-8) -> torch.optim.Optimizer:
 
 
 LLAMA_EPS = 1e-4
-"""AdamW's eps for the Llama: its gradients hold elements near zero (embedding rows, attention), where Adam's division
-by sqrt(v) turns the last bits of a sum into a whole step; with eps=1e-8 tensor parallel alone (no ZeRO, plain torch)
-ends 4e-5 relative from one process after 4 steps, as lzero does. A larger eps keeps those elements' steps in
+"""AdamW's eps for the Llama (and the GPT): its gradients hold elements near zero (embedding rows, attention), where
+Adam's division by sqrt(v) turns the last bits of a sum into a whole step; with eps=1e-8 tensor parallel alone (no
+ZeRO, plain torch) ends 4e-5 relative from one process after 4 steps, as lzero does. A larger eps keeps those elements' steps in
 proportion to their gradients, so the comparison sees the algorithm rather than that amplification."""
 
 
@@ -138,7 +177,8 @@ class Module(LightningModule):
     def __init__(self, fsdp: bool = False, llama: Any = None) -> None:
         super().__init__()
         self.fsdp = fsdp
-        self.model = build() if llama is None else load_llama(llama)
+        self.llama = llama
+        self.model = make_model(llama)
         self.losses: list[float] = []
         self.norms: list[float] = []
         self.per_parameter: list[dict[str, float]] = []  # lzero.grad_norm(self, 2) at each step
@@ -149,7 +189,7 @@ class Module(LightningModule):
         if any(isinstance(p, DTensor) for p in self.model.parameters()):
             return  # parallelized by an earlier run of this module (configure_model runs at every fit/validate)
         tp_mesh = self.device_mesh["tensor_parallel"]
-        parallelize(self.model, tp_mesh) if isinstance(self.model, TinyBlock) else parallelize_llama(self.model, tp_mesh)
+        parallelize_any(self.model, tp_mesh)
         if self.fsdp:  # Lightning's ModelParallelStrategy: FSDP2 over the data-parallel dimension
             from torch.distributed.fsdp import fully_shard
 
@@ -170,7 +210,7 @@ class Module(LightningModule):
             self.per_parameter.append({k.replace("/model.", "/"): v.item() for k, v in norms.items()})
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return optimizer_of(self.parameters(), 1e-8 if isinstance(self.model, TinyBlock) else LLAMA_EPS)
+        return optimizer_of(self.parameters(), eps_of(self.llama))
 
 
 CONFIGURATIONS = {  # each ZeRO configuration under tensor parallel, by the name its results are written under
@@ -246,8 +286,8 @@ def reference(out: Path, dp: int, llama: Any = None) -> None:
     a training DataLoader: shuffled with seed 0), MICRO samples per data rank and step."""
     from torch.utils.data import DistributedSampler
 
-    model = build() if llama is None else load_llama(llama)
-    optimizer = optimizer_of(model.parameters(), 1e-8 if llama is None else LLAMA_EPS)
+    model = make_model(llama)
+    optimizer = optimizer_of(model.parameters(), eps_of(llama))
     x, y = dataset().tensors
     orders = [list(DistributedSampler(dataset(), num_replicas=dp, rank=d, shuffle=True, seed=0)) for d in range(dp)]
     losses, norms, per_parameter = [], [], []
@@ -262,7 +302,7 @@ def reference(out: Path, dp: int, llama: Any = None) -> None:
         optimizer.zero_grad()
     with torch.no_grad():  # every validation sample once, in batches of equal size: the mean of the batches' means
         val_loss = loss_of(model, x[:VALIDATION], y[:VALIDATION]).item()
-    name = "reference_llama" if llama is not None else "reference"
+    name = "reference" if llama is None else "reference_gpt" if llama == GPT else "reference_llama"
     torch.save({"losses": losses, "norms": norms, "params": full_parameters(model), "per_parameter": per_parameter,
                 "val_loss": val_loss}, out / f"{name}_dp{dp}.pt")
 
@@ -277,6 +317,7 @@ if __name__ == "__main__":
             continue
         run(out_dir, f"{name}_dp{dp}", ZeroStrategy(**options, tensor_parallel_size=2), world)
         run(out_dir, f"llama_{name}_dp{dp}", ZeroStrategy(**options, tensor_parallel_size=2), world, llama=llama_dir)
+        run(out_dir, f"gpt_{name}_dp{dp}", ZeroStrategy(**options, tensor_parallel_size=2), world, llama=GPT)
     if dp == 2:
         from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -290,4 +331,5 @@ if __name__ == "__main__":
     if dist.get_rank() == 0:
         reference(out_dir, dp)
         reference(out_dir, dp, llama_dir)
+        reference(out_dir, dp, GPT)
     destroy_process_group()
