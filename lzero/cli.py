@@ -44,9 +44,10 @@ def _import_deepspeed(argv: list[str]) -> int:
 
 
 def _estimate(argv: list[str]) -> int:
+    from lzero.hf.tensor_parallel_plan import plan_for
     from lzero.memory.estimate_command import estimate_command
 
-    return estimate_command(argv)
+    return estimate_command(argv, plan_for)
 
 
 def _convert_config(argv: list[str]) -> int:

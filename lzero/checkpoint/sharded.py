@@ -294,13 +294,14 @@ class SaveJob:
                  group: Optional[dist.ProcessGroup], snapshot: bool,
                  kept: Optional[Callable[[str], bool]] = None) -> None:
         self.directory = Path(path)
-        self.rank, self.world, _ = _writers(engine)
+        self.rank, self.world, writers = _writers(engine)
         self.group = group
         self.extra_manifest = extra_manifest
         self.removals: list[Callable[[], None]] = []  # run on rank 0 after the commit
         self.lock = threading.Lock()
         self.committed = False
-        self.save_id = _common_save_id(group)
+        # on the training thread's group: an asynchronous save's group may still carry the previous save's exchange
+        self.save_id = _common_save_id(writers)
         self.error: Optional[BaseException] = None
         self.tensors: dict[str, Tensor] = {}
         self.metadata: dict[str, str] = {}

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 from torch import Tensor
 
+from lzero.engine.tensor_parallel import local
 from lzero.offload.store import KINDS
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ def model_state_bytes(engine: "ZeroEngine", optimizers: Sequence[Any] = ()) -> d
     seen: set[int] = set()
     out: dict[str, dict[str, int]] = {}
     for store, kind, tensor in _tensors(engine, optimizers):
-        storage = tensor.untyped_storage()
+        storage = local(tensor).untyped_storage()  # a DTensor's (tensor parallel): its local tensor's
         if storage.nbytes() == 0 or storage.data_ptr() in seen:
             continue
         seen.add(storage.data_ptr())

@@ -132,13 +132,26 @@ class ModelCount:
     blocks: Optional[tuple[int, ...]] = None
     """Elements of each stage-3 block, in the model's order (what ``schedule="auto"`` plans over). None: unknown."""
 
+    tensor_sharded: int = 0
+    """Of Ψ, the elements a tensor-parallel plan splits over the tensor ranks (column-wise weights and biases,
+    row-wise weights); the rest is whole on every tensor rank. See :meth:`per_tensor_rank`."""
+
+    def per_tensor_rank(self, tensor_parallel_size: int) -> "ModelCount":
+        """What one tensor rank holds (its local tensors: the split elements over T, the rest whole), which ZeRO then
+        shards over the data-parallel ranks ([Note: tensor parallel under ZeRO] in lzero/engine/tensor_parallel.py).
+        Block sizes are not split (unknown per block): a stage-3 schedule from this count is conservative."""
+        if tensor_parallel_size == 1:
+            return self
+        local = self.trainable - self.tensor_sharded + math.ceil(self.tensor_sharded / tensor_parallel_size)
+        return replace(self, trainable=local, tensor_sharded=0)
+
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZED_BYTES:
             raise EstimateError(f"`quantization={self.quantization!r}` is not one of {sorted(QUANTIZED_BYTES)}."
                                 " HINT: 4bit (nf4/fp4), 4bit-dq (with double quantization) or int8 (LLM.int8).")
-        for name in ("trainable", "frozen", "largest_param", "largest_block", "root", "quantized"):
+        for name in ("trainable", "frozen", "largest_param", "largest_block", "root", "quantized", "tensor_sharded"):
             value = getattr(self, name)
-            if value is None and name not in ("trainable", "frozen", "quantized"):
+            if value is None and name not in ("trainable", "frozen", "quantized", "tensor_sharded"):
                 continue
             if isinstance(value, float) and value.is_integer():
                 object.__setattr__(self, name, value := int(value))
@@ -151,6 +164,9 @@ class ModelCount:
         if self.trainable == 0:
             raise EstimateError("`trainable=0`: there is nothing to train, so nothing to estimate."
                                 " HINT: give the number of trainable parameters, e.g. `--params 7.5e9`.")
+        if self.tensor_sharded > self.trainable:
+            raise EstimateError(f"`tensor_sharded={self.tensor_sharded}` exceeds the trainable parameters"
+                                f" ({self.trainable}). HINT: give at most --params with --tensor-sharded-params.")
 
 
 @dataclass(frozen=True)
@@ -350,13 +366,16 @@ def working_set(config: ZeroConfig, count: ModelCount, world_size: int, precisio
 def estimate(count: ModelCount, num_gpus: int = 1, num_nodes: int = 1, precision: str = "bf16-mixed",
              optimizer_bytes: float = ADAM_BYTES, buffers: bool = False, offload_ratio: float = 1.0,
              max_in_cpu: Optional[int] = None, strategies: Sequence[str] = STRATEGIES,
-             shard_group_size: Optional[int] = None, hpz_partition_size: Optional[int] = None) -> list[Estimate]:
+             shard_group_size: Optional[int] = None, hpz_partition_size: Optional[int] = None,
+             tensor_parallel_size: int = 1) -> list[Estimate]:
     """One :class:`Estimate` per strategy (``STRATEGIES``) for ``num_gpus`` ranks on each of ``num_nodes``
     nodes. ``offload_ratio`` and ``max_in_cpu`` apply to the offload rows (``OffloadOptimizer.ratio``,
     ``OffloadParam.max_in_cpu``; None: its default). ``shard_group_size``: hybrid sharding, the zero rows shard over
     groups of this many ranks (G in place of N; see [Note: hybrid sharding] in lzero/engine/mesh.py).
     ``hpz_partition_size``: adds a ``zero3_hpz`` row after zero3's, with hpZ's secondary copy of 1/H of the model per
-    rank (see [Note: hpZ] in lzero/engine/hpz.py)."""
+    rank (see [Note: hpZ] in lzero/engine/hpz.py). ``tensor_parallel_size``: T tensor ranks split
+    ``count.tensor_sharded`` (:meth:`ModelCount.per_tensor_rank`) and every row's data parallel runs over N / T ranks
+    (the ddp row: tensor parallel x DDP)."""
     from lzero.presets import PRESET_CONFIGS
 
     for name, value in (("num_gpus", num_gpus), ("num_nodes", num_nodes)):
@@ -371,6 +390,12 @@ def estimate(count: ModelCount, num_gpus: int = 1, num_nodes: int = 1, precision
     if unknown:
         raise EstimateError(f"Unknown strategies {unknown}. HINT: use some of {', '.join(STRATEGIES)}.")
     world = num_gpus * num_nodes
+    if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
+            or tensor_parallel_size < 1 or world % tensor_parallel_size:
+        raise EstimateError(f"`tensor_parallel_size={tensor_parallel_size!r}` must divide the world size {world}."
+                            f" HINT: e.g. `--tensor-parallel {min(num_gpus, 8)}` (within a node).")
+    count = count.per_tensor_rank(tensor_parallel_size)
+    world //= tensor_parallel_size  # the data-parallel ranks
     if shard_group_size is not None and (isinstance(shard_group_size, bool) or not isinstance(shard_group_size, int)
                                          or shard_group_size < 1 or world % shard_group_size):
         raise EstimateError(f"`shard_group_size={shard_group_size!r}` must divide the world size {world}. HINT: e.g."
@@ -416,8 +441,11 @@ def _config(preset: dict, offload_ratio: float, max_in_cpu: Optional[int]) -> Ze
     return ZeroConfig(**values)
 
 
-def count_parameters(module: nn.Module, unit_modules: Optional[Sequence[str]] = None) -> ModelCount:
-    """Ψ, F and the unit sizes of ``module`` (tied weights counted once); works on the meta device."""
+def count_parameters(module: nn.Module, unit_modules: Optional[Sequence[str]] = None,
+                     tensor_plan: Optional[dict[str, str]] = None) -> ModelCount:
+    """Ψ, F and the unit sizes of ``module`` (tied weights counted once); works on the meta device. ``tensor_plan``:
+    module names to ``"colwise"``/``"rowwise"`` (a resolved ``tp_plan``): the trainable elements it splits
+    (``ModelCount.tensor_sharded``: column-wise weights and biases, row-wise weights)."""
     from lzero.engine.units import ROOT, find_blocks, label_parameters
 
     params = dict(module.named_parameters())
@@ -427,8 +455,13 @@ def count_parameters(module: nn.Module, unit_modules: Optional[Sequence[str]] = 
     for name, label in label_parameters(module, find_blocks(module, unit_modules)).items():
         per_unit[label] = per_unit.get(label, 0) + params[name].numel()
     root = per_unit.pop(ROOT, 0)
+    modules = dict(module.named_modules())
+    split = {id(p) for name, style in (tensor_plan or {}).items()
+             for key, p in modules[name].named_parameters(recurse=False)
+             if p.requires_grad and (style == "colwise" or key == "weight")}
     return ModelCount(trainable, frozen, largest_param=max((p.numel() for p in params.values()), default=0),
-                      largest_block=max(per_unit.values(), default=0), root=root, blocks=tuple(per_unit.values()))
+                      largest_block=max(per_unit.values(), default=0), root=root, blocks=tuple(per_unit.values()),
+                      tensor_sharded=sum(p.numel() for p in params.values() if id(p) in split))
 
 
 def auto_schedule(count: ModelCount, world_size: int, free_bytes: int, precision: str = "bf16-mixed",

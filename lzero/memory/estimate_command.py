@@ -11,7 +11,7 @@ import argparse
 import importlib
 import json
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from lzero.config import ZeroConfigError
 from lzero.memory.estimate import (ADAM_BYTES, COMPUTE_BYTES, GB, Estimate, EstimateError, ModelCount, auto_schedule,
@@ -95,6 +95,15 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--hpz-partition-size", type=int, default=None,
                         help="add a zero3_hpz row: ZeRO++'s hpZ with a secondary copy within groups of this many ranks"
                              " (e.g. --num-gpus)")
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="T",
+                        help="tensor parallel over T of the ranks (a divisor of the world; ZeRO over the rest): a"
+                             " plan's split parameters count 1/T per rank")
+    parser.add_argument("--tensor-sharded-params", type=float, default=None,
+                        help="with --params and --tensor-parallel: how many of the trainable parameters the plan splits"
+                             " (default: all of them)")
+    parser.add_argument("--tp-plan", default="auto",
+                        help="with --model and --tensor-parallel: 'auto' (the Hugging Face model's"
+                             " base_model_tp_plan) or a JSON object of module-name patterns to colwise/rowwise")
     parser.add_argument("--precision", default="bf16-mixed",
                         help=f"one of {', '.join(COMPUTE_BYTES)} (default bf16-mixed, the ZeRO paper's setting)")
     parser.add_argument("--optimizer-bytes", type=float, default=ADAM_BYTES,
@@ -119,7 +128,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def estimate_command(argv: Sequence[str]) -> int:
+def estimate_command(argv: Sequence[str], plan_for: Optional[Callable[[Any, Any, int], dict[str, str]]] = None) -> int:
+    """``plan_for(module, tp_plan, T)``: a ``tp_plan`` resolved to module names (``lzero.hf.tensor_parallel_plan``'s,
+    handed in by the command line: it reads Hugging Face models), for ``--model`` with ``--tensor-parallel``."""
     args = _parser().parse_args(list(argv))
     try:
         if args.model_args is not None and args.model is None:
@@ -130,16 +141,20 @@ def estimate_command(argv: Sequence[str]) -> int:
                 raise EstimateError("`--quantized` counts a quantized frozen base given by numbers. HINT: use"
                                     " `--params TRAINABLE --frozen-params F --quantized 4bit-dq` (F: the base's"
                                     " parameters, Ψ: the adapters').")
-            count = count_parameters(load_model(args.model, args.model_args))
+            module = load_model(args.model, args.model_args)
+            plan = _tp_plan(args.tp_plan) if args.tensor_parallel > 1 else None
+            count = count_parameters(module, tensor_plan=plan_for(module, plan, args.tensor_parallel)
+                                     if plan is not None and plan_for is not None else None)
         elif args.quantized is not None:
             quantized = args.frozen_params if args.quantized_params is None else args.quantized_params
-            count = ModelCount(args.params, args.frozen_params, quantized=quantized, quantization=args.quantized)
+            count = ModelCount(args.params, args.frozen_params, quantized=quantized, quantization=args.quantized,
+                               tensor_sharded=_split(args))
         else:
-            count = ModelCount(args.params, args.frozen_params)
+            count = ModelCount(args.params, args.frozen_params, tensor_sharded=_split(args))
         max_in_cpu = None if args.max_in_cpu is None else int(args.max_in_cpu)
         rows = estimate(count, args.num_gpus, args.num_nodes, args.precision, args.optimizer_bytes, args.buffers,
                         args.offload_ratio, max_in_cpu, shard_group_size=args.shard_group_size,
-                        hpz_partition_size=args.hpz_partition_size)
+                        hpz_partition_size=args.hpz_partition_size, tensor_parallel_size=args.tensor_parallel)
         if args.plot:
             plot(rows, args.plot)
         schedule = None
@@ -167,6 +182,39 @@ def estimate_command(argv: Sequence[str]) -> int:
     return 0
 
 
+def _tensor_line(count: ModelCount, args: argparse.Namespace) -> str:
+    size = args.tensor_parallel
+    if size == 1:
+        return ""
+    return (f"; tensor parallel T = {size}: {count.tensor_sharded:,} of the trainable params split over the tensor ranks"
+            f" ({count.per_tensor_rank(size).trainable:,} per tensor rank), every row's data parallel over"
+            f" N / T = {args.num_gpus * args.num_nodes // size} ranks")
+
+
+def _split(args: argparse.Namespace) -> int:
+    """``--params``: the trainable parameters a tensor-parallel plan splits (all, unless told)."""
+    if args.tensor_sharded_params is not None and args.tensor_parallel == 1:
+        raise EstimateError("`--tensor-sharded-params` is given without `--tensor-parallel`. HINT: add"
+                            " `--tensor-parallel T`, or drop it.")
+    if args.tensor_parallel == 1:
+        return 0
+    return int(args.params if args.tensor_sharded_params is None else args.tensor_sharded_params)
+
+
+def _tp_plan(text: str) -> Any:
+    if text == "auto":
+        return text
+    try:
+        plan = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise EstimateError(f"`--tp-plan {text}` is neither 'auto' nor JSON ({err}). HINT: e.g. --tp-plan"
+                            """ '{"layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"}'.""") from err
+    if not isinstance(plan, dict):
+        raise EstimateError(f"`--tp-plan {text}` is a JSON {type(plan).__name__}, not an object of module-name patterns"
+                            " to 'colwise'/'rowwise'. HINT: e.g. --tp-plan '{\"layers.*.mlp.up_proj\": \"colwise\"}'.")
+    return plan
+
+
 def schedule_line(r: dict, args: argparse.Namespace) -> str:
     """What ``schedule="auto"`` would take, in one paragraph."""
     return (f"\nzero3 gather schedule (`schedule=\"auto\"`) with {_gb(r['budget_bytes'])} GB free per device and"
@@ -189,6 +237,7 @@ def _deepspeed(count: ModelCount, args: argparse.Namespace) -> dict:
 
 def _json(rows: list[Estimate], count: ModelCount, args: argparse.Namespace) -> dict:
     return {"trainable_params": count.trainable, "frozen_params": count.frozen, "num_gpus": args.num_gpus,
+            "tensor_parallel_size": args.tensor_parallel, "tensor_sharded_params": count.tensor_sharded,
             "num_nodes": args.num_nodes, "world_size": args.num_gpus * args.num_nodes, "precision": args.precision,
             "optimizer_bytes": args.optimizer_bytes, "buffers": args.buffers, "units": "bytes",
             "strategies": [row.as_dict() for row in rows]}
@@ -210,8 +259,8 @@ def table(rows: list[Estimate], count: ModelCount, args: argparse.Namespace) -> 
              f" N = {world} ({args.num_gpus} per node x {args.num_nodes} node{'s' if args.num_nodes > 1 else ''});"
              f" {args.precision}; optimizer state {args.optimizer_bytes:g} bytes/param"
              f"{'; with lzero working set' if args.buffers else ''}"
-             f"{f'; hybrid: zero rows sharded within groups of G = {args.shard_group_size}' if args.shard_group_size else ''}",
-             ""]
+             f"{f'; hybrid: zero rows sharded within groups of G = {args.shard_group_size}' if args.shard_group_size else ''}"
+             f"{_tensor_line(count, args)}", ""]
     for line in (head, tuple("-" * w for w in widths), *body):
         cells = [line[0].ljust(widths[0]), *(cell.rjust(w) for cell, w in zip(line[1:], widths[1:]))]
         lines.append("  ".join(cells))
@@ -220,7 +269,7 @@ def table(rows: list[Estimate], count: ModelCount, args: argparse.Namespace) -> 
               " (from a backward to its step). ddp: Lightning's DDP (fp32 parameters, autocast).",
               "ZeRO paper: its formula with 16-bit gradients, without buffers; lzero keeps fp32 gradient shards"
               " under mixed precision (lzero/memory/estimate.py, [Note: lzero's layout])."]
-    if args.num_nodes > 1 and not args.shard_group_size:
+    if args.num_nodes > 1 and not args.shard_group_size and args.tensor_parallel == 1:
         hybrid = {r.strategy: r for r in estimate(count, args.num_gpus, args.num_nodes, args.precision,
                                                   args.optimizer_bytes, strategies=["zero1", "zero2", "zero3"],
                                                   shard_group_size=args.num_gpus)}

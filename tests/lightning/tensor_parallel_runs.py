@@ -182,6 +182,7 @@ class Module(LightningModule):
         self.losses: list[float] = []
         self.norms: list[float] = []
         self.per_parameter: list[dict[str, float]] = []  # lzero.grad_norm(self, 2) at each step
+        self.memory: dict = {}  # the model states of rank 0 at the last step, gradients held (what the memory logs read)
 
     def configure_model(self) -> None:
         from torch.distributed.tensor import DTensor
@@ -208,6 +209,12 @@ class Module(LightningModule):
             self.norms.append(self.trainer.strategy.grad_norm().item())
             norms = lzero.grad_norm(self, 2)  # keys named from the LightningModule: "grad_2.0_norm/model.embed.weight"
             self.per_parameter.append({k.replace("/model.", "/"): v.item() for k, v in norms.items()})
+            if self.trainer.global_step == STEPS - 1:  # the optimizer state of earlier steps, this step's gradients
+                from lzero.lightning.wiring import zero_optimizer
+                from lzero.memory.accounting import model_state_bytes
+
+                strategy = self.trainer.strategy
+                self.memory = model_state_bytes(strategy.engine, [zero_optimizer(o, "") for o in strategy.optimizers])
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return optimizer_of(self.parameters(), eps_of(self.llama))
@@ -250,6 +257,7 @@ def run(out: Path, name: str, strategy: Any, devices: int, fsdp: bool = False, l
         val = fit.validate(module, DataLoader(validation, batch_size=MICRO), verbose=False)[0]["val_loss"]
     if fit.is_global_zero:
         torch.save({"losses": module.losses, "norms": module.norms, "params": params, "per_parameter": module.per_parameter,
+                    "memory": module.memory,
                     "sampler": fit.strategy.distributed_sampler_kwargs, "val_loss": None if fsdp else val},
                    out / f"{name}.pt")
 

@@ -136,3 +136,37 @@ def test_yaml_takes_it_beside_stage(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert done.value.code == 0
     printed = capsys.readouterr().out
     assert "tensor_parallel_size: 2" in printed and "stage: 2" in printed
+
+
+USER_PLANS = {  # each model's plan as module names to styles, for lzero.memory.estimate's count
+    "": {"model.embed": "rowwise", "model.up": "colwise", "model.down": "rowwise", "model.head": "colwise"},
+    "gpt_": {f"model.blocks.{i}.mlp.{name}": style for i in range(2) for name, style in (("fc", "colwise"),
+                                                                                        ("proj", "rowwise"))},
+}
+
+
+@pytest.mark.parametrize("name", [n for n in CONFIGURATIONS if n not in HYBRID])
+@pytest.mark.parametrize("model", ["", "llama_", "gpt_"])
+def test_model_states_per_rank_match_the_estimate(runs: Path, name: str, model: str) -> None:
+    """Rank 0's model states at tp2 x dp2, as the memory logs read them (lzero.memory.accounting), against
+    ``lzero.memory.estimate`` with the plan's split parameters counted 1/2 and data parallel over 2 ranks: within 1%
+    per store (the padding of each unit to the data ranks, and Adam's step counter per unit, are the difference)."""
+    from lightning.pytorch import LightningModule
+
+    from lzero.hf.tensor_parallel_plan import plan_for
+    from lzero.memory.estimate import count_parameters, model_states
+    from tensor_parallel_runs import GPT, LLAMA_PLAN, Module
+
+    measured = _load(runs, f"{model}{name}_dp2")["memory"]
+    module = Module(llama=runs / "llama" if model == "llama_" else GPT if model == "gpt_" else None)
+    plan = plan_for(module, {f"model.{k}": v for k, v in LLAMA_PLAN.items()}, 2) if model == "llama_" \
+        else USER_PLANS[model]
+    count = count_parameters(module, tensor_plan=plan)
+    assert 0 < count.tensor_sharded < count.trainable
+    estimated = model_states(ZeroConfig(**CONFIGURATIONS[name]), count.per_tensor_rank(2), 2, "32-true")
+    assert set(measured) == set(estimated)
+    for store, kinds in estimated.items():
+        want = sum(v for kind, v in kinds.items() if kind != "buffers")
+        got = sum(v for kind, v in measured[store].items() if kind != "buffers")
+        assert abs(got - want) <= 0.01 * want, (store, got, want, measured[store], kinds)
+    assert isinstance(module, LightningModule)

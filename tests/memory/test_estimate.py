@@ -223,6 +223,13 @@ def test_estimate_equals_measured_engine(preset: dict, bf16: bool) -> None:
      r"failed to build \(TypeError.*n_layers.*HINT"),
     (["--params", "7.5e9", "--model-args", "{}"], r"`--model-args` is given without `--model`"),
     (["--params", "7.5e9", "--plot", "out.png"], r"`--plot out.png` needs matplotlib.*HINT: pip install matplotlib"),
+    (["--params", "7.5e9", "--num-gpus", "8", "--tensor-parallel", "3"],
+     r"`tensor_parallel_size=3` must divide the world size 8\. HINT"),
+    (["--params", "7.5e9", "--tensor-sharded-params", "1e9"], r"`--tensor-sharded-params` is given without"),
+    (["--params", "1e9", "--num-gpus", "2", "--tensor-parallel", "2", "--tensor-sharded-params", "2e9"],
+     r"`tensor_sharded=2000000000` exceeds the trainable parameters"),
+    (["--model", "lzero.demo.DemoGPT", "--tensor-parallel", "2", "--num-gpus", "2", "--tp-plan", "[1]"],
+     r"`--tp-plan \[1\]` is a JSON list"),
 ])
 def test_bad_input_is_named(argv: list, message: str, capsys: pytest.CaptureFixture,
                             monkeypatch: pytest.MonkeyPatch) -> None:
@@ -341,3 +348,31 @@ def test_across_nodes_the_table_recommends_a_group_of_one_node(capsys: pytest.Ca
     last = capsys.readouterr().out.splitlines()[-1]
     # zero3 sharded over 8 ranks: 18 bytes x 7e9 / 8 = 15.8 GB, as the --shard-group-size 8 rows say
     assert last.startswith("Across nodes, shard within a node: `--shard-group-size 8`") and "zero3 15.8 GB" in last
+
+
+def test_tensor_parallel_divides_the_split_parameters_then_shards_over_the_data_ranks(
+        capsys: pytest.CaptureFixture) -> None:
+    """``--tensor-parallel T``: the plan's split parameters count 1/T per rank, and each row's data parallel runs over
+    N / T ranks. By numbers (every parameter split by default) and from a model with a plan (the demo GPT's MLPs)."""
+    from lzero.demo import DemoGPT
+    from lzero.engine.tensor_parallel_plan import resolve_plan
+
+    assert main(["estimate", "--params", "7e9", "--num-gpus", "8", "--tensor-parallel", "2", "--json"]) == 0
+    split = {r["strategy"]: r for r in json.loads(capsys.readouterr().out)["strategies"]}
+    whole = {row.strategy: row for row in estimate(ModelCount(3_500_000_000), num_gpus=4)}
+    for name in ("ddp", "zero1", "zero2", "zero3", "zero3_offload"):
+        assert split[name]["per_device_bytes"] == whole[name].per_device, name
+    plan = {"model.blocks.*.mlp.fc": "colwise", "model.blocks.*.mlp.proj": "rowwise"}
+    with torch.device("meta"):
+        gpt = DemoGPT(n_layer=2, n_head=2, n_embd=64, block_size=32)
+    count = count_parameters(gpt, tensor_plan=resolve_plan(gpt, plan, 2))
+    mlp = sum(p.numel() for n, p in gpt.named_parameters() if ".mlp." in n) - 2 * 64  # row-wise biases stay whole
+    assert count.tensor_sharded == mlp and count.per_tensor_rank(2).trainable == count.trainable - mlp // 2
+    assert main(["estimate", "--model", "lzero.demo.DemoGPT", "--model-args", '{"n_layer": 2, "n_head": 2, "n_embd":'
+                 ' 64, "block_size": 32}', "--tensor-parallel", "2", "--num-gpus", "4", "--tp-plan", json.dumps(plan),
+                 "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["tensor_sharded_params"] == mlp
+    rows = {row.strategy: row for row in estimate(count.per_tensor_rank(2), num_gpus=2)}
+    assert {r["strategy"]: r["per_device_bytes"] for r in printed["strategies"]} == \
+        {name: row.per_device for name, row in rows.items()}
