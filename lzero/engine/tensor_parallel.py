@@ -114,6 +114,40 @@ def layouts(params: dict[str, nn.Parameter]) -> dict[str, TensorLayout]:
     return out
 
 
+def check_same_inputs(batch: Any, tensor_group: Any, device: Any) -> None:
+    """Refuse by name a batch that differs between the ranks of ``tensor_group`` (a collective over it): the ranks of
+    a tensor group compute one model on one batch, and with different inputs their partial sums mix samples without an
+    error (DeepSpeed AutoTP checks its inputs so too). Its tensors' dtypes, shapes and bytes are hashed on the host;
+    run once, at the first training step."""
+    import hashlib
+
+    import torch
+    import torch.distributed as dist
+    from torch.utils._pytree import tree_flatten
+
+    from lzero.engine import collectives
+    from lzero.engine.frozen_base import byte_view
+
+    digest = hashlib.sha256()
+    for leaf in tree_flatten(batch)[0]:
+        if isinstance(leaf, Tensor):
+            digest.update(f"{leaf.dtype}{tuple(leaf.shape)}".encode())
+            digest.update(byte_view(leaf.cpu()).numpy())
+    mine = torch.tensor([int.from_bytes(digest.digest()[:7], "little")], dtype=torch.int64, device=device)
+    size = collectives.world_size(tensor_group)
+    every = torch.empty(size, dtype=torch.int64, device=device)
+    collectives.all_gather(every, mine, tensor_group)
+    if len(set(every.tolist())) > 1:
+        ranks = dist.get_process_group_ranks(tensor_group)
+        raise ZeroEngineError(
+            f"The tensor-parallel ranks {ranks} got different batches at the first training step: the ranks of a"
+            " tensor group compute one model on one batch, so each must see the batch of its data-parallel rank."
+            " HINT: keep Lightning's distributed sampler (`Trainer(use_distributed_sampler=True)`, the default: it"
+            " uses `strategy.distributed_sampler_kwargs`, the data-parallel rank and size), or give your sampler"
+            " `num_replicas=trainer.strategy.distributed_sampler_kwargs['num_replicas']` and `rank=...['rank']`, and"
+            " draw random inputs from a generator seeded alike on every tensor rank.")
+
+
 def check_parameters(module: nn.Module, tensor_group: Any) -> bool:
     """Whether ``module`` holds DTensor parameters, each on the run's tensor-parallel mesh (one dimension over
     ``tensor_group``); refused by name otherwise, and where the run has no tensor dimension (``tensor_group`` None)."""

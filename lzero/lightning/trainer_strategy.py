@@ -42,6 +42,7 @@ from lzero.lightning.trainer_kept import gather_back, keep, kept_engine, take_ke
 from lzero.lightning.trainer_precision import OPTIMIZER_HINT, ZeroPrecision
 from lzero.engine.rank_memory import rank_budget_bytes
 from lzero.engine.recording import settle
+from lzero.engine.tensor_parallel import check_same_inputs
 from lzero.lightning.trainer_averaging import defer_setup, shard_weight_averaging
 from lzero.lightning.trainer_wiring import (activation_probe, add_memory_monitor, guard_lr_schedulers, micro_batch_size,
                                             optimizers_from_deepspeed_blocks, watch_gradient_reads)
@@ -143,6 +144,7 @@ class ZeroStrategy(DDPStrategy):
         self._failure: Optional[BaseException] = None  # set by on_exception; see [Note: teardown after a failure]
         self._mesh: Optional[Any] = None  # the run's process groups (run_mesh), made at the first that one needs
         self._ranks_check: Optional[EveryRankCheck] = None  # see [Note: checkpoints after an exception]
+        self._inputs_unchecked = False  # tensor parallel: the first training step checks its batch (check_same_inputs)
         self._ranks_together: Optional[bool] = None  # every rank reached the exception's checkpoint in time
         self.init_fn = init_fn
         self._checkpoint_policy = checkpointing.CheckpointPolicy(activation_checkpointing, cpu_checkpointing)
@@ -280,6 +282,7 @@ class ZeroStrategy(DDPStrategy):
             watch_gradient_reads(self.lightning_module)
             keep_generation_synced(self._exit_stack, self.lightning_module, self.config, self.world_size)
             self._ranks_check = EveryRankCheck(self._run_mesh(), self.config.exception_checkpoint_timeout_s)
+            self._inputs_unchecked = self.config.tensor_parallel_size > 1
         elif self.config.stage >= 3:  # validate/test/predict sharded: see [Note: evaluating under zero3]
             self._engine, _ = start_engine(self.model, [], self.config, self.precision_plugin, self.root_device,
                                            self.num_processes, self.init_fn, evaluating=True, deepspeed=self._deepspeed,
@@ -389,6 +392,9 @@ class ZeroStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._inputs_unchecked:  # tensor parallel: [Note: tensor parallel under ZeRO] in tensor_parallel.py
+            self._inputs_unchecked = False
+            check_same_inputs(args[0] if args else kwargs.get("batch"), self._run_mesh().tensor, self.root_device)
         before_forward(self._engine)
         if self._probe is not None and not self._probe.measured:  # see [Note: out-of-memory triage]
             with self._probe.measuring(self.lightning_module):

@@ -287,6 +287,12 @@ def refusals(out: Path, devices: int, dp: int) -> None:
                             strategy=ZeroStrategy(stage=2, tensor_parallel_size=2, async_save=True),
                             enable_model_summary=False, default_root_dir=out)
     refusal(out, f"refused_async_dp{dp}", lambda: in_background.fit(Module(), DataLoader(dataset(), batch_size=MICRO)))
+    mixed = Trainer(accelerator="cpu", devices=devices, max_steps=1, logger=False, enable_progress_bar=False,
+                    strategy=ZeroStrategy(stage=2, tensor_parallel_size=2), enable_model_summary=False,
+                    enable_checkpointing=False, use_distributed_sampler=False)
+    own = torch.randint(0, VOCAB, (8, SEQ + 1), generator=torch.Generator().manual_seed(dist.get_rank()))  # per rank
+    refusal(out, f"refused_mixed_inputs_dp{dp}",
+            lambda: mixed.fit(Module(), DataLoader(TensorDataset(own[:, :-1], own[:, 1:]), batch_size=MICRO)))
 
 
 def reference(out: Path, dp: int, llama: Any = None) -> None:

@@ -88,7 +88,7 @@ def test_tensor_parallel_equals_lightning_model_parallel(runs: Path) -> None:
     _close(_load(runs, "zero2_dp2"), lightning, norms=False)
 
 
-def test_one_file_checkpoints_are_refused_by_name(runs: Path) -> None:
+def test_one_file_checkpoints_and_mixed_inputs_are_refused_by_name(runs: Path) -> None:
     """Sharded directories only (tests/lightning/test_tp_checkpoint.py): a save after a stage-2 fit (the engine gone,
     the model's DTensors left) and a checkpoint callback with `checkpoint_format='full'` are refused by name."""
     save = _load(runs, "refused_save_dp1")["message"]
@@ -98,6 +98,9 @@ def test_one_file_checkpoints_are_refused_by_name(runs: Path) -> None:
     assert callback is not None and "checkpoint callback and `checkpoint_format='full'`" in callback
     assert "enable_checkpointing=False" in callback
     background = _load(runs, "refused_async_dp1")["message"]
+    mixed = _load(runs, "refused_mixed_inputs_dp1")["message"]  # each rank drew its own batch: the tensor group differs
+    assert mixed is not None and "The tensor-parallel ranks [0, 1] got different batches" in mixed
+    assert "HINT" in mixed and "distributed_sampler_kwargs" in mixed
     assert background is not None and "checkpoint callback and `async_save=True`" in background and "HINT" in background
 
 
