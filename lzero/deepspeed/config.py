@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 from lzero.auto_sizes import FORMULAS
 from lzero.config import BY_HIDDEN_SIZE, ZeroConfig, ZeroConfigError
 from lzero.deepspeed.keys import (ZERO_PLUS_PLUS_READ, FP16_KEYS, LOGGING_KEYS, LOSS_SCALE_KEYS, NOT_BUILT_TOP, ONLY_DEFAULT_TOP, STAGE3_SCHEDULE,
-                                   TOP_KEYS, ZERO_KEYS, ZERO_NOTICE, ZERO_ONLY_VALUE, ZERO_PLUS_PLUS, ZERO_RENAMED,
+                                   TENSOR_PARALLEL_KEYS, TOP_KEYS, ZERO_KEYS, ZERO_NOTICE, ZERO_ONLY_VALUE, ZERO_PLUS_PLUS, ZERO_RENAMED,
                                    ZERO_SIZES)
 
 AUTO = "auto"
@@ -235,6 +235,8 @@ class _Reader:
             if kind in self.ds:
                 self.guarded(self.optim_block, kind)
         self.guarded(self.zero, self.ds.get("zero_optimization", {}))
+        if "tensor_parallel" in self.ds:
+            self.guarded(self.tensor_parallel, self.ds["tensor_parallel"])
         self.guarded(self.precision, precision)
         self.guarded(self.batch, world, micro, acc)
         self.guarded(self.misc)
@@ -258,6 +260,54 @@ class _Reader:
                 hint = f"did you mean `{prefix}{close[0]}`?" if close else "DeepSpeed has no such key either."
                 self.refuse(f"Unknown DeepSpeed key `{prefix}{key}`. HINT: {hint}")
         return True
+
+    # --- tensor_parallel -----------------------------------------------------------------------------------------
+
+    def tensor_parallel(self, block: Any) -> None:
+        """DeepSpeed's AutoTP training block: ``autotp_size`` (the seeds' ``tp_size`` read as it, with a notice: DeepSpeed
+        itself refuses that key) becomes ``tensor_parallel_size``, and the plan ``partition_config``'s ``layer_specs``
+        (regexes over parameter names), else ``tp_plan: auto`` (the Hugging Face model's ``base_model_tp_plan``, as
+        AutoTP reads it), which steps aside where ``configure_model`` parallelized the model itself. See [Note: tensor
+        parallel under ZeRO] in lzero/engine/tensor_parallel.py."""
+        p = "tensor_parallel."
+        if not self.check_keys(block, TENSOR_PARALLEL_KEYS, p):
+            return
+        why = {"dtype": "the model's dtype comes from the `bf16`/`fp16` blocks and the Trainer's precision",
+               "tp": "the inference-time `tp` sub-block is not read; give the size as `autotp_size`",
+               "preset_model": "DeepSpeed's built-in presets are not read; give `partition_config` or let the Hugging"
+                               " Face model's own plan apply (no `partition_config`)",
+               "injection_policy_tuple": "inference kernel injection is not part of lzero",
+               "keep_module_on_host": "checkpoint loading on the host is DeepSpeed's inference engine's",
+               "replace_with_kernel_inject": "inference kernel injection is not part of lzero",
+               "kernel_inject": "inference kernel injection is not part of lzero"}
+        for key in [k for k in block if k in why]:
+            self.refuse(f"`{p}{key}`: {why[key]}. HINT: remove `{p}{key}`.")
+        if block.get("tp_overlap_comm", False) is not False:
+            self.refuse(f"`{p}tp_overlap_comm={block['tp_overlap_comm']!r}`: overlapping the tensor-parallel all-reduce"
+                        " is not built (torch's styles run it in line). HINT: remove it or set it to false.")
+        size, key = block.get("autotp_size", 0), p + "autotp_size"
+        if "tp_size" in block:
+            if "autotp_size" in block and block["tp_size"] != size:
+                raise ZeroConfigError(f"`{p}tp_size={block['tp_size']!r}` and `{p}autotp_size={size!r}` disagree."
+                                      " HINT: keep `autotp_size` alone (DeepSpeed's key).")
+            size, key = block["tp_size"], p + "tp_size"
+            self.note(key, "renamed", "read as `tensor_parallel.autotp_size` (DeepSpeed's AutoTP key; DeepSpeed itself"
+                                      " refuses `tp_size` there)")
+        if size in (0, 1):  # AutoTP off
+            if "partition_config" in block:
+                raise ZeroConfigError(f"`{p}partition_config` without a tensor-parallel size (`{key}={size!r}`)."
+                                      f" HINT: set `{p}autotp_size` to the tensor ranks, e.g. 2.")
+            return
+        self.option("tensor_parallel_size", size, key)
+        if "partition_config" in block:
+            self.option("tp_plan", _partition_plan(block["partition_config"], p + "partition_config"),
+                        p + "partition_config")
+            self.note(p + "partition_config", "notice", "-> `tp_plan`: each layer_specs pattern a regex over parameter"
+                                                        " names (`re:` keys), row -> rowwise, column -> colwise")
+        else:
+            self.option("tp_plan", "auto", key)
+            self.note(key, "notice", "-> `tp_plan: auto`: the Hugging Face model's `base_model_tp_plan`, unless"
+                                     " `configure_model` parallelizes the model itself")
 
     # --- zero_optimization ---------------------------------------------------------------------------------------
 
@@ -443,6 +493,44 @@ class _Reader:
             self.out.cpu_checkpointing = from_deepspeed(self.ds["activation_checkpointing"])["cpu_checkpointing"]
         with as_written(self.out):  # every value checked by lzero's own rules, refused by the key as written
             ZeroConfig(**self.out.options)
+
+
+def _partition_plan(config: Any, where: str) -> dict[str, str]:
+    """AutoTP's ``partition_config`` as a ``tp_plan`` of ``re:`` patterns (see [Note: the tensor-parallel plan] in
+    lzero/engine/tensor_parallel_plan.py); refused by name where it asks for what lzero does not build."""
+    if not isinstance(config, dict) or not isinstance(config.get("layer_specs"), list) or not config["layer_specs"]:
+        raise ZeroConfigError(f"`{where}` must be an object with a non-empty `layer_specs` list, found {config!r:.80}."
+                              " HINT: `layer_specs`: a list of {patterns: [regexes over parameter names],"
+                              " partition_type: 'row' or 'column'}.")
+    unknown = [k for k in config if k not in ("layer_specs", "use_default_specs")]
+    if unknown:
+        raise ZeroConfigError(f"`{where}.{unknown[0]}` is not an AutoTP partition key. HINT: `layer_specs` and"
+                              " `use_default_specs` only.")
+    styles = {"row": "rowwise", "column": "colwise"}
+    plan: dict[str, str] = {}
+    for i, spec in enumerate(config["layer_specs"]):
+        at = f"{where}.layer_specs[{i}]"
+        if not isinstance(spec, dict):
+            raise ZeroConfigError(f"`{at}` must be an object with `patterns` and `partition_type`, found {spec!r:.60}.")
+        extra = [k for k in spec if k not in ("patterns", "partition_type")]
+        if extra:
+            raise ZeroConfigError(f"`{at}.{extra[0]}`: fused layers cut along a reshaped dimension (`shape`,"
+                                  " `partition_dim`) are not built. HINT: split that projection in the model, or"
+                                  " parallelize it in `configure_model` yourself.")
+        if spec.get("partition_type") not in styles:
+            raise ZeroConfigError(f"`{at}.partition_type={spec.get('partition_type')!r}` is not 'row' or 'column'."
+                                  " HINT: 'column' splits output features, 'row' input features.")
+        patterns = spec.get("patterns")
+        if not isinstance(patterns, list) or not patterns or not all(isinstance(x, str) for x in patterns):
+            raise ZeroConfigError(f"`{at}.patterns` must be a non-empty list of regexes, found {patterns!r:.60}.")
+        for pattern in patterns:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ZeroConfigError(f"`{at}.patterns`: {pattern!r} is not a regex ({err}). HINT: a Python regex"
+                                      " searched in parameter names, e.g. '.*\\.o_proj\\.weight$'.") from err
+            plan[f"re:{pattern}"] = styles[spec["partition_type"]]
+    return plan
 
 
 @contextmanager

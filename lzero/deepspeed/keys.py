@@ -26,9 +26,6 @@ NOT_BUILT_TOP = {
     "torch_autocast": "DeepSpeed's torch-autocast mode is not built; lzero's `bf16`/`fp16` blocks autocast with 16-bit"
                       " parameter copies and fp32 masters",
     "hybrid_engine": "DeepSpeed's RLHF hybrid engine is not part of lzero",
-    "tensor_parallel": "DeepSpeed's AutoTP block is not read yet; `ZeroStrategy(tensor_parallel_size=T)` runs tensor"
-                       " parallel at stages 1-2 with your own `parallelize_module` plan or `tp_plan=\"auto\"` (the"
-                       " Hugging Face model's own; docs/training.md)",
     "expert_parallel": "expert (MoE) parallelism is not part of lzero",
     "use_data_before_expert_parallelism": "expert (MoE) parallelism is not part of lzero",
     "sequence_parallel_size": "sequence parallelism is not part of lzero",
@@ -115,7 +112,13 @@ configuration can ask for (fp32, and the fp16/bf16 mixed precisions) and accumul
 does; ``fp32_allreduce: false`` (DeepSpeed's default) is accepted with a notice.
 The rest is refused by name."""
 
+TENSOR_PARALLEL_KEYS = ("autotp_size", "tp_size", "partition_config", "tp_overlap_comm", "dtype", "tp", "preset_model",
+                        "injection_policy_tuple", "keep_module_on_host", "replace_with_kernel_inject", "kernel_inject")
+"""The ``tensor_parallel`` block's keys (DeepSpeed's ``TPTrainingConfig``, plus the seeds' ``tp_size``): ``autotp_size``
+(and ``tp_size``, read as it with a notice) and ``partition_config`` honoured, ``tp_overlap_comm: false`` accepted,
+the rest refused by name (see ``_Reader.tensor_parallel`` in config.py)."""
+
 TOP_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization",
             "fp16", "bf16", "bfloat16", "gradient_clipping", "activation_checkpointing", "aio",
-            "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "optimizer", "scheduler",
+            "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "optimizer", "scheduler", "tensor_parallel",
             *ONLY_DEFAULT_TOP, *LOGGING_KEYS, *NOT_BUILT_TOP)

@@ -5,7 +5,9 @@ With ``tp_plan`` set, the strategy parallelizes the LightningModule over ``devic
 ``configure_model`` and before ZeRO wraps it, as the user's ``parallelize_module`` would (see [Note: tensor parallel
 under ZeRO] in tensor_parallel.py). A plan maps module-name patterns to style names. A pattern is matched component by
 component against the dotted module names, each component with ``fnmatch`` (so ``*`` matches one component, as in
-torch's ``parallelize_module`` and in Hugging Face's plans, whose ``layers.*`` stands for the layer's index). Each
+torch's ``parallelize_module`` and in Hugging Face's plans, whose ``layers.*`` stands for the layer's index); a pattern
+``re:<regex>`` is searched in each module's weight name instead (``model.layers.0.self_attn.o_proj.weight``), as
+DeepSpeed AutoTP's ``partition_config.layer_specs`` patterns are (lzero/deepspeed/config.py reads them so). Each
 pattern is resolved to the module names it matches (``resolve_plan``), and everything that would otherwise fail late
 or silently is refused there, without a process group: a pattern that matches nothing, a style other than
 ``colwise``/``rowwise``, a matched module that is not ``nn.Linear``, a size the tensor dimension does not divide
@@ -17,6 +19,7 @@ so the same numbers, bit for bit.
 
 from __future__ import annotations
 
+import re
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -45,7 +48,12 @@ def resolve_plan(root: nn.Module, plan: dict[str, str], tensor_parallel_size: in
         if style not in TP_STYLES:
             raise ZeroConfigError(f"`tp_plan` style {style!r} for {pattern!r} is not built: lzero applies"
                                   f" {list(TP_STYLES)} (torch's ColwiseParallel() and RowwiseParallel()). {_HINT}")
-        names = [name for name in modules if name and matches(pattern, name)]
+        if pattern.startswith("re:"):  # a regex over parameter names, as DeepSpeed AutoTP's layer_specs
+            regex = re.compile(pattern[3:])
+            names = [name for name, module in modules.items()
+                     if name and "weight" in module._parameters and regex.search(f"{name}.weight")]
+        else:
+            names = [name for name in modules if name and matches(pattern, name)]
         if not names:
             raise ZeroConfigError(f"`tp_plan` pattern {pattern!r} matches no module of {type(root).__name__}. HINT:"
                                   " patterns are module names from the LightningModule (`model.layers.*.mlp.up_proj`,"

@@ -309,6 +309,9 @@ class ZeroStrategy(DDPStrategy):
         from lzero.hf.tensor_parallel_plan import plan_for
 
         parallel = next((name for name, p in module.named_parameters() if is_dtensor(p)), None)
+        if parallel is not None and self._deepspeed is not None and "tp_plan" in self._deepspeed.origins \
+                and self._deepspeed.options.get("tp_plan") == "auto":
+            return  # a DeepSpeed AutoTP block without partition_config: the user's own plan comes first
         if parallel is not None:
             raise ZeroConfigError(f"`tp_plan={plan!r}` on a model already parallelized (parameter `{parallel}` is a"
                                   " DTensor): the plan would split it twice. HINT: drop `tp_plan`, or drop the"

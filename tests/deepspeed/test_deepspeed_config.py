@@ -488,7 +488,47 @@ def test_every_deepspeed_top_level_key_is_known(key: str) -> None:
 
     assert key in TOP_KEYS
     try:
-        translate({"zero_optimization": {"stage": 2}, key: {"enabled": True}} if key != "zero_optimization" else
+        block = {"autotp_size": 2, "tp_overlap_comm": True} if key == "tensor_parallel" else {"enabled": True}
+        translate({"zero_optimization": {"stage": 2}, key: block} if key != "zero_optimization" else
                   {"zero_optimization": {"stage": 2}})
     except ZeroConfigError as err:
         assert "Unknown DeepSpeed key" not in str(err) and key in str(err), str(err)
+
+
+def test_the_seeds_tp_size_and_autotp_size_become_tensor_parallel_size() -> None:
+    """DeepSpeed AutoTP's ``autotp_size``, and the seeds' ``tp_size`` read as it with a notice (DeepSpeed's own config
+    refuses that key): ``tensor_parallel_size`` with the model's own plan (``tp_plan: auto``), or AutoTP's
+    ``partition_config`` as ``re:`` patterns. tests/lightning/test_tp_plan.py trains with them."""
+    seeds = translate({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                       "tensor_parallel": {"tp_size": 8}}, world_size=16)
+    kwargs = seeds.strategy_kwargs()
+    assert kwargs["tensor_parallel_size"] == 8 and kwargs["tp_plan"] == "auto"
+    assert any(n.key == "tensor_parallel.tp_size" and "autotp_size" in n.text for n in seeds.notes)
+    specs = [{"patterns": [r".*\.o_proj\.weight$"], "partition_type": "row"},
+             {"patterns": [r".*\.[qkv]_proj\.weight$"], "partition_type": "column"}]
+    autotp = translate({"zero_optimization": {"stage": 2}, "tensor_parallel": {
+        "autotp_size": 2, "partition_config": {"use_default_specs": False, "layer_specs": specs}}})
+    assert autotp.strategy_kwargs()["tp_plan"] == {r"re:.*\.o_proj\.weight$": "rowwise",
+                                                   r"re:.*\.[qkv]_proj\.weight$": "colwise"}
+    off = translate({"zero_optimization": {"stage": 2}, "tensor_parallel": {"autotp_size": 0}})  # AutoTP's "disabled"
+    assert "tensor_parallel_size" not in off.strategy_kwargs()
+
+
+@pytest.mark.parametrize("block, message", [
+    ({"autotp_size": 2, "tp_size": 4}, r"`tensor_parallel.tp_size=4` and `tensor_parallel.autotp_size=2` disagree"),
+    ({"autotp_size": 2, "dtype": "bf16"}, r"`tensor_parallel.dtype`: the model's dtype comes from.*HINT"),
+    ({"autotp_size": 2, "preset_model": "llama"}, r"`tensor_parallel.preset_model`.*HINT"),
+    ({"autotp_size": 2, "tp_overlap_comm": True}, r"`tensor_parallel.tp_overlap_comm=True`.*not built.*HINT"),
+    ({"autotp_sise": 2}, r"Unknown DeepSpeed key `tensor_parallel.autotp_sise`.*did you mean `tensor_parallel.autotp_size`"),
+    ({"partition_config": {"layer_specs": []}}, r"`tensor_parallel.partition_config` without a tensor-parallel size"),
+    ({"autotp_size": 2, "partition_config": {"layer_specs": [{"patterns": ["x"], "partition_type": "column",
+                                                              "shape": [2, -1]}]}},
+     r"`tensor_parallel.partition_config.layer_specs\[0\].shape`: fused layers.*HINT"),
+    ({"autotp_size": 2, "partition_config": {"layer_specs": [{"patterns": ["x"], "partition_type": "diagonal"}]}},
+     r"partition_type='diagonal'` is not 'row' or 'column'"),
+    ({"autotp_size": 2, "partition_config": {"layer_specs": [{"patterns": ["(x"], "partition_type": "row"}]}},
+     r"'\(x' is not a regex.*HINT"),
+])
+def test_a_bad_tensor_parallel_block_is_refused_by_name(block: dict, message: str) -> None:
+    with pytest.raises(ZeroConfigError, match=message):
+        translate({"zero_optimization": {"stage": 2}, "tensor_parallel": block}, world_size=4)

@@ -58,6 +58,15 @@ def test_dict_plan_built_in_configure_model_equals_the_user_plan(runs: Path, dp:
     _bitwise(_load(runs, f"dict_zero2_dp{dp}"), _load(runs, f"user_zero2_dp{dp}"))
 
 
+@pytest.mark.parametrize("dp", [2, 1])
+@pytest.mark.parametrize("how", ["auto", "partition", "user"])
+def test_a_deepspeed_tensor_parallel_block_equals_the_user_plan(runs: Path, dp: int, how: str) -> None:
+    """The seeds' ``{"tensor_parallel": {"tp_size": 2}}`` (the model's own plan), AutoTP's ``partition_config``
+    regexes, and the block beside a ``configure_model`` that parallelizes (the user's plan first): each bitwise the
+    user-written plan's run."""
+    _bitwise(_load(runs, f"deepspeed_{how}_zero2_dp{dp}"), _load(runs, f"user_zero2_dp{dp}"))
+
+
 def test_a_plan_beside_a_parallelized_model_is_refused(runs: Path) -> None:
     message = _load(runs, "refused_twice")["message"]
     assert message is not None and "`tp_plan='auto'` on a model already parallelized" in message and "HINT" in message

@@ -6,7 +6,9 @@ Llama of tensor_parallel_runs.py, tensor_parallel_size=2.
 Rank 0 writes ``OUT_DIR/<run>_dp<N>.pt`` as tensor_parallel_runs.py does: ``user_zero<S>`` (the user's
 ``configure_model`` parallelizes with LLAMA_PLAN), ``auto_zero<S>`` (``tp_plan="auto"``: the model's own
 ``base_model_tp_plan``, the Llama built in ``__init__``), ``dict_zero2`` (``tp_plan`` = LLAMA_PLAN from the
-LightningModule, the Llama built in ``configure_model``) and ``reference_llama_dp<N>`` (one process); at dp1,
+LightningModule, the Llama built in ``configure_model``), ``deepspeed_{auto,partition,user}_zero2`` (a DeepSpeed JSON's
+``tensor_parallel`` block: the seeds' ``tp_size``, AutoTP's ``partition_config``, the block beside the user's plan) and
+``reference_llama_dp<N>`` (one process); at dp1,
 ``refused_twice``: a plan beside a model the user parallelized. tests/lightning/test_tp_plan.py compares them.
 """
 
@@ -55,6 +57,16 @@ def main(out: Path, llama: Path) -> None:
             module=PlannedModule(llama))
     run(out, f"dict_zero2_dp{dp}", ZeroStrategy(stage=2, tensor_parallel_size=2, tp_plan=dict_plan), world,
         module=PlannedModule(llama, in_configure=True))
+    # DeepSpeed JSON: the seeds' `tp_size` (AutoTP's `autotp_size`) with the model's own plan, AutoTP's partition_config
+    # (regexes over parameter names), and an AutoTP block beside the user's own plan (which comes first)
+    seeds = {"zero_optimization": {"stage": 2}, "tensor_parallel": {"tp_size": 2}}
+    run(out, f"deepspeed_auto_zero2_dp{dp}", ZeroStrategy(config=seeds), world, module=PlannedModule(llama))
+    specs = [{"patterns": [r".*\.(q|k|v|gate|up)_proj\.weight$"], "partition_type": "column"},
+             {"patterns": [r".*\.(o|down)_proj\.weight$"], "partition_type": "row"}]
+    partitioned = {"zero_optimization": {"stage": 2},
+                   "tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": specs}}}
+    run(out, f"deepspeed_partition_zero2_dp{dp}", ZeroStrategy(config=partitioned), world, module=PlannedModule(llama))
+    run(out, f"deepspeed_user_zero2_dp{dp}", ZeroStrategy(config=seeds), world, llama=llama)
     if dp == 1:
         from torch.utils.data import DataLoader
 
