@@ -223,13 +223,21 @@ def inspect(checkpoint_dir: Any) -> dict[str, Any]:
     frozen = sum(p["numel"] for p in m["params"].values() if p.get("frozen"))
     other = reader.module_state_numel() + frozen
     needs = _resume_needs(reader, trainable, frozen)
+    tensor = m.get("tensor_parallel")  # [Note: tensor-parallel checkpoints] in lzero/engine/tensor_layout.py
+    saved = needs.get((m.get("stage"), m["world_size"]))
+    if tensor is not None:
+        split = sum(m["params"][name]["numel"] for name in tensor["params"])
+        saved = _saved_layout_needs(reader, trainable, frozen, split, tensor["size"])
     return {
         "path": str(reader.path), "save_id": m["save_id"], "world_size": m["world_size"], "stage": m.get("stage"),
         "precision": m.get("precision"), "global_step": m.get("global_step"), "epoch": m.get("epoch"),
         "trainable_parameters": trainable, "frozen_parameters_and_buffers": other,
         "total_parameters": trainable + other,
         "state_dict_keys": len(m["state_dict_keys"]), "optimizer_state": not m.get("weights_only", False),
-        "model_states_bytes_per_rank": needs.get((m.get("stage"), m["world_size"])),
+        "tensor_parallel": None if tensor is None else (
+            f"{tensor['size']} ({len(tensor['params'])} of {len(m['params'])} parameters, {split:,} of {trainable:,}"
+            " trainable elements, split over the tensor ranks)"),
+        "model_states_bytes_per_rank": saved,
         "resume_needs": needs,
         "files": [(f["name"], f["bytes"]) for f in m["files"]],
         "frozen_base": None if "base" not in m else {
@@ -260,6 +268,23 @@ def _resume_needs(reader: ShardedCheckpoint, trainable: int, frozen: int) -> dic
     return needs
 
 
+def _saved_layout_needs(reader: ShardedCheckpoint, trainable: int, frozen: int, split: int, size: int) -> int:
+    """The saving tensor-parallel run's model states per rank: ``split`` elements over the ``size`` tensor ranks, ZeRO
+    over the world's data ranks."""
+    from lzero.config import ZeroConfig
+    from lzero.memory.estimate import ModelCount, model_states
+
+    m = reader.manifest
+    first = next((n for n, p in m["params"].items() if not p.get("frozen")), None)
+    keys = reader.optimizer_keys(0, first) if first is not None and not m.get("weights_only") else []
+    optimizer_bytes = 4 * sum(1 for k in keys if not reader.is_scalar(f"optim/0/{first}/{k}"))
+    precision = "bf16-mixed" if m.get("precision") in ("bf16-mixed", "16-mixed") else "32-true"
+    stage = m.get("stage") or 1
+    count = ModelCount(trainable, frozen if stage == 3 else 0, tensor_sharded=split).per_tensor_rank(size)
+    per_rank = model_states(ZeroConfig(stage=stage), count, m["world_size"] // size, precision, optimizer_bytes)
+    return sum(v for kinds in per_rank.values() for k, v in kinds.items() if k != "gradients")
+
+
 def consolidate_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="lzero consolidate", description=consolidate.__doc__)
     parser.add_argument("checkpoint_dir", help="a sharded checkpoint directory, a DeepSpeed ZeRO checkpoint folder"
@@ -285,7 +310,7 @@ def inspect_command(argv: list[str]) -> int:
         print(f"lzero inspect: {err}", file=sys.stderr)
         return 1
     for key, value in info.items():
-        if key not in ("files", "resume_needs", "frozen_base"):
+        if key not in ("files", "resume_needs", "frozen_base") and not (key == "tensor_parallel" and value is None):
             print(f"{key}: {value}")
     base = info["frozen_base"]
     if base is not None:  # [Note: a checkpoint without its frozen base] in base_files.py

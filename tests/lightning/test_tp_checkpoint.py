@@ -99,3 +99,15 @@ def test_a_damaged_tensor_parallel_record_is_refused(runs: Path, tmp_path: Path)
     (copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CheckpointError, match=r"`tensor_parallel` must be .*HINT"):
         ShardedCheckpoint(copy)
+
+
+def test_inspect_names_the_tensor_layout(runs: Path) -> None:
+    """``lzero inspect``: the tensor size and what it splits, and the saving run's model states per rank (ZeRO over
+    the 2 data ranks of the 1,664 - 1,584 + 1,584 / 2 = 872 elements a tensor rank holds: 16 bytes each at zero3, the
+    gradient's 4 left out as between steps)."""
+    from lzero.checkpoint.consolidate import inspect
+
+    info = inspect(runs / "zero3" / "epoch=0.ckpt")
+    assert info["tensor_parallel"] == ("2 (6 of 11 parameters, 1,584 of 1,664 trainable elements, split over the tensor"
+                                       " ranks)")
+    assert info["model_states_bytes_per_rank"] == 872 * 12 // 2
