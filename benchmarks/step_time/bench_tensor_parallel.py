@@ -5,8 +5,9 @@ CPU processes, one thread each, on the same model and batches in one run.
 
 The model: a Hugging Face Llama (``--hidden``, ``--layers``; 8 heads, 4 KV heads), fp32, parallelized by the user's
 plan (q/k/v and gate/up column-wise, o and down row-wise) over ``device_mesh["tensor_parallel"]``; lzero shards it
-over the data-parallel ranks (zero2, zero3), ``ModelParallelStrategy`` with ``fully_shard`` per decoder layer and on
-the whole model. AdamW, no clipping (torch's ``clip_grad_norm_`` refuses this model under FSDP2 + TP: its embeddings
+over the data-parallel ranks (zero2; zero3 with its default ``schedule="auto"``, which keeps blocks gathered as far as
+memory allows, and with ``schedule="min_memory"``, every block gathered for each use as FSDP2 reshards by default),
+``ModelParallelStrategy`` with ``fully_shard`` per decoder layer and on the whole model. AdamW, no clipping (torch's ``clip_grad_norm_`` refuses this model under FSDP2 + TP: its embeddings
 and norms sit on the data mesh alone). Each round fits every strategy once; rank 0's wall time per step after
 ``--warmup`` steps, median over the steps of every round. Lightning's launcher is not used: torchrun starts the ranks
 (every Trainer has ``devices=4``).
@@ -92,6 +93,8 @@ def strategy(name: str) -> Any:
 
     if name == "model_parallel":
         return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)
+    if name == "zero3_min_memory":  # every block gathered for its use and released, as FSDP2 reshards by default
+        return ZeroStrategy(stage=3, tensor_parallel_size=2, schedule="min_memory")
     return ZeroStrategy(stage=int(name[-1]), tensor_parallel_size=2)
 
 
@@ -117,7 +120,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--strategies", default="model_parallel,zero3,zero2")
+    parser.add_argument("--strategies", default="model_parallel,zero3,zero3_min_memory,zero2")
     parser.add_argument("--out", default=None, help="a result name in step_time, a path, or none")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -139,7 +142,10 @@ def main() -> None:
         for name in names:
             median = statistics.median(times[name])
             ratio = f"{median / base:.3f}x" if base else "-"
-            label = "ModelParallelStrategy (FSDP2 + TP)" if name == "model_parallel" else f"lzero {name}, tp2"
+            label = ("ModelParallelStrategy (FSDP2 + TP)" if name == "model_parallel"
+                     else "lzero zero3, tp2, `schedule='min_memory'`" if name == "zero3_min_memory"
+                     else f"lzero {name}, tp2" + (" (`schedule='auto'`: blocks kept gathered as memory allows)"
+                                                  if name == "zero3" else ""))
             lines.append(f"| {label} | {median:.3f} | {len(times[name])} | {ratio} |")
         path = out_path(args.out, "step_time", "tensor_parallel")
         print("\n".join(lines), flush=True)

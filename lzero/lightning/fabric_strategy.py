@@ -106,15 +106,20 @@ class ZeroFabricStrategy(DDPStrategy):
         memory_budget_bytes: Optional[int] = None,
         memory_margin: float = 0.2,
         loss_scaling: Optional[Union[dict, LossScaleConfig]] = None,
+        parallelize_fn: Optional[Callable[[nn.Module, Any], nn.Module]] = None,
         **options: Any,
     ) -> None:
         args = strategy_args.resolve(config, stage, allow_untested_optimizer, precision, loss_scaling,
                                      cpu_checkpointing, {}, options)
-        if args.config.tensor_parallel_size > 1:
-            raise ZeroConfigError(
-                f"`tensor_parallel_size={args.config.tensor_parallel_size}` at Fabric's door: tensor parallel runs"
-                " through the Trainer's `ZeroStrategy` so far. HINT: use `Trainer(strategy=ZeroStrategy(stage=2,"
-                " tensor_parallel_size=T))`, or Lightning's `ModelParallelStrategy` with Fabric.")
+        if parallelize_fn is not None and args.config.tensor_parallel_size == 1:
+            raise ZeroConfigError("`parallelize_fn` with `tensor_parallel_size=1`: it parallelizes over the tensor"
+                                  " dimension, and there is none. HINT: pass `tensor_parallel_size=T` (T > 1).")
+        if parallelize_fn is not None and args.config.tp_plan is not None:
+            raise ZeroConfigError(f"`parallelize_fn` beside `tp_plan={args.config.tp_plan!r}`: both would split the"
+                                  " model. HINT: keep one of them.")
+        if args.config.tensor_parallel_size > 1 and args.auto:
+            raise ZeroConfigError(f"`stage='auto'` with `tensor_parallel_size={args.config.tensor_parallel_size}`: the"
+                                  " automatic choice does not count tensor-parallel shards yet. HINT: give the stage.")
         if args.deepspeed is not None and (args.deepspeed.optimizer is not None or args.deepspeed.scheduler is not None):
             raise ZeroConfigError(
                 "The DeepSpeed configuration has an `optimizer` or `scheduler` block, which a Fabric script does not"
@@ -135,6 +140,8 @@ class ZeroFabricStrategy(DDPStrategy):
         self._recording: Optional[contextlib.ExitStack] = None  # a meta build's record, open until setup_module
         self._steps = 0  # optimizer steps taken or skipped, all optimizers: the "global step" of skip reports
         self._mesh: Any = None  # the run's process groups (run_mesh), made at the first that one needs
+        self.parallelize_fn = parallelize_fn  # tensor parallel: Fabric's ModelParallelStrategy contract
+        self._device_mesh: Any = None  # tensor parallel: the 2-D DeviceMesh, made at setup_environment
         self._ranks_check: Optional[EveryRankCheck] = None  # see [Note: every rank at a collective call]
 
     # --- plugins -----------------------------------------------------------------------------
@@ -198,14 +205,64 @@ class ZeroFabricStrategy(DDPStrategy):
 
     def _run_mesh(self) -> Any:
         """The run's process groups, made once (see [Note: the mesh] in lzero/engine/mesh.py)."""
-        self._mesh = run_mesh(self._mesh, self.config, self._deepspeed)
+        self._mesh = run_mesh(self._mesh, self.config, self._deepspeed, self._device_mesh)
         return self._mesh
+
+    # --- tensor parallel: see [Note: tensor parallel under ZeRO] in lzero/engine/tensor_parallel.py ----------
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.config.tensor_parallel_size > 1 and self._device_mesh is None:
+            from lzero.engine.mesh import tensor_parallel_mesh
+
+            self._device_mesh = tensor_parallel_mesh(self.config.tensor_parallel_size, self.root_device.type)
+
+    @property
+    def device_mesh(self) -> Any:
+        """Tensor parallel: the 2-D ``DeviceMesh`` ``("data_parallel", "tensor_parallel")``, as Fabric's
+        ``ModelParallelStrategy`` has it (``parallelize_fn(module, device_mesh)`` receives it)."""
+        if self._device_mesh is None:
+            raise RuntimeError("`strategy.device_mesh` exists with `tensor_parallel_size` > 1, once `fabric.launch()`"
+                               f" has started the processes (tensor_parallel_size={self.config.tensor_parallel_size}).")
+        return self._device_mesh
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """The data-parallel rank and size: the ranks of one tensor-parallel group read the same batches."""
+        tensor = self.config.tensor_parallel_size
+        return {"num_replicas": self.world_size // tensor, "rank": self.global_rank // tensor}
+
+    def _parallelize(self, module: nn.Module, jointly: bool) -> nn.Module:
+        """``parallelize_fn(module, device_mesh)`` or ``tp_plan`` over the tensor dimension, at ``fabric.setup``."""
+        if self.parallelize_fn is None and self.config.tp_plan is None:
+            return module  # the script parallelized it itself (or holds nothing to split)
+        if has_meta(module):
+            raise ZeroConfigError("Tensor parallel of a model built on the meta device (`fabric.init_module("
+                                  "empty_init=True)` at zero3): not built yet. HINT: build it without `empty_init`.")
+        if jointly:
+            raise ZeroConfigError(
+                "`fabric.setup(model, optimizer)` with tensor parallel: the plan replaces the model's parameters with"
+                " DTensors, which the optimizer built before does not hold. HINT: `model = fabric.setup_module(model)`,"
+                " then build the optimizer from `model.parameters()` and `fabric.setup_optimizers(optimizer)`, as"
+                " Fabric's ModelParallelStrategy asks.")
+        if self.parallelize_fn is not None:
+            return self.parallelize_fn(module, self.device_mesh)
+        from lzero.engine.tensor_parallel_plan import apply_plan
+        from lzero.hf.tensor_parallel_plan import plan_for
+
+        apply_plan(module, plan_for(module, self.config.tp_plan, self.config.tensor_parallel_size),
+                   self.device_mesh["tensor_parallel"])
+        return module
 
     def _setup(self, module: nn.Module, refresh: bool) -> nn.Module:
         self._close_recording()
         settle(module)  # the fake tensors of `init_module(empty_init=True)` become meta ones: [Note: a fake device]
         if any(m.module is module for m in self._models):
             raise RuntimeError(f"`{type(module).__name__}` is set up already. HINT: call `fabric.setup` once per model.")
+        if self.config.tensor_parallel_size > 1:
+            module = self._parallelize(module, jointly=not refresh)
         if self._ranks_check is None:  # for all_ranks_at; made while every rank is here
             self._ranks_check = EveryRankCheck(self._run_mesh(), self.config.exception_checkpoint_timeout_s)
         model = SetUpModel(module)
