@@ -484,7 +484,11 @@ class ZeroFabricStrategy(DDPStrategy):
         engine = model.engine
         engine.flush_delayed_update()
         optimizers = {k: v for k, v in state.items() if isinstance(v, ZeroOptimizer) and v in model.zero}
-        module_state = sharded_state_dict(engine, model.module)
+        model.inside = True  # the module's own state dict (its parameters), not the shadow's whole one
+        try:
+            module_state = sharded_state_dict(engine, model.module)
+        finally:
+            model.inside = False
         kept = None
         if key in filter:  # a sharded value reaches the filter as a ShardedTensor (shape, dtype, full_tensor())
             module_state = {k: v for k, v in module_state.items() if filter[key](k, v)}

@@ -17,7 +17,6 @@ import torch
 from _launch import run_script
 from tensor_parallel_runs import CONFIGURATIONS, HYBRID
 from lzero import ZeroConfig, ZeroConfigError
-from lzero.lightning.fabric_strategy import ZeroFabricStrategy
 
 TOLERANCE = 1e-5
 
@@ -110,10 +109,6 @@ def test_tensor_parallel_size_is_a_whole_number(bad: object) -> None:
         ZeroConfig(tensor_parallel_size=bad)
     assert ZeroConfig(tensor_parallel_size=2.0).tensor_parallel_size == 2
 
-
-def test_fabric_refuses_tensor_parallel() -> None:
-    with pytest.raises(ZeroConfigError, match=r"`tensor_parallel_size=2` at Fabric's door.*HINT"):
-        ZeroFabricStrategy(stage=2, tensor_parallel_size=2)
 
 
 def test_the_strategy_takes_it_as_any_zero_config_key() -> None:
