@@ -48,18 +48,23 @@ def load_model(path: str, model_args: Optional[str] = None) -> Any:
                             " arguments in --model-args.") from err
 
 
+def _json_object(flag: str, text: str, what: str, example: str) -> dict[str, Any]:
+    """``text`` of the option ``flag`` read as a JSON object of ``what``, or an error naming it and ``example``."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise EstimateError(f"`{flag} {text}` is not valid JSON ({err}). HINT: a JSON object in single quotes, e.g."
+                            f" {flag} '{example}'.") from err
+    if not isinstance(value, dict):
+        raise EstimateError(f"`{flag} {text}` is a JSON {type(value).__name__}, not an object of {what}. HINT: e.g."
+                            f" {flag} '{example}'.")
+    return value
+
+
 def _model_kwargs(text: Optional[str]) -> dict[str, Any]:
     if text is None:
         return {}
-    try:
-        kwargs = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise EstimateError(f"`--model-args {text}` is not valid JSON ({err}). HINT: a JSON object in single"
-                            """ quotes, e.g. --model-args '{"n_layer": 48, "n_embd": 1600}'.""") from err
-    if not isinstance(kwargs, dict):
-        raise EstimateError(f"`--model-args {text}` is a JSON {type(kwargs).__name__}, not an object of keyword"
-                            """ arguments. HINT: e.g. --model-args '{"n_layer": 48}'.""")
-    return kwargs
+    return _json_object("--model-args", text, "keyword arguments", '{"n_layer": 48, "n_embd": 1600}')
 
 
 def _params(text: str) -> int:
@@ -204,15 +209,8 @@ def _split(args: argparse.Namespace) -> int:
 def _tp_plan(text: str) -> Any:
     if text == "auto":
         return text
-    try:
-        plan = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise EstimateError(f"`--tp-plan {text}` is neither 'auto' nor JSON ({err}). HINT: e.g. --tp-plan"
-                            """ '{"layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"}'.""") from err
-    if not isinstance(plan, dict):
-        raise EstimateError(f"`--tp-plan {text}` is a JSON {type(plan).__name__}, not an object of module-name patterns"
-                            " to 'colwise'/'rowwise'. HINT: e.g. --tp-plan '{\"layers.*.mlp.up_proj\": \"colwise\"}'.")
-    return plan
+    return _json_object("--tp-plan", text, "module-name patterns to 'colwise'/'rowwise' ('auto' aside)",
+                        '{"layers.*.mlp.up_proj": "colwise", "layers.*.mlp.down_proj": "rowwise"}')
 
 
 def schedule_line(r: dict, args: argparse.Namespace) -> str:
