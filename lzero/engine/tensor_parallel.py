@@ -126,13 +126,12 @@ def check_same_inputs(batch: Any, tensor_group: Any, device: Any) -> None:
     from torch.utils._pytree import tree_flatten
 
     from lzero.engine import collectives
-    from lzero.engine.frozen_base import byte_view
 
     digest = hashlib.sha256()
     for leaf in tree_flatten(batch)[0]:
         if isinstance(leaf, Tensor):
             digest.update(f"{leaf.dtype}{tuple(leaf.shape)}".encode())
-            digest.update(byte_view(leaf.cpu()).numpy())
+            digest.update(leaf.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
     mine = torch.tensor([int.from_bytes(digest.digest()[:7], "little")], dtype=torch.int64, device=device)
     size = collectives.world_size(tensor_group)
     every = torch.empty(size, dtype=torch.int64, device=device)
