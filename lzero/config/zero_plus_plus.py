@@ -48,7 +48,8 @@ class ZeroPlusPlusConfig:
     "tensor_parallel")`` as under Lightning's ``ModelParallelStrategy``, and ZeRO shards over the data-parallel ranks
     only. The model is parallelized by the user's ``configure_model`` (``parallelize_module(...,
     self.device_mesh["tensor_parallel"], plan)``), or by the strategy from ``tp_plan``. Must divide the world size.
-    Every stage, offload and hybrid sharding (over the data ranks); fp32, the Trainer only, no checkpoints yet. 1: off.
+    Every stage, offload and hybrid sharding (over the data ranks), sharded checkpoints, both doors (Fabric:
+    ``parallelize_fn``); fp32 and bf16-mixed. 1: off.
     See [Note: tensor parallel under ZeRO] in lzero/engine/tensor_parallel.py."""
 
     tp_plan: Union[None, Literal["auto"], dict[str, str]] = None

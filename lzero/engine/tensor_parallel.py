@@ -28,7 +28,11 @@ that group), exactly as over a one-dimensional world, with these differences, wh
   backward are completed as above. Offload (host or NVMe stores) and hybrid sharding hold shards of the flat buffer
   and so need nothing more.
 
-Not built yet: mixed precision, checkpoints, Fabric (each refused by name).
+In bf16-mixed a unit's flat buffer holds the bf16 compute copies: ``repoint`` makes the DTensor's wrapper and spec say
+the local tensor's dtype too (a DTensor's dtype is its wrapper's, fixed when made), so autocast and the plan's
+operations see a bf16 parameter, as without tensor parallel, and the fp32 masters handed back at the end of fit make
+it fp32 again. Not built yet: fp16 (its overflow would have to be agreed over the tensor ranks) and bf16-true.
+Checkpoints: [Note: tensor-parallel checkpoints] in tensor_layout.py.
 """
 
 from __future__ import annotations
@@ -36,10 +40,11 @@ from __future__ import annotations
 import sys
 from typing import Any, Optional
 
+import torch
 from torch import Tensor, nn
 
 from lzero.engine.tensor_layout import TensorLayout
-from lzero.errors import ZeroEngineError
+from lzero.errors import ZeroConfigError, ZeroEngineError
 
 
 def is_dtensor(t: Any) -> bool:
@@ -63,11 +68,22 @@ def local_shape(p: Tensor) -> tuple[int, ...]:
 
 def repoint(p: nn.Parameter, view: Tensor) -> None:
     """``p`` holds ``view`` (the shape of its local tensor) from now on: a DTensor's local tensor is ``view``, any other
-    parameter's ``.data``. See [Note: tensor parallel under ZeRO]."""
-    if is_dtensor(p):
-        p._local_tensor = view
-    else:
+    parameter's ``.data``. A DTensor whose dtype ``view`` changes (16-bit compute copies, fp32 handed back at the end)
+    takes it in its wrapper and its spec too, so that autocast and the plan's operations see the local tensor's dtype.
+    See [Note: tensor parallel under ZeRO]."""
+    if not is_dtensor(p):
         p.data = view
+        return
+    if view.dtype != p._spec.tensor_meta.dtype:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+        meta = p._spec.tensor_meta
+        spec = DTensorSpec(p._spec.mesh, p._spec.placements, tensor_meta=TensorMeta(meta.shape, meta.stride, view.dtype))
+        with torch._C.DisableTorchFunctionSubclass():  # a released parameter's guard would refuse the write
+            p.data = DTensor(view, spec, requires_grad=False)  # the wrapper's dtype (its local tensor: below)
+        p._spec = spec
+    p._local_tensor = view
 
 
 def as_grad(p: nn.Parameter, view: Tensor) -> Tensor:
@@ -112,6 +128,15 @@ def layouts(params: dict[str, nn.Parameter]) -> dict[str, TensorLayout]:
                 " HINT: distribute it with `distribute_tensor`/`parallelize_module`, not a hand-made DTensor.")
         out[name] = layout
     return out
+
+
+def check_tensor_parallel_precision(size: int, precision: str) -> None:
+    """Tensor parallel runs in ``32-true`` and ``bf16-mixed``; another precision is refused by name (16-mixed's loss
+    scaling would need an overflow agreed over the tensor ranks too; bf16-true is not tested under it)."""
+    if precision not in ("32-true", "bf16-mixed"):
+        raise ZeroConfigError(f"`tensor_parallel_size={size}` with precision={precision!r}: tensor parallel runs in"
+                              " '32-true' and 'bf16-mixed' so far. HINT: `precision='bf16-mixed'` (or '32-true'), or"
+                              " `tensor_parallel_size=1`.")
 
 
 def check_same_inputs(batch: Any, tensor_group: Any, device: Any) -> None:

@@ -236,6 +236,9 @@ class ZeroFabricStrategy(DDPStrategy):
 
     def _parallelize(self, module: nn.Module, jointly: bool) -> nn.Module:
         """``parallelize_fn(module, device_mesh)`` or ``tp_plan`` over the tensor dimension, at ``fabric.setup``."""
+        from lzero.engine.tensor_parallel import check_tensor_parallel_precision
+
+        check_tensor_parallel_precision(self.config.tensor_parallel_size, self.precision.precision)
         if self.parallelize_fn is None and self.config.tp_plan is None:
             return module  # the script parallelized it itself (or holds nothing to split)
         if has_meta(module):

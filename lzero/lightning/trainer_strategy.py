@@ -42,7 +42,7 @@ from lzero.lightning.trainer_kept import gather_back, keep, kept_engine, take_ke
 from lzero.lightning.trainer_precision import OPTIMIZER_HINT, ZeroPrecision
 from lzero.engine.rank_memory import rank_budget_bytes
 from lzero.engine.recording import settle
-from lzero.engine.tensor_parallel import check_same_inputs
+from lzero.engine.tensor_parallel import check_same_inputs, check_tensor_parallel_precision
 from lzero.lightning.trainer_averaging import defer_setup, shard_weight_averaging
 from lzero.lightning.trainer_wiring import (activation_probe, add_memory_monitor, guard_lr_schedulers, micro_batch_size,
                                             optimizers_from_deepspeed_blocks, watch_gradient_reads)
@@ -324,9 +324,7 @@ class ZeroStrategy(DDPStrategy):
         tensor parallel under ZeRO] in lzero/engine/tensor_parallel.py)."""
         size = self.config.tensor_parallel_size
         precision = self.precision_plugin.precision
-        if precision != "32-true":
-            raise ZeroConfigError(f"`tensor_parallel_size={size}` with precision={precision!r}: tensor parallel runs in"
-                                  " fp32 so far. HINT: `Trainer(precision='32-true')`, or `tensor_parallel_size=1`.")
+        check_tensor_parallel_precision(size, precision)
         config = self.config
         unbuilt = ("`checkpoint_format='full'`" if config.checkpoint_format != "sharded"
                    else "`async_save=True`" if config.async_save

@@ -168,3 +168,14 @@ def test_model_states_per_rank_match_the_estimate(runs: Path, name: str, model: 
         got = sum(v for kind, v in measured[store].items() if kind != "buffers")
         assert abs(got - want) <= 0.01 * want, (store, got, want, measured[store], kinds)
     assert isinstance(module, LightningModule)
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-true", "16-true", "64-true"])
+def test_precisions_not_built_under_tensor_parallel_are_refused(precision: str) -> None:
+    """32-true and bf16-mixed run (tests/lightning/test_tp_bf16.py); the others are refused at setup, at both doors."""
+    from lzero.engine.tensor_parallel import check_tensor_parallel_precision
+
+    with pytest.raises(ZeroConfigError, match=rf"`tensor_parallel_size=2` with precision='{precision}'.*HINT"):
+        check_tensor_parallel_precision(2, precision)
+    for built in ("32-true", "bf16-mixed"):
+        check_tensor_parallel_precision(2, built)
