@@ -252,14 +252,28 @@ def run(out: Path, name: str, strategy: Any, devices: int, fsdp: bool = False, l
     fit.fit(module, DataLoader(dataset(), batch_size=MICRO))
     with fit.strategy.gathered_parameters(module.model) if not fsdp else nullcontext():  # zero3 keeps the model sharded
         params = full_parameters(module.model)
+    generated = None
+    if not fsdp and llama is not None and llama != GPT:  # greedy generation on the fitted, tensor-parallel Llama
+        with fit.strategy.generation(module):
+            generated = module.model.generate(PROMPT, max_new_tokens=6, do_sample=False).tolist()
     if not fsdp:
         validation = Subset(dataset(), range(VALIDATION))
         val = fit.validate(module, DataLoader(validation, batch_size=MICRO), verbose=False)[0]["val_loss"]
     if fit.is_global_zero:
         torch.save({"losses": module.losses, "norms": module.norms, "params": params, "per_parameter": module.per_parameter,
-                    "memory": module.memory,
+                    "memory": module.memory, "generated": generated,
                     "sampler": fit.strategy.distributed_sampler_kwargs, "val_loss": None if fsdp else val},
                    out / f"{name}.pt")
+
+
+PROMPT = torch.tensor([[1, 5, 7, 2]])
+
+
+def generate_plainly(llama: Path, params: dict[str, torch.Tensor]) -> list:
+    """The same greedy generation by one process, a plain Llama holding ``params`` (a run's whole parameters)."""
+    model = load_llama(llama)
+    model.load_state_dict(params)
+    return model.generate(PROMPT, max_new_tokens=6, do_sample=False).tolist()
 
 
 def refusal(out: Path, name: str, call: Any) -> None:

@@ -179,3 +179,14 @@ def test_precisions_not_built_under_tensor_parallel_are_refused(precision: str) 
         check_tensor_parallel_precision(2, precision)
     for built in ("32-true", "bf16-mixed"):
         check_tensor_parallel_precision(2, built)
+
+
+@pytest.mark.parametrize("name, dp", [(n, dp) for n, dp in CASES if n in ("zero2", "zero3")])
+def test_generation_under_tensor_parallel_is_one_process(runs: Path, name: str, dp: int) -> None:
+    """``strategy.generation(module)`` around Hugging Face's ``generate`` on the fitted tensor-parallel Llama: the
+    tokens one process generates greedily with the same (gathered) parameters."""
+    from tensor_parallel_runs import generate_plainly
+
+    got = _load(runs, f"llama_{name}_dp{dp}")
+    assert got["generated"] is not None and len(got["generated"][0]) == 10
+    assert got["generated"] == generate_plainly(runs / "llama", got["params"])
