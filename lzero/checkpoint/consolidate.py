@@ -251,37 +251,40 @@ def _resume_needs(reader: ShardedCheckpoint, trainable: int, frozen: int) -> dic
     sizes 1, 2, 4, 8 and the saved one: what resuming this checkpoint at another stage or world size needs. The
     optimizer's per-element state is counted from the checkpoint (4 bytes per fp32 state tensor). Frozen parameters
     count only where the checkpoint marks them (zero3 saves); zero1/2 saves keep them with the buffers."""
-    from lzero.config import ZeroConfig
-    from lzero.memory.estimate import ModelCount, model_states
+    from lzero.memory.estimate import ModelCount
 
-    m = reader.manifest
-    first = next((n for n, p in m["params"].items() if not p.get("frozen")), None)
-    keys = reader.optimizer_keys(0, first) if first is not None and not m.get("weights_only") else []
-    optimizer_bytes = 4 * sum(1 for k in keys if not reader.is_scalar(f"optim/0/{first}/{k}"))
-    precision = "bf16-mixed" if m.get("precision") in ("bf16-mixed", "16-mixed") else "32-true"
-    needs = {}
-    for world in sorted({1, 2, 4, 8, m["world_size"]}):
-        for stage in (1, 2, 3):
-            per_rank = model_states(ZeroConfig(stage=stage), ModelCount(trainable, frozen if stage == 3 else 0), world,
-                                    precision, optimizer_bytes)
-            needs[(stage, world)] = sum(v for kinds in per_rank.values() for k, v in kinds.items() if k != "gradients")
-    return needs
+    kept = _kept_states(reader)
+    return {(stage, world): _between_steps(stage, ModelCount(trainable, frozen if stage == 3 else 0), world, *kept)
+            for world in sorted({1, 2, 4, 8, reader.manifest["world_size"]}) for stage in (1, 2, 3)}
 
 
 def _saved_layout_needs(reader: ShardedCheckpoint, trainable: int, frozen: int, split: int, size: int) -> int:
     """The saving tensor-parallel run's model states per rank: ``split`` elements over the ``size`` tensor ranks, ZeRO
     over the world's data ranks."""
-    from lzero.config import ZeroConfig
-    from lzero.memory.estimate import ModelCount, model_states
+    from lzero.memory.estimate import ModelCount
 
+    m = reader.manifest
+    stage = m.get("stage") or 1
+    count = ModelCount(trainable, frozen if stage == 3 else 0, tensor_sharded=split).per_tensor_rank(size)
+    return _between_steps(stage, count, m["world_size"] // size, *_kept_states(reader))
+
+
+def _kept_states(reader: ShardedCheckpoint) -> tuple[str, float]:
+    """The checkpoint's precision as the estimate names it, and its optimizer's per-element bytes (4 per fp32 state
+    tensor it holds)."""
     m = reader.manifest
     first = next((n for n, p in m["params"].items() if not p.get("frozen")), None)
     keys = reader.optimizer_keys(0, first) if first is not None and not m.get("weights_only") else []
     optimizer_bytes = 4 * sum(1 for k in keys if not reader.is_scalar(f"optim/0/{first}/{k}"))
-    precision = "bf16-mixed" if m.get("precision") in ("bf16-mixed", "16-mixed") else "32-true"
-    stage = m.get("stage") or 1
-    count = ModelCount(trainable, frozen if stage == 3 else 0, tensor_sharded=split).per_tensor_rank(size)
-    per_rank = model_states(ZeroConfig(stage=stage), count, m["world_size"] // size, precision, optimizer_bytes)
+    return ("bf16-mixed" if m.get("precision") in ("bf16-mixed", "16-mixed") else "32-true"), optimizer_bytes
+
+
+def _between_steps(stage: int, count: Any, world: int, precision: str, optimizer_bytes: float) -> int:
+    """A rank's model-state bytes between steps (gradients not held) at ``stage`` over ``world`` data ranks."""
+    from lzero.config import ZeroConfig
+    from lzero.memory.estimate import model_states
+
+    per_rank = model_states(ZeroConfig(stage=stage), count, world, precision, optimizer_bytes)
     return sum(v for kinds in per_rank.values() for k, v in kinds.items() if k != "gradients")
 
 

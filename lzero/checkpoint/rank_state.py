@@ -43,11 +43,10 @@ def fill_shard(shard: Tensor, unit: "FlatUnit", fetch: Callable[["ParamSpec", in
     flattened parameter (the whole one under tensor parallel: a local range is read as its runs, see [Note:
     tensor-parallel checkpoints] in lzero/engine/tensor_layout.py), or None to keep the elements there. Padding is
     left as it is. See [Note: owned pieces]."""
-    for spec, a, b, s in unit.spec.owned_pieces(unit.rank):
-        for lo, hi, whole in spec.whole_runs(a, b):
-            value = fetch(spec, whole, whole + hi - lo)
-            if value is not None:
-                shard[s + lo - a : s + hi - a].copy_(value)
+    for spec, a, b, s in unit.spec.owned_runs(unit.rank):
+        value = fetch(spec, a, b)
+        if value is not None:
+            shard[s : s + (b - a)].copy_(value)
     return shard
 
 

@@ -169,8 +169,7 @@ def describe(engine: "ZeroEngine", checkpoint: dict[str, Any], kept: Optional[Ca
     is the sharded form (:func:`lzero.checkpoint.state_dict.sharded_state_dict`)."""
     state = checkpoint.get("state_dict", {})
     layouts = engine.tensor_layouts  # tensor parallel: the whole shapes ([Note: tensor-parallel checkpoints])
-    params = {spec.name: {"shape": list(layouts[spec.name].shape if spec.name in layouts else spec.shape),
-                          "numel": math.prod(layouts[spec.name].shape) if spec.name in layouts else spec.numel,
+    params = {spec.name: {"shape": list(spec.whole_shape), "numel": math.prod(spec.whole_shape),
                           **({"frozen": True} if spec.frozen else {})}
               for unit in engine.units for spec in unit.spec.params if kept is None or kept(spec.name)}
     manifest = {

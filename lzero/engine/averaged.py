@@ -105,14 +105,13 @@ class AveragedShards:
     @torch.no_grad()
     def fill(self, fetch: Callable[["ParamSpec", int, int], Optional[Tensor]]) -> None:
         """Every averaged shard from ``fetch(spec, a, b)`` (elements [a, b) of the flattened parameter; None keeps
-        them), each rank reading only the pieces it owns (``UnitSpec.owned_pieces``, as checkpoints read masters)."""
+        them), each rank reading only the pieces it owns (``UnitSpec.owned_runs``, as checkpoints read masters)."""
         for unit in self.units:
             shard = self.shard(unit)
-            for spec, a, b, s in unit.spec.owned_pieces(unit.rank):
-                for lo, hi, whole in spec.whole_runs(a, b):  # tensor parallel: ranges of the whole parameter
-                    value = fetch(spec, whole, whole + hi - lo)
-                    if value is not None:
-                        shard[s + lo - a : s + hi - a].copy_(value)
+            for spec, a, b, s in unit.spec.owned_runs(unit.rank):  # tensor parallel: ranges of the whole parameter
+                value = fetch(spec, a, b)
+                if value is not None:
+                    shard[s : s + (b - a)].copy_(value)
 
     def pieces(self) -> Iterator[tuple["ParamSpec", int, int, Tensor]]:
         """(parameter, a, b, elements [a, b) of its average as a view of the shard) for every piece this rank owns."""

@@ -498,8 +498,7 @@ class ZeroEngine:
 
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         unit, index = self._where[param]
-        if self.tensor_group is not None:  # a partial gradient summed over the tensor group first
-            parameters.set_grad_quietly(param, tensor_parallel.complete_grad(parameters.raw_grad(param), param))
+        self._complete_grad(param)
         if self.round is None:
             self._open_round()
         if unit.grad_state is GradState.REDUCED and unit.accumulates_locally:
@@ -515,10 +514,13 @@ class ZeroEngine:
     def _arrived(self, unit: FlatUnit) -> None:
         """Stage 3: count the gradients ``unit``'s parameters hold (partial ones summed over the tensor group first)."""
         for i in unit.arrivals():
-            if self.tensor_group is not None:
-                param = unit.params[i]
-                parameters.set_grad_quietly(param, tensor_parallel.complete_grad(parameters.raw_grad(param), param))
+            self._complete_grad(unit.params[i])
             unit.grad_arrived(i)
+
+    def _complete_grad(self, param: nn.Parameter) -> None:
+        """Under tensor parallel, a partial gradient summed over the tensor group, before any data-parallel use."""
+        if self.tensor_group is not None:
+            parameters.set_grad_quietly(param, tensor_parallel.complete_grad(parameters.raw_grad(param), param))
 
     def _on_block_backward(self, block: Block, done: bool) -> None:
         """Stage 3: a backward hook of ``block`` runs. The first one in a backward that accumulates into parameters

@@ -122,6 +122,14 @@ class UnitSpec:
             if a < b:
                 yield spec, a - start, b - start, a - lo
 
+    def owned_runs(self, rank: int) -> Iterator[tuple[ParamSpec, int, int, int]]:
+        """:meth:`owned_pieces` with each piece's range in the whole flattened parameter: under tensor parallel a
+        piece of a local tensor cut on a later dimension is several runs ([Note: tensor-parallel checkpoints] in
+        tensor_layout.py); otherwise the same pieces."""
+        for spec, a, b, s in self.owned_pieces(rank):
+            for lo, hi, whole in spec.whole_runs(a, b):
+                yield spec, whole, whole + hi - lo, s + lo - a
+
 
 @dataclass(frozen=True)
 class Partition:

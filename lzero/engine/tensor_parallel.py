@@ -47,13 +47,18 @@ from lzero.engine.tensor_layout import TensorLayout
 from lzero.errors import ZeroConfigError, ZeroEngineError
 
 
+_DTENSOR: list[type] = []  # torch's DTensor class, once its module is loaded (asked at every gather and release)
+
+
 def is_dtensor(t: Any) -> bool:
     """Whether ``t`` is a DTensor (imported only once torch's distributed tensor is loaded: none before)."""
-    if "torch.distributed.tensor" not in sys.modules:
-        return False
-    from torch.distributed.tensor import DTensor
+    if not _DTENSOR:
+        if "torch.distributed.tensor" not in sys.modules:
+            return False
+        from torch.distributed.tensor import DTensor
 
-    return isinstance(t, DTensor)
+        _DTENSOR.append(DTensor)
+    return isinstance(t, _DTENSOR[0])
 
 
 def local(t: Tensor) -> Tensor:
@@ -146,7 +151,6 @@ def check_same_inputs(batch: Any, tensor_group: Any, device: Any) -> None:
     run once, at the first training step."""
     import hashlib
 
-    import torch
     import torch.distributed as dist
     from torch.utils._pytree import tree_flatten
 

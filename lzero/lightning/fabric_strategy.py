@@ -61,7 +61,8 @@ from lzero.checkpoint.sources import LoadedState, ShardedCheckpointWeights, Stat
 from lzero.lightning.fabric_model import SetUpModel, fresh_parameters, placeholders, state_dict_shadows, swap_parameters
 from lzero.engine.recording import settle
 from lzero.lightning.wiring import (AUTO_RECORD, EveryRankCheck, RanksApart, before_forward,
-                                    check_generation_arguments, choose_configuration, fill_auto_sizes, generation,
+                                    apply_tp_plan, check_generation_arguments, choose_configuration,
+                                    data_parallel_sampler_kwargs, fill_auto_sizes, generation,
                                     keep_generation_synced, meta_device, run_mesh, start_engine, sync_module_states,
                                     take_precision_state, zero_optimizer)
 
@@ -231,8 +232,7 @@ class ZeroFabricStrategy(DDPStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """The data-parallel rank and size: the ranks of one tensor-parallel group read the same batches."""
-        tensor = self.config.tensor_parallel_size
-        return {"num_replicas": self.world_size // tensor, "rank": self.global_rank // tensor}
+        return data_parallel_sampler_kwargs(self.world_size, self.global_rank, self.config.tensor_parallel_size)
 
     def _parallelize(self, module: nn.Module, jointly: bool) -> nn.Module:
         """``parallelize_fn(module, device_mesh)`` or ``tp_plan`` over the tensor dimension, at ``fabric.setup``."""
@@ -252,11 +252,7 @@ class ZeroFabricStrategy(DDPStrategy):
                 " Fabric's ModelParallelStrategy asks.")
         if self.parallelize_fn is not None:
             return self.parallelize_fn(module, self.device_mesh)
-        from lzero.engine.tensor_parallel_plan import apply_plan
-        from lzero.hf.tensor_parallel_plan import plan_for
-
-        apply_plan(module, plan_for(module, self.config.tp_plan, self.config.tensor_parallel_size),
-                   self.device_mesh["tensor_parallel"])
+        apply_tp_plan(module, self.config, self.device_mesh)
         return module
 
     def _setup(self, module: nn.Module, refresh: bool) -> nn.Module:

@@ -46,8 +46,9 @@ from lzero.engine.tensor_parallel import check_same_inputs, check_tensor_paralle
 from lzero.lightning.trainer_averaging import defer_setup, shard_weight_averaging
 from lzero.lightning.trainer_wiring import (activation_probe, add_memory_monitor, guard_lr_schedulers, micro_batch_size,
                                             optimizers_from_deepspeed_blocks, watch_gradient_reads)
-from lzero.lightning.wiring import (AUTO_RECORD, EveryRankCheck, RanksApart, before_forward,
-                                    check_generation_arguments, choose_configuration, fill_auto_sizes, generation,
+from lzero.lightning.wiring import (AUTO_RECORD, EveryRankCheck, RanksApart, apply_tp_plan, before_forward,
+                                    check_generation_arguments, choose_configuration, data_parallel_sampler_kwargs,
+                                    fill_auto_sizes, generation,
                                     keep_generation_synced, meta_device, named, run_mesh, start_engine,
                                     sync_module_states, take_precision_state, zero_optimizer)
 
@@ -216,8 +217,7 @@ class ZeroStrategy(DDPStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """The data-parallel rank and size: the ranks of one tensor-parallel group read the same batches."""
-        tensor = self.config.tensor_parallel_size
-        return {"num_replicas": self.data_parallel_size, "rank": self.global_rank // tensor}
+        return data_parallel_sampler_kwargs(self.world_size, self.global_rank, self.config.tensor_parallel_size)
 
     @override
     def setup_environment(self) -> None:
@@ -305,8 +305,6 @@ class ZeroStrategy(DDPStrategy):
         if plan is None or getattr(module, "_lzero_tp_plan_applied", False):
             return  # no plan, or applied by an earlier fit/validate of this module
         from lzero.engine.tensor_parallel import is_dtensor
-        from lzero.engine.tensor_parallel_plan import apply_plan
-        from lzero.hf.tensor_parallel_plan import plan_for
 
         parallel = next((name for name, p in module.named_parameters() if is_dtensor(p)), None)
         if parallel is not None and self._deepspeed is not None and "tp_plan" in self._deepspeed.origins \
@@ -316,7 +314,7 @@ class ZeroStrategy(DDPStrategy):
             raise ZeroConfigError(f"`tp_plan={plan!r}` on a model already parallelized (parameter `{parallel}` is a"
                                   " DTensor): the plan would split it twice. HINT: drop `tp_plan`, or drop the"
                                   " `parallelize_module` call from `configure_model`.")
-        apply_plan(module, plan_for(module, plan, self.config.tensor_parallel_size), self.device_mesh["tensor_parallel"])
+        apply_tp_plan(module, self.config, self.device_mesh)
         module._lzero_tp_plan_applied = True
 
     def _refuse_beside_tensor_parallel(self, trainer: Trainer, fitting: bool) -> None:

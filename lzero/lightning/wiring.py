@@ -147,6 +147,21 @@ def meta_device(device: Optional[torch.device] = None, recording: Optional[conte
             yield
 
 
+def data_parallel_sampler_kwargs(world_size: int, global_rank: int, tensor_parallel_size: int) -> dict[str, int]:
+    """Both doors' ``distributed_sampler_kwargs``: the data-parallel rank and size, so that the ranks of one
+    tensor-parallel group read the same batches ([Note: the tensor dimension] in lzero/engine/mesh.py)."""
+    return {"num_replicas": world_size // tensor_parallel_size, "rank": global_rank // tensor_parallel_size}
+
+
+def apply_tp_plan(module: torch.nn.Module, config: ZeroConfig, device_mesh: Any) -> None:
+    """``config.tp_plan`` resolved on ``module`` and applied over the tensor dimension of ``device_mesh`` (both doors;
+    see [Note: the tensor-parallel plan] in lzero/engine/tensor_parallel_plan.py)."""
+    from lzero.engine.tensor_parallel_plan import apply_plan
+    from lzero.hf.tensor_parallel_plan import plan_for
+
+    apply_plan(module, plan_for(module, config.tp_plan, config.tensor_parallel_size), device_mesh["tensor_parallel"])
+
+
 def run_mesh(mesh: Any, config: ZeroConfig, deepspeed: Any = None, device_mesh: Any = None) -> Any:
     """The run's process groups, one owner for the strategy and its engines ([Note: the mesh] in mesh.py): ``mesh``,
     the strategy's so far, while the process group it was made in lives, else a new one. A bad ``shard_group_size``

@@ -120,19 +120,24 @@ def test_the_strategy_takes_it_as_any_zero_config_key() -> None:
         ZeroStrategy(stage="auto", tensor_parallel_size=2)
 
 
-def test_yaml_takes_it_beside_stage(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """A strategy YAML (`trainer.strategy: file.yaml`) sets it under `config`, as every other ZeroConfig key."""
+def printed_config(tmp_path: Path, capsys: pytest.CaptureFixture, config: str) -> str:
+    """The LightningCLI's ``--print_config`` of the demo with ``trainer.strategy`` a ZeroStrategy YAML whose ``config``
+    holds ``config`` (YAML lines, indented under it)."""
     from lzero.cli import main
 
     root = Path(__file__).resolve().parents[2]
-    strategy = tmp_path / "zero2_tp2.yaml"
-    strategy.write_text("class_path: lzero.ZeroStrategy\ninit_args:\n  config:\n    stage: 2\n"
-                        "    tensor_parallel_size: 2\n")
+    strategy = tmp_path / "strategy.yaml"
+    strategy.write_text("class_path: lzero.ZeroStrategy\ninit_args:\n  config:\n" + config)
     with pytest.raises(SystemExit) as done:
         main(["fit", "--config", str(root / "configs/demo_ddp.yaml"), "--trainer.strategy", str(strategy),
               "--print_config"])
     assert done.value.code == 0
-    printed = capsys.readouterr().out
+    return capsys.readouterr().out
+
+
+def test_yaml_takes_it_beside_stage(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A strategy YAML (`trainer.strategy: file.yaml`) sets it under `config`, as every other ZeroConfig key."""
+    printed = printed_config(tmp_path, capsys, "    stage: 2\n    tensor_parallel_size: 2\n")
     assert "tensor_parallel_size: 2" in printed and "stage: 2" in printed
 
 

@@ -18,7 +18,7 @@ from _launch import run_script
 from lzero import ZeroConfig, ZeroConfigError, ZeroStrategy
 from lzero.engine.tensor_parallel_plan import matches, resolve_plan
 from lzero.hf.tensor_parallel_plan import auto_plan, plan_for
-from test_tensor_parallel import _close, _load
+from test_tensor_parallel import _close, _load, printed_config
 
 
 @pytest.fixture(scope="module")
@@ -144,16 +144,7 @@ def test_the_config_refuses_a_plan_it_cannot_apply(options: dict, match: str) ->
 
 
 def test_the_strategy_and_yaml_take_it(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    from lzero.cli import main
-
     assert ZeroStrategy(stage=2, tensor_parallel_size=2, tp_plan="auto").config.tp_plan == "auto"
-    root = Path(__file__).resolve().parents[2]
-    strategy = tmp_path / "zero2_tp2.yaml"
-    strategy.write_text("class_path: lzero.ZeroStrategy\ninit_args:\n  config:\n    stage: 2\n"
-                        "    tensor_parallel_size: 2\n    tp_plan:\n      model.up: colwise\n      model.down: rowwise\n")
-    with pytest.raises(SystemExit) as done:
-        main(["fit", "--config", str(root / "configs/demo_ddp.yaml"), "--trainer.strategy", str(strategy),
-              "--print_config"])
-    assert done.value.code == 0
-    printed = capsys.readouterr().out
+    printed = printed_config(tmp_path, capsys, "    stage: 2\n    tensor_parallel_size: 2\n    tp_plan:\n"
+                                               "      model.up: colwise\n      model.down: rowwise\n")
     assert "model.up: colwise" in printed and "tensor_parallel_size: 2" in printed
