@@ -4,7 +4,7 @@
 ``__post_init__``: :class:`ShardingConfig` (what is sharded, the buckets of its collectives),
 :class:`ScheduleConfig` (when stage 3 gathers; the engine's ``GatherSchedule`` is this section with every knob
 set), :class:`CheckpointConfig`, :class:`OffloadConfig` (DeepSpeed's offload and ``aio`` blocks) and
-:class:`ZeroPlusPlusConfig` (hybrid sharding and ZeRO++). ``ZeroConfig`` inherits their fields, so its keyword
+:class:`ZeroPlusPlusConfig` (hybrid sharding and ZeRO++) and :class:`PipelineConfig`. ``ZeroConfig`` inherits their fields, so its keyword
 arguments, attributes and YAML keys are flat (``ZeroConfig(stage=3, prefetch=2)``, ``config.prefetch``), and adds
 the run's own options and the checks that span sections (the stage a knob needs, options that exclude each other).
 """
@@ -18,6 +18,7 @@ from typing import Any, Optional, get_type_hints
 from lzero.config.checkpoint import CheckpointConfig
 from lzero.config.checks import did_you_mean, set_positive, true_or_false
 from lzero.config.offload import OffloadConfig
+from lzero.config.pipeline import PipelineConfig
 from lzero.config.schedule import GATHER_KNOBS, ScheduleConfig
 from lzero.config.sharding import ShardingConfig
 from lzero.config.zero_plus_plus import ZeroPlusPlusConfig
@@ -25,7 +26,7 @@ from lzero.errors import ZeroConfigError
 
 
 @dataclass(frozen=True)
-class ZeroConfig(ZeroPlusPlusConfig, OffloadConfig, CheckpointConfig, ScheduleConfig, ShardingConfig):
+class ZeroConfig(PipelineConfig, ZeroPlusPlusConfig, OffloadConfig, CheckpointConfig, ScheduleConfig, ShardingConfig):
     """What a ZeRO strategy shards, how it communicates and where it keeps state.
 
     Its fields are its sections' (the bases, listed in reverse so that ``fields()`` and ``--print_config`` start

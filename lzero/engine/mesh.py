@@ -6,7 +6,16 @@ on first request and handed out by name after that (nothing else in lzero calls 
 
 - ``world``: every rank of the run (the default group, or the group a caller passed in place of it).
 - ``shard``: the G ranks that shard parameters, gradients and optimizer state together: every rank when flat, one
-  node's when hybrid (``shard_group_size``; see [Note: hybrid sharding]).
+  node's when hybrid (``shard_group_size``; see [Note: the pipeline dimension]
+With ``pipeline_parallel_size=P`` the run's P*N*T ranks form a 3-D ``DeviceMesh``, dimensions ``("pipeline_parallel",
+"data_parallel", "tensor_parallel")``, the pipeline dimension outermost (torchtitan's order): rank r is on pipeline
+rank r // (N*T), so a stage's data and tensor ranks are consecutive (one node when they fit) and only the
+activations between stages cross nodes. lzero's mesh is then made over this rank's data-parallel group, as under
+tensor parallel, and ``layers`` lists one data group per (pipeline, tensor) coordinate. ``pipeline`` is this rank's
+pipeline group, its P ranks in stage order: the schedule's sends and receives, and the step's agreements (the global
+gradient norm, fp16 overflow, tied embeddings: see [Note: pipeline parallel under ZeRO] in pipeline.py), run over it.
+
+[Note: hybrid sharding]).
 - ``replicate``: hybrid only, the ranks holding the same shard, one per shard group (None when flat).
 - ``gather``: the shard ranks again, on a communicator of their own: stage 3's parameter gathers follow
   forward/backward order while reductions follow unit order and are launched when ready, and on one group their
@@ -107,6 +116,8 @@ class Mesh:
     # with this rank would then wait for the process to exit ([Note: the misuse named on every rank])
     tensor_size: int = 1  # T: the ranks of a tensor-parallel group; see [Note: the tensor dimension]
     tensor: Any = None  # this rank's tensor-parallel group (None: T = 1)
+    pipeline_size: int = 1  # P: the pipeline's ranks; see [Note: the pipeline dimension]
+    pipeline: Any = None  # this rank's pipeline group, its ranks in stage order (None: P = 1)
     _made: dict[str, Any] = field(default_factory=dict, repr=False)
     _users: dict[str, int] = field(default_factory=dict, repr=False)  # requests not yet followed by a destroy
 
@@ -115,8 +126,11 @@ class Mesh:
            base: Any = None, device_mesh: Any = None) -> "Mesh":
         """The mesh of the current process group (``base``: a group in place of the default one). A plain process,
         without ``torch.distributed``, is a mesh of one rank. ``device_mesh``: a 2-D ``tensor_parallel_mesh``; the
-        mesh is then its data-parallel group's (see [Note: the tensor dimension])."""
+        mesh is then its data-parallel group's (see [Note: the tensor dimension]); a 3-D one's too (see [Note: the
+        pipeline dimension])."""
         tensor_size = device_mesh["tensor_parallel"].size() if device_mesh is not None else 1
+        names = device_mesh.mesh_dim_names if device_mesh is not None else ()
+        pipeline_size = device_mesh["pipeline_parallel"].size() if "pipeline_parallel" in names else 1
         if device_mesh is not None:
             base = device_mesh["data_parallel"].get_group()
         if _initialized():
@@ -125,7 +139,7 @@ class Mesh:
         else:
             world, rank, ranks = 1, 0, (0,)
         # a node's data-parallel ranks: its ranks over the tensor size (a tensor group lies within a node)
-        local = max(local_world_size(world * tensor_size) // tensor_size, 1)
+        local = max(local_world_size(world * tensor_size * pipeline_size) // tensor_size, 1)
         shard = world if shard_group_size is None else local if shard_group_size == "node" else int(shard_group_size)
         if shard <= 0 or world % shard:
             raise ZeroConfigError(
@@ -140,9 +154,12 @@ class Mesh:
         if hpz >= world:  # one node: the primary gather is the node's already
             hpz = 1
         mesh = cls(world, rank, local, shard, max(hpz, 1), base, ranks, _default_group())
-        if device_mesh is not None:
-            mesh.tensor_size = tensor_size
+        mesh.tensor_size = tensor_size
+        if tensor_size > 1:
             mesh.tensor = device_mesh["tensor_parallel"].get_group()
+        if pipeline_size > 1:
+            mesh.pipeline_size = pipeline_size
+            mesh.pipeline = device_mesh["pipeline_parallel"].get_group()
         return mesh
 
     def current(self) -> bool:
@@ -190,11 +207,14 @@ class Mesh:
         raise ValueError(f"no dimension {dim!r}; the mesh has {[_WORLD, _SHARD, _REPLICATE, _HPZ]}")
 
     def layers(self) -> list[tuple[int, ...]]:
-        """The global ranks of every data-parallel group like this mesh's, one per tensor coordinate (this mesh's own
-        alone when T = 1): every rank makes every group of a dimension in each of them."""
-        if self.tensor_size == 1:
+        """The global ranks of every data-parallel group like this mesh's, one per (pipeline, tensor) coordinate (this
+        mesh's own alone when T = P = 1): every rank makes every group of a dimension in each of them."""
+        t_size, p_size = self.tensor_size, self.pipeline_size
+        if t_size == 1 and p_size == 1:
             return [self.ranks]
-        return [tuple(t + i * self.tensor_size for i in range(self.world)) for t in range(self.tensor_size)]
+        per_stage = self.world * t_size  # the ranks of one pipeline stage: data x tensor
+        return [tuple(p * per_stage + i * t_size + t for i in range(self.world))
+                for p in range(p_size) for t in range(t_size)]
 
     def group(self, name: str, timeout_s: Optional[float] = None) -> Any:
         """The named process group of this rank (see ``GROUPS``), made on first request; a collective then.
@@ -247,15 +267,27 @@ class Mesh:
                     dist.destroy_process_group(made)
 
 
-def tensor_parallel_mesh(tensor_parallel_size: int, device_type: str) -> Any:
-    """The run's 2-D ``DeviceMesh``, ``("data_parallel", "tensor_parallel")``, the tensor dimension innermost (see
-    [Note: the tensor dimension]). A collective: every rank makes every group of both dimensions."""
+def tensor_parallel_mesh(tensor_parallel_size: int, device_type: str, pipeline_parallel_size: int = 1) -> Any:
+    """The run's ``DeviceMesh``: 2-D, ``("data_parallel", "tensor_parallel")``, the tensor dimension innermost (see
+    [Note: the tensor dimension]); with a pipeline, 3-D, ``("pipeline_parallel", "data_parallel",
+    "tensor_parallel")``, the pipeline dimension outermost (see [Note: the pipeline dimension]). A collective: every
+    rank makes every group of every dimension."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size() if _initialized() else 1
-    if world % tensor_parallel_size:
+    if world % pipeline_parallel_size:
         raise ZeroConfigError(
-            f"`tensor_parallel_size={tensor_parallel_size}` does not divide the world size {world}. HINT: use a"
-            f" divisor of {world} (the ranks of one node, typically), or 1 for no tensor parallel.")
-    return init_device_mesh(device_type, (world // tensor_parallel_size, tensor_parallel_size),
-                            mesh_dim_names=("data_parallel", "tensor_parallel"))
+            f"`pipeline_parallel_size={pipeline_parallel_size}` does not divide the world size {world}. HINT: use a"
+            f" divisor of {world}, or 1 for no pipeline.")
+    per_stage = world // pipeline_parallel_size
+    if per_stage % tensor_parallel_size:
+        over = f" over `pipeline_parallel_size={pipeline_parallel_size}`" if pipeline_parallel_size > 1 else ""
+        raise ZeroConfigError(
+            f"`tensor_parallel_size={tensor_parallel_size}` does not divide the {per_stage} ranks of the world size"
+            f" {world}{over}. HINT: use a divisor of {per_stage} (the ranks of one node, typically), or 1 for no"
+            " tensor parallel.")
+    if pipeline_parallel_size == 1:
+        return init_device_mesh(device_type, (world // tensor_parallel_size, tensor_parallel_size),
+                                mesh_dim_names=("data_parallel", "tensor_parallel"))
+    shape = (pipeline_parallel_size, per_stage // tensor_parallel_size, tensor_parallel_size)
+    return init_device_mesh(device_type, shape, mesh_dim_names=("pipeline_parallel", "data_parallel", "tensor_parallel"))
