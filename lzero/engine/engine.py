@@ -138,6 +138,14 @@ class ZeroEngine:
         self.replicas: Optional[dist.ProcessGroup] = mesh.group("replicate")  # this rank's shard's holders, hybrid
         # tensor parallel: DTensor parameters, flattened by their local tensors ([Note: tensor parallel under ZeRO])
         self.tensor_group = mesh.tensor
+        # pipeline parallel: the step's agreements span the stages ([Note: pipeline parallel under ZeRO] in pipeline.py)
+        self.pipeline_group = mesh.pipeline
+        self.ties: list[nn.Parameter] = []  # parameters another stage holds too, their gradients summed at the step
+        self.tie_group: Any = None  # the ranks of the stages holding them (``tie_across_stages``)
+        self.ties_pending = False  # a schedule ran since the last sum of the ties' gradients
+        self._uncounted: set[str] = set()  # tied parameters the global norm counts on the other stage
+        self.keep_root = False  # stage 3 under a pipeline schedule: the root stays gathered between its backwards
+        self.hold_grads = False  # a pipeline's step ran its backwards before Lightning clears gradients: keep them
         tensor_parallel.check_parameters(module, mesh.tensor)
         group = self.group
         self.world_size = collectives.world_size(group)
@@ -584,7 +592,12 @@ class ZeroEngine:
             self.round = None
             if self.gatherer is not None:
                 self.gatherer.end_backward()
-            self.release_all()
+            if self.keep_root:  # later micro-batches' backwards still read the root's parameters
+                for name in self.gatherer.blocks:
+                    if name != ROOT:
+                        self.gatherer.release(name)
+            else:
+                self.release_all()
 
     def wait(self) -> None:
         """Block until every launched reduction has landed in its shard (offloaded: in host memory)."""
@@ -598,6 +611,35 @@ class ZeroEngine:
         if self.config.stage == 1 and not self.automatic:
             self.reducer.reduce_remaining(units)
         self.wait()
+        if self.ties_pending:
+            self.ties_pending = False
+            self._sum_ties()
+
+    def tie_across_stages(self, params: Sequence[nn.Parameter], group: Any, counted: bool) -> None:
+        """Pipeline parallel: ``params`` are held by another stage too (embeddings tied to the head): their gradients
+        are summed over ``group`` (the ranks of both stages) before each step, so both copies take the same step.
+        ``counted``: this stage's copy counts in the global norm (the other stage's does not)."""
+        self.ties, self.tie_group = [p for p in params if p in self._where], group
+        if not counted:
+            self._uncounted = {self._where[p][0].spec.params[self._where[p][1]].name for p in self.ties}
+
+    @torch.no_grad()
+    def _sum_ties(self) -> None:
+        """Each tied parameter's reduced gradient summed across the stages holding it: its pieces in this rank's
+        shard laid into a whole-size buffer, one all-reduce over both stages' data ranks (whose pieces are
+        disjoint within a stage), the sum's pieces copied back. A collective of the tie group."""
+        for param in self.ties:
+            unit, index = self._where[param]
+            spec = unit.spec.params[index]
+            pieces = [(start, end, at) for p, start, end, at in unit.spec.owned_pieces(self.rank) if p.name == spec.name]
+            whole = torch.zeros(spec.numel, dtype=torch.float32, device=unit.flat_param.device)
+            if unit.has_step_grad:
+                for start, end, at in pieces:
+                    whole[start:end] = unit.shard_grad[at : at + end - start].to(whole.device, whole.dtype)
+            collectives.all_reduce(whole, group=self.tie_group)
+            if unit.has_step_grad:
+                for start, end, at in pieces:
+                    unit.shard_grad[at : at + end - start].copy_(whole[start:end])
 
     def release_grads(self, units: Sequence[FlatUnit]) -> None:
         """After a skipped step: free the gradients, as a step would have. See [Note: gradient buffers]."""
@@ -606,6 +648,8 @@ class ZeroEngine:
             unit.release_grads()
 
     def zero_grad(self, units: Sequence[FlatUnit], set_to_none: bool = True) -> None:
+        if self.hold_grads:  # see [Note: pipeline steps under the Trainer] in lzero/lightning/trainer_pipeline.py
+            return
         self.wait()
         for unit in units:
             unit.zero_grad(set_to_none)
@@ -620,6 +664,8 @@ class ZeroEngine:
     def _on_module_zero_grad(self, module: nn.Module, set_to_none: bool) -> None:
         """``module.zero_grad(set_to_none)`` ran on some module: clear the shard gradients of its parameters.
         See [Note: clearing gradients]."""
+        if self.hold_grads:
+            return
         touched: dict[FlatUnit, list[int]] = {}
         for p in module.parameters():
             if p in self._where:
@@ -645,7 +691,12 @@ class ZeroEngine:
         to overflow fp32 are reported too, which only skips a step that was about to explode."""
         self.prepare_step(units)
         total = self._sum_over(units, "sum")
-        return self.reducer.any_rank((~torch.isfinite(total)).float())
+        found = self.reducer.any_rank((~torch.isfinite(total)).float())
+        if self.pipeline_group is None:
+            return found
+        flag = torch.tensor(float(found), device=total.device)  # every stage skips, or none
+        collectives.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.pipeline_group)
+        return bool(flag.item())
 
     # --- gradient norm and clipping ----------------------------------------------------------
 
@@ -657,8 +708,8 @@ class ZeroEngine:
         and fp32 partial sums would round differently with each split (a 1-ulp different norm, and so different
         clipped weights, for a run resumed at another stage); in fp64 the splits' rounding stays far below fp32's."""
         self.prepare_step(units)
-        if self.tensor_group is not None:
-            return self._tensor_parallel_norm(units)
+        if self.tensor_group is not None or self.pipeline_group is not None:
+            return self._split_norm(units)
         total = self._sum_over(units, "sq_norm", dtype=torch.float64)
         return collectives.all_reduce(total, group=self.group).sqrt().float()
 
@@ -667,20 +718,26 @@ class ZeroEngine:
         [Note: tensor parallel under ZeRO] in tensor_parallel.py."""
         return name in self.tensor_layouts
 
-    def _tensor_parallel_norm(self, units: Sequence[FlatUnit]) -> Tensor:
-        """:meth:`grad_norm` under tensor parallel: the squares of the tensor-sharded parameters' pieces summed over
-        the data group, then over the tensor group; those of the replicated ones over the data group only, since every
-        rank of a tensor group holds the same ([Note: tensor parallel under ZeRO] in tensor_parallel.py)."""
+    def _split_norm(self, units: Sequence[FlatUnit]) -> Tensor:
+        """:meth:`grad_norm` under tensor or pipeline parallel: the squares of each piece summed over the data group,
+        then over the pipeline group (each stage its own parameters; a tied one counted on one stage); those of the
+        tensor-sharded parameters over the tensor group too, the replicated ones not, since every rank of a tensor
+        group holds the same ([Note: tensor parallel under ZeRO] in tensor_parallel.py)."""
         device = units[0].flat_param.device if units else None
         sums = torch.zeros(2, dtype=torch.float64, device=device)  # (tensor-sharded, tensor-replicated)
         for unit in units:
             if unit.has_step_grad:
                 for param, start, end, at in unit.spec.owned_pieces(self.rank):
+                    if param.name in self._uncounted:
+                        continue
                     piece = unit.shard_grad[at : at + end - start]
                     sharded = self.tensor_sharded(param.name)
                     sums[0 if sharded else 1] += torch.linalg.vector_norm(piece, dtype=torch.float64).square()
         collectives.all_reduce(sums, group=self.group)
-        sharded = collectives.all_reduce(sums[:1].clone(), group=self.tensor_group)
+        if self.pipeline_group is not None:
+            collectives.all_reduce(sums, group=self.pipeline_group)
+        sharded = sums[:1] if self.tensor_group is None else \
+            collectives.all_reduce(sums[:1].clone(), group=self.tensor_group)
         return (sharded[0] + sums[1]).sqrt().float()
 
     def _sum_over(self, units: Sequence[FlatUnit], which: str, dtype: torch.dtype = torch.float32) -> Tensor:

@@ -247,6 +247,23 @@ class Mesh:
         self._made[name], self._users[name] = mine, 1
         return mine
 
+    def pipeline_ends(self) -> Any:
+        """Pipeline parallel: the data ranks of the first and the last stage at this rank's tensor coordinate, the
+        group over which a parameter both stages hold (embeddings tied to the head) sums its gradients. Made once, a
+        collective over every rank (one group per tensor coordinate); None without a pipeline."""
+        if self.pipeline_size == 1:
+            return None
+        if "pipeline_ends" not in self._made:
+            layers = self.layers()
+            mine = None
+            for t in range(self.tensor_size):
+                ranks = sorted(layers[t] + layers[(self.pipeline_size - 1) * self.tensor_size + t])
+                made = dist.new_group(ranks)
+                if dist.get_rank() in ranks:
+                    mine = made
+            self._made["pipeline_ends"], self._users["pipeline_ends"] = mine, 1
+        return self._made["pipeline_ends"]
+
     def made(self, name: str) -> bool:
         """Whether the named group is made and alive (it has not been destroyed since)."""
         return self._made.get(name) is not None

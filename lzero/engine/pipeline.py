@@ -281,6 +281,7 @@ class PipelineRunner:
         self._next: dict[int, int] = {}
         self.outputs: list[Any] = []  # the last stage's step outputs, one per micro-batch
         self.scale = 1.0  # the loss is multiplied by it before backward (1 / micro-batches, and the fp16 loss scale)
+        self.probing = False  # inside the forward that finds the activations' shapes
 
     def holds_last(self) -> bool:
         return self.stages - 1 in self.split.local
@@ -318,6 +319,16 @@ class PipelineRunner:
         """Each local stage's example input and output, from a forward of ``micro`` stage after stage (the
         activations between stages require gradients when ``train``)."""
         examples: dict[int, tuple[Tensor, Tensor]] = {}
+        self.probing = True
+        try:
+            self._probe(micro, step, train, examples)
+        finally:
+            self.probing = False
+            self.outputs = []
+        return examples
+
+    def _probe(self, micro: Any, step: Callable[[Any], Any], train: bool,
+               examples: dict[int, tuple[Tensor, Tensor]]) -> None:
         for stage in self.split.local:
             if stage == 0:
                 given = torch.zeros(1, 1, device=self.device)
@@ -337,8 +348,6 @@ class PipelineRunner:
             examples[stage] = (given, out)
             if stage < self.stages - 1 and stage + 1 not in self.split.local:
                 dist.send_object_list([(tuple(out.shape), out.dtype)], dst=self._peer(stage + 1), group=self.group)
-        self.outputs = []
-        return examples
 
     def _schedule(self, key: Any, micro: Any, step: Callable[[Any], Any], train: bool) -> Any:
         if key in self._built:

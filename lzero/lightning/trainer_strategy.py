@@ -154,6 +154,7 @@ class ZeroStrategy(DDPStrategy):
         self._probe: Optional[Any] = None  # activations of the first step; see [Note: out-of-memory triage]
         self._micro_batch: Optional[int] = None
         self._device_mesh: Optional[Any] = None  # tensor parallel: the 2-D DeviceMesh, made at setup_environment
+        self._pipeline: Optional[Any] = None  # pipeline parallel: the module's stages and their schedule (setup)
         if self._auto and self.config.tensor_parallel_size > 1:
             raise ZeroConfigError(f"`stage='auto'` with `tensor_parallel_size={self.config.tensor_parallel_size}`: the"
                                   " automatic choice does not count tensor-parallel shards yet. HINT: choose"
@@ -210,23 +211,26 @@ class ZeroStrategy(DDPStrategy):
 
     @property
     def data_parallel_size(self) -> int:
-        """The ranks ZeRO shards over: the world size divided by ``tensor_parallel_size``."""
-        return self.world_size // self.config.tensor_parallel_size
+        """The ranks ZeRO shards over: the world size divided by ``tensor_parallel_size`` and
+        ``pipeline_parallel_size``."""
+        return self.world_size // (self.config.tensor_parallel_size * self.config.pipeline_parallel_size)
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """The data-parallel rank and size: the ranks of one tensor-parallel group read the same batches."""
-        return data_parallel_sampler_kwargs(self.world_size, self.global_rank, self.config.tensor_parallel_size)
+        return data_parallel_sampler_kwargs(self.world_size, self.global_rank, self.config.tensor_parallel_size,
+                                            self.config.pipeline_parallel_size)
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if self.config.tensor_parallel_size > 1:  # see [Note: the tensor dimension] in mesh.py
+        if self.config.tensor_parallel_size > 1 or self.config.pipeline_parallel_size > 1:  # see mesh.py's Notes
             from lzero.engine.mesh import tensor_parallel_mesh
 
             if self._device_mesh is None or self._mesh is None or not self._mesh.current():  # once per process group
-                self._device_mesh = tensor_parallel_mesh(self.config.tensor_parallel_size, self.root_device.type)
+                self._device_mesh = tensor_parallel_mesh(self.config.tensor_parallel_size, self.root_device.type,
+                                                         self.config.pipeline_parallel_size)
             if self.lightning_module is not None:  # `self.device_mesh` in the LightningModule, as Lightning's
                 self.lightning_module._device_mesh = self._device_mesh
         module = self.lightning_module
@@ -253,6 +257,8 @@ class ZeroStrategy(DDPStrategy):
                 return
             gather_back(kept)
         settle(self.model)  # a model built under `trainer.init_module(empty_init=True)`: [Note: a fake device]
+        if self.config.pipeline_parallel_size > 1:
+            self._cut_into_stages(trainer, fitting)
         if fitting and self._layer_sync:
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
@@ -268,12 +274,14 @@ class ZeroStrategy(DDPStrategy):
             if self._auto:
                 self._choose_configuration()
             self._checkpointed = checkpointing.apply(self.model, self._checkpoint_policy, self.config)
-            self._probe = activation_probe(self.lightning_module, self.config)
+            self._probe = activation_probe(self.lightning_module, self.config) if self._pipeline is None else None
             self._engine, self.optimizers = start_engine(
                 self.model, self.optimizers, self.config, self.precision_plugin, self.root_device, self.num_processes,
                 self.init_fn, deepspeed=self._deepspeed, memory_budget_bytes=self.memory_budget_bytes,
                 mesh=self._run_mesh())
-            self._engine.automatic = self.lightning_module.automatic_optimization
+            self._engine.automatic = self.lightning_module.automatic_optimization and self._pipeline is None
+            if self._pipeline is not None:  # stage 1 reduces at the step: [Note: pipeline parallel under ZeRO]
+                self._pipeline.tie(self._engine, self._run_mesh())
             shard_weight_averaging(trainer, self._engine, lambda: self._sharded_checkpoint, self._exit_stack)
             add_memory_monitor(trainer, self.config)
             if self.config.async_save:
@@ -291,6 +299,17 @@ class ZeroStrategy(DDPStrategy):
         else:
             sync_module_states(self.model, self._run_mesh().group("world") if self._device_mesh is not None else None)
         self.setup_precision_plugin()
+
+    def _cut_into_stages(self, trainer: Trainer, fitting: bool) -> None:
+        """Pipeline parallel: the module cut into this rank's stages, once per module (see [Note: pipeline steps
+        under the Trainer] in trainer_pipeline.py)."""
+        from lzero.lightning.trainer_pipeline import TrainerPipeline, refuse_beside_pipeline
+
+        refuse_beside_pipeline(self.config, self.precision_plugin.precision, fitting and bool(trainer.checkpoint_callbacks))
+        module = self.lightning_module
+        if getattr(module, "_lzero_pipeline", None) is None:
+            module._lzero_pipeline = TrainerPipeline(module, self.config, self.device_mesh, self.root_device)
+        self._pipeline = module._lzero_pipeline
 
     def _run_mesh(self) -> Any:
         """The run's process groups, made once (see [Note: the mesh] in lzero/engine/mesh.py)."""
@@ -390,7 +409,27 @@ class ZeroStrategy(DDPStrategy):
             yield None
 
     @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Optional[Optimizer], *args: Any, **kwargs: Any
+                 ) -> torch.Tensor:
+        """Under pipeline parallel the schedule ran every backward in ``training_step``: only the hooks around it
+        run here ([Note: pipeline steps under the Trainer] in trainer_pipeline.py)."""
+        if self._pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        if self._engine is not None:
+            self._engine.hold_grads = False
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is not None:
+            before_forward(self._engine)
+            with self.precision_plugin.train_step_context():
+                return self._pipeline.run(self.lightning_module, "training_step", args, kwargs, True, self._engine,
+                                          self.lightning_module.trainer.accumulate_grad_batches)
         if self._inputs_unchecked:  # tensor parallel: [Note: tensor parallel under ZeRO] in tensor_parallel.py
             self._inputs_unchecked = False
             check_same_inputs(args[0] if args else kwargs.get("batch"), self._run_mesh().tensor, self.root_device)
@@ -414,6 +453,20 @@ class ZeroStrategy(DDPStrategy):
 
     def _forward_only(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         before_forward(self._engine)
+        if self._pipeline is not None:
+            hook = step.__name__
+            if hook == "predict_step":
+                raise ZeroConfigError("`predict` under pipeline parallel is not built: a prediction is the last"
+                                      " stage's output. HINT: export the model (`lzero export`) and predict without"
+                                      " pipelines.")
+            context = self.precision_plugin.val_step_context() if hook == "validation_step" else \
+                self.precision_plugin.test_step_context()
+            try:
+                with context:
+                    return self._pipeline.run(self.lightning_module, hook, args, kwargs, False, self._engine, 1)
+            finally:
+                if self._engine is not None:
+                    self._engine.release_all()
         try:
             return step(*args, **kwargs)
         finally:

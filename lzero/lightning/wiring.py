@@ -147,10 +147,13 @@ def meta_device(device: Optional[torch.device] = None, recording: Optional[conte
             yield
 
 
-def data_parallel_sampler_kwargs(world_size: int, global_rank: int, tensor_parallel_size: int) -> dict[str, int]:
+def data_parallel_sampler_kwargs(world_size: int, global_rank: int, tensor_parallel_size: int,
+                                 pipeline_parallel_size: int = 1) -> dict[str, int]:
     """Both doors' ``distributed_sampler_kwargs``: the data-parallel rank and size, so that the ranks of one
-    tensor-parallel group read the same batches ([Note: the tensor dimension] in lzero/engine/mesh.py)."""
-    return {"num_replicas": world_size // tensor_parallel_size, "rank": global_rank // tensor_parallel_size}
+    tensor-parallel group, and the stages of one pipeline, read the same batches ([Note: the tensor dimension] and
+    [Note: the pipeline dimension] in lzero/engine/mesh.py)."""
+    data = world_size // (tensor_parallel_size * pipeline_parallel_size)
+    return {"num_replicas": data, "rank": (global_rank // tensor_parallel_size) % data}
 
 
 def apply_tp_plan(module: torch.nn.Module, config: ZeroConfig, device_mesh: Any) -> None:

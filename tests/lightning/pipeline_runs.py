@@ -1,0 +1,195 @@
+"""Pipeline parallel under ZeRO (``pipeline_parallel_size=2``) against one process on the same global batches.
+
+    python tests/lightning/pipeline_runs.py OUT_DIR LLAMA_DIR [NAME ...]   # with 4 ranks: pp2 x dp2
+
+Two models built in ``configure_model``: a tiny Hugging Face Llama read with ``from_pretrained`` from LLAMA_DIR (4
+layers; its step returns the model's own ``.loss``) and lzero's demo GPT (4 blocks, its head tied to the embedding;
+its step computes the cross-entropy of the logits), each step written as for DDP. Each trained 4 clipped AdamW
+steps with every schedule (GPipe, 1F1B, interleaved 1F1B over 4 virtual stages), 4 micro-batches of 1 per data rank,
+at zero1, zero2, zero3 and zero2_offload. Rank 0 writes ``OUT_DIR/<run>.pt``: each step's loss (the global
+batch's, as the strategy returns it) and pre-clip gradient norm, the logged ``train_loss``, the final parameters
+gathered from every stage (a tied weight from both), the validation loss; ``reference_<model>.pt`` is one process on
+the same global batches. NAME: only the runs of that name. tests/lightning/test_pipeline.py compares them.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import nn
+from torch.utils.data import DataLoader, Subset, TensorDataset
+
+from _teardown import destroy_process_group  # a sibling: scripts run from their folder
+from lzero import ZeroStrategy
+
+VOCAB, SEQ, MICRO, MICROBATCHES, STEPS, CLIP, LR, EPS = 32, 8, 1, 4, 4, 0.5, 0.02, 1e-4
+DATA = 2  # data ranks at world 4
+
+
+def save_llama(folder: Path) -> None:
+    """A tiny Llama (4 layers, untied head), written with ``save_pretrained``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=32, bos_token_id=0,
+                         eos_token_id=0, pad_token_id=0, initializer_range=0.2)
+    LlamaForCausalLM(config).save_pretrained(folder)
+
+
+GPT = "gpt"
+
+
+def make_model(llama: Any) -> nn.Module:
+    if llama == GPT:
+        from lzero.demo.model import GPT as DemoGPT, GPTConfig
+
+        torch.manual_seed(5)
+        return DemoGPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=4, n_head=2, n_embd=16))
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32)
+
+
+def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """The step as written for DDP: the Llama's own loss, or the GPT's logits' cross-entropy."""
+    if hasattr(model, "blocks"):
+        logits = model(tokens[:, :-1])
+        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+    return model(input_ids=tokens, labels=tokens).loss
+
+
+def dataset() -> TensorDataset:
+    g = torch.Generator().manual_seed(3)
+    return TensorDataset(torch.randint(0, VOCAB, (64, SEQ + 1), generator=g))
+
+
+def optimizer_of(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1, eps=EPS, fused=False, foreach=False)
+
+
+class Module(LightningModule):
+    def __init__(self, llama: Any) -> None:
+        super().__init__()
+        self.llama = llama
+        self.model: Any = None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = make_model(self.llama)
+
+    def training_step(self, batch: Any, _: int) -> torch.Tensor:
+        loss = loss_of(self.model, batch[0])
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, _: int) -> None:
+        self.log("val_loss", loss_of(self.model, batch[0]), sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return optimizer_of(self.parameters())
+
+
+class Record(Callback):
+    """Each step's global loss (the strategy's returned loss, averaged over the data ranks), logged loss and norm."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.logged: list[float] = []
+        self.norms: list[float] = []
+
+    def on_before_optimizer_step(self, trainer: Trainer, module: LightningModule, optimizer: Any) -> None:
+        self.norms.append(trainer.strategy.grad_norm().item())
+
+    def on_train_batch_end(self, trainer: Trainer, module: LightningModule, outputs: Any, batch: Any, i: int) -> None:
+        self.losses.append(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean").item())
+        self.logged.append(trainer.callback_metrics["train_loss"].item())
+
+
+CONFIGURATIONS = {
+    "zero1": {"stage": 1},
+    "zero2": {"stage": 2},
+    "zero3": {"stage": 3},
+    "zero2_offload": {"stage": 2, "offload_optimizer": "cpu"},
+}
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
+def whole_parameters(trainer: Trainer, module: Module) -> dict[str, list[torch.Tensor]]:
+    """Every stage's parameters, gathered whole, by name (a tied weight under each stage's name for it)."""
+    with trainer.strategy.gathered_parameters(module.model):
+        mine = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    merged: dict[str, list[torch.Tensor]] = {}
+    for rank_params in everyone[:: DATA]:  # data rank 0 of each stage
+        for name, value in rank_params.items():
+            merged.setdefault(name, []).append(value)
+    return merged
+
+
+def run(out: Path, name: str, options: dict, schedule: str, llama: Any) -> None:
+    module, record = Module(llama), Record()
+    strategy = ZeroStrategy(**options, pipeline_parallel_size=2, pipeline_schedule=schedule,
+                            pipeline_microbatches=MICROBATCHES)
+    fit = Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=STEPS, logger=False,
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                  gradient_clip_val=CLIP, callbacks=[record])
+    fit.fit(module, DataLoader(dataset(), batch_size=MICRO * MICROBATCHES))
+    params = whole_parameters(fit, module)
+    val = fit.validate(module, DataLoader(Subset(dataset(), range(16)), batch_size=MICRO * MICROBATCHES),
+                       verbose=False)[0]["val_loss"]
+    if fit.is_global_zero:
+        torch.save({"losses": record.losses, "logged": record.logged, "norms": record.norms, "params": params,
+                    "val_loss": val, "sampler": fit.strategy.distributed_sampler_kwargs}, out / f"{name}.pt")
+
+
+def reference(out: Path, llama: Any, tag: str) -> None:
+    """One process, the global batch of each step: what each data rank's distributed sampler hands it (Lightning's, for
+    a training DataLoader: shuffled with seed 0), MICRO x MICROBATCHES samples per data rank and step."""
+    from torch.utils.data import DistributedSampler
+
+    model = make_model(llama)
+    optimizer = optimizer_of(model.parameters())
+    (tokens,) = dataset().tensors
+    per_rank = MICRO * MICROBATCHES
+    orders = [list(DistributedSampler(dataset(), num_replicas=DATA, rank=d, shuffle=True, seed=0)) for d in range(DATA)]
+    losses, norms = [], []
+    for step in range(STEPS):
+        rows = [order[step * per_rank + i] for order in orders for i in range(per_rank)]
+        loss = loss_of(model, tokens[rows])
+        losses.append(loss.item())
+        loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():
+        val = torch.stack([loss_of(model, tokens[i * per_rank:(i + 1) * per_rank]) for i in range(16 // per_rank)])
+    torch.save({"losses": losses, "norms": norms, "val_loss": val.mean().item(),
+                "params": {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}},
+               out / f"reference_{tag}.pt")
+
+
+def main() -> None:
+    out, llama = Path(sys.argv[1]), Path(sys.argv[2])
+    only = set(sys.argv[3:])
+    for tag, model in (("llama", llama), ("gpt", GPT)):
+        ran = False
+        for config, options in CONFIGURATIONS.items():
+            for schedule in SCHEDULES:
+                name = f"{tag}_{config}_{schedule}"
+                if not only or name in only or tag in only:
+                    run(out, name, options, schedule, model)
+                    ran = True
+        if ran and dist.get_rank() == 0:
+            reference(out, model, tag)
+    destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
