@@ -14,8 +14,8 @@ The user's step runs unchanged, once per stage and micro-batch (``Replay``): tor
 (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``) calls a stage module whose forward runs the
 whole step (a LightningModule's ``training_step``) on micro-batch i, with the rank's layers outside stage s acting as
 the identity, the embeddings of later stages giving zeros, stage s's first layer taking the activation received from
-stage s - 1 in place of its input, and stage s's last layer ending the step there (``StageOutput``) unless s is the
-last stage, whose step returns the loss. So the step's own code (the model call, the loss, ``self.log``) decides
+stage s - 1 in place of its input, and the step ending where stage s + 1's first layer (a placeholder on this rank)
+is called (``StageOutput``, carrying its input) unless s is the last stage, whose step returns the loss. So the step's own code (the model call, the loss, ``self.log``) decides
 what a stage computes, and no loss function or model surgery is asked of the user; the cost is the cheap parts of the
 step before the layers (embedding lookups of zeros, masks) run on every stage.
 
@@ -145,7 +145,7 @@ class Placeholder(nn.Module):
     (its output's shape, so the step's code before the layers runs); anywhere else, calling it is an error naming the
     stage that holds it."""
 
-    def __init__(self, name: str, stage: int, split: "Split", layer: bool = False,
+    def __init__(self, name: str, stage: int, split: "Split", layer: Optional[int] = None,
                  embedding_dim: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> None:
         super().__init__()
         self.name, self.stage, self.layer, self.embedding_dim, self.dtype = name, stage, layer, embedding_dim, dtype
@@ -153,8 +153,11 @@ class Placeholder(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         replay = self._split.replaying
-        if replay is not None and self.layer:
-            return args[0] if args else kwargs["hidden_states"]  # the identity
+        if replay is not None and self.layer is not None:
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if self.layer == self._split.plan.bounds[replay[0] + 1]:  # the next stage's first layer: this one ends
+                raise StageOutput(hidden)
+            return hidden  # the identity
         if replay is not None and self.embedding_dim is not None:
             ids = args[0] if args else kwargs["input"]
             return torch.zeros(*ids.shape, self.embedding_dim, dtype=self.dtype, device=ids.device)
@@ -177,11 +180,11 @@ class Split:
         self.last_stage = plan.stages - 1
         self.replaying: Optional[tuple[int, Optional[Tensor]]] = None
         self.layers: nn.ModuleList = module.get_submodule(plan.layers)
-        self._skip = Placeholder(plan.layers, -1, self, layer=True)  # stands for a local layer of another local stage
+        self._skip = Placeholder(plan.layers, -1, self, layer=-1)  # stands for a local layer of another local stage
         held = {i for s in self.local for i in range(plan.bounds[s], plan.bounds[s + 1])}
         for i in range(len(self.layers)):
             if i not in held:
-                self.layers[i] = Placeholder(f"{plan.layers}.{i}", plan.stage_of_layer(i), self, layer=True)
+                self.layers[i] = Placeholder(f"{plan.layers}.{i}", plan.stage_of_layer(i), self, layer=i)
         for names, stage in ((plan.first, 0), (plan.last, self.last_stage)):
             if stage in self.local:
                 continue
@@ -192,13 +195,10 @@ class Split:
                 dtype = old.weight.dtype if dim is not None else None
                 setattr(module.get_submodule(parent) if parent else module, attr,
                         Placeholder(name, stage, self, embedding_dim=dim, dtype=dtype))
-        self._hooks = []
-        for s in self.local:
-            first, last = self.layers[plan.bounds[s]], self.layers[plan.bounds[s + 1] - 1]
-            if s > 0:
-                self._hooks.append(first.register_forward_pre_hook(self._take_received(s), with_kwargs=True))
-            if s < self.last_stage:
-                self._hooks.append(last.register_forward_hook(self._end_stage(s)))
+        # a stage's first layer takes the activation received; it ends where the next stage's first layer, a
+        # placeholder here, is called (after its last layer's hooks, which stage 3's backward gathers rely on)
+        self._hooks = [self.layers[plan.bounds[s]].register_forward_pre_hook(self._take_received(s), with_kwargs=True)
+                       for s in self.local if s > 0]
 
     def _take_received(self, stage: int) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
@@ -208,12 +208,6 @@ class Split:
             if args:
                 return (received, *args[1:]), kwargs
             return args, {**kwargs, "hidden_states": received}
-        return hook
-
-    def _end_stage(self, stage: int) -> Callable:
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            if self.replaying is not None and self.replaying[0] == stage:
-                raise StageOutput(output[0] if isinstance(output, tuple) else output)
         return hook
 
     @contextlib.contextmanager

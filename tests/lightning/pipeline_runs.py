@@ -149,9 +149,12 @@ def run(out: Path, name: str, options: dict, schedule: str, llama: Any) -> None:
                     "val_loss": val, "sampler": fit.strategy.distributed_sampler_kwargs}, out / f"{name}.pt")
 
 
-def reference(out: Path, llama: Any, tag: str) -> None:
+def reference(out: Path, llama: Any, tag: str, accumulated: bool = False) -> None:
     """One process, the global batch of each step: what each data rank's distributed sampler hands it (Lightning's, for
-    a training DataLoader: shuffled with seed 0), MICRO x MICROBATCHES samples per data rank and step."""
+    a training DataLoader: shuffled with seed 0), MICRO x MICROBATCHES samples per data rank and step. ``accumulated``:
+    the floor's reference, the same batch as DATA x MICROBATCHES micro-batches of MICRO, their mean losses' gradients
+    accumulated (plain torch), as a pipeline splits it; ``rank0``: each step's loss over data rank 0's samples (what
+    rank 0 logs)."""
     from torch.utils.data import DistributedSampler
 
     model = make_model(llama)
@@ -159,20 +162,28 @@ def reference(out: Path, llama: Any, tag: str) -> None:
     (tokens,) = dataset().tensors
     per_rank = MICRO * MICROBATCHES
     orders = [list(DistributedSampler(dataset(), num_replicas=DATA, rank=d, shuffle=True, seed=0)) for d in range(DATA)]
-    losses, norms = [], []
+    losses, norms, rank0 = [], [], []
     for step in range(STEPS):
         rows = [order[step * per_rank + i] for order in orders for i in range(per_rank)]
-        loss = loss_of(model, tokens[rows])
+        if accumulated:
+            parts = [loss_of(model, tokens[rows[i:i + MICRO]]) for i in range(0, len(rows), MICRO)]
+            for part in parts:
+                (part / len(parts)).backward()
+            loss = torch.stack(parts).mean().detach()
+        else:
+            loss = loss_of(model, tokens[rows])
+            loss.backward()
         losses.append(loss.item())
-        loss.backward()
+        with torch.no_grad():
+            rank0.append(loss_of(model, tokens[rows[:per_rank]]).item())
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
         optimizer.step()
         optimizer.zero_grad()
     with torch.no_grad():
         val = torch.stack([loss_of(model, tokens[i * per_rank:(i + 1) * per_rank]) for i in range(16 // per_rank)])
-    torch.save({"losses": losses, "norms": norms, "val_loss": val.mean().item(),
+    torch.save({"losses": losses, "norms": norms, "val_loss": val.mean().item(), "rank0": rank0,
                 "params": {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}},
-               out / f"reference_{tag}.pt")
+               out / f"{'accumulated' if accumulated else 'reference'}_{tag}.pt")
 
 
 def main() -> None:
@@ -188,6 +199,7 @@ def main() -> None:
                     ran = True
         if ran and dist.get_rank() == 0:
             reference(out, model, tag)
+            reference(out, model, tag, accumulated=True)
     destroy_process_group()
 
 
