@@ -164,8 +164,8 @@ class Placeholder(nn.Module):
         raise ZeroEngineError(
             f"`{self.name}` is held by pipeline stage {self.stage}, not by this rank (stages {self._split.local}):"
             " under pipeline parallel a rank runs its stages' modules only, inside the strategy's schedule. HINT:"
-            " call the model in `training_step`/`validation_step` as usual (the strategy runs the schedule), or"
-            " export the model (`lzero export`) and run it without pipelines.")
+            " call the model in `training_step`, `validation_step` or `test_step` (the strategy runs them through the"
+            " schedule), or run without `pipeline_parallel_size`.")
 
     def extra_repr(self) -> str:
         return f"{self.name!r}, stage={self.stage}"

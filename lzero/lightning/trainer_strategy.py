@@ -457,8 +457,8 @@ class ZeroStrategy(DDPStrategy):
             hook = step.__name__
             if hook == "predict_step":
                 raise ZeroConfigError("`predict` under pipeline parallel is not built: a prediction is the last"
-                                      " stage's output. HINT: export the model (`lzero export`) and predict without"
-                                      " pipelines.")
+                                      " stage's output, which the other stages never see. HINT: predict with a"
+                                      " strategy without `pipeline_parallel_size`.")
             context = self.precision_plugin.val_step_context() if hook == "validation_step" else \
                 self.precision_plugin.test_step_context()
             try:
