@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator, Optional, Union
 from lzero.auto_sizes import FORMULAS
 from lzero.config import BY_HIDDEN_SIZE, ZeroConfig, ZeroConfigError
 from lzero.deepspeed.keys import (ZERO_PLUS_PLUS_READ, FP16_KEYS, LOGGING_KEYS, LOSS_SCALE_KEYS, NOT_BUILT_TOP, ONLY_DEFAULT_TOP, STAGE3_SCHEDULE,
-                                   TENSOR_PARALLEL_KEYS, TOP_KEYS, ZERO_KEYS, ZERO_NOTICE, ZERO_ONLY_VALUE, ZERO_PLUS_PLUS, ZERO_RENAMED,
+                                   PIPELINE_KEYS, TENSOR_PARALLEL_KEYS, TOP_KEYS, ZERO_KEYS, ZERO_NOTICE, ZERO_ONLY_VALUE, ZERO_PLUS_PLUS, ZERO_RENAMED,
                                    ZERO_SIZES)
 
 AUTO = "auto"
@@ -178,6 +178,7 @@ class _Reader:
 
     def __init__(self, ds: dict) -> None:
         self.ds, self.out, self.errors = ds, Translated(), []
+        self.pipeline_micro: Optional[int] = None  # the `pipeline` block's micro_batch_size
 
     def _zero_plus_plus(self, block: dict, opts: dict, p: str) -> None:
         """ZeRO++'s hpZ, qwZ and qgZ, read as lzero's fields ([Note: hpZ], [Note: quantized collectives])."""
@@ -237,6 +238,8 @@ class _Reader:
         self.guarded(self.zero, self.ds.get("zero_optimization", {}))
         if "tensor_parallel" in self.ds:
             self.guarded(self.tensor_parallel, self.ds["tensor_parallel"])
+        if "pipeline" in self.ds:
+            self.guarded(self.pipeline, self.ds["pipeline"])
         self.guarded(self.precision, precision)
         self.guarded(self.batch, world, micro, acc)
         self.guarded(self.misc)
@@ -260,6 +263,68 @@ class _Reader:
                 hint = f"did you mean `{prefix}{close[0]}`?" if close else "DeepSpeed has no such key either."
                 self.refuse(f"Unknown DeepSpeed key `{prefix}{key}`. HINT: {hint}")
         return True
+
+    # --- pipeline ------------------------------------------------------------------------------------------------
+
+    def pipeline(self, block: Any) -> None:
+        """The ``pipeline`` block: the stage count (``stages``, or the seeds' ``pp_size`` with a notice: DeepSpeed
+        takes it from ``PipelineModule(num_stages=...)``) becomes ``pipeline_parallel_size``; ``micro_batch_size`` is
+        ``train_micro_batch_size_per_gpu``; ``gradient_accumulation_steps`` becomes the micro-batches per step
+        (``pipeline_microbatches``, the Trainer accumulating nothing: the DataLoader's batch is micro x accumulation);
+        ``partition: parameters`` is lzero's balance; what lzero does not run is refused by name. See [Note: pipeline
+        parallel under ZeRO] in lzero/engine/pipeline.py."""
+        p = "pipeline."
+        if not self.check_keys(block, PIPELINE_KEYS, p):
+            return
+        size, key = None, None
+        if "pp_size" in block:
+            size, key = block["pp_size"], p + "pp_size"
+            self.note(key, "renamed", "read as the stage count, `pipeline.stages` (DeepSpeed takes it from"
+                                      " `PipelineModule(num_stages=...)`, not from the configuration)")
+        stages = block.get("stages", AUTO)
+        if stages != AUTO:
+            if size is not None and stages != size:
+                raise ZeroConfigError(f"`{p}stages={stages!r}` and `{p}pp_size={size!r}` disagree. HINT: keep"
+                                      f" `{p}stages` alone (DeepSpeed's key).")
+            size, key = stages, p + "stages"
+        if size is None:
+            raise ZeroConfigError(f"`pipeline` without a stage count (`{p}stages` is 'auto'): DeepSpeed takes it from"
+                                  " `PipelineModule(num_stages=...)`, which lzero has not. HINT: set `pipeline.stages`"
+                                  " to the pipeline's ranks, e.g. 2.")
+        self.option("pipeline_parallel_size", size, key)
+        partition = block.get("partition", "parameters")
+        if partition != "parameters":
+            self.refuse(f"`{p}partition={partition!r}`: lzero balances stages by parameter count (DeepSpeed's"
+                        " 'parameters'). HINT: remove it, or cut where you want with `pipeline_split_points` (the"
+                        " layers where stages 1, 2, ... begin).")
+        interval = block.get("activation_checkpoint_interval", 0)
+        if interval not in (0, None):
+            self.refuse(f"`{p}activation_checkpoint_interval={interval!r}`: checkpointing every n-th layer is not"
+                        " built. HINT: remove it and pass `ZeroStrategy(activation_checkpointing=True)`, which"
+                        " checkpoints every layer.")
+        for name, why in (("seed_layers", "each layer drawn from a seed of its own"),
+                          ("pipe_partitioned", "activations sent between stages cut over the tensor ranks"),
+                          ("grad_partitioned", "gradients sent between stages cut over the tensor ranks")):
+            if block.get(name, False) is not False:
+                self.refuse(f"`{p}{name}={block[name]!r}`: {why} is not built (each tensor rank sends its whole"
+                            f" activation). HINT: remove it or set it to false.")
+        if "use_reentrant" in block:
+            self.note(p + "use_reentrant", "notice", "accepted, not used: it concerns "
+                                                     "`activation_checkpoint_interval`, which is 0")
+        micro = block.get("micro_batch_size")
+        if micro is not None:
+            given = self.ds.get("train_micro_batch_size_per_gpu")
+            if given not in (None, AUTO) and given != micro:
+                raise ZeroConfigError(f"`{p}micro_batch_size={micro!r}` and `train_micro_batch_size_per_gpu={given!r}`"
+                                      " disagree. HINT: keep one of them.")
+            self.pipeline_micro = micro
+            self.note(p + "micro_batch_size", "renamed", "read as `train_micro_batch_size_per_gpu`")
+        accumulation = self.ds.get("gradient_accumulation_steps")
+        if accumulation not in (None, AUTO):
+            self.option("pipeline_microbatches", accumulation, "gradient_accumulation_steps")
+            self.note("gradient_accumulation_steps", "notice", "-> `pipeline_microbatches`: the schedule runs that"
+                      " many micro-batches per step; the DataLoader's batch is micro x accumulation, the Trainer"
+                      " accumulates nothing")
 
     # --- tensor_parallel -----------------------------------------------------------------------------------------
 
@@ -451,10 +516,14 @@ class _Reader:
 
     def batch(self, world: Optional[int], micro: Optional[int], acc: Optional[int]) -> None:
         names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+        if "pipeline" in self.ds:  # the DataLoader's batch is micro x accumulation: checked when training starts
+            micro = acc = None
         caller = (None, micro, acc)
         given: list[Optional[int]] = []
         for name, known in zip(names, caller):
             value = self.ds.get(name)
+            if value is None and name == "train_micro_batch_size_per_gpu":
+                value = self.pipeline_micro
             if value == AUTO:
                 value = known
                 self.note(name, "filled", f"auto -> {value}" if value is not None else
@@ -628,7 +697,9 @@ def apply_to_trainer(translated: Translated, trainer: Any) -> None:
     those two); refuse a Trainer value that differs."""
     check_trainer_precision(translated, trainer)
     b, accumulate = translated.batch, translated.batch.accumulate
-    if accumulate is None and b.train_batch_size is not None and b.micro is not None:  # given two, the third
+    if translated.options.get("pipeline_parallel_size", 1) > 1:
+        accumulate = None  # the schedule's micro-batches: [Note: pipeline parallel under ZeRO]
+    elif accumulate is None and b.train_batch_size is not None and b.micro is not None:  # given two, the third
         world = trainer.world_size
         accumulate = _divide(b.train_batch_size, b.micro * world, b.train_batch_size, b.micro, None, world)
     for attr, key, value, default in (

@@ -16,7 +16,6 @@ world size): accepted with one notice."""
 NOT_BUILT_TOP = {
     "amp": "NVIDIA Apex AMP is not supported; use the `bf16` or `fp16` block",
     "sparse_attention": "DeepSpeed's sparse attention kernels are not part of lzero",
-    "pipeline": "pipeline parallelism is not part of lzero",
     "compression_training": "DeepSpeed's compression library is not part of lzero",
     "data_efficiency": "DeepSpeed's data-efficiency library is not part of lzero",
     "curriculum_learning": "DeepSpeed's curriculum learning is not part of lzero",
@@ -118,7 +117,14 @@ TENSOR_PARALLEL_KEYS = ("autotp_size", "tp_size", "partition_config", "tp_overla
 (and ``tp_size``, read as it with a notice) and ``partition_config`` honoured, ``tp_overlap_comm: false`` accepted,
 the rest refused by name (see ``_Reader.tensor_parallel`` in config.py)."""
 
+PIPELINE_KEYS = ("stages", "pp_size", "micro_batch_size", "partition", "activation_checkpoint_interval", "seed_layers",
+                 "pipe_partitioned", "grad_partitioned", "use_reentrant")
+"""The ``pipeline`` block's keys (DeepSpeed's ``PipelineEngine`` reads ``stages``, ``partition``, ``seed_layers``,
+``activation_checkpoint_interval``, ``pipe_partitioned``, ``grad_partitioned``, ``use_reentrant``; the seeds write
+``pp_size`` and ``micro_batch_size``): see ``_Reader.pipeline`` in config.py."""
+
 TOP_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "zero_optimization",
             "fp16", "bf16", "bfloat16", "gradient_clipping", "activation_checkpointing", "aio",
             "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "optimizer", "scheduler", "tensor_parallel",
+            "pipeline",
             *ONLY_DEFAULT_TOP, *LOGGING_KEYS, *NOT_BUILT_TOP)

@@ -738,6 +738,9 @@ class ZeroStrategy(DDPStrategy):
         accumulation, world = trainer.accumulate_grad_batches, self.data_parallel_size
         self._global_batch = None if micro is None else micro * accumulation * world
         if self._deepspeed is not None:
+            if self._pipeline is not None and micro is not None:  # a batch of m micro-batches, each DeepSpeed's micro
+                m = self.config.microbatches
+                micro, accumulation = (micro // m if micro % m == 0 else micro / m), accumulation * m
             deepspeed_config.resolve_batch(self._deepspeed.batch, world, micro, accumulation)
         wanted = self.config.train_batch_size
         if wanted is not None and self._global_batch != wanted:

@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from lzero import ZeroConfig, ZeroConfigError
-from lzero.deepspeed.config import DeepSpeedConfigError, translate
+from lzero.deepspeed.config import BatchTriple, DeepSpeedConfigError, translate
 
 TUTORIAL_BF16 = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 16,
                  "bf16": {"enabled": True}, "zero_optimization": {"stage": 2}}
@@ -488,7 +488,8 @@ def test_every_deepspeed_top_level_key_is_known(key: str) -> None:
 
     assert key in TOP_KEYS
     try:
-        block = {"autotp_size": 2, "tp_overlap_comm": True} if key == "tensor_parallel" else {"enabled": True}
+        block = {"autotp_size": 2, "tp_overlap_comm": True} if key == "tensor_parallel" else \
+            {"stages": 2, "partition": "uniform"} if key == "pipeline" else {"enabled": True}
         translate({"zero_optimization": {"stage": 2}, key: block} if key != "zero_optimization" else
                   {"zero_optimization": {"stage": 2}})
     except ZeroConfigError as err:
@@ -532,3 +533,32 @@ def test_the_seeds_tp_size_and_autotp_size_become_tensor_parallel_size() -> None
 def test_a_bad_tensor_parallel_block_is_refused_by_name(block: dict, message: str) -> None:
     with pytest.raises(ZeroConfigError, match=message):
         translate({"zero_optimization": {"stage": 2}, "tensor_parallel": block}, world_size=4)
+
+
+def test_the_seeds_pipeline_block_becomes_the_pipeline_options() -> None:
+    """The seeds' ``pipeline: {pp_size, micro_batch_size}`` and ``gradient_accumulation_steps``: the stage count, the
+    micro batch and the schedule's micro-batches (the Trainer accumulating nothing), each with a notice."""
+    seeds = translate({"train_batch_size": 1024, "zero_optimization": {"stage": 2}, "tensor_parallel": {"tp_size": 8},
+                       "pipeline": {"pp_size": 4, "micro_batch_size": 8}, "gradient_accumulation_steps": 4})
+    assert seeds.options["pipeline_parallel_size"] == 4 and seeds.options["pipeline_microbatches"] == 4
+    assert seeds.batch == BatchTriple(1024, 8, 4)
+    assert seeds.origins["pipeline_parallel_size"] == "pipeline.pp_size"
+    assert {n.key for n in seeds.notes} >= {"pipeline.pp_size", "pipeline.micro_batch_size", "gradient_accumulation_steps"}
+    own = translate({"zero_optimization": {"stage": 1}, "pipeline": {"stages": 2, "partition": "parameters",
+                                                                    "activation_checkpoint_interval": 0}})
+    assert own.options["pipeline_parallel_size"] == 2 and "pipeline_microbatches" not in own.options
+
+
+@pytest.mark.parametrize("block, match", [
+    ({"stages": 2, "partition": "uniform"}, r"`pipeline.partition='uniform'`.*`pipeline_split_points`"),
+    ({"stages": 2, "activation_checkpoint_interval": 1},
+     r"`pipeline.activation_checkpoint_interval=1`.*activation_checkpointing=True"),
+    ({"stages": 2, "pipe_partitioned": True}, r"`pipeline.pipe_partitioned=True`"),
+    ({"stages": 2, "seed_layers": True}, r"`pipeline.seed_layers=True`"),
+    ({"stages": 2, "pp_size": 4}, r"`pipeline.stages=2` and `pipeline.pp_size=4` disagree"),
+    ({"partition": "parameters"}, r"`pipeline` without a stage count"),
+    ({"stages": 2, "num_stages": 2}, r"Unknown DeepSpeed key `pipeline.num_stages`"),
+])
+def test_what_the_pipeline_block_cannot_run_is_refused_by_name(block: dict, match: str) -> None:
+    with pytest.raises(ZeroConfigError, match=match):
+        translate({"zero_optimization": {"stage": 2}, "pipeline": block})

@@ -14,9 +14,10 @@ the same global batches. NAME: only the runs of that name. tests/lightning/test_
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -149,12 +150,12 @@ def run(out: Path, name: str, options: dict, schedule: str, llama: Any) -> None:
                     "val_loss": val, "sampler": fit.strategy.distributed_sampler_kwargs}, out / f"{name}.pt")
 
 
-def reference(out: Path, llama: Any, tag: str, accumulated: bool = False) -> None:
+def reference(out: Path, llama: Any, tag: str, accumulated: bool = False, clip: Optional[float] = CLIP) -> None:
     """One process, the global batch of each step: what each data rank's distributed sampler hands it (Lightning's, for
     a training DataLoader: shuffled with seed 0), MICRO x MICROBATCHES samples per data rank and step. ``accumulated``:
     the floor's reference, the same batch as DATA x MICROBATCHES micro-batches of MICRO, their mean losses' gradients
     accumulated (plain torch), as a pipeline splits it; ``rank0``: each step's loss over data rank 0's samples (what
-    rank 0 logs)."""
+    rank 0 logs). ``clip``: the gradient clipping (None: none, the norm still recorded)."""
     from torch.utils.data import DistributedSampler
 
     model = make_model(llama)
@@ -176,7 +177,7 @@ def reference(out: Path, llama: Any, tag: str, accumulated: bool = False) -> Non
         losses.append(loss.item())
         with torch.no_grad():
             rank0.append(loss_of(model, tokens[rows[:per_rank]]).item())
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip is not None else math.inf).item())
         optimizer.step()
         optimizer.zero_grad()
     with torch.no_grad():

@@ -86,3 +86,27 @@ def test_tied_weights_stay_one_weight(runs: Path) -> None:
     got = _load(runs, "gpt_zero3_1f1b")
     assert "wte.weight" in got["params"] and "lm_head.weight" in got["params"]
     assert torch.equal(got["params"]["wte.weight"][0], got["params"]["lm_head.weight"][0])
+
+
+@pytest.fixture(scope="module")
+def seeds_3d(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from pipeline_3d_runs import save_llama
+
+    out = tmp_path_factory.mktemp("pipeline_3d_runs")
+    save_llama(out / "llama")
+    run_script("pipeline_3d_runs.py", str(out), str(out / "llama"), ranks=8)
+    return out
+
+
+def test_the_seeds_3d_json_runs_at_tp2_pp2_dp2_as_one_process(seeds_3d: Path) -> None:
+    """The seeds' DeepSpeed JSON, sizes scaled to world 8, under ``Trainer(strategy=ZeroStrategy(config=...))``:
+    ZeRO-2 with CPU optimizer offload over 2 data ranks of each (stage, tensor) coordinate, 4 micro-batches of 1 per
+    step; 4 steps equal one process within the tensor-parallel floor (test_tensor_parallel.py's 1e-5 on parameters)."""
+    got, want = _load(seeds_3d, "seeds_3d"), _load(seeds_3d, "reference_seeds_3d")
+    assert got["sizes"] == {"tensor": 2, "pipeline": 2, "microbatches": 4, "stage": 2, "offload": "cpu", "data": 2}
+    assert got["sampler"] == {"num_replicas": 2, "rank": 0}
+    assert _relative(got["losses"], want["losses"]) <= TOLERANCE, (got["losses"], want["losses"])
+    assert _relative(got["norms"], want["norms"]) <= TOLERANCE, (got["norms"], want["norms"])
+    assert got["params"].keys() == want["params"].keys()
+    for name, value in want["params"].items():
+        assert _relative(got["params"][name], value) <= 1e-5, (name, _relative(got["params"][name], value))
