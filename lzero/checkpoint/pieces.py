@@ -193,6 +193,11 @@ class PiecedCheckpoint:
         info = self.manifest["params"][name]
         return self.read_range(self.model_key(name), 0, info["numel"]).view(info["shape"])
 
+    def saved_name(self, name: str) -> str:
+        """The name a parameter's pieces are saved under: its own, or for a tied key the parameter it shares (the last
+        pipeline stage's copy of a tied embedding: [Note: pipeline checkpoints] in sharded.py)."""
+        return self.manifest.get("aliases", {}).get(name, name)
+
     def param_name(self, key: str) -> Optional[str]:
         """The sharded parameter a state-dict key holds (tied keys name the same one), or None for a
         tensor outside every unit (a buffer, a frozen parameter)."""

@@ -111,7 +111,9 @@ def load_module_state(engine: Optional["ZeroEngine"], module: nn.Module, checkpo
         # with its averaging callback a run resumes its current masters (the average goes to its own shards);
         # without, the model state: the average where WeightAveraging saved one, as DDP resumes
         key = (lambda name: f"param/{name}") if engine.average is not None else reader.model_key
-        fetch = lambda name, a, b: (reader.read_range(key(name), a, b) if name in sharded  # noqa: E731
+        saved = reader.saved_name
+        saved_shapes.update({n: saved_shapes[saved(n)] for n in specs if n not in saved_shapes and saved(n) in sharded})
+        fetch = lambda name, a, b: (reader.read_range(key(saved(name)), a, b) if saved(name) in sharded  # noqa: E731
                                     else whole(name, a, b))
         managed_now = {id(p) for unit in engine.units for p in unit.params}
         rest = {**rest, **{k: reader.state_tensor(k) for k, v in module.state_dict(keep_vars=True).items()

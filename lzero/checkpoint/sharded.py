@@ -202,7 +202,14 @@ def save_sharded(path: Any, engine: "ZeroEngine", optimizers: Sequence[ShardedOp
                 + " is not built yet. HINT: save without it (drop `shard_group_size` / `async_save`), or train with"
                 " `enable_checkpointing=False`.")
         kept = _tensor_rank_writes(engine, kept)
+    if engine.pipeline_group is not None:  # see [Note: pipeline checkpoints]
+        if saver is not None:
+            raise CheckpointError("A checkpoint of a pipeline-parallel run with `async_save=True` is not built yet."
+                                  " HINT: save without `async_save`.")
+        kept = _first_copies(engine, kept)
     module_state, extra = describe(engine, checkpoint, kept, weights_only=not optimizers, **fields)
+    if engine.pipeline_group is not None:
+        module_state, extra = _every_stage(engine, module_state, extra)
     written, base = _without_base(engine, kept)
     whole = _without_whole_base(engine, module_state, kept) if engine.rank == 0 else {}
     if (base or whole) and engine.rank == 0:  # the manifest's writer alone hashes the files
@@ -223,14 +230,52 @@ def _tensor_rank_writes(engine: "ZeroEngine", kept: Optional[Callable[[str], boo
     return lambda name: (first or name in engine.tensor_layouts) and (kept is None or kept(name))
 
 
+def _first_copies(engine: "ZeroEngine", kept: Optional[Callable[[str], bool]]) -> Callable[[str], bool]:
+    """Under pipeline parallel, the parameters this rank writes (of those ``kept`` accepts): a weight two stages hold
+    (tied) is written by the first stage only, under its name there."""
+    return lambda name: name not in engine.tie_aliases and (kept is None or kept(name))
+
+
+def _every_stage(engine: "ZeroEngine", module_state: dict[str, Tensor], extra: dict[str, Any]
+                 ) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """[Note: pipeline checkpoints]
+    A pipeline run's checkpoint is the whole model's, in the same format as any other: every rank of every stage
+    writes its pieces (file r is global rank r), and the manifest rank 0 commits describes every stage's parameters,
+    state-dict keys (stage after stage: the model's own order), tensors outside the units and tied keys, gathered over
+    the pipeline group. A weight two stages hold (embeddings tied to the head) is written once, by the first stage,
+    the last stage's name for it an alias, as a one-process checkpoint names the tied key. So it resumes at any
+    pipeline, tensor or data size, world size 1 included, and consolidates and exports as one."""
+    mine = {"module_state": {k: v.detach().cpu() for k, v in module_state.items()}, "params": extra["params"],
+            "keys": extra["state_dict_keys"], "aliases": {**extra["aliases"], **engine.tie_aliases},
+            "cut": extra.get("tensor_parallel", {}).get("params", {})}
+    stages: list[Any] = [None] * collectives.world_size(engine.pipeline_group)
+    dist.all_gather_object(stages, mine, group=engine.pipeline_group)
+    params, keys, aliases, cut, state = {}, [], {}, {}, {}
+    for stage in stages:
+        params.update(stage["params"])
+        keys += [k for k in stage["keys"] if k not in keys]
+        aliases.update(stage["aliases"])
+        cut.update(stage["cut"])
+        state.update({k: v for k, v in stage["module_state"].items() if k not in state})
+    extra = {**extra, "params": params, "state_dict_keys": keys, "aliases": aliases,
+             "parameter_count": sum(p["numel"] for p in params.values() if not p.get("frozen"))}
+    if "tensor_parallel" in extra:
+        extra["tensor_parallel"] = {**extra["tensor_parallel"], "params": cut}
+    extra["pipeline_parallel"] = {"size": len(stages)}
+    return state, extra
+
+
 def _writers(engine: "ZeroEngine") -> tuple[int, int, Optional[dist.ProcessGroup]]:
     """This rank's file number, the number of files a save writes, and the group that agrees on them: the shard
-    group's, or under tensor parallel every rank of the run (file ``d * T + t`` for data rank d and tensor rank t,
-    as the run's ranks are numbered)."""
-    if engine.tensor_group is None:
+    group's, or under tensor or pipeline parallel every rank of the run (file ``p * N * T + d * T + t`` for pipeline
+    rank p, data rank d and tensor rank t: the run's own rank)."""
+    if engine.tensor_group is None and engine.pipeline_group is None:
         return engine.rank, engine.world_size, engine.group
-    size = collectives.world_size(engine.tensor_group)
-    return engine.rank * size + engine.tensor_rank, engine.world_size * size, None
+    size = collectives.world_size(engine.tensor_group) if engine.tensor_group is not None else 1
+    stages = collectives.world_size(engine.pipeline_group) if engine.pipeline_group is not None else 1
+    stage = collectives.rank(engine.pipeline_group) if engine.pipeline_group is not None else 0
+    per_stage = engine.world_size * size
+    return stage * per_stage + engine.rank * size + engine.tensor_rank, per_stage * stages, None
 
 
 def _without_base(engine: "ZeroEngine", kept: Optional[Callable[[str], bool]]
@@ -491,7 +536,7 @@ def load_optimizer_shards(zopt: ShardedOptimizer, index: int, reader: PiecedChec
 def _load_unit_state(zopt: ShardedOptimizer, unit: "FlatUnit", index: int, reader: PiecedCheckpoint) -> None:
     """Fill one unit's shard optimizer state from ``reader`` (the unit resident)."""
     inner = zopt.shard_optimizer(unit)
-    first = unit.spec.params[0].name
+    first = reader.saved_name(unit.spec.params[0].name)
     keys = reader.optimizer_keys(index, first)
     if not keys:
         inner.state.pop(unit.master_shard, None)
@@ -508,4 +553,4 @@ def _load_unit_state(zopt: ShardedOptimizer, unit: "FlatUnit", index: int, reade
 
 def _optimizer_reader(reader: PiecedCheckpoint, index: int, key: str) -> Callable[[Any, int, int], Tensor]:
     """Elements [a, b) of optimizer ``index``'s state ``key`` for one parameter, for :func:`fill_shard`."""
-    return lambda spec, a, b: reader.read_range(f"optim/{index}/{spec.name}/{key}", a, b)
+    return lambda spec, a, b: reader.read_range(f"optim/{index}/{reader.saved_name(spec.name)}/{key}", a, b)

@@ -144,6 +144,7 @@ class ZeroEngine:
         self.tie_group: Any = None  # the ranks of the stages holding them (``tie_across_stages``)
         self.ties_pending = False  # a schedule ran since the last sum of the ties' gradients
         self._uncounted: set[str] = set()  # tied parameters the global norm counts on the other stage
+        self.tie_aliases: dict[str, str] = {}  # those, to their name on the first stage (checkpoints write that one)
         self.keep_root = False  # stage 3 under a pipeline schedule: the root stays gathered between its backwards
         self.hold_grads = False  # a pipeline's step ran its backwards before Lightning clears gradients: keep them
         tensor_parallel.check_parameters(module, mesh.tensor)
@@ -615,13 +616,17 @@ class ZeroEngine:
             self.ties_pending = False
             self._sum_ties()
 
-    def tie_across_stages(self, params: Sequence[nn.Parameter], group: Any, counted: bool) -> None:
+    def tie_across_stages(self, params: Sequence[nn.Parameter], group: Any, first_names: Optional[Sequence[str]]
+                          ) -> None:
         """Pipeline parallel: ``params`` are held by another stage too (embeddings tied to the head): their gradients
         are summed over ``group`` (the ranks of both stages) before each step, so both copies take the same step.
-        ``counted``: this stage's copy counts in the global norm (the other stage's does not)."""
+        ``first_names``: on the last stage, each one's name on the first stage, whose copy counts in the global norm
+        and is the one checkpoints write (None on the first stage)."""
         self.ties, self.tie_group = [p for p in params if p in self._where], group
-        if not counted:
-            self._uncounted = {self._where[p][0].spec.params[self._where[p][1]].name for p in self.ties}
+        if first_names is not None:
+            mine = [self._where[p][0].spec.params[self._where[p][1]].name for p in params]
+            self._uncounted = set(mine)
+            self.tie_aliases = dict(zip(mine, first_names))
 
     @torch.no_grad()
     def _sum_ties(self) -> None:

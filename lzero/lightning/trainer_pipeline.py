@@ -55,8 +55,8 @@ class TrainerPipeline:
             return
         module_params = dict(_named(engine))
         names = [first if self.holds_first else last for first, last in self.plan.tied]
-        engine.tie_across_stages([module_params[n] for n in names if n in module_params], mesh.pipeline_ends(),
-                                 counted=self.holds_first)
+        engine.tie_across_stages([module_params[n] for n in names], mesh.pipeline_ends(),
+                                 None if self.holds_first else [first for first, _ in self.plan.tied])
 
     def run(self, module: LightningModule, hook: str, args: tuple, kwargs: dict, train: bool, engine: Any,
             divisor: int) -> Optional[torch.Tensor]:
@@ -138,6 +138,9 @@ def refuse_beside_pipeline(config: ZeroConfig, precision: str, checkpointing: bo
     if config.shard_group_size is not None:
         raise ZeroConfigError(f"`pipeline_parallel_size={size}` with `shard_group_size={config.shard_group_size!r}`:"
                               " hybrid sharding within a stage is not built. HINT: drop `shard_group_size`.")
-    if checkpointing:
-        raise ZeroConfigError(f"`pipeline_parallel_size={size}` with a checkpoint callback: checkpoints of pipeline"
-                              " runs are not written yet. HINT: `Trainer(enable_checkpointing=False)`.")
+    unbuilt = ("`checkpoint_format='full'`" if config.checkpoint_format != "sharded"
+               else "`async_save=True`" if config.async_save else None)
+    if checkpointing and unbuilt is not None:
+        raise ZeroConfigError(f"`pipeline_parallel_size={size}` with a checkpoint callback and {unbuilt}: checkpoints"
+                              " of pipeline runs are sharded directories written synchronously, so far. HINT: drop"
+                              f" {unbuilt}, or `Trainer(enable_checkpointing=False)`.")

@@ -526,14 +526,18 @@ class ZeroStrategy(DDPStrategy):
     def _refuse_tensor_parallel_checkpoint(self) -> None:
         """A tensor-parallel run saves sharded directories only (see [Note: tensor-parallel checkpoints] in
         lzero/engine/tensor_layout.py): a one-file checkpoint is refused at the first call a save makes."""
-        if self.config.tensor_parallel_size > 1 and not self._sharded_checkpoint:
+        config = self.config
+        cut = (f"tensor_parallel_size={config.tensor_parallel_size}" if config.tensor_parallel_size > 1
+               else f"pipeline_parallel_size={config.pipeline_parallel_size}" if config.pipeline_parallel_size > 1
+               else None)
+        if cut is not None and not self._sharded_checkpoint:
             where = ("`checkpoint_format='full'`" if self._live_engine is not None
-                     else "after a stage-1/2 fit (the engine is gone, the model holds DTensors)")
+                     else "after a stage-1/2 fit (the engine is gone, each rank holds its part of the model)")
             raise ZeroConfigError(
-                f"A one-file checkpoint with `tensor_parallel_size={self.config.tensor_parallel_size}`, {where}: a"
-                " tensor-parallel run saves sharded checkpoint directories only. HINT: save while fitting (a"
-                " ModelCheckpoint callback) with `checkpoint_format='sharded'` (the default), and turn a checkpoint into"
-                " one file with `lzero consolidate`.")
+                f"A one-file checkpoint with `{cut}`, {where}: a tensor- or pipeline-parallel run saves sharded"
+                " checkpoint directories only. HINT: save while fitting (a ModelCheckpoint callback) with"
+                " `checkpoint_format='sharded'` (the default), and turn a checkpoint into one file with `lzero"
+                " consolidate`.")
 
     @property
     def _sharded_checkpoint(self) -> bool:
