@@ -155,7 +155,7 @@ class Mesh:
             hpz = 1
         mesh = cls(world, rank, local, shard, max(hpz, 1), base, ranks, _default_group())
         mesh.tensor_size = tensor_size
-        if tensor_size > 1:
+        if device_mesh is not None and (tensor_size > 1 or pipeline_size == 1):  # a 3-D mesh's T = 1: no tensor group
             mesh.tensor = device_mesh["tensor_parallel"].get_group()
         if pipeline_size > 1:
             mesh.pipeline_size = pipeline_size
