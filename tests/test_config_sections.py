@@ -7,18 +7,19 @@ from dataclasses import fields
 
 import pytest
 
-from lzero.config import (AioConfig, CheckpointConfig, OffloadConfig, OffloadOptimizer, OffloadParam, ScheduleConfig,
-                          ShardingConfig, ZeroConfig, ZeroConfigError, ZeroPlusPlusConfig, did_you_mean, whole_number)
+from lzero.config import (AioConfig, CheckpointConfig, OffloadConfig, OffloadOptimizer, OffloadParam, PipelineConfig,
+                          ScheduleConfig, ShardingConfig, ZeroConfig, ZeroConfigError, ZeroPlusPlusConfig, did_you_mean,
+                          whole_number)
 from lzero.engine.blocks import MEMORY_MINIMAL, GatherSchedule
 
-SECTIONS = (ShardingConfig, ScheduleConfig, CheckpointConfig, OffloadConfig, ZeroPlusPlusConfig)
+SECTIONS = (ShardingConfig, ScheduleConfig, CheckpointConfig, OffloadConfig, ZeroPlusPlusConfig, PipelineConfig)
 
 
 def test_zero_config_is_its_sections_fields_then_its_own_stage_first() -> None:
     names = [f.name for f in fields(ZeroConfig)]
     from_sections = [f.name for section in SECTIONS for f in fields(section)]
     assert names[:len(from_sections)] == from_sections and names[0] == "stage"
-    assert len(set(names)) == len(names) == 37
+    assert len(set(names)) == len(names) == 42
 
 
 @pytest.mark.parametrize("section, kwargs, match", [
@@ -32,6 +33,7 @@ def test_zero_config_is_its_sections_fields_then_its_own_stage_first() -> None:
     (OffloadOptimizer, {"host_threads": -1}, "`offload_optimizer.host_threads=-1` must be a whole number >= 0"),
     (OffloadParam, {"device": "nvme", "buffer_count": 1}, "`offload_param.buffer_count=1` must be a whole number >= 2"),
     (AioConfig, {"block_size": 1000}, "must be a multiple of 4096 bytes"),
+    (PipelineConfig, {"pipeline_schedule": "interleaved_zero_bubble"}, "is refused: its split of the weight gradient"),
 ])
 def test_a_section_checks_its_own_fields(section: type, kwargs: dict, match: str) -> None:
     with pytest.raises(ZeroConfigError, match=match):

@@ -27,8 +27,12 @@ def lzero_exception_classes() -> list[type]:
 def test_every_lzero_error_derives_from_zero_error() -> None:
     classes = lzero_exception_classes()
     assert len(classes) >= 15, [c.__qualname__ for c in classes]  # the walk reached the package
-    outside = [f"{c.__module__}.{c.__qualname__}" for c in classes if not issubclass(c, lzero.ZeroError)]
+    outside = [f"{c.__module__}.{c.__qualname__}" for c in classes
+               if issubclass(c, Exception) and not issubclass(c, lzero.ZeroError)]
     assert outside == [], f"lzero errors not derived from lzero.ZeroError: {outside}"
+    # a signal, not an error: it carries a pipeline stage's output out of the user's step, past any `except Exception`
+    signals = [f"{c.__module__}.{c.__qualname__}" for c in classes if not issubclass(c, Exception)]
+    assert signals == ["lzero.engine.pipeline.StageOutput"]
 
 
 def test_a_config_error_is_caught_as_zero_error_and_as_its_builtin_base() -> None:

@@ -140,12 +140,12 @@ class ZeroEngine:
         self.tensor_group = mesh.tensor
         # pipeline parallel: the step's agreements span the stages ([Note: pipeline parallel under ZeRO] in pipeline.py)
         self.pipeline_group = mesh.pipeline
+        self.pipeline_stages: tuple[int, ...] = ()  # the stages this rank runs (set by the door that cut the model)
         self.ties: list[nn.Parameter] = []  # parameters another stage holds too, their gradients summed at the step
         self.tie_group: Any = None  # the ranks of the stages holding them (``tie_across_stages``)
         self.ties_pending = False  # a schedule ran since the last sum of the ties' gradients
         self._uncounted: set[str] = set()  # tied parameters the global norm counts on the other stage
         self.tie_aliases: dict[str, str] = {}  # those, to their name on the first stage (checkpoints write that one)
-        self.keep_root = False  # stage 3 under a pipeline schedule: the root stays gathered between its backwards
         self.hold_grads = False  # a pipeline's step ran its backwards before Lightning clears gradients: keep them
         tensor_parallel.check_parameters(module, mesh.tensor)
         group = self.group
@@ -563,7 +563,21 @@ class ZeroEngine:
             self._task = (task, found)
         return self._task[1]
 
-    def _open_round(self) -> None:
+    def close_pinned_backward(self) -> None:
+        """Stage 3 with every block pinned (a pipeline's schedule: [Note: pipeline parallel under ZeRO] in
+        pipeline.py): a backward that no parameter hook opened a round for (a stage of blocks only; the blocks' hooks
+        are off while pinned) is closed here, after it, as autograd's callback closes the others: its blocks'
+        gradients counted and reduced."""
+        if self.round is not None or self.gatherer is None:
+            return
+        with parameters.quiet_params():
+            pending = any(p.requires_grad and parameters.raw_grad(p) is not None
+                          for unit in self._block_units for p in unit.params)
+        if pending:
+            self._open_round(by_autograd=False)
+            self._close_round()
+
+    def _open_round(self, by_autograd: bool = True) -> None:
         self.round = Round.of(self.config, self.sync, self.automatic)
         self.reducer.begin_backward()
         for u in self.units:
@@ -577,7 +591,8 @@ class ZeroEngine:
                     " parameter (no gradient, no optimizer state); it requires them now. HINT: set `requires_grad`"
                     " before `fit` (and give the parameter to the optimizer), or use zero2 to unfreeze during training."
                 )
-        torch.autograd.Variable._execution_engine.queue_callback(self._close_round)
+        if by_autograd:
+            torch.autograd.Variable._execution_engine.queue_callback(self._close_round)
 
     def _close_round(self) -> None:
         try:
@@ -593,12 +608,7 @@ class ZeroEngine:
             self.round = None
             if self.gatherer is not None:
                 self.gatherer.end_backward()
-            if self.keep_root:  # later micro-batches' backwards still read the root's parameters
-                for name in self.gatherer.blocks:
-                    if name != ROOT:
-                        self.gatherer.release(name)
-            else:
-                self.release_all()
+            self.release_all()
 
     def wait(self) -> None:
         """Block until every launched reduction has landed in its shard (offloaded: in host memory)."""

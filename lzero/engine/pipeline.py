@@ -21,7 +21,10 @@ step before the layers (embedding lookups of zeros, masks) run on every stage.
 
 Gradients: the schedule runs one backward per micro-batch and stage; each is a ZeRO backward round as under
 gradient accumulation (stage 1 reduces once at the step, stages 2-3 every round), the loss divided by the
-micro-batches (the schedule's own grad scaling is off: ZeRO has taken the gradients by then). A parameter two stages
+micro-batches (the schedule's own grad scaling is off: ZeRO has taken the gradients by then). At stage 3 every block of
+the rank's stages is gathered once for the whole schedule and released after it (torchtitan's
+``reshard_after_forward=False`` under pipelines): its hooks are off while pinned, so a backward that no parameter's
+hook opened a round for is closed after it (``after_backward``). A parameter two stages
 hold (embeddings tied to the head) has its gradients summed across them before the step (``Ties``), so both copies
 take the same step. The global norm and the non-finite check sum over the pipeline group, a tied parameter counted
 once.
@@ -275,6 +278,7 @@ class PipelineRunner:
         self._next: dict[int, int] = {}
         self.outputs: list[Any] = []  # the last stage's step outputs, one per micro-batch
         self.scale = 1.0  # the loss is multiplied by it before backward (1 / micro-batches, and the fp16 loss scale)
+        self.after_backward: Optional[Callable[[], None]] = None  # called after each stage backward (zero3: pinned)
         self.probing = False  # inside the forward that finds the activations' shapes
 
     def holds_last(self) -> bool:
@@ -346,11 +350,13 @@ class PipelineRunner:
     def _schedule(self, key: Any, micro: Any, step: Callable[[Any], Any], train: bool) -> Any:
         if key in self._built:
             return self._built[key]
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         examples = self._shapes(micro, step, train)
-        stages = [PipelineStage(_StageModule(self, s), s, self.stages, self.device, input_args=examples[s][0],
-                                output_args=examples[s][1], group=self.group) for s in self.split.local]
+        stages = [_stage_class()(_StageModule(self, s), s, self.stages, self.device, input_args=examples[s][0],
+                                 output_args=examples[s][1], group=self.group) for s in self.split.local]
+        for stage in stages:
+            stage.runner = self
         loss_fn = self._scaled
         if self.schedule_name == "interleaved_1f1b":
             built = ScheduleInterleaved1F1B(stages, self.microbatches, loss_fn=loss_fn, scale_grads=False)
@@ -377,6 +383,23 @@ class PipelineRunner:
         else:
             schedule.eval(*args, target=target, return_outputs=False)
         return self.outputs
+
+
+def _stage_class() -> type:
+    """torch's ``PipelineStage``, calling its runner's ``after_backward`` after each backward it runs."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class Stage(PipelineStage):
+        runner: Optional[PipelineRunner] = None
+
+        def backward_maybe_with_nosync(self, backward_type: Any, bwd_kwargs: dict, last_backward: bool = False
+                                       ) -> Any:
+            result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+            if self.runner is not None and self.runner.after_backward is not None:
+                self.runner.after_backward()
+            return result
+
+    return Stage
 
 
 def _shape_key(micro: Any) -> Any:

@@ -121,6 +121,13 @@ class ZeroFabricStrategy(DDPStrategy):
         if args.config.tensor_parallel_size > 1 and args.auto:
             raise ZeroConfigError(f"`stage='auto'` with `tensor_parallel_size={args.config.tensor_parallel_size}`: the"
                                   " automatic choice does not count tensor-parallel shards yet. HINT: give the stage.")
+        if args.config.pipeline_parallel_size > 1:
+            raise ZeroConfigError(
+                f"`pipeline_parallel_size={args.config.pipeline_parallel_size}` under Fabric: the schedule runs the"
+                " step (model call and loss) once per stage and micro-batch, and a Fabric loop has no step function"
+                " to hand it, so Fabric's door does not run pipelines yet. HINT: train with the Trainer's"
+                " `ZeroStrategy(pipeline_parallel_size=...)` (your `training_step` runs unchanged), or drop"
+                " `pipeline_parallel_size` under Fabric.")
         if args.deepspeed is not None and (args.deepspeed.optimizer is not None or args.deepspeed.scheduler is not None):
             raise ZeroConfigError(
                 "The DeepSpeed configuration has an `optimizer` or `scheduler` block, which a Fabric script does not"

@@ -17,6 +17,7 @@ until the strategy's ``backward``.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from typing import Any, Callable, Optional
 
@@ -49,8 +50,10 @@ class TrainerPipeline:
     def holds_first(self) -> bool:
         return 0 in self.split.local
 
-    def tie(self, engine: Any, mesh: Any) -> None:
-        """Parameters both end stages hold (embeddings tied to the head) sum their gradients at each step."""
+    def attach(self, engine: Any, mesh: Any) -> None:
+        """The engine learns this rank's stages, and the parameters both end stages hold (embeddings tied to the
+        head), whose gradients it sums across them at each step."""
+        engine.pipeline_stages = self.split.local
         if not self.plan.tied:
             return
         module_params = dict(_named(engine))
@@ -59,24 +62,27 @@ class TrainerPipeline:
                                  None if self.holds_first else [first for first, _ in self.plan.tied])
 
     def run(self, module: LightningModule, hook: str, args: tuple, kwargs: dict, train: bool, engine: Any,
-            divisor: int) -> Optional[torch.Tensor]:
-        """``module.<hook>`` over the micro-batches of ``args[0]``; the step's mean loss (training) on every rank."""
+            divisor: int, loss_scale: float = 1.0) -> Optional[torch.Tensor]:
+        """``module.<hook>`` over the micro-batches of ``args[0]``; the step's mean loss (training) on every rank.
+        Each micro-batch's loss is multiplied by ``loss_scale`` (fp16's, which the engine's reductions divide out)
+        over the micro-batches times ``divisor`` (Lightning's accumulation)."""
         batch, rest = args[0], args[1:]
         micro = split_batch(batch, self.config.microbatches)
         step: Callable[[Any], Any] = lambda mb: getattr(module, hook)(mb, *rest, **kwargs)
-        self.runner.scale = 1.0 / (len(micro) * divisor)
+        self.runner.scale = loss_scale / (len(micro) * divisor)
         recorded: list[tuple[tuple, dict]] = []
         # the step's logs, replayed below (not those of the forward that finds the activations' shapes)
         module.log = lambda *a, **kw: None if self.runner.probing else recorded.append((a, kw))
         stage3 = engine is not None and engine.gatherer is not None
+        # stage 3: every block of this rank's stages gathered once for the schedule ([Note: pipeline parallel under
+        # ZeRO] in lzero/engine/pipeline.py)
+        self.runner.after_backward = engine.close_pinned_backward if stage3 else None
         try:
-            if stage3 and train:
-                engine.keep_root = True
-            outputs = self.runner.run(micro, step, train)
+            with engine.gatherer.all_gathered() if stage3 else contextlib.nullcontext():
+                outputs = self.runner.run(micro, step, train)
         finally:
             del module.log
             if stage3:
-                engine.keep_root = False
                 engine.release_all()
         if engine is not None and train:
             engine.ties_pending = True
@@ -129,12 +135,17 @@ def _agree_on_weights(module: torch.nn.Module, group: Any) -> None:
             dist.broadcast(local.data, src=src, group=group)
 
 
-def refuse_beside_pipeline(config: ZeroConfig, precision: str, checkpointing: bool) -> None:
+def refuse_beside_pipeline(config: ZeroConfig, checkpointing: bool, automatic: bool,
+                           auto_stage: bool) -> None:
     """What pipeline parallel does not run with yet, refused at setup by name."""
     size = config.pipeline_parallel_size
-    if precision == "16-mixed":
-        raise ZeroConfigError(f"`pipeline_parallel_size={size}` with precision '16-mixed': the loss scale is not yet"
-                              " applied inside the schedule. HINT: use 'bf16-mixed' or '32-true'.")
+    if not automatic:
+        raise ZeroConfigError(f"`pipeline_parallel_size={size}` with manual optimization: the schedule runs every"
+                              " backward inside `training_step`, where `self.manual_backward` would run another."
+                              " HINT: use automatic optimization (return the loss from `training_step`).")
+    if auto_stage:
+        raise ZeroConfigError(f"`stage='auto'` with `pipeline_parallel_size={size}`: the automatic choice does not"
+                              " count a stage's share of the model yet. HINT: give the stage.")
     if config.shard_group_size is not None:
         raise ZeroConfigError(f"`pipeline_parallel_size={size}` with `shard_group_size={config.shard_group_size!r}`:"
                               " hybrid sharding within a stage is not built. HINT: drop `shard_group_size`.")

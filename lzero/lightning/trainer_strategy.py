@@ -281,7 +281,7 @@ class ZeroStrategy(DDPStrategy):
                 mesh=self._run_mesh())
             self._engine.automatic = self.lightning_module.automatic_optimization and self._pipeline is None
             if self._pipeline is not None:  # stage 1 reduces at the step: [Note: pipeline parallel under ZeRO]
-                self._pipeline.tie(self._engine, self._run_mesh())
+                self._pipeline.attach(self._engine, self._run_mesh())
             shard_weight_averaging(trainer, self._engine, lambda: self._sharded_checkpoint, self._exit_stack)
             add_memory_monitor(trainer, self.config)
             if self.config.async_save:
@@ -305,7 +305,8 @@ class ZeroStrategy(DDPStrategy):
         under the Trainer] in trainer_pipeline.py)."""
         from lzero.lightning.trainer_pipeline import TrainerPipeline, refuse_beside_pipeline
 
-        refuse_beside_pipeline(self.config, self.precision_plugin.precision, fitting and bool(trainer.checkpoint_callbacks))
+        refuse_beside_pipeline(self.config, fitting and bool(trainer.checkpoint_callbacks),
+                               self.lightning_module.automatic_optimization, self._auto)
         module = self.lightning_module
         if getattr(module, "_lzero_pipeline", None) is None:
             module._lzero_pipeline = TrainerPipeline(module, self.config, self.device_mesh, self.root_device)
@@ -429,7 +430,8 @@ class ZeroStrategy(DDPStrategy):
             before_forward(self._engine)
             with self.precision_plugin.train_step_context():
                 return self._pipeline.run(self.lightning_module, "training_step", args, kwargs, True, self._engine,
-                                          self.lightning_module.trainer.accumulate_grad_batches)
+                                          self.lightning_module.trainer.accumulate_grad_batches,
+                                          self.precision_plugin.loss_scale)
         if self._inputs_unchecked:  # tensor parallel: [Note: tensor parallel under ZeRO] in tensor_parallel.py
             self._inputs_unchecked = False
             check_same_inputs(args[0] if args else kwargs.get("batch"), self._run_mesh().tensor, self.root_device)

@@ -367,7 +367,7 @@ def estimate(count: ModelCount, num_gpus: int = 1, num_nodes: int = 1, precision
              optimizer_bytes: float = ADAM_BYTES, buffers: bool = False, offload_ratio: float = 1.0,
              max_in_cpu: Optional[int] = None, strategies: Sequence[str] = STRATEGIES,
              shard_group_size: Optional[int] = None, hpz_partition_size: Optional[int] = None,
-             tensor_parallel_size: int = 1) -> list[Estimate]:
+             tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1) -> list[Estimate]:
     """One :class:`Estimate` per strategy (``STRATEGIES``) for ``num_gpus`` ranks on each of ``num_nodes``
     nodes. ``offload_ratio`` and ``max_in_cpu`` apply to the offload rows (``OffloadOptimizer.ratio``,
     ``OffloadParam.max_in_cpu``; None: its default). ``shard_group_size``: hybrid sharding, the zero rows shard over
@@ -375,7 +375,8 @@ def estimate(count: ModelCount, num_gpus: int = 1, num_nodes: int = 1, precision
     ``hpz_partition_size``: adds a ``zero3_hpz`` row after zero3's, with hpZ's secondary copy of 1/H of the model per
     rank (see [Note: hpZ] in lzero/engine/hpz.py). ``tensor_parallel_size``: T tensor ranks split
     ``count.tensor_sharded`` (:meth:`ModelCount.per_tensor_rank`) and every row's data parallel runs over N / T ranks
-    (the ddp row: tensor parallel x DDP)."""
+    (the ddp row: tensor parallel x DDP). ``pipeline_parallel_size``: ``count`` is one pipeline stage's, its data
+    parallel over N / (P x T) ranks."""
     from lzero.presets import PRESET_CONFIGS
 
     for name, value in (("num_gpus", num_gpus), ("num_nodes", num_nodes)):
@@ -394,8 +395,12 @@ def estimate(count: ModelCount, num_gpus: int = 1, num_nodes: int = 1, precision
             or tensor_parallel_size < 1 or world % tensor_parallel_size:
         raise EstimateError(f"`tensor_parallel_size={tensor_parallel_size!r}` must divide the world size {world}."
                             f" HINT: e.g. `--tensor-parallel {min(num_gpus, 8)}` (within a node).")
+    if world % (tensor_parallel_size * pipeline_parallel_size):
+        raise EstimateError(f"`pipeline_parallel_size={pipeline_parallel_size}` x `tensor_parallel_size="
+                            f"{tensor_parallel_size}` must divide the world size {world}. HINT: e.g. `--pipeline-parallel"
+                            f" 2` with `--num-gpus {2 * tensor_parallel_size}`.")
     count = count.per_tensor_rank(tensor_parallel_size)
-    world //= tensor_parallel_size  # the data-parallel ranks
+    world //= tensor_parallel_size * pipeline_parallel_size  # the data-parallel ranks
     if shard_group_size is not None and (isinstance(shard_group_size, bool) or not isinstance(shard_group_size, int)
                                          or shard_group_size < 1 or world % shard_group_size):
         raise EstimateError(f"`shard_group_size={shard_group_size!r}` must divide the world size {world}. HINT: e.g."

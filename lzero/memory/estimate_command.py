@@ -109,6 +109,18 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tp-plan", default="auto",
                         help="with --model and --tensor-parallel: 'auto' (the Hugging Face model's"
                              " base_model_tp_plan) or a JSON object of module-name patterns to colwise/rowwise")
+    parser.add_argument("--pipeline-parallel", type=int, default=1, metavar="P",
+                        help="pipeline parallel over P of the ranks: adds a row per pipeline rank (its stage's model"
+                             " states over N / (P x T) data ranks, the activations its schedule holds)")
+    parser.add_argument("--pipeline-schedule", default="1f1b", help="with --pipeline-parallel: gpipe, 1f1b or"
+                                                                    " interleaved_1f1b")
+    parser.add_argument("--microbatches", type=int, default=None,
+                        help="with --pipeline-parallel: micro-batches per step (default: the stages)")
+    parser.add_argument("--virtual-stages", type=int, default=None,
+                        help="with --pipeline-parallel: stages per rank (default 2 under interleaved_1f1b, else 1)")
+    parser.add_argument("--microbatch-activations", type=float, default=0,
+                        help="with --pipeline-parallel: bytes of activations one micro-batch keeps for backward"
+                             " through the whole model (e.g. measured without pipelines)")
     parser.add_argument("--precision", default="bf16-mixed",
                         help=f"one of {', '.join(COMPUTE_BYTES)} (default bf16-mixed, the ZeRO paper's setting)")
     parser.add_argument("--optimizer-bytes", type=float, default=ADAM_BYTES,
@@ -147,6 +159,7 @@ def estimate_command(argv: Sequence[str], plan_for: Optional[Callable[[Any, Any,
                                     " `--params TRAINABLE --frozen-params F --quantized 4bit-dq` (F: the base's"
                                     " parameters, Ψ: the adapters').")
             module = load_model(args.model, args.model_args)
+            staged = module
             plan = _tp_plan(args.tp_plan) if args.tensor_parallel > 1 else None
             count = count_parameters(module, tensor_plan=plan_for(module, plan, args.tensor_parallel)
                                      if plan is not None and plan_for is not None else None)
@@ -156,10 +169,13 @@ def estimate_command(argv: Sequence[str], plan_for: Optional[Callable[[Any, Any,
                                tensor_sharded=_split(args))
         else:
             count = ModelCount(args.params, args.frozen_params, tensor_sharded=_split(args))
+        if args.model is None:
+            staged = None
         max_in_cpu = None if args.max_in_cpu is None else int(args.max_in_cpu)
         rows = estimate(count, args.num_gpus, args.num_nodes, args.precision, args.optimizer_bytes, args.buffers,
                         args.offload_ratio, max_in_cpu, shard_group_size=args.shard_group_size,
                         hpz_partition_size=args.hpz_partition_size, tensor_parallel_size=args.tensor_parallel)
+        pipeline = _pipeline(count, args, staged)
         if args.plot:
             plot(rows, args.plot)
         schedule = None
@@ -172,9 +188,14 @@ def estimate_command(argv: Sequence[str], plan_for: Optional[Callable[[Any, Any,
     deepspeed = _deepspeed(count, args) if args.deepspeed else None
     if args.json:
         print(json.dumps({**_json(rows, count, args), **({"deepspeed": deepspeed} if deepspeed else {}),
+                          **({"pipeline": pipeline} if pipeline else {}),
                           **({"zero3_schedule": schedule} if schedule else {})}, indent=2))
     else:
         print(table(rows, count, args))
+        if pipeline:
+            from lzero.memory.pipeline_estimate import pipeline_table
+
+            print(pipeline_table(pipeline, args, _gb))
         if schedule:
             print(schedule_line(schedule, args))
         if deepspeed:
@@ -185,6 +206,22 @@ def estimate_command(argv: Sequence[str], plan_for: Optional[Callable[[Any, Any,
                     print(f"  {stage}: per GPU {row['per_gpu'] / 2**30:7.2f} | per CPU {row['per_cpu'] / 2**30:7.2f} |"
                           f" {row['options']}")
     return 0
+
+
+def _pipeline(count: ModelCount, args: argparse.Namespace, module: Any) -> Optional[list[dict]]:
+    """``--pipeline-parallel``'s rows (see lzero/memory/pipeline_estimate.py), or None without it."""
+    pipeline_only = [flag for flag, value in (("--microbatches", args.microbatches),
+                                              ("--virtual-stages", args.virtual_stages),
+                                              ("--microbatch-activations", args.microbatch_activations or None))
+                     if value is not None]
+    if args.pipeline_parallel == 1:
+        if pipeline_only:
+            raise EstimateError(f"`{pipeline_only[0]}` is given without `--pipeline-parallel`. HINT: add"
+                                " `--pipeline-parallel P`, or drop it.")
+        return None
+    from lzero.memory.pipeline_estimate import pipeline_rows
+
+    return pipeline_rows(count, args, module)
 
 
 def _tensor_line(count: ModelCount, args: argparse.Namespace) -> str:

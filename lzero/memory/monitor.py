@@ -28,7 +28,9 @@ After an optimizer step (gradients freed, see [Note: gradient buffers] in flat_u
 - ``memory/monitor_seconds/rank{r}``: what this logging itself took.
 
 All ranks' values travel to rank 0 in one all-gather of one tensor, and rank 0 logs them (TensorBoard shows
-one curve per rank). The fp16 loss scale is logged by the precision plugin already (``lzero/loss_scale``).
+one curve per rank). Under pipeline parallel every stage's ranks are gathered (over the whole run) and each name
+says the stage: ``memory/model_states_bytes/stage{s}/rank{r}`` (``stage{s}+{s'}`` for a rank running several
+interleaved stages), r the global rank; the expectation is the formula over that stage's own parameters. The fp16 loss scale is logged by the precision plugin already (``lzero/loss_scale``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import time
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from lzero.engine import collectives
@@ -115,12 +118,16 @@ class MemoryMonitor(Callback):
         values.append(time.perf_counter() - start)
         at = engine.units[0].flat_param.device if engine.units else torch.device("cpu")
         mine = torch.tensor(values, dtype=torch.float64, device=at)
-        every_rank = torch.empty(mine.numel() * engine.world_size, dtype=torch.float64, device=at)
-        collectives.all_gather(every_rank, mine, engine.group)  # one collective, every rank's values
+        staged = engine.pipeline_group is not None  # every stage's ranks, over the whole run
+        group, ranks = (None, dist.get_world_size()) if staged else (engine.group, engine.world_size)
+        every_rank = torch.empty(mine.numel() * ranks, dtype=torch.float64, device=at)
+        collectives.all_gather(every_rank, mine, group)  # one collective, every rank's values
+        stages = _stages_of_ranks(engine) if staged else None
         self.cost_s.append(time.perf_counter() - start)
         if log is not None:
-            table = every_rank.view(engine.world_size, -1).tolist()
-            metrics = {f"{name}/rank{r}": row[i] for r, row in enumerate(table) for i, name in enumerate(names)
+            table = every_rank.view(ranks, -1).tolist()
+            where = (lambda r: f"{stages[r]}/rank{r}") if stages is not None else (lambda r: f"rank{r}")
+            metrics = {f"{name}/{where(r)}": row[i] for r, row in enumerate(table) for i, name in enumerate(names)
                        if row[i] == row[i]}  # NaN: not known on this rank
             log(metrics, step)
 
@@ -151,6 +158,14 @@ class MemoryMonitor(Callback):
         self._traffic_at, self._steps_at = now, step
         reset_peak(device)
         return names, values
+
+
+def _stages_of_ranks(engine: Any) -> list[str]:
+    """Each global rank's stages as the metric names say them (``stage0``, ``stage1+3``), gathered once."""
+    mine = "stage" + "+".join(str(s) for s in engine.pipeline_stages)
+    names: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(names, mine)
+    return names
 
 
 def _traffic(engine: Any) -> dict[str, int]:

@@ -127,3 +127,20 @@ def test_virtual_stages_and_micro_batches_default_to_the_schedule() -> None:
 def test_the_mesh_lists_a_data_group_per_pipeline_and_tensor_coordinate() -> None:
     mesh = Mesh(world=2, rank=0, local_world=2, shard_size=2, ranks=(0, 2), tensor_size=2, pipeline_size=2)
     assert mesh.layers() == [(0, 2), (1, 3), (4, 6), (5, 7)]  # world 8 = pp2 x dp2 x tp2, pipeline outermost
+
+
+def test_the_strategy_and_a_yaml_take_the_pipeline_keys(tmp_path, capsys) -> None:  # noqa: ANN001
+    """Both doors' options and a LightningCLI strategy YAML: `pipeline_*` beside `stage`, as every ZeroConfig key;
+    Fabric's door refuses a pipeline by name (its loop has no step for the schedule to run)."""
+    from test_tensor_parallel import printed_config
+
+    from lzero import ZeroFabricStrategy, ZeroStrategy
+
+    strategy = ZeroStrategy(stage=3, pipeline_parallel_size=2, pipeline_schedule="interleaved_1f1b")
+    assert (strategy.config.pipeline_stages, strategy.config.microbatches) == (4, 4)
+    printed = printed_config(tmp_path, capsys, "    stage: 2\n    pipeline_parallel_size: 2\n"
+                                               "    pipeline_schedule: gpipe\n    pipeline_microbatches: 8\n")
+    assert all(line in printed for line in ("pipeline_parallel_size: 2", "pipeline_schedule: gpipe",
+                                            "pipeline_microbatches: 8"))
+    with pytest.raises(ZeroConfigError, match=r"`pipeline_parallel_size=2` under Fabric.*HINT: train with the Trainer"):
+        ZeroFabricStrategy(stage=2, pipeline_parallel_size=2)

@@ -22,6 +22,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, Subset, TensorDataset
 
@@ -97,15 +98,20 @@ class Module(LightningModule):
 
 
 class Record(Callback):
-    """Each step's global loss (the strategy's returned loss, averaged over the data ranks), logged loss and norm."""
+    """Each step's global loss (the strategy's returned loss, averaged over the data ranks), logged loss and norm, and
+    the loss scale after it (fp16)."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.logged: list[float] = []
         self.norms: list[float] = []
+        self.scales: list[float] = []
 
     def on_before_optimizer_step(self, trainer: Trainer, module: LightningModule, optimizer: Any) -> None:
         self.norms.append(trainer.strategy.grad_norm().item())
+
+    def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
+        self.scales.append(trainer.strategy.precision_plugin.loss_scale)
 
     def on_train_batch_end(self, trainer: Trainer, module: LightningModule, outputs: Any, batch: Any, i: int) -> None:
         self.losses.append(trainer.strategy.reduce(outputs["loss"].detach(), reduce_op="mean").item())
@@ -119,6 +125,7 @@ CONFIGURATIONS = {
     "zero2_offload": {"stage": 2, "offload_optimizer": "cpu"},
 }
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+MEMORY_LOGGED = ("llama_zero3_1f1b", "gpt_zero1_interleaved_1f1b")
 
 
 def whole_parameters(trainer: Trainer, module: Module) -> dict[str, list[torch.Tensor]]:
@@ -138,7 +145,9 @@ def run(out: Path, name: str, options: dict, schedule: str, llama: Any) -> None:
     module, record = Module(llama), Record()
     strategy = ZeroStrategy(**options, pipeline_parallel_size=2, pipeline_schedule=schedule,
                             pipeline_microbatches=MICROBATCHES)
-    fit = Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=STEPS, logger=False,
+    logged = name in MEMORY_LOGGED  # the memory monitor's per-stage logs, in a CSV file
+    fit = Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=STEPS,
+                  logger=CSVLogger(out, name=name, version=0) if logged else False, log_every_n_steps=1,
                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                   gradient_clip_val=CLIP, callbacks=[record])
     fit.fit(module, DataLoader(dataset(), batch_size=MICRO * MICROBATCHES))
@@ -148,6 +157,29 @@ def run(out: Path, name: str, options: dict, schedule: str, llama: Any) -> None:
     if fit.is_global_zero:
         torch.save({"losses": record.losses, "logged": record.logged, "norms": record.norms, "params": params,
                     "val_loss": val, "sampler": fit.strategy.distributed_sampler_kwargs}, out / f"{name}.pt")
+
+
+FP16_SCALE = {"initial_scale_power": 24, "hysteresis": 1}
+"""fp16's loss scaling in the skip runs: 2^24 overflows the first steps' gradients, so steps are skipped and the
+scale halves until it fits."""
+
+
+def mixed_run(out: Path, precision: str, pipeline: bool) -> None:
+    """The demo GPT at zero2 in ``precision`` (16-mixed, bf16-mixed) for 6 steps, at pp2 x dp2 (1F1B) or pp1 x dp4
+    (the same global batches): each step's loss and loss scale, and every rank's skipped steps."""
+    module, record = Module(GPT), Record()
+    options = {"pipeline_parallel_size": 2, "pipeline_microbatches": MICROBATCHES} if pipeline else {}
+    if precision == "16-mixed":
+        options["loss_scaling"] = FP16_SCALE
+    strategy = ZeroStrategy(stage=2, precision=precision, **options)
+    fit = Trainer(accelerator="cpu", devices=4, strategy=strategy, max_steps=6, logger=False, callbacks=[record],
+                  enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    fit.fit(module, DataLoader(dataset(), batch_size=MICRO * MICROBATCHES * DATA // (2 if pipeline else 4)))
+    skipped: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(skipped, fit.strategy.precision_plugin.skipped_steps)
+    if fit.is_global_zero:
+        torch.save({"losses": record.losses, "scales": record.scales, "skipped": skipped},
+                   out / f"{precision}_{'pp2dp2' if pipeline else 'pp1dp4'}.pt")
 
 
 def reference(out: Path, llama: Any, tag: str, accumulated: bool = False, clip: Optional[float] = CLIP) -> None:
@@ -190,6 +222,10 @@ def reference(out: Path, llama: Any, tag: str, accumulated: bool = False, clip: 
 def main() -> None:
     out, llama = Path(sys.argv[1]), Path(sys.argv[2])
     only = set(sys.argv[3:])
+    for precision in ("16-mixed", "bf16-mixed"):
+        if not only or precision in only:
+            mixed_run(out, precision, pipeline=True)
+            mixed_run(out, precision, pipeline=False)
     for tag, model in (("llama", llama), ("gpt", GPT)):
         ran = False
         for config, options in CONFIGURATIONS.items():
