@@ -159,8 +159,8 @@ def run(out: Path, name: str, options: dict, schedule: str, llama: Any) -> None:
                     "val_loss": val, "sampler": fit.strategy.distributed_sampler_kwargs}, out / f"{name}.pt")
 
 
-FP16_SCALE = {"initial_scale_power": 24, "hysteresis": 1}
-"""fp16's loss scaling in the skip runs: 2^24 overflows the first steps' gradients, so steps are skipped and the
+FP16_SCALE = {"initial_scale_power": 20, "hysteresis": 1}
+"""fp16's loss scaling in the skip runs: 2^20 overflows the first steps' gradients, so steps are skipped and the
 scale halves until it fits."""
 
 
