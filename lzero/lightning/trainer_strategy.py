@@ -305,6 +305,10 @@ class ZeroStrategy(DDPStrategy):
         under the Trainer] in trainer_pipeline.py)."""
         from lzero.lightning.trainer_pipeline import TrainerPipeline, refuse_beside_pipeline
 
+        if trainer.state.fn == TrainerFn.PREDICTING:
+            raise ZeroConfigError("`predict` under pipeline parallel is not built: a prediction is the last stage's"
+                                  " output, which the other stages never see. HINT: save a checkpoint and predict from"
+                                  " it with a strategy without `pipeline_parallel_size`.")
         refuse_beside_pipeline(self.config, fitting and bool(trainer.checkpoint_callbacks),
                                self.lightning_module.automatic_optimization, self._auto)
         module = self.lightning_module
@@ -457,10 +461,6 @@ class ZeroStrategy(DDPStrategy):
         before_forward(self._engine)
         if self._pipeline is not None:
             hook = step.__name__
-            if hook == "predict_step":
-                raise ZeroConfigError("`predict` under pipeline parallel is not built: a prediction is the last"
-                                      " stage's output, which the other stages never see. HINT: predict with a"
-                                      " strategy without `pipeline_parallel_size`.")
             context = self.precision_plugin.val_step_context() if hook == "validation_step" else \
                 self.precision_plugin.test_step_context()
             try:
@@ -709,6 +709,12 @@ class ZeroStrategy(DDPStrategy):
         prefetch (memory-bounded, one all-gather per block per token) and keeps the ranks stepping together
         (``synced_gpus``). Stages 1-2 hold whole parameters: nothing to do."""
         root = self.lightning_module
+        if self._pipeline is not None:
+            raise ZeroConfigError(
+                f"`strategy.generation()` under `pipeline_parallel_size={self.config.pipeline_parallel_size}`: this rank"
+                f" holds pipeline stages {list(self._pipeline.split.local)} only, and token-by-token generation through"
+                " a pipeline is not built. HINT: save a checkpoint and generate from it without pipelines (`lzero"
+                " export-hf`, or a strategy without `pipeline_parallel_size`).")
         takes, example = "the LightningModule or a module inside it", "with trainer.strategy.generation(self.policy):"
         check_generation_arguments(module, mode, takes, example)
         if module is not None and not (root is not None and any(m is module for m in root.modules())):

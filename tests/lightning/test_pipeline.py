@@ -215,3 +215,16 @@ def test_memory_logs_name_each_ranks_stages_and_match_the_formula(runs: Path, na
         assert abs(measured - expected) <= 0.01 * expected, (rank, measured, expected)  # measured: to the byte
         held.append(measured)
     assert held[0] == held[1] and held[2] == held[3] and held[0] != held[2]  # a stage's data ranks alike
+
+
+@pytest.mark.parametrize("what, match", [
+    ("generation", r"`strategy.generation\(\)` under `pipeline_parallel_size=2`.*HINT: save a checkpoint"),
+    ("predict", r"`predict` under pipeline parallel is not built.*HINT"),
+    ("full_checkpoint", r"`pipeline_parallel_size=2` with a checkpoint callback and `checkpoint_format='full'`.*HINT"),
+    ("manual", r"`pipeline_parallel_size=2` with manual optimization.*HINT"),
+])
+def test_what_pipelines_do_not_run_is_refused_by_name(runs: Path, what: str, match: str) -> None:
+    import re
+
+    message = _load(runs, f"refused_{what}")["message"]
+    assert message is not None and re.search(match, message, re.S), message
