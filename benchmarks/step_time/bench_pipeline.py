@@ -9,6 +9,10 @@ schedule and m in ``--microbatches`` (each micro-batch ``--micro`` sequences of 
 grows with m), rank 0's median wall time per step after ``--warmup`` steps. A pipeline of p stages with equal stages
 takes (m + p - 1) stage-times per step, so T(m) = a m + b with b / a = p - 1 and a bubble fraction (p - 1) / (m + p - 1);
 the table fits a and b to the GPipe times (least squares) and gives each measured fraction 1 - m a / T(m) beside it.
+
+``--deepspeed-python PATH`` (a separate environment with DeepSpeed; never a dependency of lzero): in each round, after
+lzero's fits, rank 0 runs ``benchmarks/peers/peer_deepspeed_pipeline.py`` there (DeepSpeed's ``PipelineModule`` at
+ZeRO-1, the same model, m and micro-batches) while rank 1 waits, and the table puts lzero's 1F1B beside it.
 """
 
 from __future__ import annotations
@@ -18,7 +22,11 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
+import json
+import math
 import statistics
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -28,7 +36,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.common import out_path, run_header, write_report
+from benchmarks.common import module_command, module_env, out_path, run_header, write_report
 
 
 class Block(nn.Module):
@@ -103,6 +111,23 @@ def fit(schedule: str, m: int, args: argparse.Namespace) -> list[float]:
     return timer.times
 
 
+def deepspeed_times(args: argparse.Namespace) -> dict[int, list[float]]:
+    """The peer's step times by m (rank 0 only; the torchrun variables left out of its environment)."""
+    cmd = module_command("benchmarks.peers.peer_deepspeed_pipeline", "--microbatches", args.microbatches, "--steps",
+                         args.steps, "--warmup", args.warmup, "--width", args.width, "--layers", args.layers, "--heads",
+                         args.heads, "--vocab", args.vocab, "--seq", args.seq, "--micro", args.micro,
+                         python=args.deepspeed_python)
+    launcher = ("TORCHELASTIC", "RANK", "WORLD_SIZE", "LOCAL_", "MASTER_", "GROUP_", "ROLE_", "PYTHONPATH")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher)}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=module_env(env, DS_ACCELERATOR="cpu",
+                                                                               OMP_NUM_THREADS="1"))
+    found = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not found:
+        print(done.stdout[-2000:], done.stderr[-4000:], file=sys.stderr)
+        raise SystemExit(f"DeepSpeed peer run failed: exit {done.returncode}")
+    return {f["m"]: f["times"] for f in found}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--width", type=int, default=256)
@@ -117,24 +142,32 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default=None, help="a result name in step_time, a path, or none")
+    parser.add_argument("--deepspeed-python", default=None, help="a DeepSpeed environment's python: its rows too")
     args = parser.parse_args()
     torch.set_num_threads(1)
     ms = [int(m) for m in args.microbatches.split(",")]
     schedules = args.schedules.split(",")
     times: dict[tuple[str, int], list[float]] = {(s, m): [] for s in schedules for m in ms}
+    deepspeed: dict[int, list[float]] = {m: [] for m in ms}
     for _ in range(args.rounds):
         for schedule in schedules:
             for m in ms:
-                if schedule == "interleaved_1f1b" and m % 2:
-                    continue  # torch's interleaved schedule wants m a multiple of the pipeline's ranks
+                if schedule != "gpipe" and m < 2:
+                    continue  # 1F1B schedules need at least as many micro-batches as pipeline ranks
                 times[(schedule, m)].extend(fit(schedule, m, args))
+        if args.deepspeed_python:
+            dist.barrier()
+            if dist.get_rank() == 0:
+                for m, peer in deepspeed_times(args).items():
+                    deepspeed[m].extend(peer)
+            dist.barrier()
     if dist.get_rank() == 0:
         medians = {k: statistics.median(v) for k, v in times.items() if v}
         fit_ms = [m for m in ms if (schedules[0], m) in medians]
         mean_m = statistics.fmean(fit_ms)
         mean_t = statistics.fmean(medians[(schedules[0], m)] for m in fit_ms)
-        a = sum((m - mean_m) * (medians[(schedules[0], m)] - mean_t) for m in fit_ms) / \
-            sum((m - mean_m) ** 2 for m in fit_ms)
+        spread = sum((m - mean_m) ** 2 for m in fit_ms)
+        a = sum((m - mean_m) * (medians[(schedules[0], m)] - mean_t) for m in fit_ms) / spread if spread else math.nan
         b = mean_t - a * mean_m
         params = sum(p.numel() for p in GPT(args.vocab, args.width, args.layers, args.heads, args.seq).parameters())
         lines = ["# The pipeline bubble: step time against micro-batches, pp2 x dp1", "", run_header(), "",
@@ -148,6 +181,16 @@ def main() -> None:
         for (schedule, m), median in medians.items():
             lines.append(f"| {schedule} | {m} | {median:.3f} | {median / m:.3f} | {1 - m * a / median:.2f} |"
                          f" {1 / (m + 1):.2f} |")
+        if args.deepspeed_python:
+            lines += ["", "Beside DeepSpeed's pipeline engine (`PipelineModule`, 2 stages partitioned by parameters, ZeRO-1:"
+                      " it refuses 2 and 3), the same model and micro-batches, each round right after lzero's:", "",
+                      "| m | DeepSpeed median step (s) | lzero 1f1b median step (s) | lzero / DeepSpeed |",
+                      "|---|---|---|---|"]
+            for m in ms:
+                if deepspeed[m] and ("1f1b", m) in medians:
+                    theirs = statistics.median(deepspeed[m])
+                    lines.append(f"| {m} | {theirs:.3f} | {medians[('1f1b', m)]:.3f} |"
+                                 f" {medians[('1f1b', m)] / theirs:.3f}x |")
         path = out_path(args.out, "step_time", "pipeline")
         print("\n".join(lines), flush=True)
         if path is not None:

@@ -81,6 +81,15 @@ class PipelineConfig:
                 raise ZeroConfigError(f"`pipeline_split_points={points!r}` must be a list of module names. HINT: e.g."
                                       " `['model.model.layers.4']`, the layers where stages 1, 2, ... begin.")
             object.__setattr__(self, "pipeline_split_points", tuple(points))
+        m = self.pipeline_microbatches
+        if m is not None and schedule != "gpipe" and m < size:
+            raise ZeroConfigError(f"`pipeline_microbatches={m}` under `pipeline_schedule={schedule!r}` with"
+                                  f" `pipeline_parallel_size={size}`: 1F1B schedules need at least as many micro-batches"
+                                  f" as pipeline ranks. HINT: `pipeline_microbatches` >= {size}, or 'gpipe'.")
+        if m is not None and schedule == "interleaved_1f1b" and m % max(1, m // size):
+            raise ZeroConfigError(f"`pipeline_microbatches={m}` under 'interleaved_1f1b' with `pipeline_parallel_size="
+                                  f"{size}`: torch's schedule runs rounds of equal micro-batches ({m // size} rounds"
+                                  f" here). HINT: a multiple of {size}.")
         if size == 1 and (self.pipeline_microbatches is not None or virtual not in (None, 1) or points is not None):
             given = [n for n in ("pipeline_microbatches", "pipeline_virtual_stages", "pipeline_split_points")
                      if getattr(self, n) is not None]

@@ -112,6 +112,9 @@ def test_a_batch_is_cut_into_equal_micro_batches() -> None:
      r"`pipeline_virtual_stages=2` with `pipeline_schedule='1f1b'`"),
     ({"pipeline_microbatches": 4}, r"`pipeline_microbatches` with `pipeline_parallel_size=1`"),
     ({"pipeline_parallel_size": 2, "pipeline_split_points": "blocks.2"}, r"must be a list of module names"),
+    ({"pipeline_parallel_size": 4, "pipeline_microbatches": 2}, r"1F1B schedules need at least as many micro-batches"),
+    ({"pipeline_parallel_size": 2, "pipeline_schedule": "interleaved_1f1b", "pipeline_microbatches": 5},
+     r"rounds of equal micro-batches.*a multiple of 2"),
 ])
 def test_pipeline_options_are_checked(options: dict, match: str) -> None:
     with pytest.raises(ZeroConfigError, match=match):
