@@ -6,9 +6,10 @@ CPU build of torch, and it imports neither lzero nor lightning:
     DS_ACCELERATOR=cpu /work/peers/deepspeed/bin/python -m benchmarks.peers.peer_deepspeed_pipeline \\
         [--microbatches 4] [--steps 6] [--warmup 2]      # from the repository root
 
-Two processes (``torch.multiprocessing.spawn``, gloo, one thread each) train the GPT of ``bench_pipeline`` (the same
-blocks, widths and seed 0, written again here) as a ``deepspeed.pipe.PipelineModule`` of 2 stages, partitioned by
-parameters, at ZeRO stage 1 (DeepSpeed's pipeline engine refuses stages 2 and 3), fp32, ``torch.optim.AdamW(lr=1e-4)``,
+Two processes (``torch.multiprocessing.spawn``, gloo, one thread each) train the GPT of ``bench_pipeline`` (its
+blocks from ``benchmarks/step_time/pipeline_model.py``, plain torch; the same widths and seed 0) as a
+``deepspeed.pipe.PipelineModule`` of 2 stages, partitioned by parameters, at ZeRO stage 1 (DeepSpeed's pipeline engine
+refuses stages 2 and 3), fp32, ``torch.optim.AdamW(lr=1e-4)``,
 ``gradient_accumulation_steps`` = m micro-batches of ``--micro`` sequences per ``train_batch()``. Rank 0 times each
 ``train_batch()`` with ``time.perf_counter``, skips ``--warmup`` and prints one JSON line per m to stdout:
 ``{"strategy": "deepspeed_pipe_zero1", "m": m, "times": [seconds...], "deepspeed": "<version>"}``.
@@ -28,21 +29,7 @@ import torch
 import torch.multiprocessing as mp
 from torch import nn
 
-
-class Block(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
-        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
-        x = x + self.out(a)
-        return x + self.down(nn.functional.gelu(self.up(self.norm2(x))))
+from benchmarks.step_time.pipeline_model import Block  # torch only: the same blocks as lzero's run
 
 
 class Embed(nn.Module):

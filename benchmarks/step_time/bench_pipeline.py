@@ -3,8 +3,8 @@
     torchrun --nproc_per_node 2 -m benchmarks.step_time.bench_pipeline [--rounds 2] [--steps 6] [--out none]
 
 Two CPU processes (one thread each) form pp2 x dp1 under ``ZeroStrategy(stage=1, pipeline_parallel_size=2)``, the
-Trainer's door, on a GPT of ``--layers`` pre-norm blocks (width ``--width``, untied head: the model of
-``benchmarks/peers/peer_deepspeed_pipeline.py``, so DeepSpeed's ``PipelineModule`` runs the same one). For each
+Trainer's door, on a GPT of ``--layers`` pre-norm blocks (width ``--width``, untied head: ``pipeline_model.py``,
+which DeepSpeed's ``PipelineModule`` runs too). For each
 schedule and m in ``--microbatches`` (each micro-batch ``--micro`` sequences of ``--seq`` tokens, so a step's work
 grows with m), rank 0's median wall time per step after ``--warmup`` steps. A pipeline of p stages with equal stages
 takes (m + p - 1) stage-times per step, so T(m) = a m + b with b / a = p - 1 and a bubble fraction (p - 1) / (m + p - 1);
@@ -27,60 +27,17 @@ import math
 import statistics
 import subprocess
 import sys
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks.common import module_command, module_env, out_path, run_header, write_report
-
-
-class Block(nn.Module):
-    """A pre-norm transformer block: causal self-attention (torch's SDPA), then a 4x MLP."""
-
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
-        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
-        x = x + self.out(a)
-        return x + self.down(nn.functional.gelu(self.up(self.norm2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self, vocab: int, width: int, layers: int, heads: int, seq: int) -> None:
-        super().__init__()
-        self.embed, self.position = nn.Embedding(vocab, width), nn.Embedding(seq, width)
-        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
-        self.norm, self.head = nn.LayerNorm(width), nn.Linear(width, vocab, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens) + self.position(torch.arange(tokens.shape[1], device=tokens.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.norm(x))
-
-
-class StepTimer(Callback):
-    def __init__(self, warmup: int) -> None:
-        self.warmup, self.times, self.start = warmup, [], 0.0
-
-    def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
-        self.start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
-        if trainer.global_step > self.warmup:
-            self.times.append(time.perf_counter() - self.start)
+from benchmarks.step_time.bench_tensor_parallel import StepTimer
+from benchmarks.step_time.pipeline_model import GPT
 
 
 class Module(LightningModule):
