@@ -76,10 +76,10 @@ def optimizer_of(params: Any) -> torch.optim.Optimizer:
 
 
 class Module(LightningModule):
-    def __init__(self, llama: Any) -> None:
+    def __init__(self, llama: Any, eager: bool = False) -> None:
         super().__init__()
         self.llama = llama
-        self.model: Any = None
+        self.model: Any = make_model(llama) if eager else None  # eager: built in __init__, not configure_model
 
     def configure_model(self) -> None:
         if self.model is None:
@@ -95,6 +95,9 @@ class Module(LightningModule):
 
     def validation_step(self, batch: Any, _: int) -> None:
         self.log("val_loss", loss_of(self.model, batch[0]), sync_dist=True)
+
+    def test_step(self, batch: Any, _: int) -> None:
+        self.log("test_loss", loss_of(self.model, batch[0]), sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return optimizer_of(self.parameters())
@@ -144,8 +147,12 @@ def whole_parameters(trainer: Trainer, module: Module) -> dict[str, list[torch.T
     return merged
 
 
-def run(out: Path, name: str, options: dict, schedule: str, llama: Any) -> None:
-    module, record = Module(llama), Record()
+EAGER = ("gpt_zero2_1f1b", "llama_zero3_1f1b")
+"""Runs done a second time with the model built in ``__init__`` (written as ``<name>_eager``)."""
+
+
+def run(out: Path, name: str, options: dict, schedule: str, llama: Any, eager: bool = False) -> None:
+    module, record = Module(llama, eager), Record()
     strategy = ZeroStrategy(**options, pipeline_parallel_size=2, pipeline_schedule=schedule,
                             pipeline_microbatches=MICROBATCHES)
     logged = name in MEMORY_LOGGED  # the memory monitor's per-stage logs, in a CSV file
@@ -155,11 +162,13 @@ def run(out: Path, name: str, options: dict, schedule: str, llama: Any) -> None:
                   gradient_clip_val=CLIP, callbacks=[record])
     fit.fit(module, DataLoader(dataset(), batch_size=MICRO * MICROBATCHES))
     params = whole_parameters(fit, module)
-    val = fit.validate(module, DataLoader(Subset(dataset(), range(16)), batch_size=MICRO * MICROBATCHES),
-                       verbose=False)[0]["val_loss"]
+    held_out = DataLoader(Subset(dataset(), range(16)), batch_size=MICRO * MICROBATCHES)
+    val = fit.validate(module, held_out, verbose=False)[0]["val_loss"]
+    test = fit.test(module, held_out, verbose=False)[0]["test_loss"]
     if fit.is_global_zero:
         torch.save({"losses": record.losses, "logged": record.logged, "norms": record.norms, "params": params,
-                    "val_loss": val, "sampler": fit.strategy.distributed_sampler_kwargs}, out / f"{name}.pt")
+                    "val_loss": val, "test_loss": test, "sampler": fit.strategy.distributed_sampler_kwargs},
+                   out / f"{name}{'_eager' if eager else ''}.pt")
 
 
 FP16_SCALE = {"initial_scale_power": 20, "hysteresis": 1}
@@ -273,6 +282,8 @@ def main() -> None:
                 name = f"{tag}_{config}_{schedule}"
                 if not only or name in only or tag in only:
                     run(out, name, options, schedule, model)
+                    if name in EAGER:
+                        run(out, name, options, schedule, model, eager=True)
                     ran = True
         if ran and dist.get_rank() == 0:
             reference(out, model, tag)

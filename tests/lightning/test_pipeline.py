@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from _launch import run_script
-from pipeline_runs import CONFIGURATIONS, SCHEDULES
+from pipeline_runs import CONFIGURATIONS, EAGER, SCHEDULES
 
 TOLERANCE = 1e-6  # losses, gradient norms, logged and validation losses
 PARAMETERS = 5e-6  # final parameters after 4 AdamW steps: about twice the floor measured above
@@ -48,16 +48,21 @@ def _relative(a: object, b: object) -> float:
 MODELS = ("llama", "gpt")
 
 
-@pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("config", CONFIGURATIONS)
-@pytest.mark.parametrize("model", MODELS)
-def test_pipeline_equals_one_process(runs: Path, model: str, config: str, schedule: str) -> None:
-    got, want = _load(runs, f"{model}_{config}_{schedule}"), _load(runs, f"reference_{model}")
+RUNS = [f"{model}_{config}_{schedule}" for model in MODELS for config in CONFIGURATIONS for schedule in SCHEDULES]
+
+
+@pytest.mark.parametrize("name", RUNS + [f"{name}_eager" for name in EAGER])
+def test_pipeline_equals_one_process(runs: Path, name: str) -> None:
+    """Every run, and the runs whose model is built in ``__init__`` (``_eager``) instead of ``configure_model``;
+    ``test`` runs the forward-only schedule as ``validate`` does, on the same batches."""
+    model = name.split("_")[0]
+    got, want = _load(runs, name), _load(runs, f"reference_{model}")
     assert len(got["losses"]) == len(want["losses"]) == 4
     assert _relative(got["losses"], want["losses"]) <= TOLERANCE, (got["losses"], want["losses"])
     assert _relative(got["norms"], want["norms"]) <= TOLERANCE, (got["norms"], want["norms"])
     assert _relative(got["logged"], want["rank0"]) <= TOLERANCE, (got["logged"], want["rank0"])  # rank 0's own batch
     assert abs(got["val_loss"] - want["val_loss"]) <= TOLERANCE * want["val_loss"]
+    assert got["test_loss"] == got["val_loss"]
     assert got["sampler"] == {"num_replicas": 2, "rank": 0}
     assert set(got["params"]) == set(want["params"])  # every parameter, from the stage holding it
     for name, value in want["params"].items():
