@@ -22,7 +22,8 @@ FLOORS = [  # bottom first: (floor, the modules and packages on it)
                                "lzero.lightning.wiring"]),
     ("lightning: Fabric's door", ["lzero.lightning.fabric_strategy", "lzero.lightning.fabric_model"]),
     ("lightning: the Trainer's door", ["lzero.lightning.trainer_strategy", "lzero.lightning.trainer_precision",
-                                       "lzero.lightning.trainer_wiring", "lzero.lightning.trainer_kept"]),
+                                       "lzero.lightning.trainer_wiring", "lzero.lightning.trainer_kept",
+                                       "lzero.lightning.trainer_pipeline"]),
     ("entry points", ["lzero.cli", "lzero.demo", "lzero"]),
 ]
 

@@ -121,13 +121,10 @@ class ZeroFabricStrategy(DDPStrategy):
         if args.config.tensor_parallel_size > 1 and args.auto:
             raise ZeroConfigError(f"`stage='auto'` with `tensor_parallel_size={args.config.tensor_parallel_size}`: the"
                                   " automatic choice does not count tensor-parallel shards yet. HINT: give the stage.")
-        if args.config.pipeline_parallel_size > 1:
-            raise ZeroConfigError(
-                f"`pipeline_parallel_size={args.config.pipeline_parallel_size}` under Fabric: the schedule runs the"
-                " step (model call and loss) once per stage and micro-batch, and a Fabric loop has no step function"
-                " to hand it, so Fabric's door does not run pipelines yet. HINT: train with the Trainer's"
-                " `ZeroStrategy(pipeline_parallel_size=...)` (your `training_step` runs unchanged), or drop"
-                " `pipeline_parallel_size` under Fabric.")
+        if args.config.pipeline_parallel_size > 1 and args.auto:
+            raise ZeroConfigError(f"`stage='auto'` with `pipeline_parallel_size={args.config.pipeline_parallel_size}`:"
+                                  " the automatic choice does not count a stage's share of the model yet. HINT: give"
+                                  " the stage.")
         if args.deepspeed is not None and (args.deepspeed.optimizer is not None or args.deepspeed.scheduler is not None):
             raise ZeroConfigError(
                 "The DeepSpeed configuration has an `optimizer` or `scheduler` block, which a Fabric script does not"
@@ -149,7 +146,9 @@ class ZeroFabricStrategy(DDPStrategy):
         self._steps = 0  # optimizer steps taken or skipped, all optimizers: the "global step" of skip reports
         self._mesh: Any = None  # the run's process groups (run_mesh), made at the first that one needs
         self.parallelize_fn = parallelize_fn  # tensor parallel: Fabric's ModelParallelStrategy contract
-        self._device_mesh: Any = None  # tensor parallel: the 2-D DeviceMesh, made at setup_environment
+        self._device_mesh: Any = None  # tensor or pipeline parallel: the DeviceMesh, made at setup_environment
+        self._pipeline: Any = None  # pipeline parallel: the set-up model's stages (a StagePipeline), made at setup
+        self._pipeline_loss: Optional[Tensor] = None  # the last `pipeline_step`'s loss: its backward has run
         self._ranks_check: Optional[EveryRankCheck] = None  # see [Note: every rank at a collective call]
 
     # --- plugins -----------------------------------------------------------------------------
@@ -221,10 +220,12 @@ class ZeroFabricStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        if self.config.tensor_parallel_size > 1 and self._device_mesh is None:
+        config = self.config
+        if (config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1) and self._device_mesh is None:
             from lzero.engine.mesh import tensor_parallel_mesh
 
-            self._device_mesh = tensor_parallel_mesh(self.config.tensor_parallel_size, self.root_device.type)
+            self._device_mesh = tensor_parallel_mesh(config.tensor_parallel_size, self.root_device.type,
+                                                     config.pipeline_parallel_size)
 
     @property
     def device_mesh(self) -> Any:
@@ -239,7 +240,8 @@ class ZeroFabricStrategy(DDPStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """The data-parallel rank and size: the ranks of one tensor-parallel group read the same batches."""
-        return data_parallel_sampler_kwargs(self.world_size, self.global_rank, self.config.tensor_parallel_size)
+        return data_parallel_sampler_kwargs(self.world_size, self.global_rank, self.config.tensor_parallel_size,
+                                            self.config.pipeline_parallel_size)
 
     def _parallelize(self, module: nn.Module, jointly: bool) -> nn.Module:
         """``parallelize_fn(module, device_mesh)`` or ``tp_plan`` over the tensor dimension, at ``fabric.setup``."""
@@ -269,6 +271,8 @@ class ZeroFabricStrategy(DDPStrategy):
             raise RuntimeError(f"`{type(module).__name__}` is set up already. HINT: call `fabric.setup` once per model.")
         if self.config.tensor_parallel_size > 1:
             module = self._parallelize(module, jointly=not refresh)
+        if self.config.pipeline_parallel_size > 1:
+            self._cut_into_stages(module, jointly=not refresh)
         if self._ranks_check is None:  # for all_ranks_at; made while every rank is here
             self._ranks_check = EveryRankCheck(self._run_mesh(), self.config.exception_checkpoint_timeout_s)
         model = SetUpModel(module)
@@ -341,6 +345,8 @@ class ZeroFabricStrategy(DDPStrategy):
                                  deepspeed=self._deepspeed, memory_budget_bytes=self.memory_budget_bytes,
                                  mesh=self._run_mesh())
         engine.automatic = False  # stage 1 reduces in the step, whether the script uses no_backward_sync or not
+        if self._pipeline is not None:
+            self._pipeline.attach(engine, self._run_mesh())
         model.engine = engine
         keep_generation_synced(model.undo, module, self.config, self.world_size)
 
@@ -354,14 +360,73 @@ class ZeroFabricStrategy(DDPStrategy):
 
     def _before_forward(self, model: SetUpModel) -> None:
         self._start(model)
+        if self._pipeline_running:
+            return  # once for the whole schedule, by pipeline_step
         before_forward(model.engine)
 
     def _after_forward(self, model: SetUpModel) -> None:
-        if model.engine is not None and not torch.is_grad_enabled():
+        if model.engine is not None and not torch.is_grad_enabled() and not self._pipeline_running:
             model.engine.release_all()  # no backward will release the root
+
+    # --- pipeline parallel: see [Note: pipeline steps under Fabric] ---------------------------------------------
+
+    def _cut_into_stages(self, module: nn.Module, jointly: bool) -> None:
+        from lzero.lightning.pipeline import StagePipeline
+
+        size = self.config.pipeline_parallel_size
+        if jointly:
+            raise ZeroConfigError(
+                f"`fabric.setup(model, optimizer)` with `pipeline_parallel_size={size}`: the cut leaves this rank its"
+                " stages' parameters only, and the optimizer built before holds every stage's. HINT: `model ="
+                " fabric.setup_module(model)`, then build the optimizer from `model.parameters()` and"
+                " `fabric.setup_optimizers(optimizer)`.")
+        if self._pipeline is not None:
+            raise ZeroConfigError(f"A second model under `pipeline_parallel_size={size}`: one pipeline per strategy."
+                                  " HINT: set up one pipelined model per Fabric.")
+        self._pipeline = StagePipeline(module, self.config, self.device_mesh, self.root_device)
+
+    _pipeline_running = False
+
+    def pipeline_step(self, model: nn.Module, step: Callable[[nn.Module, Any], Tensor], batch: Any) -> Tensor:
+        """[Note: pipeline steps under Fabric]
+        Under ``pipeline_parallel_size`` > 1, one training step of the set-up ``model``: ``batch`` is cut into
+        ``pipeline_microbatches`` micro-batches and ``step(model, micro_batch)`` (what the loop computes before
+        ``fabric.backward``: the model call and the loss) runs on each, every stage replaying it on its own layers
+        through the schedule, which runs every backward (see [Note: pipeline parallel under ZeRO] in
+        lzero/engine/pipeline.py). Returns the mean of the micro-batches' losses, the same on every rank; a
+        ``fabric.backward`` of it only calls the hooks (the backward has run), so a loop keeps its shape::
+
+            loss = fabric.strategy.pipeline_step(model, lambda m, b: F.cross_entropy(m(b[0]), b[1]), batch)
+            fabric.backward(loss)  # optional: the schedule ran it
+            optimizer.step(); optimizer.zero_grad()
+
+        A collective: every rank calls it with its batch (the stages of one pipeline read the same batches:
+        ``distributed_sampler_kwargs`` gives the data rank)."""
+        if self._pipeline is None:
+            raise ZeroConfigError("`strategy.pipeline_step(...)` without `pipeline_parallel_size` > 1: there is no"
+                                  " pipeline. HINT: call the model and `fabric.backward(loss)` as usual, or pass"
+                                  " `ZeroFabricStrategy(pipeline_parallel_size=P)`.")
+        import lightning.fabric.wrappers as wrappers
+
+        setup = self._model_of(model)
+        self._start(setup)
+        before_forward(setup.engine)
+        # the schedule's backwards are this step's `fabric.backward`: the set-up module's outputs check for one
+        self._pipeline_running, inside = True, wrappers._in_fabric_backward
+        wrappers._in_fabric_backward = True
+        try:
+            outputs = self._pipeline.run(lambda micro: step(model, micro), batch, True, setup.engine,
+                                         loss_scale=self.precision.loss_scale)
+        finally:
+            self._pipeline_running, wrappers._in_fabric_backward = False, inside
+        loss, _ = self._pipeline.mean_loss(outputs)
+        self._pipeline_loss = loss
+        return loss
 
     @override
     def backward(self, tensor: Tensor, module: Optional[nn.Module], *args: Any, **kwargs: Any) -> None:
+        if self._pipeline is not None and tensor is self._pipeline_loss:
+            return  # the schedule ran every backward of this step
         scale = self.precision.loss_scale
         (tensor * scale if scale != 1.0 else tensor).backward(*args, **kwargs)
 

@@ -433,7 +433,7 @@ class ZeroStrategy(DDPStrategy):
         if self._pipeline is not None:
             before_forward(self._engine)
             with self.precision_plugin.train_step_context():
-                return self._pipeline.run(self.lightning_module, "training_step", args, kwargs, True, self._engine,
+                return self._pipeline.run_step(self.lightning_module, "training_step", args, kwargs, True, self._engine,
                                           self.lightning_module.trainer.accumulate_grad_batches,
                                           self.precision_plugin.loss_scale)
         if self._inputs_unchecked:  # tensor parallel: [Note: tensor parallel under ZeRO] in tensor_parallel.py
@@ -465,7 +465,7 @@ class ZeroStrategy(DDPStrategy):
                 self.precision_plugin.test_step_context()
             try:
                 with context:
-                    return self._pipeline.run(self.lightning_module, hook, args, kwargs, False, self._engine, 1)
+                    return self._pipeline.run_step(self.lightning_module, hook, args, kwargs, False, self._engine, 1)
             finally:
                 if self._engine is not None:
                     self._engine.release_all()

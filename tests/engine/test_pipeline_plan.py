@@ -134,7 +134,7 @@ def test_the_mesh_lists_a_data_group_per_pipeline_and_tensor_coordinate() -> Non
 
 def test_the_strategy_and_a_yaml_take_the_pipeline_keys(tmp_path, capsys) -> None:  # noqa: ANN001
     """Both doors' options and a LightningCLI strategy YAML: `pipeline_*` beside `stage`, as every ZeroConfig key;
-    Fabric's door refuses a pipeline by name (its loop has no step for the schedule to run)."""
+    Fabric's door takes them too, and refuses a joint `fabric.setup(model, optimizer)` by name (lightning runs)."""
     from test_tensor_parallel import printed_config
 
     from lzero import ZeroFabricStrategy, ZeroStrategy
@@ -145,5 +145,6 @@ def test_the_strategy_and_a_yaml_take_the_pipeline_keys(tmp_path, capsys) -> Non
                                                "    pipeline_schedule: gpipe\n    pipeline_microbatches: 8\n")
     assert all(line in printed for line in ("pipeline_parallel_size: 2", "pipeline_schedule: gpipe",
                                             "pipeline_microbatches: 8"))
-    with pytest.raises(ZeroConfigError, match=r"`pipeline_parallel_size=2` under Fabric.*HINT: train with the Trainer"):
-        ZeroFabricStrategy(stage=2, pipeline_parallel_size=2)
+    assert ZeroFabricStrategy(stage=2, pipeline_parallel_size=2).config.pipeline_parallel_size == 2
+    with pytest.raises(ZeroConfigError, match=r"`stage='auto'` with `pipeline_parallel_size=2`"):
+        ZeroFabricStrategy(stage="auto", pipeline_parallel_size=2)

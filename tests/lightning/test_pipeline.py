@@ -233,3 +233,33 @@ def test_what_pipelines_do_not_run_is_refused_by_name(runs: Path, what: str, mat
 
     message = _load(runs, f"refused_{what}")["message"]
     assert message is not None and re.search(match, message, re.S), message
+
+
+@pytest.fixture(scope="module")
+def fabric_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from pipeline_runs import save_llama
+
+    out = tmp_path_factory.mktemp("pipeline_fabric_runs")
+    save_llama(out / "llama")
+    run_script("pipeline_fabric_runs.py", str(out), str(out / "llama"), ranks=4)
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama_zero1", "gpt_zero2", "gpt_zero3"])
+def test_fabric_pipeline_steps_equal_the_trainers(runs: Path, fabric_runs: Path, name: str) -> None:
+    """Fabric's door: the loop hands its step to ``strategy.pipeline_step`` (``fabric.backward`` of the returned loss
+    only runs the hooks, ``fabric.clip_gradients`` the pipeline's norm) and trains as the Trainer's 1F1B run does, to
+    the bit, so as one process does; ``fabric.save`` then ``fabric.load`` into a fresh pipelined model give the
+    parameters back bitwise."""
+    got, trainer = _load(fabric_runs, f"fabric_{name}"), _load(runs, f"{name}_1f1b")
+    assert got["losses"] == trainer["losses"] and got["norms"] == trainer["norms"]
+    assert set(got["params"]) == set(trainer["params"])
+    for key, value in got["params"].items():
+        assert all(torch.equal(value, held) for held in trainer["params"][key]), key
+        assert torch.equal(got["loaded"][key], value), key
+
+
+def test_a_joint_fabric_setup_is_refused_under_a_pipeline(fabric_runs: Path) -> None:
+    message = _load(fabric_runs, "refused_joint_setup")["message"]
+    assert message is not None and "`fabric.setup(model, optimizer)` with `pipeline_parallel_size=2`" in message
+    assert "HINT: `model = fabric.setup_module(model)`" in message
