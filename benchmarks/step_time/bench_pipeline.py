@@ -7,7 +7,8 @@ Trainer's door, on a GPT of ``--layers`` pre-norm blocks (width ``--width``, unt
 which DeepSpeed's ``PipelineModule`` runs too). For each
 schedule and m in ``--microbatches`` (each micro-batch ``--micro`` sequences of ``--seq`` tokens, so a step's work
 grows with m), rank 0's median wall time per step after ``--warmup`` steps. A pipeline of p stages with equal stages
-takes (m + p - 1) stage-times per step, so T(m) = a m + b with b / a = p - 1 and a bubble fraction (p - 1) / (m + p - 1);
+takes (m + p - 1) stage-times per step, so T(m) = a m + b with b / a = p - 1 and a bubble fraction
+(p - 1) / (m + p - 1);
 the table fits a and b to the GPipe times (least squares) and gives each measured fraction 1 - m a / T(m) beside it.
 
 ``--deepspeed-python PATH`` (a separate environment with DeepSpeed; never a dependency of lzero): in each round, after
@@ -133,14 +134,16 @@ def main() -> None:
                  f" processes with 1 thread each, {args.rounds} rounds of {args.steps} steps ({args.warmup} warm-up"
                  f" steps not timed per fit). Fit to {schedules[0]}: T(m) = {a:.3f} m + {b:.3f} s, b / a ="
                  f" {b / a:.2f} (p - 1 = 1 for equal stages).", "",
-                 "| schedule | m | median step (s) | per micro-batch (s) | bubble 1 - m a / T | (p - 1) / (m + p - 1) |",
+                 "| schedule | m | median step (s) | per micro-batch (s) | bubble 1 - m a / T |"
+                 " (p - 1) / (m + p - 1) |",
                  "|---|---|---|---|---|---|"]
         for (schedule, m), median in medians.items():
             lines.append(f"| {schedule} | {m} | {median:.3f} | {median / m:.3f} | {1 - m * a / median:.2f} |"
                          f" {1 / (m + 1):.2f} |")
         if args.deepspeed_python:
-            lines += ["", "Beside DeepSpeed's pipeline engine (`PipelineModule`, 2 stages partitioned by parameters, ZeRO-1:"
-                      " it refuses 2 and 3), the same model and micro-batches, each round right after lzero's:", "",
+            lines += ["", "Beside DeepSpeed's pipeline engine (`PipelineModule`, 2 stages partitioned by parameters,"
+                      " ZeRO-1: it refuses 2 and 3), the same model and micro-batches, each round right after"
+                      " lzero's:", "",
                       "| m | DeepSpeed median step (s) | lzero 1f1b median step (s) | lzero / DeepSpeed |",
                       "|---|---|---|---|"]
             for m in ms:

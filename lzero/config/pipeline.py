@@ -84,8 +84,9 @@ class PipelineConfig:
         m = self.pipeline_microbatches
         if m is not None and schedule != "gpipe" and m < size:
             raise ZeroConfigError(f"`pipeline_microbatches={m}` under `pipeline_schedule={schedule!r}` with"
-                                  f" `pipeline_parallel_size={size}`: 1F1B schedules need at least as many micro-batches"
-                                  f" as pipeline ranks. HINT: `pipeline_microbatches` >= {size}, or 'gpipe'.")
+                                  f" `pipeline_parallel_size={size}`: 1F1B schedules need at least as many"
+                                  f" micro-batches as pipeline ranks. HINT: `pipeline_microbatches` >= {size}, or"
+                                  " 'gpipe'.")
         if m is not None and schedule == "interleaved_1f1b" and m % max(1, m // size):
             raise ZeroConfigError(f"`pipeline_microbatches={m}` under 'interleaved_1f1b' with `pipeline_parallel_size="
                                   f"{size}`: torch's schedule runs rounds of equal micro-batches ({m // size} rounds"

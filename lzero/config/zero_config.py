@@ -3,10 +3,11 @@
 :class:`ZeroConfig` is made of sections, each a small frozen dataclass that checks its own fields in its own
 ``__post_init__``: :class:`ShardingConfig` (what is sharded, the buckets of its collectives),
 :class:`ScheduleConfig` (when stage 3 gathers; the engine's ``GatherSchedule`` is this section with every knob
-set), :class:`CheckpointConfig`, :class:`OffloadConfig` (DeepSpeed's offload and ``aio`` blocks) and
-:class:`ZeroPlusPlusConfig` (hybrid sharding and ZeRO++) and :class:`PipelineConfig`. ``ZeroConfig`` inherits their fields, so its keyword
-arguments, attributes and YAML keys are flat (``ZeroConfig(stage=3, prefetch=2)``, ``config.prefetch``), and adds
-the run's own options and the checks that span sections (the stage a knob needs, options that exclude each other).
+set), :class:`CheckpointConfig`, :class:`OffloadConfig` (DeepSpeed's offload and ``aio`` blocks),
+:class:`ZeroPlusPlusConfig` (hybrid sharding and ZeRO++) and :class:`PipelineConfig` (pipeline parallel).
+``ZeroConfig`` inherits their fields, so its keyword arguments, attributes and YAML keys are flat
+(``ZeroConfig(stage=3, prefetch=2)``, ``config.prefetch``), and adds the run's own options and the checks that span
+sections (the stage a knob needs, options that exclude each other).
 """
 
 from __future__ import annotations

@@ -646,7 +646,8 @@ class ZeroEngine:
         for param in self.ties:
             unit, index = self._where[param]
             spec = unit.spec.params[index]
-            pieces = [(start, end, at) for p, start, end, at in unit.spec.owned_pieces(self.rank) if p.name == spec.name]
+            pieces = [(start, end, at) for p, start, end, at in unit.spec.owned_pieces(self.rank)
+                      if p.name == spec.name]
             whole = torch.zeros(spec.numel, dtype=torch.float32, device=unit.flat_param.device)
             if unit.has_step_grad:
                 for start, end, at in pieces:

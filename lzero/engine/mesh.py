@@ -307,4 +307,5 @@ def tensor_parallel_mesh(tensor_parallel_size: int, device_type: str, pipeline_p
         return init_device_mesh(device_type, (world // tensor_parallel_size, tensor_parallel_size),
                                 mesh_dim_names=("data_parallel", "tensor_parallel"))
     shape = (pipeline_parallel_size, per_stage // tensor_parallel_size, tensor_parallel_size)
-    return init_device_mesh(device_type, shape, mesh_dim_names=("pipeline_parallel", "data_parallel", "tensor_parallel"))
+    names = ("pipeline_parallel", "data_parallel", "tensor_parallel")
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)

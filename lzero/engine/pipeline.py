@@ -10,14 +10,16 @@ stages p, p + P, ...). What a rank does not hold becomes a parameterless ``Place
 those of the whole model and ZeRO shards each stage over its own data-parallel group (see [Note: the pipeline
 dimension] in mesh.py).
 
-The user's step runs unchanged, once per stage and micro-batch (``Replay``): torch.distributed.pipelining's schedule
-(``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``) calls a stage module whose forward runs the
-whole step (a LightningModule's ``training_step``) on micro-batch i, with the rank's layers outside stage s acting as
-the identity, the embeddings of later stages giving zeros, stage s's first layer taking the activation received from
-stage s - 1 in place of its input, and the step ending where stage s + 1's first layer (a placeholder on this rank)
-is called (``StageOutput``, carrying its input) unless s is the last stage, whose step returns the loss. So the step's own code (the model call, the loss, ``self.log``) decides
-what a stage computes, and no loss function or model surgery is asked of the user; the cost is the cheap parts of the
-step before the layers (embedding lookups of zeros, masks) run on every stage.
+The user's step runs unchanged, once per stage and micro-batch (``Split.replay``): torch.distributed.pipelining's schedule
+(``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``) calls a stage module whose forward runs the whole
+step (a LightningModule's ``training_step``, or the step a Fabric loop hands ``strategy.pipeline_step``) on
+micro-batch i, with the rank's layers outside stage s acting as the
+identity, the embeddings of later stages giving zeros, stage s's first layer taking the activation received from stage
+s - 1 in place of its input, and the step ending where stage s + 1's first layer (a placeholder on this rank) is
+called (``StageOutput``, carrying its input) unless s is the last stage, whose step returns the loss. So the step's
+own code (the model call, the loss, ``self.log``) decides what a stage computes, and no loss function or model surgery
+is asked of the user; the cost is the cheap parts of the step before the layers (embedding lookups of zeros, masks)
+run on every stage.
 
 Gradients: the schedule runs one backward per micro-batch and stage; each is a ZeRO backward round as under
 gradient accumulation (stage 1 reduces once at the step, stages 2-3 every round), the loss divided by the

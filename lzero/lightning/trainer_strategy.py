@@ -433,9 +433,9 @@ class ZeroStrategy(DDPStrategy):
         if self._pipeline is not None:
             before_forward(self._engine)
             with self.precision_plugin.train_step_context():
-                return self._pipeline.run_step(self.lightning_module, "training_step", args, kwargs, True, self._engine,
-                                          self.lightning_module.trainer.accumulate_grad_batches,
-                                          self.precision_plugin.loss_scale)
+                module = self.lightning_module
+                return self._pipeline.run_step(module, "training_step", args, kwargs, True, self._engine,
+                                               module.trainer.accumulate_grad_batches, self.precision_plugin.loss_scale)
         if self._inputs_unchecked:  # tensor parallel: [Note: tensor parallel under ZeRO] in tensor_parallel.py
             self._inputs_unchecked = False
             check_same_inputs(args[0] if args else kwargs.get("batch"), self._run_mesh().tensor, self.root_device)

@@ -397,8 +397,8 @@ def estimate(count: ModelCount, num_gpus: int = 1, num_nodes: int = 1, precision
                             f" HINT: e.g. `--tensor-parallel {min(num_gpus, 8)}` (within a node).")
     if world % (tensor_parallel_size * pipeline_parallel_size):
         raise EstimateError(f"`pipeline_parallel_size={pipeline_parallel_size}` x `tensor_parallel_size="
-                            f"{tensor_parallel_size}` must divide the world size {world}. HINT: e.g. `--pipeline-parallel"
-                            f" 2` with `--num-gpus {2 * tensor_parallel_size}`.")
+                            f"{tensor_parallel_size}` must divide the world size {world}. HINT: e.g."
+                            f" `--pipeline-parallel 2` with `--num-gpus {2 * tensor_parallel_size}`.")
     count = count.per_tensor_rank(tensor_parallel_size)
     world //= tensor_parallel_size * pipeline_parallel_size  # the data-parallel ranks
     if shard_group_size is not None and (isinstance(shard_group_size, bool) or not isinstance(shard_group_size, int)

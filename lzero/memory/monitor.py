@@ -27,10 +27,11 @@ After an optimizer step (gradients freed, see [Note: gradient buffers] in flat_u
   engine/schedule.py), beside the measured peak.
 - ``memory/monitor_seconds/rank{r}``: what this logging itself took.
 
-All ranks' values travel to rank 0 in one all-gather of one tensor, and rank 0 logs them (TensorBoard shows
-one curve per rank). Under pipeline parallel every stage's ranks are gathered (over the whole run) and each name
-says the stage: ``memory/model_states_bytes/stage{s}/rank{r}`` (``stage{s}+{s'}`` for a rank running several
-interleaved stages), r the global rank; the expectation is the formula over that stage's own parameters. The fp16 loss scale is logged by the precision plugin already (``lzero/loss_scale``).
+All ranks' values travel to rank 0 in one all-gather of one tensor, and rank 0 logs them (TensorBoard shows one curve
+per rank). Under pipeline parallel every stage's ranks are gathered (over the whole run) and each name says the stage:
+``memory/model_states_bytes/stage{s}/rank{r}`` (``stage{s}+{s'}`` for a rank running several interleaved stages), r
+the global rank; the expectation is the formula over that stage's own parameters. The fp16 loss scale is logged by the
+precision plugin already (``lzero/loss_scale``).
 """
 
 from __future__ import annotations

@@ -154,8 +154,8 @@ def test_a_pipeline_checkpoint_resumes_at_other_pipeline_and_data_sizes(checkpoi
 @pytest.mark.parametrize("model", MODELS)
 def test_consolidate_and_export_give_the_gathered_model(checkpoints: Path, tmp_path: Path, model: str,
                                                         stage: int) -> None:
-    """``lzero consolidate`` of the pp2 x dp2 run's last checkpoint is its gathered model, bitwise (the tied weight once,
-    the head's key an alias of it); ``export-hf`` writes the Llama as a Hugging Face folder of the same weights."""
+    """``lzero consolidate`` of the pp2 x dp2 run's last checkpoint is its gathered model, bitwise (the tied weight
+    once, the head's key an alias of it); ``export-hf`` writes the Llama as a Hugging Face folder of the same weights."""
     import json
 
     from lzero.cli import main
