@@ -28,11 +28,19 @@ PARAMETERS = 5e-6  # final parameters after 4 AdamW steps: about twice the floor
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _launched(tmp_path_factory, "pipeline_runs.py", [((), 4)])
+
+
+def _launched(tmp_path_factory: pytest.TempPathFactory, script: str, phases: list, tensor_heads: bool = False) -> Path:
+    """A folder holding a tiny Llama (pipeline_runs.py's; pipeline_3d_runs.py's heads split over 2 tensor ranks with
+    ``tensor_heads``) and what ``script`` wrote, run once per (extra arguments, ranks) of ``phases``."""
+    from pipeline_3d_runs import save_llama as save_tp_llama
     from pipeline_runs import save_llama
 
-    out = tmp_path_factory.mktemp("pipeline_runs")
-    save_llama(out / "llama")
-    run_script("pipeline_runs.py", str(out), str(out / "llama"), ranks=4)
+    out = tmp_path_factory.mktemp(script.removesuffix(".py"))
+    (save_tp_llama if tensor_heads else save_llama)(out / "llama")
+    for extra, ranks in phases:
+        run_script(script, str(out), str(out / "llama"), *extra, ranks=ranks)
     return out
 
 
@@ -95,12 +103,7 @@ def test_tied_weights_stay_one_weight(runs: Path) -> None:
 
 @pytest.fixture(scope="module")
 def seeds_3d(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from pipeline_3d_runs import save_llama
-
-    out = tmp_path_factory.mktemp("pipeline_3d_runs")
-    save_llama(out / "llama")
-    run_script("pipeline_3d_runs.py", str(out), str(out / "llama"), ranks=8)
-    return out
+    return _launched(tmp_path_factory, "pipeline_3d_runs.py", [((), 8)], tensor_heads=True)
 
 
 def test_the_seeds_3d_json_runs_at_tp2_pp2_dp2_as_one_process(seeds_3d: Path) -> None:
@@ -122,14 +125,8 @@ CHECKPOINT_LAYOUTS = [(2, 2), (1, 4), (1, 1)]  # (pipeline, data) sizes of the r
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from pipeline_runs import save_llama
-
-    out = tmp_path_factory.mktemp("pipeline_checkpoint_runs")
-    save_llama(out / "llama")
-    run_script("pipeline_checkpoint_runs.py", str(out), str(out / "llama"), "save", ranks=4)
-    for pp, dp in CHECKPOINT_LAYOUTS:
-        run_script("pipeline_checkpoint_runs.py", str(out), str(out / "llama"), f"resume:{pp}", ranks=pp * dp)
-    return out
+    phases = [(("save",), 4), *(((f"resume:{pp}",), pp * dp) for pp, dp in CHECKPOINT_LAYOUTS)]
+    return _launched(tmp_path_factory, "pipeline_checkpoint_runs.py", phases)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -237,12 +234,7 @@ def test_what_pipelines_do_not_run_is_refused_by_name(runs: Path, what: str, mat
 
 @pytest.fixture(scope="module")
 def fabric_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from pipeline_runs import save_llama
-
-    out = tmp_path_factory.mktemp("pipeline_fabric_runs")
-    save_llama(out / "llama")
-    run_script("pipeline_fabric_runs.py", str(out), str(out / "llama"), ranks=4)
-    return out
+    return _launched(tmp_path_factory, "pipeline_fabric_runs.py", [((), 4)])
 
 
 @pytest.mark.parametrize("name", ["llama_zero1", "gpt_zero2", "gpt_zero3"])
