@@ -425,6 +425,7 @@ def split_batch(batch: Any, microbatches: int) -> list[Any]:
     if size % microbatches:
         raise ZeroConfigError(f"A batch of {size} cut into `pipeline_microbatches={microbatches}`: the micro-batches"
                               f" must be equal. HINT: a batch size that {microbatches} divides (micro batch x"
-                              f" {microbatches}), or another `pipeline_microbatches`.")
+                              f" {microbatches}), `DataLoader(drop_last=True)` where the last batch is short, or"
+                              " another `pipeline_microbatches`.")
     parts = [x.chunk(microbatches) if isinstance(x, Tensor) and x.dim() > 0 else [x] * microbatches for x in leaves]
     return [tree_unflatten([p[i] for p in parts], spec) for i in range(microbatches)]
