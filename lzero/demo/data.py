@@ -105,10 +105,13 @@ class TextDataModule(LightningDataModule):
         if self.hparams.steps_per_epoch is None:
             length = n_train // block_size
         else:
-            # The distributed sampler splits the dataset across ranks, so scale by the
-            # world size to keep steps_per_epoch a per-process step count.
-            world_size = self.trainer.world_size if self.trainer is not None else 1
-            length = self.hparams.steps_per_epoch * self.hparams.batch_size * world_size
+            # The distributed sampler splits the dataset across the data-parallel ranks (the world size, or
+            # less under tensor or pipeline parallel), so scale by them to keep steps_per_epoch a per-process
+            # step count.
+            replicas = self.trainer.world_size if self.trainer is not None else 1
+            sampler = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self.trainer else None
+            replicas = (sampler or {}).get("num_replicas", replicas)
+            length = self.hparams.steps_per_epoch * self.hparams.batch_size * replicas
         self.train_set = RandomWindows(train, block_size, length)
         self.val_set = ContiguousWindows(val, block_size)
 

@@ -219,7 +219,8 @@ class Mesh:
     def group(self, name: str, timeout_s: Optional[float] = None) -> Any:
         """The named process group of this rank (see ``GROUPS``), made on first request; a collective then.
         ``timeout_s``: the group's timeout, when this request makes it. ``world`` is the base group; ``shard`` is
-        it too when flat; ``replicate``, ``hpz`` and every side group of a single rank are None."""
+        it too when flat; ``replicate`` (flat) and ``hpz`` (off) are None, and a side group of this rank alone is the
+        base group (of one rank: its collectives are local copies; a process without a process group: None)."""
         if name == _WORLD:
             return self.base
         if name not in GROUPS:
@@ -233,8 +234,12 @@ class Mesh:
             return self.base  # flat: the run's own group shards
         if name == "gather" and size == 1:
             return self.group("shard")  # a group of one: local copies
-        if name == "replicate" and not self.hybrid or name not in ("shard", "replicate") and size == 1:
-            return None  # flat, or a side group of a single rank (hpZ off, one process)
+        if name == "replicate" and not self.hybrid or name == "hpz" and size == 1:
+            return None  # flat, or hpZ off
+        if size == 1:  # a side group of this rank alone: its collectives are local copies
+            # None would be the default group: every rank of the run under tensor or pipeline parallel, whose other
+            # coordinates run other collectives (another pipeline stage's schedule); the base group is this rank's
+            return self.base
         mine = None
         options: dict[str, Any] = {} if backend is None else {"backend": backend}
         if timeout_s is not None:

@@ -349,22 +349,25 @@ class PipelineRunner:
             if stage < self.stages - 1 and stage + 1 not in self.split.local:
                 dist.send_object_list([(tuple(out.shape), out.dtype)], dst=self._peer(stage + 1), group=self.group)
 
-    def _schedule(self, key: Any, micro: Any, step: Callable[[Any], Any], train: bool) -> Any:
+    def _schedule(self, key: Any, micro: list[Any], step: Callable[[Any], Any], train: bool) -> Any:
         if key in self._built:
             return self._built[key]
+        m = len(micro)
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-        examples = self._shapes(micro, step, train)
+        examples = self._shapes(micro[0], step, train)
         stages = [_stage_class()(_StageModule(self, s), s, self.stages, self.device, input_args=examples[s][0],
                                  output_args=examples[s][1], group=self.group) for s in self.split.local]
         for stage in stages:
             stage.runner = self
         loss_fn = self._scaled
-        if self.schedule_name == "interleaved_1f1b":
-            built = ScheduleInterleaved1F1B(stages, self.microbatches, loss_fn=loss_fn, scale_grads=False)
+        if not train and len(stages) == 1:  # forward only: every schedule runs the same forwards, GPipe at any m
+            built = ScheduleGPipe(stages[0], m, loss_fn=loss_fn, scale_grads=False)
+        elif self.schedule_name == "interleaved_1f1b":
+            built = ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn, scale_grads=False)
         else:
             kind = ScheduleGPipe if self.schedule_name == "gpipe" else Schedule1F1B
-            built = kind(stages[0], self.microbatches, loss_fn=loss_fn, scale_grads=False)
+            built = kind(stages[0], m, loss_fn=loss_fn, scale_grads=False)
         self._built[key] = built
         return built
 
@@ -374,8 +377,8 @@ class PipelineRunner:
     def run(self, micro: list[Any], step: Callable[[Any], Any], train: bool) -> list[Any]:
         """``step`` over the micro-batches ``micro`` (forward and backward when ``train``); returns the last stage's
         step outputs (on the ranks holding it; empty elsewhere)."""
-        key = (train, _shape_key(micro[0]))
-        schedule = self._schedule(key, micro[0], step, train)
+        key = (train, len(micro), _shape_key(micro[0]))
+        schedule = self._schedule(key, micro, step, train)
         self._begin(micro, step)
         m = len(micro)
         args = (torch.zeros(m, 1, device=self.device),) if 0 in self.split.local else ()
@@ -411,8 +414,9 @@ def _shape_key(micro: Any) -> Any:
     return str(spec), tuple((tuple(x.shape), x.dtype) if isinstance(x, Tensor) else repr(x) for x in leaves)
 
 
-def split_batch(batch: Any, microbatches: int) -> list[Any]:
-    """``batch`` cut into ``microbatches`` equal parts along the first dimension of each of its tensors."""
+def split_batch(batch: Any, microbatches: int, fewer: bool = False) -> list[Any]:
+    """``batch`` cut into ``microbatches`` equal parts along the first dimension of each of its tensors. ``fewer``
+    (evaluation): a batch they do not divide (a short last batch) is cut into the most equal parts up to that many."""
     from torch.utils._pytree import tree_flatten, tree_unflatten
 
     leaves, spec = tree_flatten(batch)
@@ -422,6 +426,8 @@ def split_batch(batch: Any, microbatches: int) -> list[Any]:
                               " strategy cuts a batch into micro-batches along one first dimension. HINT: give batches"
                               " whose tensors share the batch dimension first.")
     size = sizes.pop()
+    if fewer:
+        microbatches = max(d for d in range(1, microbatches + 1) if size % d == 0)
     if size % microbatches:
         raise ZeroConfigError(f"A batch of {size} cut into `pipeline_microbatches={microbatches}`: the micro-batches"
                               f" must be equal. HINT: a batch size that {microbatches} divides (micro batch x"

@@ -52,7 +52,7 @@ class StagePipeline:
         """``step`` over the micro-batches of ``batch`` (forward and backward when ``train``): the last stage's step
         outputs (empty on the other ranks). Each micro-batch's loss is multiplied by ``loss_scale`` (fp16's, which
         the engine's reductions divide out) over the micro-batches times ``divisor`` (an accumulation's)."""
-        micro = split_batch(batch, self.config.microbatches)
+        micro = split_batch(batch, self.config.microbatches, fewer=not train)
         self.runner.scale = loss_scale / (len(micro) * divisor)
         stage3 = engine is not None and engine.gatherer is not None
         # stage 3: every block of this rank's stages gathered once for the schedule ([Note: pipeline parallel under

@@ -148,3 +148,12 @@ def test_the_strategy_and_a_yaml_take_the_pipeline_keys(tmp_path, capsys) -> Non
     assert ZeroFabricStrategy(stage=2, pipeline_parallel_size=2).config.pipeline_parallel_size == 2
     with pytest.raises(ZeroConfigError, match=r"`stage='auto'` with `pipeline_parallel_size=2`"):
         ZeroFabricStrategy(stage="auto", pipeline_parallel_size=2)
+
+
+def test_an_evaluation_batch_they_do_not_divide_runs_in_fewer_micro_batches() -> None:
+    """A short last validation batch (6 rows, 4 micro-batches asked) runs as 3 micro-batches of 2; training refuses."""
+    batch = (torch.arange(12).view(6, 2),)
+    assert [p[0].shape[0] for p in split_batch(batch, 4, fewer=True)] == [2, 2, 2]
+    assert len(split_batch((torch.arange(7),), 4, fewer=True)) == 1  # a prime: one micro-batch
+    with pytest.raises(ZeroConfigError, match="A batch of 6 cut into `pipeline_microbatches=4`"):
+        split_batch(batch, 4)

@@ -255,3 +255,41 @@ def test_a_joint_fabric_setup_is_refused_under_a_pipeline(fabric_runs: Path) -> 
     message = _load(fabric_runs, "refused_joint_setup")["message"]
     assert message is not None and "`fabric.setup(model, optimizer)` with `pipeline_parallel_size=2`" in message
     assert "HINT: `model = fabric.setup_module(model)`" in message
+
+
+def test_the_demo_pipeline_config_trains_logs_stages_and_resumes(tmp_path: Path) -> None:
+    """`lzero fit --config configs/demo_pipeline.yaml` as a user runs it (2 processes: pp2 x dp1, zero2, 1F1B; a
+    stage's data group of one rank, where every side group's collectives stay local): the sanity check's and each
+    validation's forward-only schedule, TensorBoard memory tags naming each rank's stage, sharded checkpoints of both
+    stages; a second `fit` resumes from `last.ckpt` and `lzero consolidate` writes the whole model."""
+    import json
+    import subprocess
+    import sys
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from lzero.cli import main
+
+    repo = Path(__file__).resolve().parents[2]
+    fit = [sys.executable, "-m", "lzero.cli", "fit", "--config", str(repo / "configs" / "demo_pipeline.yaml"),
+           "--trainer.max_epochs", "3", "--trainer.limit_val_batches", "2", "--trainer.log_every_n_steps", "2",
+           "--trainer.enable_progress_bar", "false", "--data.steps_per_epoch", "4"]
+    done = subprocess.run([*fit, "--trainer.max_steps", "4"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "runs" / "demo" / "demo_pipeline" / "version_0"
+    last = run / "checkpoints" / "last.ckpt"
+    manifest = json.loads((last / "manifest.json").read_text())
+    assert manifest["pipeline_parallel"] == {"size": 2} and manifest["global_step"] == 4
+    assert manifest["aliases"] == {"model.lm_head.weight": "model.wte.weight"}  # the tied head, written once
+    events = EventAccumulator(str(run)).Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"memory/model_states_bytes/stage0/rank0", "memory/model_states_bytes/stage1/rank1", "val_loss",
+            "train_loss"} <= tags
+    done = subprocess.run([*fit, "--trainer.max_steps", "6", "--ckpt_path", str(last)], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    resumed = json.loads((run.parent / "version_1" / "checkpoints" / "last.ckpt" / "manifest.json").read_text())
+    assert resumed["global_step"] == 6
+    assert main(["consolidate", str(last), str(tmp_path / "whole.pt")]) == 0
+    state = torch.load(tmp_path / "whole.pt", weights_only=True)["state_dict"]
+    assert "model.lm_head.weight" in state and torch.equal(state["model.lm_head.weight"], state["model.wte.weight"])
