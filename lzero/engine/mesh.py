@@ -236,7 +236,7 @@ class Mesh:
             return self.group("shard")  # a group of one: local copies
         if name == "replicate" and not self.hybrid or name == "hpz" and size == 1:
             return None  # flat, or hpZ off
-        if size == 1:  # a side group of this rank alone: its collectives are local copies
+        if size == 1 and name not in ("shard", "replicate"):  # a side group of this rank alone: local copies
             # None would be the default group: every rank of the run under tensor or pipeline parallel, whose other
             # coordinates run other collectives (another pipeline stage's schedule); the base group is this rank's
             return self.base
