@@ -144,8 +144,9 @@ class ZeroEngine:
         self.ties: list[nn.Parameter] = []  # parameters another stage holds too, their gradients summed at the step
         self.tie_group: Any = None  # the ranks of the stages holding them (``tie_across_stages``)
         self.ties_pending = False  # a schedule ran since the last sum of the ties' gradients
-        self._uncounted: set[str] = set()  # tied parameters the global norm counts on the other stage
-        self.tie_aliases: dict[str, str] = {}  # those, to their name on the first stage (checkpoints write that one)
+        # on the last stage, its tied parameters to their names on the first stage, whose copies the global norm counts
+        # and checkpoints write
+        self.tie_aliases: dict[str, str] = {}
         self.hold_grads = False  # a pipeline's step ran its backwards before Lightning clears gradients: keep them
         tensor_parallel.check_parameters(module, mesh.tensor)
         group = self.group
@@ -626,17 +627,15 @@ class ZeroEngine:
             self.ties_pending = False
             self._sum_ties()
 
-    def tie_across_stages(self, params: Sequence[nn.Parameter], group: Any, first_names: Optional[Sequence[str]]
-                          ) -> None:
-        """Pipeline parallel: ``params`` are held by another stage too (embeddings tied to the head): their gradients
-        are summed over ``group`` (the ranks of both stages) before each step, so both copies take the same step.
-        ``first_names``: on the last stage, each one's name on the first stage, whose copy counts in the global norm
-        and is the one checkpoints write (None on the first stage)."""
-        self.ties, self.tie_group = [p for p in params if p in self._where], group
+    def tie_across_stages(self, names: Sequence[str], group: Any, first_names: Optional[Sequence[str]]) -> None:
+        """Pipeline parallel: the parameters ``names`` are held by another stage too (embeddings tied to the head):
+        their gradients are summed over ``group`` (the ranks of both stages) before each step, so both copies take the
+        same step. ``first_names``: on the last stage, each one's name on the first stage, whose copy counts in the
+        global norm and is the one checkpoints write (None on the first stage)."""
+        by_name = {spec.name: p for unit in self.units for spec, p in zip(unit.spec.params, unit.params)}
+        self.ties, self.tie_group = [by_name[n] for n in names], group
         if first_names is not None:
-            mine = [self._where[p][0].spec.params[self._where[p][1]].name for p in params]
-            self._uncounted = set(mine)
-            self.tie_aliases = dict(zip(mine, first_names))
+            self.tie_aliases = dict(zip(names, first_names))
 
     @torch.no_grad()
     def _sum_ties(self) -> None:
@@ -744,7 +743,7 @@ class ZeroEngine:
         for unit in units:
             if unit.has_step_grad:
                 for param, start, end, at in unit.spec.owned_pieces(self.rank):
-                    if param.name in self._uncounted:
+                    if param.name in self.tie_aliases:  # counted on the first stage
                         continue
                     piece = unit.shard_grad[at : at + end - start]
                     sharded = self.tensor_sharded(param.name)

@@ -6,16 +6,7 @@ on first request and handed out by name after that (nothing else in lzero calls 
 
 - ``world``: every rank of the run (the default group, or the group a caller passed in place of it).
 - ``shard``: the G ranks that shard parameters, gradients and optimizer state together: every rank when flat, one
-  node's when hybrid (``shard_group_size``; see [Note: the pipeline dimension]
-With ``pipeline_parallel_size=P`` the run's P*N*T ranks form a 3-D ``DeviceMesh``, dimensions ``("pipeline_parallel",
-"data_parallel", "tensor_parallel")``, the pipeline dimension outermost (torchtitan's order): rank r is on pipeline
-rank r // (N*T), so a stage's data and tensor ranks are consecutive (one node when they fit) and only the
-activations between stages cross nodes. lzero's mesh is then made over this rank's data-parallel group, as under
-tensor parallel, and ``layers`` lists one data group per (pipeline, tensor) coordinate. ``pipeline`` is this rank's
-pipeline group, its P ranks in stage order: the schedule's sends and receives, and the step's agreements (the global
-gradient norm, fp16 overflow, tied embeddings: see [Note: pipeline parallel under ZeRO] in pipeline.py), run over it.
-
-[Note: hybrid sharding]).
+  node's when hybrid (``shard_group_size``; see [Note: hybrid sharding]).
 - ``replicate``: hybrid only, the ranks holding the same shard, one per shard group (None when flat).
 - ``gather``: the shard ranks again, on a communicator of their own: stage 3's parameter gathers follow
   forward/backward order while reductions follow unit order and are launched when ready, and on one group their
@@ -45,6 +36,15 @@ group's N ranks and every ZeRO collective runs over it. Since ``dist.new_group``
 group, each named group is made for every tensor coordinate's data group alike (``layers``), this rank keeping its
 own. ``tensor`` is this rank's tensor-parallel group (the DeviceMesh made it): the norm sums tensor-sharded
 gradients over it (see [Note: tensor parallel under ZeRO] in tensor_parallel.py).
+
+[Note: the pipeline dimension]
+With ``pipeline_parallel_size=P`` the run's P*N*T ranks form a 3-D ``DeviceMesh``, dimensions ``("pipeline_parallel",
+"data_parallel", "tensor_parallel")``, the pipeline dimension outermost (torchtitan's order): rank r is on pipeline
+rank r // (N*T), so a stage's data and tensor ranks are consecutive (one node when they fit) and only the
+activations between stages cross nodes. lzero's mesh is then made over this rank's data-parallel group, as under
+tensor parallel, and ``layers`` lists one data group per (pipeline, tensor) coordinate. ``pipeline`` is this rank's
+pipeline group, its P ranks in stage order: the schedule's sends and receives, and the step's agreements (the global
+gradient norm, fp16 overflow, tied embeddings: see [Note: pipeline parallel under ZeRO] in pipeline.py), run over it.
 
 [Note: hybrid sharding]
 With ``shard_group_size=G`` the N ranks form N/G shard groups of G consecutive ranks (one node each, typically):

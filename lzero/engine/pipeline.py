@@ -35,6 +35,7 @@ once.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -268,8 +269,8 @@ class PipelineRunner:
     under ZeRO]). A schedule is built per shape of the micro-batches (and per kind of step), after a forward of the
     first micro-batch without gradients through every stage finds the shapes of the activations sent between them."""
 
-    def __init__(self, split: Split, schedule: str, microbatches: int, group: Any, device: torch.device) -> None:
-        self.split, self.schedule_name, self.microbatches = split, schedule, microbatches
+    def __init__(self, split: Split, schedule: str, group: Any, device: torch.device) -> None:
+        self.split, self.schedule_name = split, schedule
         self.group, self.device = group, device
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -390,6 +391,7 @@ class PipelineRunner:
         return self.outputs
 
 
+@functools.cache
 def _stage_class() -> type:
     """torch's ``PipelineStage``, calling its runner's ``after_backward`` after each backward it runs."""
     from torch.distributed.pipelining import PipelineStage

@@ -149,6 +149,7 @@ class ZeroFabricStrategy(DDPStrategy):
         self._device_mesh: Any = None  # tensor or pipeline parallel: the DeviceMesh, made at setup_environment
         self._pipeline: Any = None  # pipeline parallel: the set-up model's stages (a StagePipeline), made at setup
         self._pipeline_loss: Optional[Tensor] = None  # the last `pipeline_step`'s loss: its backward has run
+        self._pipeline_running = False  # inside `pipeline_step`: the module's hooks leave the start to it
         self._ranks_check: Optional[EveryRankCheck] = None  # see [Note: every rank at a collective call]
 
     # --- plugins -----------------------------------------------------------------------------
@@ -230,7 +231,8 @@ class ZeroFabricStrategy(DDPStrategy):
     @property
     def device_mesh(self) -> Any:
         """Tensor parallel: the 2-D ``DeviceMesh`` ``("data_parallel", "tensor_parallel")``, as Fabric's
-        ``ModelParallelStrategy`` has it (``parallelize_fn(module, device_mesh)`` receives it)."""
+        ``ModelParallelStrategy`` has it (``parallelize_fn(module, device_mesh)`` receives it); with a pipeline, 3-D,
+        ``("pipeline_parallel", "data_parallel", "tensor_parallel")``."""
         if self._device_mesh is None:
             raise RuntimeError("`strategy.device_mesh` exists with `tensor_parallel_size` > 1, once `fabric.launch()`"
                                f" has started the processes (tensor_parallel_size={self.config.tensor_parallel_size}).")
@@ -384,8 +386,6 @@ class ZeroFabricStrategy(DDPStrategy):
             raise ZeroConfigError(f"A second model under `pipeline_parallel_size={size}`: one pipeline per strategy."
                                   " HINT: set up one pipelined model per Fabric.")
         self._pipeline = StagePipeline(module, self.config, self.device_mesh, self.root_device)
-
-    _pipeline_running = False
 
     def pipeline_step(self, model: nn.Module, step: Callable[[nn.Module, Any], Tensor], batch: Any) -> Tensor:
         """[Note: pipeline steps under Fabric]

@@ -30,7 +30,7 @@ class StagePipeline:
         self.plan = plan_pipeline(module, stages, config.pipeline_split_points)
         _agree_on_weights(module, self.group)  # before the cut: every stage starts from the same model
         self.split = Split(module, self.plan, local_stages(self.rank, self.size, stages))
-        self.runner = PipelineRunner(self.split, config.pipeline_schedule, config.microbatches, self.group, device)
+        self.runner = PipelineRunner(self.split, config.pipeline_schedule, self.group, device)
 
     @property
     def holds_first(self) -> bool:
@@ -42,9 +42,8 @@ class StagePipeline:
         engine.pipeline_stages = self.split.local
         if not self.plan.tied:
             return
-        module_params = dict(_named(engine))
         names = [first if self.holds_first else last for first, last in self.plan.tied]
-        engine.tie_across_stages([module_params[n] for n in names], mesh.pipeline_ends(),
+        engine.tie_across_stages(names, mesh.pipeline_ends(),
                                  None if self.holds_first else [first for first, _ in self.plan.tied])
 
     def run(self, step: Callable[[Any], Any], batch: Any, train: bool, engine: Any, divisor: int = 1,
@@ -83,10 +82,6 @@ class StagePipeline:
 
     def remove(self) -> None:
         self.split.remove()
-
-
-def _named(engine: Any) -> list[tuple[str, torch.nn.Parameter]]:
-    return [(unit.spec.params[i].name, p) for unit in engine.units for i, p in enumerate(unit.params)]
 
 
 def _loss(output: Any) -> Optional[torch.Tensor]:

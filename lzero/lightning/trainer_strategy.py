@@ -459,18 +459,14 @@ class ZeroStrategy(DDPStrategy):
 
     def _forward_only(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         before_forward(self._engine)
-        if self._pipeline is not None:
-            hook = step.__name__
+        try:
+            if self._pipeline is None:
+                return step(*args, **kwargs)
+            hook = step.__name__  # the forward-only schedule: [Note: pipeline steps under the Trainer]
             context = self.precision_plugin.val_step_context() if hook == "validation_step" else \
                 self.precision_plugin.test_step_context()
-            try:
-                with context:
-                    return self._pipeline.run_step(self.lightning_module, hook, args, kwargs, False, self._engine, 1)
-            finally:
-                if self._engine is not None:
-                    self._engine.release_all()
-        try:
-            return step(*args, **kwargs)
+            with context:
+                return self._pipeline.run_step(self.lightning_module, hook, args, kwargs, False, self._engine, 1)
         finally:
             if self._engine is not None:
                 self._engine.release_all()  # stage 3: no backward will release the root

@@ -162,11 +162,14 @@ class MemoryMonitor(Callback):
 
 
 def _stages_of_ranks(engine: Any) -> list[str]:
-    """Each global rank's stages as the metric names say them (``stage0``, ``stage1+3``), gathered once."""
-    mine = "stage" + "+".join(str(s) for s in engine.pipeline_stages)
-    names: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(names, mine)
-    return names
+    """Each global rank's stages as the metric names say them (``stage0``, ``stage1+3``): pipeline rank p (global
+    ranks p x N x T onwards, pipeline outermost) runs stages p, p + P, ... ([Note: the pipeline dimension] in
+    lzero/engine/mesh.py), as many as this rank does."""
+    from lzero.engine.pipeline import local_stages
+
+    size, world = engine.mesh.pipeline_size, dist.get_world_size()
+    stages = size * len(engine.pipeline_stages)
+    return ["stage" + "+".join(map(str, local_stages(r // (world // size), size, stages))) for r in range(world)]
 
 
 def _traffic(engine: Any) -> dict[str, int]:

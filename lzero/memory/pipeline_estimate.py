@@ -66,16 +66,20 @@ def rank_counts(count: ModelCount, pipeline_size: int, virtual: int, module: Opt
     return counts, shares
 
 
+def _schedule_shape(args: Any) -> tuple[int, int]:
+    """The stages per rank and micro-batches per step the flags ask for, with the strategy's defaults (2 stages per
+    rank under interleaved 1F1B, else 1; as many micro-batches as stages)."""
+    virtual = args.virtual_stages or (2 if args.pipeline_schedule == "interleaved_1f1b" else 1)
+    return virtual, args.microbatches if args.microbatches is not None else args.pipeline_parallel * virtual
+
+
 def pipeline_rows(count: ModelCount, args: Any, module: Optional[nn.Module] = None) -> list[dict]:
     """One row per pipeline rank: its parameters, micro-batches in flight, activations and per-device model states
     of ``ROWS`` over its data ranks (bytes)."""
-    size, virtual = args.pipeline_parallel, args.virtual_stages
-    if virtual is None:
-        virtual = 2 if args.pipeline_schedule == "interleaved_1f1b" else 1
+    size, (virtual, microbatches) = args.pipeline_parallel, _schedule_shape(args)
     if virtual > 1 and args.pipeline_schedule != "interleaved_1f1b":
         raise EstimateError(f"`--virtual-stages {virtual}` with `--pipeline-schedule {args.pipeline_schedule}`. HINT:"
                             " several stages per rank need `--pipeline-schedule interleaved_1f1b`.")
-    microbatches = args.microbatches if args.microbatches is not None else size * virtual
     counts, shares = rank_counts(count, size, virtual, module)
     rows = []
     for rank, (stage_count, share) in enumerate(zip(counts, shares)):
@@ -92,8 +96,7 @@ def pipeline_rows(count: ModelCount, args: Any, module: Optional[nn.Module] = No
 def pipeline_table(rows: Sequence[dict], args: Any, gb: Any) -> str:
     """The rows as text, after the main table."""
     data = args.num_gpus * args.num_nodes // (args.pipeline_parallel * args.tensor_parallel)
-    virtual = args.virtual_stages or (2 if args.pipeline_schedule == "interleaved_1f1b" else 1)
-    microbatches = args.microbatches if args.microbatches is not None else args.pipeline_parallel * virtual
+    virtual, microbatches = _schedule_shape(args)
     head = ("pipeline rank", "params", "in flight", "activations", *(f"{r} per device" for r in ROWS))
     body = [(str(r["pipeline_rank"]), f"{r['trainable_params'] + r['frozen_params']:,}",
              f"{r['microbatches_in_flight']:g}", gb(r["activations_bytes"]),
