@@ -42,6 +42,8 @@ from torch.optim import Optimizer
 from lzero.checkpoint.full_state import gather_optimizer_state, load_optimizer_state
 from lzero.engine.engine import ZeroEngine
 from lzero.engine.flat_unit import FlatUnit
+from lzero.engine.ownership import WHOLE_TENSOR_OPTIMIZERS, steps_whole_tensors
+from lzero.engine.partition import ParamSpec
 from lzero.errors import ZeroError
 
 ELEMENTWISE_OPTIMIZERS = tuple(
@@ -64,16 +66,30 @@ class ZeroOptimizerError(ZeroError, TypeError):
     """An optimizer lzero cannot shard as written; the message says how to fix it."""
 
 
-def check_optimizer(optimizer: Optimizer, allow_untested: bool) -> None:
+def check_optimizer(optimizer: Optimizer, allow_untested: bool, partition: str = "auto") -> None:
+    """Refuse an optimizer lzero would step otherwise than DDP: see [Note: per-tensor ownership] in partition.py for
+    those stepped whole tensor by whole tensor (``partition``: the config's ``optimizer_partition``)."""
+    name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ZeroOptimizerError(
+            f"lzero cannot shard `{name}`: L-BFGS keeps one history of flattened updates over all of its parameters"
+            " together and re-evaluates the loss through its closure several times per step, so neither a shard of"
+            " elements nor a split of whole tensors among ranks steps what it steps under DDP. HINT: train with DDP"
+            " (`strategy='ddp'`), or use AdamW, Muon or Adafactor under lzero.")
+    if steps_whole_tensors(optimizer, partition):
+        return  # each owned tensor stepped whole: exact for any optimizer that steps each parameter on its own
     _refuse_blockwise_state(optimizer)
     if type(optimizer) in ELEMENTWISE_OPTIMIZERS or allow_untested:
         return
     allowed = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+    whole = ", ".join(c.__name__ for c in WHOLE_TENSOR_OPTIMIZERS)
     raise ZeroOptimizerError(
-        f"lzero cannot shard `{type(optimizer).__module__}.{type(optimizer).__qualname__}`: it is not on the"
-        f" allow-list of elementwise optimizers ({allowed}). An optimizer that looks across elements (LBFGS,"
-        " Adafactor, Muon, Shampoo, ...) would see only this rank's shard. HINT: use an allow-listed optimizer,"
-        " or pass `ZeroStrategy(allow_untested_optimizer=True)` if you know the update is elementwise."
+        f"lzero cannot shard `{name}` element by element: it is not on the allow-list of elementwise optimizers"
+        f" ({allowed}), and an optimizer that reads across elements (Shampoo, SOAP, ...) would see only this rank's"
+        f" slice. lzero steps the optimizers known to read whole matrices ({whole}) whole tensor by whole tensor, each"
+        " parameter on the rank that owns it. HINT: pass `optimizer_partition='per_tensor'` (ZeroStrategy option or"
+        " YAML key) to step this one that way too, or `allow_untested_optimizer=True` if you know its update is"
+        " elementwise."
     )
 
 
@@ -99,6 +115,28 @@ class _Shared:
 
     def __init__(self) -> None:
         self.inner: dict[int, Optimizer] = {}  # unit index -> the optimizer stepping its shard
+        # per-tensor units: unit index -> each owned parameter as a Parameter viewing its place in the master shard
+        self.tensors: dict[int, list[OwnedTensor]] = {}
+
+
+class OwnedTensor:
+    """A parameter this rank owns whole in a per-tensor unit ([Note: per-tensor ownership] in partition.py): what the
+    inner optimizer steps is ``param``, a Parameter of the parameter's shape viewing elements ``[at, at + numel)`` of
+    the unit's master shard, given that range of the master's gradient for the step. Its optimizer state is the
+    inner optimizer's ``state[param]``, in the optimizer's own per-tensor format."""
+
+    def __init__(self, unit: FlatUnit, spec: ParamSpec, at: int) -> None:
+        self.unit, self.spec, self.at = unit, spec, at
+        self.param = torch.nn.Parameter(self._view(unit.master_shard.detach()))
+
+    def _view(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat[self.at : self.at + self.spec.numel].view(self.spec.shape)
+
+    def link(self) -> None:
+        """Point at the master's current memory (a store may swap it) and take its gradient (None: not stepped)."""
+        master = self.unit.master_shard
+        self.param.data = self._view(master.data)
+        self.param.grad = None if master.grad is None else self._view(master.grad)
 
 
 class ZeroOptimizer(Optimizer):
@@ -129,12 +167,17 @@ class ZeroOptimizer(Optimizer):
         self.units: list[FlatUnit] = engine.units_of(index)
         self.host_kernel: Optional[str] = None  # the kernel offloaded units step with; None: none offloaded
         optimizer = self.optimizer
+        _refuse_swapped_whole_tensors(optimizer, self.units)
         if any(u.store.name != "device" for u in self.units):
             self.host_kernel = _check_host_step(optimizer)
         # the units each inner optimizer steps in one call, in step order: see the Note
         self.buckets: list[tuple[list[FlatUnit], Optimizer]] = []
         for bucket in engine.step_buckets(self.units):
-            inner = _build_inner(optimizer, bucket)
+            for unit in bucket:
+                if unit.spec.per_tensor:
+                    self._shared.tensors[unit.spec.index] = [OwnedTensor(unit, spec, at)
+                                                             for spec, at in unit.spec.owned_params(unit.rank)]
+            inner = _build_inner(optimizer, bucket, self._shared.tensors)
             self.buckets.append((bucket, inner))
             for unit in bucket:
                 self._shared.inner[unit.spec.index] = inner
@@ -153,6 +196,10 @@ class ZeroOptimizer(Optimizer):
         """The optimizer (the user's class and flags) that steps ``unit``'s shard on this rank."""
         return self._shared.inner[unit.spec.index]
 
+    def owned_tensors(self, unit: FlatUnit) -> list[OwnedTensor]:
+        """A per-tensor unit's parameters this rank owns and steps whole (none for an elementwise unit)."""
+        return self._shared.tensors.get(unit.spec.index, [])
+
     def __repr__(self) -> str:
         stage = self.engine.config.stage if self.engine is not None else "not started"
         return f"ZeroOptimizer({type(self.optimizer).__name__}, stage={stage})"
@@ -167,9 +214,27 @@ class ZeroOptimizer(Optimizer):
         self.engine.prepare_step(self.units)
         for _, inner in self.buckets:  # read now: with the delayed update a worker thread steps after this returns
             self._copy_hyperparameters(inner)
-        self.engine.step_and_gather([(bucket, inner.step) for bucket, inner in self.buckets])
+        self.engine.step_and_gather([(bucket, self._stepper(bucket, inner)) for bucket, inner in self.buckets])
         self.optimizer._opt_called = True  # LR schedulers check that the optimizer they wrap has stepped
         return loss
+
+    def _stepper(self, bucket: list[FlatUnit], inner: Optimizer) -> Callable[[], Any]:
+        """The call that steps ``bucket``: the inner optimizer's step, over the owned tensors' views of the masters and
+        their gradients for per-tensor units."""
+        if not bucket[0].spec.per_tensor:
+            return inner.step
+        owned = [t for unit in bucket for t in self.owned_tensors(unit)]
+
+        def step() -> None:
+            for tensor in owned:
+                tensor.link()
+            try:
+                inner.step()
+            finally:
+                for tensor in owned:
+                    tensor.param.grad = None  # the unit's gradient buffers are freed after the step
+
+        return step
 
     def _copy_hyperparameters(self, inner: Optimizer) -> None:
         """The user's group's current hyperparameters (an LR scheduler's, a manual change) into ``inner``."""
@@ -206,9 +271,10 @@ class ZeroOptimizer(Optimizer):
         load_optimizer_state(self, state_dict)
 
 
-def _build_inner(optimizer: Optimizer, units: list[FlatUnit]) -> Optimizer:
+def _build_inner(optimizer: Optimizer, units: list[FlatUnit], tensors: dict[int, list[OwnedTensor]]) -> Optimizer:
     """Same class, same constructor flags, the units' group hyperparameters, the units' shards (offloaded: the
-    host kernel of [Note: the host step]). The units share one param group and one store."""
+    host kernel of [Note: the host step]); per-tensor units: the owned tensors, whole. The units share one param
+    group and one store."""
     index = units[0].spec.group[1]
     group = {k: v for k, v in optimizer.param_groups[index].items() if k != "params"}
     flags = _flags(optimizer)
@@ -216,7 +282,10 @@ def _build_inner(optimizer: Optimizer, units: list[FlatUnit]) -> Optimizer:
         kernel = _host_kernel(optimizer)
         group.update(kernel)
         flags.update(kernel)
-    group["params"] = [unit.master_shard for unit in units]
+    if units[0].spec.per_tensor:
+        group["params"] = [t.param for unit in units for t in tensors[unit.spec.index]]
+    else:
+        group["params"] = [unit.master_shard for unit in units]
     inner = type(optimizer)([group], **flags)
     inner.lzero_group = index  # the user's group whose hyperparameters it follows
     return inner
@@ -236,11 +305,23 @@ def _host_kernel(optimizer: Optimizer) -> dict[str, Any]:
     return {}
 
 
+def _refuse_swapped_whole_tensors(optimizer: Optimizer, units: list[FlatUnit]) -> None:
+    """NVMe swaps a unit's optimizer state as flat tensors of its shard; a per-tensor unit's state is per tensor."""
+    unit = next((u for u in units if u.spec.per_tensor and not u.store.in_memory), None)
+    if unit is not None:
+        raise ZeroOptimizerError(
+            f"`{type(optimizer).__name__}` steps whole tensors ([Note: per-tensor ownership]), and its state is kept per"
+            " tensor in the optimizer's own format, which the NVMe swap files (one flat file per shard state) do not"
+            " hold yet. HINT: offload its state to host memory (`offload_optimizer: cpu`, the 'zero2_offload' and"
+            " 'zero3_offload' strategies), or use an elementwise optimizer with NVMe.")
+
+
 def _check_host_step(optimizer: Optimizer) -> str:
     """Step the user's optimizer class, with its flags and the host kernel, on a two-element host tensor: an
     optimizer without a CPU implementation is refused now, by name. Returns the kernel's description."""
     flags = {**_flags(optimizer), **_host_kernel(optimizer)}
-    probe = torch.nn.Parameter(torch.zeros(2, dtype=optimizer.param_groups[0]["params"][0].dtype))
+    # a 2 x 2 matrix: optimizers of matrices (Muon) refuse vectors
+    probe = torch.nn.Parameter(torch.zeros(2, 2, dtype=optimizer.param_groups[0]["params"][0].dtype))
     probe.grad = torch.full_like(probe, 1e-3)
     name = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
     try:

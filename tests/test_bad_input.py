@@ -99,15 +99,30 @@ def test_nvme_paths_of_the_two_blocks_must_agree() -> None:
 
 
 @pytest.mark.parametrize("make", [
-    lambda ps: torch.optim.LBFGS(ps),
     lambda ps: torch.optim.SparseAdam(ps),
-    lambda ps: type("Muon", (torch.optim.SGD,), {})(ps, lr=0.1),
+    lambda ps: type("Shampoo", (torch.optim.SGD,), {})(ps, lr=0.1),
 ])
 def test_optimizer_off_the_allow_list(make) -> None:
     opt = make([nn.Parameter(torch.zeros(3))])
-    with pytest.raises(ZeroOptimizerError, match=f"`.*{type(opt).__qualname__}`.*allow_untested_optimizer=True"):
+    with pytest.raises(ZeroOptimizerError, match=f"`.*{type(opt).__qualname__}` element by element.*Muon, Adafactor.*"
+                                                 "optimizer_partition='per_tensor'.*allow_untested_optimizer=True"):
         check_optimizer(opt, allow_untested=False)
     check_optimizer(opt, allow_untested=True)
+    check_optimizer(opt, allow_untested=False, partition="per_tensor")  # each parameter stepped whole by its owner
+
+
+def test_lbfgs_is_refused_with_its_reason_whatever_the_flags() -> None:
+    opt = torch.optim.LBFGS([nn.Parameter(torch.zeros(3))])
+    for allow, partition in ((False, "auto"), (True, "auto"), (True, "per_tensor")):
+        with pytest.raises(ZeroOptimizerError, match="`torch.optim.lbfgs.LBFGS`: L-BFGS keeps one history.*closure"
+                                                     ".*HINT: train with DDP"):
+            check_optimizer(opt, allow_untested=allow, partition=partition)
+
+
+def test_matrix_optimizers_pass_by_class() -> None:
+    opt = torch.optim.Muon([nn.Parameter(torch.zeros(3, 3))])
+    check_optimizer(opt, allow_untested=False)
+    check_optimizer(torch.optim.Adafactor([nn.Parameter(torch.zeros(3))]), allow_untested=False)
 
 
 def test_allow_listed_optimizers_pass() -> None:

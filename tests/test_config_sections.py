@@ -19,12 +19,14 @@ def test_zero_config_is_its_sections_fields_then_its_own_stage_first() -> None:
     names = [f.name for f in fields(ZeroConfig)]
     from_sections = [f.name for section in SECTIONS for f in fields(section)]
     assert names[:len(from_sections)] == from_sections and names[0] == "stage"
-    assert len(set(names)) == len(names) == 42
+    assert len(set(names)) == len(names) == 43
 
 
 @pytest.mark.parametrize("section, kwargs, match", [
     (ShardingConfig, {"stage": 0}, "`stage=0`: ZeRO stage 0 is not part of lzero"),
     (ShardingConfig, {"allgather_bucket_size": 0}, "`allgather_bucket_size=0` must be a positive whole number"),
+    (ShardingConfig, {"optimizer_partition": "per_tensr"}, "`optimizer_partition='per_tensr'` is not an option.*did you"
+                                                           " mean `per_tensor`"),
     (ScheduleConfig, {"max_reuse_distance": 1.5}, "`max_reuse_distance=1.5` must be a whole number of elements >= 0"),
     (ScheduleConfig, {"prefetch": 2, "prefetch_bucket_size": 10}, "both say how far to prefetch"),
     (CheckpointConfig, {"async_save": True, "checkpoint_format": "full"}, "needs `checkpoint_format='sharded'`"),

@@ -5,7 +5,9 @@ destination keeps the result. Loading slices each saved per-parameter tensor to 
 rank owns, so the same state dict loads at any world size.
 
 A state entry whose tensor has the shard's shape is per element (``exp_avg``...); a 0-dim
-entry (``step``) is per unit and is copied to every parameter of the unit.
+entry (``step``) is per unit and is copied to every parameter of the unit. A per-tensor unit ([Note: per-tensor
+ownership] in lzero/engine/partition.py) holds each owned parameter's state whole, in the optimizer's own format
+(Adafactor's factored rows and columns included): gathered from its owner, loaded by its owner.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import math
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from lzero.engine import collectives
-from lzero.checkpoint.rank_state import ShardedOptimizer, fill_shard, pack_param_groups, restore_param_groups
+from lzero.checkpoint.rank_state import (ShardedOptimizer, fill_shard, pack_param_groups, restore_param_groups,
+                                         tensor_state_value)
 from lzero.errors import ZeroError
 
 if TYPE_CHECKING:
@@ -44,7 +48,10 @@ def gather_optimizer_state(zopt: ShardedOptimizer, to_all: bool = False) -> dict
     state: dict[int, dict[str, Any]] = {}
     for unit in zopt.units:
         with unit.resident():
-            _gather_unit_state(zopt, unit, index, keep, state)
+            if unit.spec.per_tensor:
+                _gather_owned_state(zopt, unit, index, to_all, state)
+            else:
+                _gather_unit_state(zopt, unit, index, keep, state)
     if not keep:
         return {}
     return {"state": state, "param_groups": pack_param_groups(zopt, lambda p: index[id(p)])}
@@ -74,6 +81,32 @@ def _gather_unit_state(zopt: ShardedOptimizer, unit: "FlatUnit", index: dict[int
             state.setdefault(index[id(p)], {})[key] = v
 
 
+def _gather_owned_state(zopt: ShardedOptimizer, unit: "FlatUnit", index: dict[int, int], to_all: bool,
+                        state: dict[int, dict[str, Any]]) -> None:
+    """A per-tensor unit's state, each owner's tensors whole, into ``state`` on rank 0 (every rank with ``to_all``).
+    A collective: one object gather of the owners' states (host copies)."""
+    inner = zopt.shard_optimizer(unit)
+    mine = {t.spec.name: {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in inner.state[t.param].items()}
+            for t in zopt.owned_tensors(unit) if inner.state.get(t.param)}
+    group = zopt.engine.group
+    world = collectives.world_size(group)
+    if world == 1:
+        found = [mine]
+    elif to_all:
+        found = [None] * world
+        dist.all_gather_object(found, mine, group=group)
+    else:
+        found = [None] * world if zopt.engine.rank == 0 else None
+        dist.gather_object(mine, found, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    if not (to_all or zopt.engine.rank == 0):
+        return
+    by_name = {name: entry for part in found for name, entry in part.items()}
+    device = unit.master_shard.device
+    for p, spec in zip(unit.params, unit.spec.params):
+        if spec.name in by_name:
+            state[index[id(p)]] = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in by_name[spec.name].items()}
+
+
 @torch.no_grad()
 def load_optimizer_state(zopt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
     """Load a full per-parameter state dict into this rank's shards (no communication)."""
@@ -89,7 +122,28 @@ def load_optimizer_state(zopt: ShardedOptimizer, state_dict: dict[str, Any]) -> 
     index = _param_indices(zopt)
     for unit in zopt.units:
         with unit.resident(write=True):
-            _load_unit_state(zopt, unit, [saved_state.get(index[id(p)]) for p in unit.params])
+            if unit.spec.per_tensor:
+                _load_owned_state(zopt, unit, {s.name: saved_state.get(index[id(p)])
+                                               for p, s in zip(unit.params, unit.spec.params)})
+            else:
+                _load_unit_state(zopt, unit, [saved_state.get(index[id(p)]) for p in unit.params])
+
+
+def _load_owned_state(zopt: ShardedOptimizer, unit: "FlatUnit", saved: dict[str, Optional[dict[str, Any]]]) -> None:
+    """A per-tensor unit's owned tensors take their whole saved state (no communication)."""
+    inner = zopt.shard_optimizer(unit)
+    for t in zopt.owned_tensors(unit):
+        entry = saved[t.spec.name]
+        if not entry:
+            inner.state.pop(t.param, None)
+            continue
+        for key, value in entry.items():
+            if isinstance(value, Tensor) and value.dim() and value.numel() == t.spec.numel and \
+                    value.shape != t.param.shape:
+                raise OptimizerStateError(
+                    f"Optimizer state '{key}' of `{t.spec.name}` has shape {tuple(value.shape)}, the parameter"
+                    f" {tuple(t.param.shape)}. HINT: the checkpoint belongs to a different model.")
+        inner.state[t.param] = {k: tensor_state_value(k, v, t.param) for k, v in entry.items()}
 
 
 def _load_unit_state(zopt: ShardedOptimizer, unit: "FlatUnit", per_param: list[Optional[dict[str, Any]]]) -> None:

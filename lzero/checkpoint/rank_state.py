@@ -34,6 +34,8 @@ class ShardedOptimizer(Protocol):
 
     def shard_optimizer(self, unit: "FlatUnit") -> Optimizer: ...
 
+    def owned_tensors(self, unit: "FlatUnit") -> list[Any]: ...
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
@@ -55,6 +57,16 @@ def shard_pieces(unit: "FlatUnit", shard: Tensor) -> Iterator[tuple["ParamSpec",
     as a view of ``shard``) for every piece this rank owns. See [Note: owned pieces]."""
     for spec, a, b, s in unit.spec.owned_pieces(unit.rank):
         yield spec, a, b, shard[s : s + (b - a)]
+
+
+def tensor_state_value(key: str, value: Any, like: Tensor) -> Any:
+    """A saved state entry of a whole tensor as its optimizer holds it: as ``torch.optim.Optimizer.load_state_dict``
+    casts, a floating tensor to the parameter's device and dtype, ``step`` kept as saved (on the device)."""
+    if not isinstance(value, Tensor):
+        return value
+    if key == "step" or not value.is_floating_point():
+        return value.to(like.device, copy=True)
+    return value.to(like.device, like.dtype, copy=True)
 
 
 def pack_param_groups(zopt: ShardedOptimizer, param_id: Callable[[Tensor], Any]) -> list[dict[str, Any]]:

@@ -12,8 +12,10 @@ A checkpoint is a directory (``epoch=0-step=100.ckpt/``)::
 Pieces are keyed by parameter name, never by unit, so the partition (world size, stage, bucket
 size) may differ at load: ``param/<name>`` holds the fp32 master elements ``[a, b)`` of the
 flattened parameter that the rank owns; ``optim/<k>/<name>/<key>`` the same range of optimizer
-``k``'s per-element state (``exp_avg``...), and 0-dim state (``step``) whole. The ranges are in the
-file's ``__metadata__["pieces"]`` (JSON). Rank 0's file also carries everything else Lightning put
+``k``'s per-element state (``exp_avg``...), and 0-dim state (``step``) whole. An optimizer stepping whole tensors
+([Note: per-tensor ownership] in lzero/engine/partition.py) writes each owned parameter's state from its owner:
+parameter-shaped entries as the piece ``[0, numel)``, any other shape (Adafactor's factored rows and columns) whole,
+as 0-dim state is. The ranges are in the file's ``__metadata__["pieces"]`` (JSON; a whole entry's is null). Rank 0's file also carries everything else Lightning put
 in the checkpoint (loops, callbacks, LR schedulers, precision/loss-scaler state, hyperparameters),
 the module's tensors outside every unit (buffers, frozen parameters) and the optimizers' param
 groups, through the pickle-free tree codec (tree.py). Every file carries the save id.
@@ -47,7 +49,7 @@ from lzero.checkpoint.base_files import BaseTensor, base_record
 from lzero.checkpoint.averages import add_average_pieces
 from lzero.checkpoint.files import CheckpointError, write_json_atomic, write_tensors
 from lzero.checkpoint.rank_state import (ShardedOptimizer, fill_shard, pack_param_groups, restore_param_groups,
-                                         shard_pieces)
+                                         shard_pieces, tensor_state_value)
 from lzero.checkpoint.pieces import PiecedCheckpoint
 from lzero.checkpoint.reader import FORMAT, MANIFEST, VERSION, shard_name
 from lzero.checkpoint.state_dict import ShardedTensor
@@ -144,6 +146,9 @@ def _unit_pieces(unit: "FlatUnit", owner: dict[int, tuple[int, ShardedOptimizer]
     if unit.spec.index not in owner:  # a frozen unit: no optimizer state
         return
     k, zopt = owner[unit.spec.index]
+    if unit.spec.per_tensor:
+        _owned_state_pieces(unit, k, zopt, tensors, ranges, keep, wanted)
+        return
     state = zopt.shard_optimizer(unit).state.get(unit.master_shard, {})
     for key, value in state.items():
         if isinstance(value, Tensor) and value.shape == master.shape:  # per element: this rank's pieces
@@ -159,6 +164,23 @@ def _unit_pieces(unit: "FlatUnit", owner: dict[int, tuple[int, ShardedOptimizer]
             name = f"optim/{k}/{spec.name}/{key}"
             tensors[name] = value.detach().clone() if isinstance(value, Tensor) else torch.tensor(value)
             ranges[name] = None
+
+
+def _owned_state_pieces(unit: "FlatUnit", k: int, zopt: ShardedOptimizer, tensors: dict[str, Tensor],
+                        ranges: dict[str, Any], keep: Callable[[Tensor], Tensor], wanted: Callable[[str], bool]) -> None:
+    """A per-tensor unit's state of the parameters this rank owns, each entry whole (see the Note above)."""
+    inner = zopt.shard_optimizer(unit)
+    for t in zopt.owned_tensors(unit):
+        if not wanted(t.spec.name):
+            continue
+        for key, value in inner.state.get(t.param, {}).items():
+            name = f"optim/{k}/{t.spec.name}/{key}"
+            if not isinstance(value, Tensor):
+                tensors[name], ranges[name] = torch.tensor(value), None
+            elif value.dim() and value.shape == t.param.shape:
+                tensors[name], ranges[name] = keep(value.detach().reshape(-1)), [0, value.numel()]
+            else:
+                tensors[name], ranges[name] = value.detach().clone(), None
 
 
 def describe(engine: "ZeroEngine", checkpoint: dict[str, Any], kept: Optional[Callable[[str], bool]] = None,
@@ -535,6 +557,9 @@ def load_optimizer_shards(zopt: ShardedOptimizer, index: int, reader: PiecedChec
 
 def _load_unit_state(zopt: ShardedOptimizer, unit: "FlatUnit", index: int, reader: PiecedCheckpoint) -> None:
     """Fill one unit's shard optimizer state from ``reader`` (the unit resident)."""
+    if unit.spec.per_tensor:
+        _load_owned_state(zopt, unit, index, reader)
+        return
     inner = zopt.shard_optimizer(unit)
     first = reader.saved_name(unit.spec.params[0].name)
     keys = reader.optimizer_keys(index, first)
@@ -549,6 +574,24 @@ def _load_unit_state(zopt: ShardedOptimizer, unit: "FlatUnit", index: int, reade
         shard = torch.zeros(unit.spec.shard_numel, dtype=unit.master_shard.dtype, device=unit.master_shard.device)
         state[key] = fill_shard(shard, unit, _optimizer_reader(reader, index, key))
     inner.state[unit.master_shard] = state
+
+
+def _load_owned_state(zopt: ShardedOptimizer, unit: "FlatUnit", index: int, reader: PiecedCheckpoint) -> None:
+    """A per-tensor unit's owned parameters take their whole state from ``reader``, whoever saved it: each entry's
+    whole pieces (written at any world size or layout), or its whole tensor."""
+    inner = zopt.shard_optimizer(unit)
+    for t in zopt.owned_tensors(unit):
+        saved = reader.saved_name(t.spec.name)
+        state: dict[str, Any] = {}
+        for key in reader.optimizer_keys(index, saved):
+            name = f"optim/{index}/{saved}/{key}"
+            value = reader.scalar(name) if reader.is_scalar(name) else \
+                reader.read_range(name, 0, t.spec.numel).view(t.param.shape)
+            state[key] = tensor_state_value(key, value, t.param)
+        if state:
+            inner.state[t.param] = state
+        else:
+            inner.state.pop(t.param, None)
 
 
 def _optimizer_reader(reader: PiecedCheckpoint, index: int, key: str) -> Callable[[Any, int, int], Tensor]:

@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
-from lzero.config.checks import AUTO, BY_HIDDEN_SIZE, set_positive, true_or_false
+from lzero.config.checks import AUTO, BY_HIDDEN_SIZE, did_you_mean, set_positive, true_or_false
 from lzero.errors import ZeroConfigError
+
+OPTIMIZER_PARTITIONS = ("auto", "per_tensor")
+"""``optimizer_partition``'s values: see [Note: per-tensor ownership] in lzero/engine/partition.py."""
 
 BUILT_STAGES = (1, 2, 3)
 """Stages this release implements; the others are refused with a clear error."""
@@ -56,8 +59,20 @@ class ShardingConfig:
     zero gradient, which stateful optimizers (Adam's momentum) still move. A unit that no rank used at
     all is skipped either way."""
 
+    optimizer_partition: str = "auto"
+    """How an optimizer's state is split across the data-parallel ranks. ``"auto"``: element by element for the
+    elementwise optimizers (AdamW, SGD, ...), whole tensors per owning rank for the optimizers that read a whole
+    matrix (``torch.optim.Muon``, ``torch.optim.Adafactor``). ``"per_tensor"``: whole tensors for every optimizer,
+    so any optimizer that steps each parameter on its own (Shampoo, SOAP, ...) runs as under DDP. See [Note:
+    per-tensor ownership] in lzero/engine/partition.py."""
+
     def __post_init__(self) -> None:
         _check_stage(self.stage)
+        if self.optimizer_partition not in OPTIMIZER_PARTITIONS:
+            raise ZeroConfigError(
+                f"`optimizer_partition={self.optimizer_partition!r}` is not an option: 'auto' (per element, per tensor"
+                " for Muon and Adafactor) or 'per_tensor' (whole tensors for every optimizer). HINT:"
+                f" {did_you_mean(self.optimizer_partition, OPTIMIZER_PARTITIONS, 'options')}")
         for name in ("reduce_bucket_size", "allgather_bucket_size", "max_inflight_reductions"):
             if getattr(self, name) != AUTO or name not in BY_HIDDEN_SIZE:
                 set_positive(self, name)

@@ -32,7 +32,7 @@ from lzero.config import ZeroConfig
 from lzero.errors import ZeroEngineError
 from lzero.engine.mixed_precision import PrecisionPolicy
 from lzero.engine.flat_unit import FlatUnit, GradState, fill_from_gathered, shard_bytes
-from lzero.engine import packed_weights, parameters, recording, replayed_weights, tensor_parallel
+from lzero.engine import ownership, packed_weights, parameters, recording, replayed_weights, tensor_parallel
 from lzero.engine.frozen_base import FrozenBase, WholeBase
 from lzero.engine.blocks import Block, GatherSchedule
 from lzero.engine.delayed_update import DelayedUpdate
@@ -161,15 +161,18 @@ class ZeroEngine:
         self.tensor_rank = collectives.rank(mesh.tensor) if mesh.tensor is not None else 0
         specs = [replace(s, whole=self.tensor_layouts[s.name], tensor_rank=self.tensor_rank)
                  if s.name in self.tensor_layouts else s for s in specs]
+        # param groups laid out by owner: [Note: per-tensor ownership] in partition.py
+        whole = ownership.per_tensor_groups(optimizers, config.optimizer_partition)
+        _refuse_cut_whole_tensors(specs, whole)
         if config.stage >= 3:
             block_modules = find_blocks(module, config.unit_modules)
             _refuse_full_graphs(module, block_modules)
             labels = label_parameters(module, block_modules)
             self.partition: Partition = partition_by_label(specs, self.world_size, labels,
-                                                           per_param=config.find_unused_parameters)
+                                                           per_param=config.find_unused_parameters, per_tensor=whole)
         else:  # one parameter per unit when unused parameters must not be stepped (see ZeroConfig)
             unit_numel = 1 if config.find_unused_parameters else config.reduce_bucket_size
-            self.partition = partition_by_size(specs, self.world_size, unit_numel)
+            self.partition = partition_by_size(specs, self.world_size, unit_numel, per_tensor=whole)
         # where each unit's state lives: see [Note: shard stores] in store.py
         self._stores, self._param_store = stores_for(config, device,
                                                      [0 if u.frozen else u.padded_numel for u in self.partition.units],
@@ -1017,6 +1020,17 @@ def _collect_params(module: nn.Module, optimizers: Sequence[torch.optim.Optimize
             specs.append(ParamSpec(name, tensor_parallel.local_shape(p), FROZEN, keep_fp32=name in kept))
             by_name[name] = p
     return specs, by_name
+
+
+def _refuse_cut_whole_tensors(specs: Sequence[ParamSpec], whole: frozenset) -> None:
+    """An optimizer stepping whole tensors would see only a tensor-parallel rank's slice of a cut parameter."""
+    cut = next((s for s in specs if s.group in whole and s.whole is not None), None)
+    if cut is not None:
+        raise ZeroEngineError(
+            f"`{cut.name}` is cut by tensor parallel, and its optimizer (param group {cut.group}) steps whole tensors"
+            " (Muon, Adafactor, or `optimizer_partition='per_tensor'`): each tensor-parallel rank would orthogonalize"
+            " or factor only its slice, not the matrix DDP steps. Not built yet. HINT: use an elementwise optimizer"
+            " (AdamW) with tensor parallel, or drop `tensor_parallel_size`.")
 
 
 def _refuse_full_graphs(module: nn.Module, block_modules: dict[str, nn.Module]) -> None:

@@ -282,7 +282,12 @@ class FlatUnit:
                 write(start, end, None if grad is None else local(grad).reshape(-1))
                 if grad is not None:
                     set_grad_quietly(p, None)
-        write(self.spec.numel, self.spec.padded_numel, None)
+        if self.spec.per_tensor:  # padding after each rank's tensors ([Note: per-tensor ownership] in partition.py)
+            for r in range(self.spec.world_size):
+                for a, b in self.spec.padding(r):
+                    write(r * shard + a, r * shard + b, None)
+        else:
+            write(self.spec.numel, self.spec.padded_numel, None)
         return out if bucket is None else bucket
 
     @torch.no_grad()

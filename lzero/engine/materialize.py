@@ -266,10 +266,9 @@ def shard_values(spec: UnitSpec, rank: int, params: list[nn.Parameter], device: 
                 if not weights.holds(param.name):
                     values[at: at + end - start].copy_(params[index[param.name]].detach().reshape(-1)[start:end])
         return values
-    lo, hi = spec.shard_range(rank)
     values = torch.empty(spec.shard_numel, dtype=params[0].dtype, device=device)
-    if spec.numel < hi:
-        values[max(spec.numel - lo, 0):].zero_()
+    for a, b in spec.padding(rank):
+        values[a:b].zero_()
     with weights.reading() as read, torch.no_grad():
         for param, start, end, at in spec.owned_pieces(rank):
             piece = values[at: at + end - start]

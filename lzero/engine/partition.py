@@ -12,6 +12,19 @@ compute dtypes (mixed precision may keep some module types in fp32), nor numbers
 (quantized weights, one storage dtype per unit: see [Note: packed parameters] in packed_weights.py).
 At stages 1 and 2 units are formed in backward order (reverse registration order) up to
 ``max_unit_numel`` elements, so the first units to complete in backward are the first reduced.
+
+[Note: per-tensor ownership]
+An optimizer that reads a whole matrix (Muon's Newton-Schulz, Adafactor's row and column statistics) cannot step
+a slice that cuts tensors. A param group stepped by one gets units laid out by owner instead: each parameter is
+owned by one rank, and rank r's shard ``[r * S, (r + 1) * S)`` holds its owned parameters whole, back to back,
+then padding; S is the largest rank's total, so every shard has one size and the reduce-scatters, all-gathers and
+stores work unchanged, the owner receiving each of its tensors' whole averaged gradient and stepping it, the
+all-gather (stages 1-2) or the shard (stage 3) carrying the values to the others. Owners are chosen per unit,
+largest tensor first, to the rank with the least of the unit so far (which keeps S, and so the padding, small),
+ties to the rank with the least of all units so far (which balances the optimizer's state across the model),
+then the lowest rank: a pure function of the names and shapes, so every rank computes the same owners.
+``UnitSpec.owners`` holds each parameter's owner; empty for an elementwise unit, laid out as [Note: unit layout]
+says.
 """
 
 from __future__ import annotations
@@ -81,6 +94,9 @@ class UnitSpec:
     offsets: tuple[int, ...]  # start of each param in the flat buffer
     numel: int  # sum of the params' numel
     world_size: int
+    # per-tensor ownership ([Note: per-tensor ownership]): each param's owning rank, and the shard size S
+    owners: tuple[int, ...] = ()
+    chunk: int = 0
 
     @property
     def keep_fp32(self) -> bool:
@@ -92,7 +108,14 @@ class UnitSpec:
         return self.params[0].storage
 
     @property
+    def per_tensor(self) -> bool:
+        """Laid out by owner: every parameter whole in one rank's shard ([Note: per-tensor ownership])."""
+        return bool(self.owners)
+
+    @property
     def padded_numel(self) -> int:
+        if self.owners:
+            return self.chunk * self.world_size
         return math.ceil(self.numel / self.world_size) * self.world_size
 
     @property
@@ -107,6 +130,24 @@ class UnitSpec:
     def shard_range(self, rank: int) -> tuple[int, int]:
         """[start, end) of rank's shard in the flat buffer."""
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
+
+    def padding(self, rank: int) -> Iterator[tuple[int, int]]:
+        """[start, end) runs of rank's shard that hold no parameter's elements (zero in values and gradients)."""
+        at = 0
+        runs = sorted((s, s + b - a) for _, a, b, s in self.owned_pieces(rank))
+        for start, end in runs:
+            if start > at:
+                yield at, start
+            at = end
+        if at < self.shard_numel:
+            yield at, self.shard_numel
+
+    def owned_params(self, rank: int) -> Iterator[tuple[ParamSpec, int]]:
+        """Per-tensor units: each parameter ``rank`` owns, and where it starts in the rank's shard."""
+        lo = rank * self.chunk
+        for spec, offset, owner in zip(self.params, self.offsets, self.owners):
+            if owner == rank:
+                yield spec, offset - lo
 
     def param_ranges(self) -> Iterator[tuple[ParamSpec, int, int]]:
         """(param, flat start, flat end) for every param of the unit."""
@@ -174,15 +215,18 @@ class Partition:
                 "padded_numel": u.padded_numel,
                 "shard_numel": u.shard_numel,
                 "params": [p.name for p in u.params],
+                **({"owners": list(u.owners)} if u.owners else {}),
             }
             for u in self.units
         ]
         return {"world_size": self.world_size, "units": units, "params": params}
 
 
-def partition_by_size(params: Sequence[ParamSpec], world_size: int, max_unit_numel: int) -> Partition:
+def partition_by_size(params: Sequence[ParamSpec], world_size: int, max_unit_numel: int,
+                      per_tensor: frozenset[GroupKey] = frozenset()) -> Partition:
     """Pack ``params`` (given in registration order) into units of at most ``max_unit_numel``
-    elements, in backward order, never mixing param groups or compute dtypes. See [Note: unit layout]."""
+    elements, in backward order, never mixing param groups or compute dtypes. See [Note: unit layout]; the groups
+    in ``per_tensor`` are laid out by owner ([Note: per-tensor ownership])."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if max_unit_numel < 1:
@@ -203,11 +247,11 @@ def partition_by_size(params: Sequence[ParamSpec], world_size: int, max_unit_num
     # agrees on one order and it follows backward as closely as the grouping allows
     position = {p.name: i for i, p in enumerate(reversed(params))}
     closed.sort(key=lambda members: position[members[0].name])
-    return Partition(tuple(_make_unit(i, members, world_size) for i, members in enumerate(closed)), world_size)
+    return _partition(closed, world_size, per_tensor)
 
 
 def partition_by_label(params: Sequence[ParamSpec], world_size: int, labels: dict[str, str],
-                       per_param: bool = False) -> Partition:
+                       per_param: bool = False, per_tensor: frozenset[GroupKey] = frozenset()) -> Partition:
     """Stage 3: one unit per (label, param group, compute dtype), where a label names the module block a parameter
     belongs to ("" for the root); with ``per_param`` one unit per parameter. Block units are ordered as they
     complete in backward (reverse registration order); root units come last, since the root typically holds
@@ -220,7 +264,13 @@ def partition_by_label(params: Sequence[ParamSpec], world_size: int, labels: dic
         members.setdefault((labels[spec.name], kind), []).append(spec)
     keys = [k for k in members if k[0] != ""] + [k for k in members if k[0] == ""]
     ordered = [list(reversed(members[k])) for k in keys]  # registration order inside a unit
-    return Partition(tuple(_make_unit(i, m, world_size) for i, m in enumerate(ordered)), world_size)
+    return _partition(ordered, world_size, per_tensor)
+
+
+def _partition(units: list[list[ParamSpec]], world_size: int, per_tensor: frozenset[GroupKey]) -> Partition:
+    loads = [0] * world_size  # each rank's owned elements so far, over every per-tensor unit
+    return Partition(tuple(_owned_unit(i, m, world_size, loads) if m[0].group in per_tensor
+                           else _make_unit(i, m, world_size) for i, m in enumerate(units)), world_size)
 
 
 def _make_unit(index: int, members: list[ParamSpec], world_size: int) -> UnitSpec:
@@ -229,3 +279,22 @@ def _make_unit(index: int, members: list[ParamSpec], world_size: int) -> UnitSpe
         offsets.append(total)
         total += spec.numel
     return UnitSpec(index, members[0].group, tuple(members), tuple(offsets), total, world_size)
+
+
+def _owned_unit(index: int, members: list[ParamSpec], world_size: int, loads: list[int]) -> UnitSpec:
+    """A unit laid out by owner, ``loads`` updated with its owners' elements: see [Note: per-tensor ownership]."""
+    here = [0] * world_size
+    owners = [0] * len(members)
+    for i in sorted(range(len(members)), key=lambda i: (-members[i].numel, i)):
+        rank = min(range(world_size), key=lambda r: (here[r], loads[r], r))
+        owners[i] = rank
+        here[rank] += members[i].numel
+        loads[rank] += members[i].numel
+    chunk = max(here)
+    filled = [r * chunk for r in range(world_size)]
+    offsets = []
+    for spec, rank in zip(members, owners):
+        offsets.append(filled[rank])
+        filled[rank] += spec.numel
+    return UnitSpec(index, members[0].group, tuple(members), tuple(offsets), sum(here), world_size,
+                    owners=tuple(owners), chunk=chunk)

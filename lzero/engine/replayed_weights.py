@@ -66,9 +66,8 @@ def from_replay(root: nn.Module, units: Sequence[UnitSpec], rank: int, device: t
     for spec in units:
         dtype = root.get_parameter(spec.params[0].name).dtype
         shard = shards[spec.index] = torch.empty(spec.shard_numel, dtype=dtype, device=device)
-        lo, hi = spec.shard_range(rank)
-        if spec.numel < hi:
-            shard[max(spec.numel - lo, 0):].zero_()  # the padding
+        for a, b in spec.padding(rank):
+            shard[a:b].zero_()
         for param, start, end, at in spec.owned_pieces(rank):
             pieces.setdefault(param.name, []).append((start, end, shard[at : at + end - start]))
     in_units = {p.name for spec in units for p in spec.params}

@@ -308,7 +308,7 @@ class ZeroFabricStrategy(DDPStrategy):
                 f"`fabric.setup_optimizers({type(optimizer).__name__})` after the model's first use: lzero partitioned"
                 " the model for the optimizers set up before it. HINT: set up every optimizer right after"
                 " `fabric.setup_module(model)`, before the first forward, load or save.")
-        check_optimizer(optimizer, self.config.allow_untested_optimizer)
+        check_optimizer(optimizer, self.config.allow_untested_optimizer, self.config.optimizer_partition)
         zopt = ZeroOptimizer(optimizer, None, start=lambda: self._start(model))
         model.zero.append(zopt)
         return zopt

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 from torch import Tensor
 
+from lzero.engine.ownership import state_tensors
 from lzero.engine.tensor_parallel import local
 from lzero.offload.store import KINDS
 
@@ -80,10 +81,8 @@ def _tensors(engine: "ZeroEngine", optimizers: Sequence[Any]) -> Iterator[tuple[
         yield memory, "averages", shard  # a weight-averaging callback's: [Note: averaged shards]
     for zopt in optimizers:
         for unit in zopt.units:
-            # one C-level copy of the values: the delayed update's first step may be adding state on its thread
-            for value in list(zopt.shard_optimizer(unit).state.get(unit.master_shard, {}).values()):
-                if isinstance(value, Tensor):
-                    yield unit.store.memory, "optimizer_state", value
+            for value in state_tensors(zopt, unit):
+                yield unit.store.memory, "optimizer_state", value
 
 
 def total(by_store: dict[str, dict[str, int]], store: Optional[str] = None) -> int:
