@@ -172,7 +172,8 @@ class ZeroEngine:
                                                            per_param=config.find_unused_parameters, per_tensor=whole)
         else:  # one parameter per unit when unused parameters must not be stepped (see ZeroConfig)
             unit_numel = 1 if config.find_unused_parameters else config.reduce_bucket_size
-            self.partition = partition_by_size(specs, self.world_size, unit_numel, per_tensor=whole)
+            self.partition = partition_by_size(specs, self.world_size, unit_numel, per_tensor=whole,
+                                               per_tensor_numel=1 if config.find_unused_parameters else None)
         # where each unit's state lives: see [Note: shard stores] in store.py
         self._stores, self._param_store = stores_for(config, device,
                                                      [0 if u.frozen else u.padded_numel for u in self.partition.units],

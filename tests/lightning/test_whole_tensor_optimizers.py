@@ -124,3 +124,26 @@ def test_resume_across_world_sizes(out: Path, model: str, optim: str) -> None:
     for k, want in at2["final"].items():
         assert torch.equal(same["final"][k], want), k
     state_rel(same["optim"], at2["optim"], bitwise=True)
+
+
+@pytest.mark.parametrize("model,optim", JOBS[:2])
+def test_under_the_trainer(out: Path, model: str, optim: str) -> None:
+    """The Trainer door (tests/lightning/whole_tensor_trainer_runs.py): Adafactor under automatic optimization with
+    accumulation and gradient_clip_val, Muon + AdamW under manual optimization; every preset against DDP, within 4
+    times DDP's own floor (world size 1 against 2); the gathered optimizer state in DDP's format."""
+
+    def trainer_run(strategy: str, ranks: int = 2) -> dict:
+        path = out / f"trainer-{strategy}-{model}-{optim}-{ranks}.pt"
+        run_script("whole_tensor_trainer_runs.py", strategy, model, optim, str(path), "--devices", str(ranks),
+                   ranks=ranks)
+        return torch.load(path, weights_only=True)
+
+    ref = trainer_run("ddp")
+    assert ref["global_step"] == 6
+    floor = rel(trainer_run("ddp", ranks=1)["final"], ref["final"])
+    for preset in PRESETS:
+        got = trainer_run(preset)
+        diff = rel(got["final"], ref["final"])
+        print(f"trainer {model} {optim} {preset}: params {diff:.2e} (DDP world 1 against 2: {floor:.2e})")
+        assert got["global_step"] == 6 and diff <= 4 * floor, (preset, diff, floor)
+        state_rel(got["optim"], ref["optim"])

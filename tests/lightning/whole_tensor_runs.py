@@ -1,11 +1,13 @@
 """Matrix optimizers under ZeRO, as a Fabric loop writes them: ``torch.optim.Muon`` on the 2-D weights with ``AdamW`` on
 the rest (two optimizers), or ``torch.optim.Adafactor`` alone; the demo GPT or a Hugging Face Llama (built from a
 tiny config); 6 steps of one global batch of 8 sequences, accumulation 2, clipping by norm per optimizer; a checkpoint
-after ``--save-at`` (its optimizers' ``state_dict()`` recorded), and after ``--resume`` what was loaded; the final parameters and each optimizer's ``state_dict()`` (torch's format, gathered) written by
-rank 0. The global batch is the same at every world size (rank r takes rows r::world of each micro-batch).
+after ``--save-at`` (its optimizers' ``state_dict()`` recorded), and after ``--resume`` what was loaded; the final
+parameters and each optimizer's ``state_dict()`` (torch's format, gathered) written by rank 0. The global batch is the
+same at every world size (rank r takes rows r::world of each micro-batch). Models and optimizers:
+whole_tensor_runs_common.py.
 
-    python whole_tensor_runs.py STRATEGY MODEL OPTIM OUT [--devices N] [--save-at S] [--resume CKPT] [--clip MAX_NORM] [--acc K] [--unfused]
-                               [--reduce-each-micro]
+    python whole_tensor_runs.py STRATEGY MODEL OPTIM OUT [--devices N] [--save-at S] [--resume CKPT]
+                                [--clip MAX_NORM] [--acc K] [--unfused] [--reduce-each-micro]
 """
 
 import argparse
@@ -13,6 +15,8 @@ import argparse
 import lightning as L
 import torch
 import torch.nn.functional as F
+
+from whole_tensor_runs_common import VOCAB, build, optimizers
 
 parser = argparse.ArgumentParser()
 parser.add_argument("strategy")
@@ -28,38 +32,12 @@ parser.add_argument("--unfused", action="store_true", help="AdamW(fused=False): 
 parser.add_argument("--reduce-each-micro", action="store_true", help="no no_backward_sync: every backward reduces")
 args = parser.parse_args()
 
-VOCAB, STEPS, ACC, GLOBAL = 64, 6, args.acc, 8
+STEPS, ACC, GLOBAL = 6, args.acc, 8
 
-
-def build() -> torch.nn.Module:
-    torch.manual_seed(0)
-    if args.model == "gpt":
-        from lzero.demo.model import GPT, GPTConfig
-
-        return GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=2, n_embd=32))
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32,
-                                        tie_word_embeddings=False))
-
-
-def optimizers(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
-    if args.optim == "adafactor":
-        return [torch.optim.Adafactor(model.parameters(), lr=1e-2)]
-    named = list(model.named_parameters())  # Muon for the hidden matrices; AdamW for embeddings, head and vectors
-    hidden = [p for n, p in named if p.dim() == 2 and "emb" not in n and "wte" not in n and "wpe" not in n
-              and "lm_head" not in n]
-    rest = [p for p in model.parameters() if all(p is not q for q in hidden)]
-    return [torch.optim.Muon(hidden, lr=0.02, weight_decay=0.01), torch.optim.AdamW(rest, lr=3e-3, weight_decay=0.1,
-                                                                                      fused=False if args.unfused else None)]
-
-
-strategy = args.strategy
-fabric = L.Fabric(accelerator="cpu", devices=args.devices, strategy=strategy)
+fabric = L.Fabric(accelerator="cpu", devices=args.devices, strategy=args.strategy)
 fabric.launch()
-model = fabric.setup_module(build())
-opts = [fabric.setup_optimizers(o) for o in optimizers(model)]
+model = fabric.setup_module(build(args.model))
+opts = [fabric.setup_optimizers(o) for o in optimizers(model, args.optim, args.unfused)]
 state = {"model": model, **{f"optimizer{k}": o for k, o in enumerate(opts)}, "step": 0}
 record = {}
 if args.resume:

@@ -1,0 +1,74 @@
+"""Matrix optimizers under the Trainer: ``torch.optim.Adafactor`` with automatic optimization (accumulation 2,
+``gradient_clip_val``), or ``torch.optim.Muon`` on the hidden matrices with ``AdamW`` on the rest through manual
+optimization (two optimizers: Lightning's automatic optimization takes one), ``self.clip_gradients`` per optimizer;
+6 steps of a global batch of 8 sequences on the demo GPT or a Hugging Face Llama. Rank 0 writes the losses, the
+final parameters and each optimizer's ``state_dict()`` (gathered by every rank at the end of fit).
+
+    python whole_tensor_trainer_runs.py STRATEGY MODEL OPTIM OUT [--devices N] [--clip MAX_NORM]
+"""
+
+import argparse
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import lzero
+from whole_tensor_runs_common import VOCAB, build, optimizers
+
+parser = argparse.ArgumentParser()
+parser.add_argument("strategy")
+parser.add_argument("model", choices=["gpt", "llama"])
+parser.add_argument("optim", choices=["muon", "adafactor"])
+parser.add_argument("out")
+parser.add_argument("--devices", type=int, default=2)
+parser.add_argument("--clip", type=float, default=0.5)
+args = parser.parse_args()
+
+STEPS, GLOBAL = 6, 8
+ACC = 2 if args.optim == "adafactor" else 1  # manual optimization: one backward per step
+
+
+class Job(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = build(args.model)
+        self.automatic_optimization = args.optim == "adafactor"
+        self.losses: list[float] = []
+
+    def configure_optimizers(self):
+        opts = optimizers(self.model, args.optim)
+        return opts if len(opts) > 1 else opts[0]
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        out = self.model(tokens[:, :-1])
+        logits = out if isinstance(out, torch.Tensor) else out.logits
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+        self.losses.append(self.all_gather(loss.detach()).mean().item())
+        if self.automatic_optimization:
+            return loss
+        opts = self.optimizers()
+        self.manual_backward(loss)
+        for o in opts:
+            self.clip_gradients(o, gradient_clip_val=args.clip, gradient_clip_algorithm="norm")
+        for o in opts:
+            o.step()
+        for o in opts:
+            o.zero_grad()
+
+
+world = args.devices
+tokens = torch.randint(0, VOCAB, (STEPS * GLOBAL, 17), generator=torch.Generator().manual_seed(1))
+loader = DataLoader(TensorDataset(tokens), batch_size=GLOBAL // ACC // world)  # rank r takes rows r::world
+job = Job()
+extra = {"accumulate_grad_batches": ACC, "gradient_clip_val": args.clip} if job.automatic_optimization else {}
+trainer = L.Trainer(accelerator="cpu", devices=world, strategy=args.strategy, max_steps=STEPS, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **extra)
+trainer.fit(job, loader)
+states = [o.state_dict() for o in trainer.optimizers]  # every rank: gathered under lzero
+lzero.unshard(job)
+if trainer.is_global_zero:
+    torch.save({"losses": job.losses, "final": {k: v.detach().clone() for k, v in job.model.state_dict().items()},
+                "optim": states, "global_step": trainer.global_step}, args.out)
