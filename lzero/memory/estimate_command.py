@@ -125,6 +125,10 @@ def _parser() -> argparse.ArgumentParser:
                         help=f"one of {', '.join(COMPUTE_BYTES)} (default bf16-mixed, the ZeRO paper's setting)")
     parser.add_argument("--optimizer-bytes", type=float, default=ADAM_BYTES,
                         help="optimizer state bytes per parameter besides the fp32 master (Adam 8, SGD momentum 4)")
+    parser.add_argument("--optimizer", choices=["adamw", "muon", "adafactor"], default=None,
+                        help="with --model: the optimizer's own state per tensor and per rank instead of"
+                             " --optimizer-bytes (muon: Muon on the blocks' matrices, AdamW on the rest; Muon and"
+                             " Adafactor step whole tensors, each owned by one rank)")
     parser.add_argument("--buffers", action="store_true",
                         help="add lzero's working set (reduce buckets, stage-3 gathers, offload staging) at the"
                              " ZeroConfig defaults")
@@ -172,9 +176,17 @@ def estimate_command(argv: Sequence[str], plan_for: Optional[Callable[[Any, Any,
         if args.model is None:
             staged = None
         max_in_cpu = None if args.max_in_cpu is None else int(args.max_in_cpu)
-        rows = estimate(count, args.num_gpus, args.num_nodes, args.precision, args.optimizer_bytes, args.buffers,
+        _check_optimizer(args)
+        rows = estimate(count, args.num_gpus, args.num_nodes, args.precision,
+                        0 if args.optimizer else args.optimizer_bytes, args.buffers,
                         args.offload_ratio, max_in_cpu, shard_group_size=args.shard_group_size,
                         hpz_partition_size=args.hpz_partition_size, tensor_parallel_size=args.tensor_parallel)
+        by_rank = None
+        if args.optimizer:
+            from lzero.memory.matrix_estimate import matrix_rows
+
+            rows, by_rank = matrix_rows(module, args.optimizer, rows, args.num_gpus * args.num_nodes, args.precision,
+                                        args.offload_ratio, max_in_cpu)
         pipeline = _pipeline(count, args, staged)
         if args.plot:
             plot(rows, args.plot)
@@ -188,10 +200,15 @@ def estimate_command(argv: Sequence[str], plan_for: Optional[Callable[[Any, Any,
     deepspeed = _deepspeed(count, args) if args.deepspeed else None
     if args.json:
         print(json.dumps({**_json(rows, count, args), **({"deepspeed": deepspeed} if deepspeed else {}),
+                          **({"optimizer_state_per_rank": by_rank} if by_rank is not None else {}),
                           **({"pipeline": pipeline} if pipeline else {}),
                           **({"zero3_schedule": schedule} if schedule else {})}, indent=2))
     else:
         print(table(rows, count, args))
+        if by_rank is not None:
+            from lzero.memory.matrix_estimate import imbalance_lines
+
+            print(imbalance_lines(by_rank, args.optimizer))
         if pipeline:
             from lzero.memory.pipeline_estimate import pipeline_table
 
@@ -206,6 +223,24 @@ def estimate_command(argv: Sequence[str], plan_for: Optional[Callable[[Any, Any,
                     print(f"  {stage}: per GPU {row['per_gpu'] / 2**30:7.2f} | per CPU {row['per_cpu'] / 2**30:7.2f} |"
                           f" {row['options']}")
     return 0
+
+
+def _check_optimizer(args: argparse.Namespace) -> None:
+    """``--optimizer`` needs the model's shapes, and models one data-parallel dimension."""
+    if args.optimizer is None:
+        return
+    if args.model is None:
+        raise EstimateError(f"`--optimizer {args.optimizer}` needs the model's tensors: each one's state depends on its"
+                            " shape, and which rank owns it on the partition. HINT: add `--model package.module:Class`"
+                            " (built on the meta device), or use `--optimizer-bytes` with `--params`.")
+    beside = [flag for flag, on in (("--tensor-parallel", args.tensor_parallel > 1),
+                                    ("--pipeline-parallel", args.pipeline_parallel > 1),
+                                    ("--shard-group-size", args.shard_group_size),
+                                    ("--hpz-partition-size", args.hpz_partition_size),
+                                    ("--free-memory", args.free_memory is not None)) if on]
+    if beside:
+        raise EstimateError(f"`--optimizer` with `{beside[0]}` is not modeled yet (the per-tensor partition is computed"
+                            " over the data-parallel ranks alone). HINT: drop one of the two.")
 
 
 def _pipeline(count: ModelCount, args: argparse.Namespace, module: Any) -> Optional[list[dict]]:
@@ -292,7 +327,7 @@ def table(rows: list[Estimate], count: ModelCount, args: argparse.Namespace) -> 
     widths = [max(len(line[i]) for line in (head, *body)) for i in range(len(head))]
     lines = [f"Model states in GB (1e9 bytes): trainable {count.trainable:,} params, frozen {count.frozen:,};"
              f" N = {world} ({args.num_gpus} per node x {args.num_nodes} node{'s' if args.num_nodes > 1 else ''});"
-             f" {args.precision}; optimizer state {args.optimizer_bytes:g} bytes/param"
+             f" {args.precision}; {_optimizer_words(args)}"
              f"{'; with lzero working set' if args.buffers else ''}"
              f"{f'; hybrid: zero rows sharded within groups of G = {args.shard_group_size}' if args.shard_group_size else ''}"
              f"{_tensor_line(count, args)}", ""]
@@ -316,6 +351,12 @@ def table(rows: list[Estimate], count: ModelCount, args: argparse.Namespace) -> 
         lines.append("stage-3 blocks and root unit taken as reduce_bucket_size (5e6) elements each: pass --model"
                      " for the real sizes.")
     return "\n".join(lines)
+
+
+def _optimizer_words(args: argparse.Namespace) -> str:
+    if args.optimizer:
+        return f"optimizer {args.optimizer}, each tensor's own state"
+    return f"optimizer state {args.optimizer_bytes:g} bytes/param"
 
 
 def plot(rows: list[Estimate], path: str) -> None:

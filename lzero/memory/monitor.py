@@ -46,12 +46,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lzero.engine import collectives
 from lzero.engine.rank_memory import peak_bytes, reset_peak
 from lzero.memory.accounting import KINDS, model_state_bytes
-
-STATE_BYTES = {"Adam": 8, "AdamW": 8, "Adamax": 8, "NAdam": 8, "RAdam": 8, "Adagrad": 4, "RMSprop": 4, "SGD": 0}
-"""Optimizer state bytes per element for the expectation (SGD and RMSprop add 4 with momentum)."""
-
-ADAM_LIKE = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam")
-"""Optimizers keeping a 0-dim fp32 ``step`` tensor per parameter (here: per shard): 4 bytes per unit, expected too."""
+from lzero.memory.optimizer_states import engine_state_bytes, padding_bytes
 
 SCHEDULE = ("persistent_blocks", "kept_blocks", "gathers_per_step", "predicted_peak_bytes", "budget_bytes")
 """What stage 3's ``schedule="auto"`` chose ([Note: choosing the gather schedule] in engine/schedule.py), logged."""
@@ -130,6 +125,10 @@ class MemoryMonitor(Callback):
             where = (lambda r: f"{stages[r]}/rank{r}") if stages is not None else (lambda r: f"rank{r}")
             metrics = {f"{name}/{where(r)}": row[i] for r, row in enumerate(table) for i, name in enumerate(names)
                        if row[i] == row[i]}  # NaN: not known on this rank
+            held = [sum(row[i] for i, name in enumerate(names) if name.endswith("/optimizer_state_bytes"))
+                    for row in table]
+            if sum(held) > 0:  # the largest rank's optimizer state over the mean (1.0: even)
+                metrics["memory/optimizer_state_imbalance"] = max(held) / (sum(held) / len(held))
             log(metrics, step)
 
     def _measure(self, engine: Any, optimizers: list, device: torch.device, step: int) -> tuple[list[str], list[float]]:
@@ -143,7 +142,10 @@ class MemoryMonitor(Callback):
         names.append("memory/model_states_bytes")
         values.append(float(sum(v for s in by_store.values() for k, v in s.items() if k != "buffers")))
         names.append("memory/model_states_expected_bytes")
-        values.append(_expected(engine, optimizers))
+        states = engine_state_bytes(engine, optimizers)
+        values.append(_expected(engine, optimizers, states))
+        names.append("memory/optimizer_state_expected_bytes")
+        values.append(float("nan") if states is None else float(states[engine.rank]))
         peak_name, peak = _peak(device)
         names.append(peak_name)
         values.append(peak)
@@ -185,21 +187,12 @@ def _traffic(engine: Any) -> dict[str, int]:
     return out
 
 
-def _expected(engine: Any, optimizers: list) -> float:
-    """The formula's model states of this rank between steps (NaN where the optimizer's state is not known)."""
+def _expected(engine: Any, optimizers: list, states: Optional[list[int]]) -> float:
+    """The formula's model states of this rank between steps, its optimizer state ``states[rank]`` ([Note: optimizer
+    state by rank] in optimizer_states.py; NaN where the optimizer's state is not known)."""
     from lzero.memory.estimate import ModelCount, model_states
 
-    per_element = set()
-    for zopt in optimizers:
-        inner = type(zopt.optimizer)
-        nbytes = STATE_BYTES.get(inner.__name__)
-        if nbytes is None:
-            return float("nan")
-        defaults = zopt.optimizer.defaults
-        if inner.__name__ in ("SGD", "RMSprop") and defaults.get("momentum", 0):
-            nbytes += 4
-        per_element.add(nbytes)
-    if len(per_element) != 1 or not engine.units:
+    if states is None or not engine.units:
         return float("nan")
     master = engine.units[0].master_dtype
     precision = "bf16-mixed" if engine.mixed else "32-true" if master == torch.float32 else None
@@ -223,10 +216,12 @@ def _expected(engine: Any, optimizers: list) -> float:
     quantized = sum(weights for _, weights in quantized_as)
     count = ModelCount(trainable, frozen + quantized, quantized=quantized, **({"quantization": kinds.pop()} if kinds else {}))
     secondary = engine.gatherer.secondary if engine.gatherer is not None else None
-    expected = model_states(engine.config, count, engine.world_size, precision, optimizer_bytes=per_element.pop(),
+    expected = model_states(engine.config, count, engine.world_size, precision, optimizer_bytes=0,
                             secondary=secondary.held() if secondary is not None else None)
-    steps = sum(4 * len(z.units) for z in optimizers if type(z.optimizer).__name__ in ADAM_LIKE)  # a 0-dim `step`
-    return float(sum(v for kinds in expected.values() for k, v in kinds.items() if k != "gradients")) + steps + whole
+    padding = sum(padding_bytes(engine.config, [u.spec for u in engine.units], engine.world_size, compute_bytes,
+                                engine.mixed).values())
+    return float(sum(v for kinds in expected.values() for k, v in kinds.items() if k != "gradients")) \
+        + states[engine.rank] + padding + whole
 
 
 def _peak(device: torch.device) -> tuple[str, float]:

@@ -147,3 +147,42 @@ def test_under_the_trainer(out: Path, model: str, optim: str) -> None:
         print(f"trainer {model} {optim} {preset}: params {diff:.2e} (DDP world 1 against 2: {floor:.2e})")
         assert got["global_step"] == 6 and diff <= 4 * floor, (preset, diff, floor)
         state_rel(got["optim"], ref["optim"])
+
+
+def measured(memory: dict, rank: int, kind: str) -> float:
+    """A rank's held bytes of ``kind`` over every store, as the memory monitor logged them."""
+    return sum(v for k, v in memory.items() if k.endswith(f"/{kind}_bytes/rank{rank}") and k.count("/") == 3)
+
+
+@pytest.mark.parametrize("optim", ["muon", "adafactor"])
+def test_memory_at_world_size_4_on_the_llama(out: Path, optim: str) -> None:
+    """Acceptance 3: the largest rank's optimizer state within 1.2x of the mean; the monitor's expectation and
+    `lzero estimate --optimizer` (from the model on the meta device) within 1% of the bytes each rank holds."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    report = subprocess.run([sys.executable, "-m", "lzero.cli", "estimate", "--model", "whole_tensor_runs_common:llama",
+                             "--num-gpus", "4", "--precision", "32-true", "--optimizer", optim, "--json"],
+                            capture_output=True, text=True, env=env, check=True)
+    estimate = json.loads(report.stdout)
+    rows = {row["strategy"]: row for row in estimate["strategies"]}
+    for preset in ("zero2", "zero3", "zero3_offload"):
+        memory = run(out, preset, "llama", optim, "-w4", ranks=4)["memory"]
+        held = [measured(memory, r, "optimizer_state") for r in range(4)]
+        expected = [memory[f"memory/optimizer_state_expected_bytes/rank{r}"] for r in range(4)]
+        predicted = estimate["optimizer_state_per_rank"][preset]
+        imbalance = max(held) / (sum(held) / 4)
+        print(f"{optim} {preset}: optimizer state held {held}, monitor {expected}, estimate {predicted}, imbalance"
+              f" {imbalance:.3f} (logged {memory['memory/optimizer_state_imbalance']:.3f})")
+        assert imbalance <= 1.2 and memory["memory/optimizer_state_imbalance"] == pytest.approx(imbalance)
+        states = []  # each rank's model states between steps (no gradients)
+        for r in range(4):
+            assert expected[r] == pytest.approx(held[r], rel=0.01) and predicted[r] == pytest.approx(held[r], rel=0.01)
+            states.append(sum(measured(memory, r, kind) for kind in ("parameters", "masters", "optimizer_state")))
+            assert memory[f"memory/model_states_expected_bytes/rank{r}"] == pytest.approx(states[r], rel=0.01)
+        row = rows[preset]["per_rank"]  # the estimate's row: the rank holding the most
+        assert sum(v for kinds in row.values() for k, v in kinds.items() if k != "gradients") == \
+            pytest.approx(max(states), rel=0.01)

@@ -3,7 +3,8 @@ the rest (two optimizers), or ``torch.optim.Adafactor`` alone; the demo GPT or a
 tiny config); 6 steps of one global batch of 8 sequences, accumulation 2, clipping by norm per optimizer; a checkpoint
 after ``--save-at`` (its optimizers' ``state_dict()`` recorded), and after ``--resume`` what was loaded; the final
 parameters and each optimizer's ``state_dict()`` (torch's format, gathered) written by rank 0. The global batch is the
-same at every world size (rank r takes rows r::world of each micro-batch). Models and optimizers:
+same at every world size (rank r takes rows r::world of each micro-batch). Under lzero the memory monitor's measure
+after the last step is recorded too. Models and optimizers:
 whole_tensor_runs_common.py.
 
     python whole_tensor_runs.py STRATEGY MODEL OPTIM OUT [--devices N] [--save-at S] [--resume CKPT]
@@ -66,6 +67,12 @@ while state["step"] < STEPS:
     if state["step"] == args.save_at:
         fabric.save(f"{args.out}.ckpt", state)
         record["saved"] = [o.state_dict() for o in opts]
+if hasattr(fabric.strategy, "engine_of"):  # lzero: the memory monitor's measure of every rank (a collective)
+    import lzero
+
+    engine, zopts = fabric.strategy.engine_of(opts[0])
+    record["memory"] = {}
+    lzero.MemoryMonitor().log_now(engine, zopts, fabric.device, STEPS, lambda m, _: record["memory"].update(m))
 final = {k: v.detach().clone() for k, v in model.state_dict().items()}
 optim_states = [o.state_dict() for o in opts]  # every rank: a collective under lzero
 if rank == 0:

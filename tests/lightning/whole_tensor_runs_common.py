@@ -13,11 +13,7 @@ def build(model: str) -> torch.nn.Module:
         from lzero.demo.model import GPT, GPTConfig
 
         return GPT(GPTConfig(vocab_size=VOCAB, block_size=16, n_layer=2, n_head=2, n_embd=32))
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32,
-                                        tie_word_embeddings=False))
+    return llama()
 
 
 def optimizers(model: torch.nn.Module, optim: str, unfused: bool = False) -> list[torch.optim.Optimizer]:
@@ -29,3 +25,12 @@ def optimizers(model: torch.nn.Module, optim: str, unfused: bool = False) -> lis
     rest = [p for p in model.parameters() if all(p is not q for q in hidden)]
     return [torch.optim.Muon(hidden, lr=0.02, weight_decay=0.01),
             torch.optim.AdamW(rest, lr=3e-3, weight_decay=0.1, fused=False if unfused else None)]
+
+
+def llama(**overrides) -> torch.nn.Module:
+    """The Llama of these runs, by keyword arguments (what ``lzero estimate --model`` calls, on the meta device)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=32, tie_word_embeddings=False)
+    return LlamaForCausalLM(LlamaConfig(**{**config, **overrides}))
