@@ -304,3 +304,15 @@ def test_inconsistent_global_batch_is_refused_with_the_three_numbers(in_process_
         _tiny_fit(ZeroStrategy(stage=2, train_batch_size=16), accumulate=2)
     trainer = _tiny_fit(ZeroStrategy(stage=2, train_batch_size=8), accumulate=2)
     assert trainer.strategy.global_batch_size == 8
+
+
+def test_whole_tensor_optimizer_on_a_tensor_parallel_cut_is_refused() -> None:
+    from lzero.engine.engine import _refuse_cut_whole_tensors
+    from lzero.engine.partition import ParamSpec
+    from lzero.engine.tensor_layout import TensorLayout
+    from lzero.errors import ZeroEngineError
+
+    cut = ParamSpec("mlp.up.weight", (8, 4), (0, 0), whole=TensorLayout((16, 4), 0, 2), tensor_rank=1)
+    _refuse_cut_whole_tensors([cut], frozenset({(1, 0)}))  # an elementwise group: fine
+    with pytest.raises(ZeroEngineError, match=r"`mlp.up.weight` is cut by tensor parallel.*HINT: use an elementwise"):
+        _refuse_cut_whole_tensors([cut], frozenset({(0, 0)}))

@@ -154,6 +154,7 @@ def estimate_command(argv: Sequence[str], plan_for: Optional[Callable[[Any, Any,
     handed in by the command line: it reads Hugging Face models), for ``--model`` with ``--tensor-parallel``."""
     args = _parser().parse_args(list(argv))
     try:
+        _check_optimizer(args)
         if args.model_args is not None and args.model is None:
             raise EstimateError("`--model-args` is given without `--model`. HINT: add `--model package.module:Class`,"
                                 " or drop --model-args.")
@@ -176,7 +177,6 @@ def estimate_command(argv: Sequence[str], plan_for: Optional[Callable[[Any, Any,
         if args.model is None:
             staged = None
         max_in_cpu = None if args.max_in_cpu is None else int(args.max_in_cpu)
-        _check_optimizer(args)
         rows = estimate(count, args.num_gpus, args.num_nodes, args.precision,
                         0 if args.optimizer else args.optimizer_bytes, args.buffers,
                         args.offload_ratio, max_in_cpu, shard_group_size=args.shard_group_size,

@@ -186,3 +186,9 @@ def test_memory_at_world_size_4_on_the_llama(out: Path, optim: str) -> None:
         row = rows[preset]["per_rank"]  # the estimate's row: the rank holding the most
         assert sum(v for kinds in row.values() for k, v in kinds.items() if k != "gradients") == \
             pytest.approx(max(states), rel=0.01)
+
+
+def test_nvme_offload_of_per_tensor_state_is_refused_by_name(out: Path) -> None:
+    with pytest.raises(AssertionError, match=r"(?s)`Adafactor` steps whole tensors.*NVMe swap files.*HINT: offload"
+                                             r" its state to host memory"):
+        run(out, "zero3_offload_nvme", "llama", "adafactor", "-nvme")

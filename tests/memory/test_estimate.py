@@ -230,6 +230,9 @@ def test_estimate_equals_measured_engine(preset: dict, bf16: bool) -> None:
      r"`tensor_sharded=2000000000` exceeds the trainable parameters"),
     (["--model", "lzero.demo.DemoGPT", "--tensor-parallel", "2", "--num-gpus", "2", "--tp-plan", "[1]"],
      r"`--tp-plan \[1\]` is a JSON list"),
+    (["--params", "1e9", "--optimizer", "muon"], r"`--optimizer muon` needs the model's tensors.*HINT: add `--model"),
+    (["--model", "lzero.demo.DemoGPT", "--num-gpus", "2", "--tensor-parallel", "2", "--optimizer", "adafactor"],
+     r"`--optimizer` with `--tensor-parallel` is not modeled yet.*HINT"),
 ])
 def test_bad_input_is_named(argv: list, message: str, capsys: pytest.CaptureFixture,
                             monkeypatch: pytest.MonkeyPatch) -> None:
@@ -376,3 +379,30 @@ def test_tensor_parallel_divides_the_split_parameters_then_shards_over_the_data_
     rows = {row.strategy: row for row in estimate(count.per_tensor_rank(2), num_gpus=2)}
     assert {r["strategy"]: r["per_device_bytes"] for r in printed["strategies"]} == \
         {name: row.per_device for name, row in rows.items()}
+
+
+def test_matrix_optimizer_rows_from_the_partition(capsys: pytest.CaptureFixture) -> None:
+    """`--optimizer adamw` on a model gives the per-element rows (Adam's 8 bytes per parameter, its step counter per
+    shard); `--optimizer muon` each rank's owned tensors, the ddp row every tensor's state; NVMe refused for it."""
+    import json
+
+    argv = ["estimate", "--model", "lzero.demo.DemoGPT", "--num-gpus", "4", "--precision", "32-true", "--json"]
+    assert main([*argv, "--optimizer-bytes", "8"]) == 0
+    plain = {r["strategy"]: r for r in json.loads(capsys.readouterr().out)["strategies"]}
+    assert main([*argv, "--optimizer", "adamw"]) == 0
+    adamw = json.loads(capsys.readouterr().out)
+    assert main([*argv, "--optimizer", "muon"]) == 0
+    muon = json.loads(capsys.readouterr().out)
+    psi = adamw["trainable_params"]
+    for row in adamw["strategies"]:
+        name = row["strategy"]
+        state = sum(kinds["optimizer_state"] for kinds in row["per_rank"].values())
+        want = sum(kinds["optimizer_state"] for kinds in plain[name]["per_rank"].values())
+        assert 0 <= state - want <= 8 * 4 + 4 * 64, name  # padding of < N elements per unit and a step per shard
+    assert muon["optimizer_state_per_rank"]["zero3_offload_nvme"] == []
+    assert "zero3_offload_nvme" not in {r["strategy"] for r in muon["strategies"]}
+    ddp = muon["optimizer_state_per_rank"]["ddp"][0]
+    for name in ("zero1", "zero2", "zero3"):
+        ranks = muon["optimizer_state_per_rank"][name]
+        assert len(ranks) == 4 and sum(ranks) >= ddp > 0 and max(ranks) < ddp / 2
+    assert psi > 0
