@@ -1,16 +1,17 @@
 """Muon under ZeRO on CPU: step time against DDP and FSDP2, and how the Newton-Schulz work splits across ranks.
 
     torchrun --nproc_per_node 2 -m benchmarks.step_time.bench_muon [--steps 8] [--out none]
-    torchrun --nproc_per_node 4 -m benchmarks.step_time.bench_muon --out none   # a second table, world size 4
+    torchrun --nproc_per_node 4 -m benchmarks.step_time.bench_muon              # world size 4: a report of its own
 
 Each process (one thread) trains the demo GPT (``--layers`` blocks of width ``--width``, vocabulary 256, sequences of
 ``--seq``, ``--batch`` per rank) under Fabric with ``torch.optim.Muon`` on the blocks' matrices and ``AdamW`` on the
 rest, for each strategy in ``--strategies`` one after another: ``ddp`` (every rank orthogonalizes every matrix),
-lzero's ``zero1``/``zero2``/``zero3`` (each matrix orthogonalized by the rank owning it: [Note: per-tensor ownership]
-in lzero/engine/partition.py), and ``fsdp2`` (torch's ``fully_shard`` per block and on the root; torch.optim.Muon
-then steps the DTensor shards, whose ops gather each matrix so that every rank computes every matrix's update). Reported: rank 0's median wall time per step after
-``--warmup`` steps (forward, backward, communication, both optimizers' steps), and each rank's median time inside
-``torch.optim.Muon.step`` (the Newton-Schulz work and momentum), with its share of the ranks' total.
+lzero's ``zero1``/``zero2``/``zero3`` (each matrix orthogonalized by the rank owning it: [Note: per-tensor
+ownership] in lzero/engine/partition.py), and ``fsdp2`` (torch's ``fully_shard`` per block and on the root;
+torch.optim.Muon then steps the DTensor shards, whose ops gather each matrix so that every rank computes every
+matrix's update). Reported: rank 0's median wall time per step after ``--warmup`` steps (forward, backward,
+communication, both optimizers' steps), and each rank's median time inside ``torch.optim.Muon.step`` (the
+Newton-Schulz work and momentum), with its share of the ranks' total.
 
 ``--deepspeed-python PATH`` (a separate environment with DeepSpeed; never a dependency of lzero): rank 0 also runs
 ``benchmarks/peers/peer_deepspeed_muon.py`` there at the same world size (DeepSpeed's own ``Muon`` optimizer type,

@@ -104,7 +104,8 @@ def _gather_owned_state(zopt: ShardedOptimizer, unit: "FlatUnit", index: dict[in
     device = unit.master_shard.device
     for p, spec in zip(unit.params, unit.spec.params):
         if spec.name in by_name:
-            state[index[id(p)]] = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in by_name[spec.name].items()}
+            entry = by_name[spec.name]
+            state[index[id(p)]] = {k: v.to(device) if isinstance(v, Tensor) else v for k, v in entry.items()}
 
 
 @torch.no_grad()

@@ -270,7 +270,8 @@ class ZeroStrategy(DDPStrategy):
             self.config = fill_auto_sizes(self.config, self.lightning_module)
             self.setup_optimizers(trainer)
             for optimizer in self.optimizers:
-                check_optimizer(optimizer, self.config.allow_untested_optimizer, self.config.optimizer_partition)
+                check_optimizer(optimizer, self.config.allow_untested_optimizer,
+                                self.config.optimizer_partition)
             if self._auto:
                 self._choose_configuration()
             self._checkpointed = checkpointing.apply(self.model, self._checkpoint_policy, self.config)

@@ -423,7 +423,7 @@ def estimate(count: ModelCount, num_gpus: int = 1, num_nodes: int = 1, precision
             extra = {"device": round(4 * count.trainable)} if buffers else {}
             paper = paper_bytes(0, count, world, precision, optimizer_bytes)
         else:
-            config = _config(PRESET_CONFIGS[name.removesuffix("_hpz")], offload_ratio, max_in_cpu)
+            config = preset_config(PRESET_CONFIGS[name.removesuffix("_hpz")], offload_ratio, max_in_cpu)
             if name == "zero3_hpz":
                 config = replace(config, hpz_partition_size=hpz_partition_size)
             per_rank = model_states(config, count, sharded_over, precision, optimizer_bytes)
@@ -436,7 +436,7 @@ def estimate(count: ModelCount, num_gpus: int = 1, num_nodes: int = 1, precision
     return rows
 
 
-def _config(preset: dict, offload_ratio: float, max_in_cpu: Optional[int]) -> ZeroConfig:
+def preset_config(preset: dict, offload_ratio: float, max_in_cpu: Optional[int]) -> ZeroConfig:
     """The preset's ZeroConfig with the ratio and ``max_in_cpu`` asked for (a ZeroConfigError names bad ones)."""
     values = dict(preset)
     if values.get("offload_optimizer", "none") != "none":

@@ -62,7 +62,7 @@ def matrix_rows(module: nn.Module, optimizer: str, rows: list[Estimate], world: 
                 offload_ratio: float, max_in_cpu: Optional[int]) -> tuple[list[Estimate], dict[str, list[int]]]:
     """``rows`` (estimated with no optimizer state) with ``optimizer``'s state and padding added; and each row's
     optimizer state per rank."""
-    from lzero.memory.estimate import _config
+    from lzero.memory.estimate import preset_config
     from lzero.presets import PRESET_CONFIGS
 
     if optimizer not in OPTIMIZERS:
@@ -80,11 +80,11 @@ def matrix_rows(module: nn.Module, optimizer: str, rows: list[Estimate], world: 
                 table[store][kind] = table[store].get(kind, 0) + round(nbytes)
 
         if row.strategy == "ddp":
-            states = rank_state_bytes(units_at(_config(PRESET_CONFIGS["zero1"], 1.0, None), specs, labels, 1, whole), 1,
-                                      per_tensor, per_element)
+            whole_model = units_at(preset_config(PRESET_CONFIGS["zero1"], 1.0, None), specs, labels, 1, whole)
+            states = rank_state_bytes(whole_model, 1, per_tensor, per_element)
             add("device", "optimizer_state", states[0])
         else:
-            config = _config(PRESET_CONFIGS[row.strategy.removesuffix("_hpz")], offload_ratio, max_in_cpu)
+            config = preset_config(PRESET_CONFIGS[row.strategy.removesuffix("_hpz")], offload_ratio, max_in_cpu)
             if whole and config.offload_optimizer.device == "nvme":
                 by_rank[row.strategy] = []
                 continue  # refused: per-tensor state is not swapped to NVMe (lzero/optimizer.py)
@@ -109,5 +109,6 @@ def imbalance_lines(by_rank: dict[str, list[int]], optimizer: str) -> str:
             lines.append(f"  {name}: refused (per-tensor optimizer state is not swapped to NVMe)")
             continue
         mean = sum(states) / len(states)
-        lines.append(f"  {name}: largest rank {max(states):,} bytes, mean {mean:,.0f}, imbalance {imbalance(states):.3f}")
+        lines.append(f"  {name}: largest rank {max(states):,} bytes, mean {mean:,.0f},"
+                     f" imbalance {imbalance(states):.3f}")
     return "\n".join(lines)

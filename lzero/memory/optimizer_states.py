@@ -12,7 +12,7 @@ lzero/engine/partition.py) is the state of each tensor the rank owns, in the opt
 | Adafactor, a matrix (..., r, c) | ``row_var`` (..., r, 1) and ``col_var`` (..., 1, c): 4 (n/c + n/r), ``step``: 4 |
 | Adafactor, a vector | ``variance``: 4n, ``step``: 4 |
 | Adam, AdamW, Adamax, NAdam, RAdam | ``exp_avg``, ``exp_avg_sq``: 8n, ``step``: 4 (RAdam, NAdam: the same) |
-| SGD (momentum), RMSprop, Adagrad | 4n (RMSprop with momentum or centered: 4n more each), ``step``: 4 for Adagrad, RMSprop |
+| SGD (momentum), RMSprop, Adagrad | 4n (RMSprop: 4n more with momentum, 4n with centered), ``step``: 4 (not SGD) |
 
 Masters are fp32 (4 bytes); the formulas count fp32 state, as torch keeps it beside fp32 parameters. So the ranks'
 state differs by the tensors each owns: the imbalance is the largest rank's bytes over the mean.

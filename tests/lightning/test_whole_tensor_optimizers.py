@@ -64,7 +64,8 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("model,optim", JOBS)
 def test_every_preset_against_ddp(out: Path, model: str, optim: str) -> None:
     ref = run(out, "ddp", model, optim)
-    others = [run(out, "ddp", model, optim, "-w1", ranks=1), run(out, "ddp", model, optim, "-each", "--reduce-each-micro")]
+    others = [run(out, "ddp", model, optim, "-w1", ranks=1),
+              run(out, "ddp", model, optim, "-each", "--reduce-each-micro")]
     floor = max(rel(o["final"], ref["final"]) for o in others)
     state_floor = max(state_rel(o["optim"], ref["optim"]) for o in others)
     print(f"{model} {optim}: DDP in other orders: params {floor:.2e}, state {state_floor:.2e}")
@@ -114,13 +115,13 @@ def test_resume_across_world_sizes(out: Path, model: str, optim: str) -> None:
     back = run(out, "zero3", model, optim, "-from4", "--resume", str(out / f"zero3-{model}-{optim}-save4.pt.ckpt"))
     state_rel(back["loaded"], at4["saved"], bitwise=True)  # the state each owner took is the state saved
     at2 = run(out, "zero2_offload", model, optim, "-save2", "--save-at", "3")
-    up = run(out, "zero2_offload", model, optim, "-from2", "--resume", str(out / f"zero2_offload-{model}-{optim}-save2.pt.ckpt"),
-             ranks=4)
+    saved2 = str(out / f"zero2_offload-{model}-{optim}-save2.pt.ckpt")
+    up = run(out, "zero2_offload", model, optim, "-from2", "--resume", saved2, ranks=4)
     state_rel(up["loaded"], at2["saved"], bitwise=True)
     floor = rel(run(out, "ddp", model, optim)["final"], run(out, "ddp", model, optim, "-w4", ranks=4)["final"])
     for resumed, whole in ((back, at4), (up, at2)):
         assert rel(resumed["final"], whole["final"]) <= 4 * floor
-    same = run(out, "zero2_offload", model, optim, "-same", "--resume", str(out / f"zero2_offload-{model}-{optim}-save2.pt.ckpt"))
+    same = run(out, "zero2_offload", model, optim, "-same", "--resume", saved2)
     for k, want in at2["final"].items():
         assert torch.equal(same["final"][k], want), k
     state_rel(same["optim"], at2["optim"], bitwise=True)
