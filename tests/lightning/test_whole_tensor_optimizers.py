@@ -193,3 +193,47 @@ def test_nvme_offload_of_per_tensor_state_is_refused_by_name(out: Path) -> None:
     with pytest.raises(AssertionError, match=r"(?s)`Adafactor` steps whole tensors.*NVMe swap files.*HINT: offload"
                                              r" its state to host memory"):
         run(out, "zero3_offload_nvme", "llama", "adafactor", "-nvme")
+
+
+@pytest.mark.parametrize("model,optim", JOBS[:2])
+def test_ddp_format_checkpoints_both_ways(out: Path, model: str, optim: str) -> None:
+    """A DDP checkpoint (torch's optimizer.state_dict()) resumed under zero2, and zero3's DDP-format file
+    (`checkpoint_format="full"`, gathered from the owners) resumed under DDP: each side loads the state the other saved,
+    bitwise, and, in DDP's summation order, continues bitwise the uninterrupted run."""
+    exact = ("--clip", "5", "--acc", "1", "--unfused")
+    ddp = run(out, "ddp", model, optim, "-fsave", *exact, "--save-at", "3")
+    ours = run(out, "zero2", model, optim, "-fromddp", *exact, "--resume", str(out / f"ddp-{model}-{optim}-fsave.pt.ckpt"))
+    state_rel(ours["loaded"], ddp["saved"], bitwise=True)
+    for k, want in ddp["final"].items():
+        assert torch.equal(ours["final"][k], want), k
+    full = run(out, "zero3_full", model, optim, "-fsave", *exact, "--save-at", "3")
+    assert (out / f"zero3_full-{model}-{optim}-fsave.pt.ckpt").is_file()
+    back = run(out, "ddp", model, optim, "-fromfull", *exact, "--resume", str(out / f"zero3_full-{model}-{optim}-fsave.pt.ckpt"))
+    state_rel(back["loaded"], full["saved"], bitwise=True)
+    for k, want in full["final"].items():
+        assert torch.equal(back["final"][k], want), k
+
+
+@pytest.mark.parametrize("model,optim", JOBS[:2])
+def test_trainer_resumes_bitwise(out: Path, model: str, optim: str) -> None:
+    """The Trainer's sharded checkpoint after epoch 0 (3 steps), resumed with ckpt_path at world size 2 (zero2) and 1
+    (zero3: every tensor's owner is then rank 0): at the same world size bitwise the uninterrupted run."""
+
+    def trainer_run(strategy: str, tag: str, *extra: str, ranks: int = 2) -> dict:
+        path = out / f"trainer-{strategy}-{model}-{optim}-{tag}.pt"
+        run_script("whole_tensor_trainer_runs.py", strategy, model, optim, str(path), "--devices", str(ranks), *extra,
+                   ranks=ranks)
+        return torch.load(path, weights_only=True) if path.exists() else {}
+
+    whole = trainer_run("zero2", "whole")
+    trainer_run("zero2", "first", "--save-at", "3")
+    ckpt = str(out / f"trainer-zero2-{model}-{optim}-first.pt.ckpt")
+    resumed = trainer_run("zero2", "second", "--resume", ckpt)
+    assert resumed["global_step"] == 6 and resumed["losses"] == whole["losses"][3 * len(whole["losses"]) // 6:]
+    for k, want in whole["final"].items():
+        assert torch.equal(resumed["final"][k], want), k
+    state_rel(resumed["optim"], whole["optim"], bitwise=True)
+    alone = trainer_run("zero3", "alone", "--resume", ckpt, ranks=1)  # other owners, other summation: the floor
+    assert alone["global_step"] == 6
+    floor = rel(run(out, "ddp", model, optim, "-w1", ranks=1)["final"], run(out, "ddp", model, optim)["final"])
+    assert rel(alone["final"], whole["final"]) <= 4 * floor

@@ -7,11 +7,14 @@ same at every world size (rank r takes rows r::world of each micro-batch). Under
 after the last step is recorded too. Models and optimizers:
 whole_tensor_runs_common.py.
 
+STRATEGY: a name Fabric takes, or ``zero<N>_full`` (one DDP-format checkpoint file).
+
     python whole_tensor_runs.py STRATEGY MODEL OPTIM OUT [--devices N] [--save-at S] [--resume CKPT]
                                 [--clip MAX_NORM] [--acc K] [--unfused] [--reduce-each-micro]
 """
 
 import argparse
+import copy
 
 import lightning as L
 import torch
@@ -35,7 +38,12 @@ args = parser.parse_args()
 
 STEPS, ACC, GLOBAL = 6, args.acc, 8
 
-fabric = L.Fabric(accelerator="cpu", devices=args.devices, strategy=args.strategy)
+strategy = args.strategy
+if strategy.endswith("_full"):  # one DDP-format checkpoint file, gathered, instead of a sharded directory
+    from lzero.lightning.fabric_strategy import ZeroFabricStrategy
+
+    strategy = ZeroFabricStrategy(stage=int(strategy[4]), checkpoint_format="full")
+fabric = L.Fabric(accelerator="cpu", devices=args.devices, strategy=strategy)
 fabric.launch()
 model = fabric.setup_module(build(args.model))
 opts = [fabric.setup_optimizers(o) for o in optimizers(model, args.optim, args.unfused)]
@@ -43,7 +51,7 @@ state = {"model": model, **{f"optimizer{k}": o for k, o in enumerate(opts)}, "st
 record = {}
 if args.resume:
     fabric.load(args.resume, state)
-    record["loaded"] = [o.state_dict() for o in opts]  # what the shards took, gathered back (a collective)
+    record["loaded"] = copy.deepcopy([o.state_dict() for o in opts])  # what was taken (lzero: gathered, a collective)
 world, rank = fabric.world_size, fabric.global_rank
 data = torch.randint(0, VOCAB, (STEPS, ACC, GLOBAL // ACC, 17), generator=torch.Generator().manual_seed(1))
 losses = []
@@ -66,7 +74,7 @@ while state["step"] < STEPS:
     state["step"] += 1
     if state["step"] == args.save_at:
         fabric.save(f"{args.out}.ckpt", state)
-        record["saved"] = [o.state_dict() for o in opts]
+        record["saved"] = copy.deepcopy([o.state_dict() for o in opts])  # DDP's are the live tensors: copied
 if hasattr(fabric.strategy, "engine_of"):  # lzero: the memory monitor's measure of every rank (a collective)
     import lzero
 

@@ -1,10 +1,13 @@
 """Matrix optimizers under the Trainer: ``torch.optim.Adafactor`` with automatic optimization (accumulation 2,
 ``gradient_clip_val``), or ``torch.optim.Muon`` on the hidden matrices with ``AdamW`` on the rest through manual
 optimization (two optimizers: Lightning's automatic optimization takes one), ``self.clip_gradients`` per optimizer;
-6 steps of a global batch of 8 sequences on the demo GPT or a Hugging Face Llama. Rank 0 writes the losses, the
-final parameters and each optimizer's ``state_dict()`` (gathered by every rank at the end of fit).
+6 steps (two epochs of 3) of a global batch of 8 sequences on the demo GPT or a Hugging Face Llama. Rank 0 writes the
+losses, the final parameters and each optimizer's ``state_dict()`` (gathered by every rank at the end of fit).
+``--save-at 3``: stop after epoch 0 (3 steps) and ``trainer.save_checkpoint`` (a sharded directory under lzero); ``--resume``:
+``fit(ckpt_path=...)`` from one, to step 6.
 
-    python whole_tensor_trainer_runs.py STRATEGY MODEL OPTIM OUT [--devices N] [--clip MAX_NORM]
+    python whole_tensor_trainer_runs.py STRATEGY MODEL OPTIM OUT [--devices N] [--clip MAX_NORM] [--save-at 3]
+                                        [--resume CKPT]
 """
 
 import argparse
@@ -24,6 +27,8 @@ parser.add_argument("optim", choices=["muon", "adafactor"])
 parser.add_argument("out")
 parser.add_argument("--devices", type=int, default=2)
 parser.add_argument("--clip", type=float, default=0.5)
+parser.add_argument("--save-at", type=int, default=0)
+parser.add_argument("--resume")
 args = parser.parse_args()
 
 STEPS, GLOBAL = 6, 8
@@ -60,15 +65,20 @@ class Job(L.LightningModule):
 
 
 world = args.devices
-tokens = torch.randint(0, VOCAB, (STEPS * GLOBAL, 17), generator=torch.Generator().manual_seed(1))
+tokens = torch.randint(0, VOCAB, (STEPS // 2 * GLOBAL, 17), generator=torch.Generator().manual_seed(1))  # an epoch
 loader = DataLoader(TensorDataset(tokens), batch_size=GLOBAL // ACC // world)  # rank r takes rows r::world
 job = Job()
 extra = {"accumulate_grad_batches": ACC, "gradient_clip_val": args.clip} if job.automatic_optimization else {}
-trainer = L.Trainer(accelerator="cpu", devices=world, strategy=args.strategy, max_steps=STEPS, logger=False,
-                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **extra)
-trainer.fit(job, loader)
+per_batch = 1 if job.automatic_optimization else 2  # manual optimization: global_step counts every optimizer's step
+# whole epochs (a stop by max_steps at an epoch's last batch resumes into that epoch again, as under DDP)
+trainer = L.Trainer(accelerator="cpu", devices=world, strategy=args.strategy, max_epochs=1 if args.save_at else 2,
+                    logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                    **extra)
+trainer.fit(job, loader, ckpt_path=args.resume)
+if args.save_at:
+    trainer.save_checkpoint(f"{args.out}.ckpt")
 states = [o.state_dict() for o in trainer.optimizers]  # every rank: gathered under lzero
 lzero.unshard(job)
 if trainer.is_global_zero:
     torch.save({"losses": job.losses, "final": {k: v.detach().clone() for k, v in job.model.state_dict().items()},
-                "optim": states, "global_step": trainer.global_step}, args.out)
+                "optim": states, "global_step": trainer.global_step // per_batch}, args.out)
