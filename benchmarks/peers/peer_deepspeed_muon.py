@@ -17,11 +17,8 @@ times forward + backward + step after ``--warmup`` steps and prints one JSON lin
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
-import logging
-import os
 import socket
 import statistics
 import sys
@@ -32,8 +29,19 @@ import torch
 import torch.multiprocessing as mp
 
 from benchmarks.common import require  # the standard library only: no lzero in this environment
+from benchmarks.peers.ds_rank import start_rank
 
 VOCAB = 256
+
+
+def run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and run arguments ``bench_muon`` and this peer share."""
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=8)
 
 
 def _gpt(args: argparse.Namespace) -> torch.nn.Module:
@@ -73,18 +81,7 @@ def _run_stage(deepspeed, stage: int, args: argparse.Namespace, rank: int) -> No
 
 
 def _rank(rank: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(args.world),
-                      LOCAL_RANK=str(rank))
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    torch.set_num_threads(1)
-    import deepspeed
-    from deepspeed.utils import logger as ds_logger
-
-    for handler in ds_logger.handlers:  # DeepSpeed logs to stdout; keep stdout for the JSON lines
-        if isinstance(handler, logging.StreamHandler):
-            handler.setStream(sys.stderr)
-    with contextlib.redirect_stdout(sys.stderr):  # init_distributed prints about its shared-memory op
-        deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed = start_rank(rank, args.world, port)
     for stage in (1, 2):
         _run_stage(deepspeed, stage, args, rank)
 
@@ -92,12 +89,7 @@ def _rank(rank: int, port: int, args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=8)
+    run_arguments(parser)
     args = parser.parse_args()
     require("deepspeed", "run this with the python of an environment that has DeepSpeed")
     with socket.socket() as s:

@@ -30,14 +30,10 @@ only the JSON lines.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ctypes
 import gc
 import json
-import logging
-import os
 import socket
-import sys
 import time
 from pathlib import Path
 
@@ -45,6 +41,7 @@ import torch
 import torch.multiprocessing as mp
 
 from benchmarks.common import require  # the standard library only: no lzero in this environment
+from benchmarks.peers.ds_rank import start_rank
 
 WORLD = 2
 
@@ -127,20 +124,7 @@ def _run_stage(deepspeed, stage: int, model_name: str, warmup: int, steps: int, 
 
 
 def _rank(rank: int, port: int, model_name: str, stages: list[int], warmup: int, steps: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      LOCAL_RANK=str(rank))
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    torch.set_num_threads(1)
-    import deepspeed
-    from deepspeed.utils import logger as ds_logger
-
-    for handler in ds_logger.handlers:  # DeepSpeed logs to stdout; keep stdout for the JSON lines
-        if isinstance(handler, logging.StreamHandler):
-            handler.setStream(sys.stderr)
-    # On the CPU accelerator init_distributed JIT-builds (first run, cached in ~/.cache/torch_extensions) and loads
-    # DeepSpeed's shared-memory comm op, used only by inference all-reduce, and print()s a line about it to stdout.
-    with contextlib.redirect_stdout(sys.stderr):
-        deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed = start_rank(rank, WORLD, port)
     for stage in stages:
         _run_stage(deepspeed, stage, model_name, warmup, steps, rank)
 

@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from benchmarks.common import module_command, module_env, out_path, run_header, write_report
+from benchmarks.peers.peer_deepspeed_muon import run_arguments
 from lzero.demo.model import GPT, GPTConfig
 
 VOCAB = 256
@@ -142,12 +143,7 @@ def table(rows: list[dict[str, Any]], world: int, args: argparse.Namespace) -> s
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--strategies", default="ddp,zero1,zero2,zero3,fsdp2")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=8)
+    run_arguments(parser)
     parser.add_argument("--deepspeed-python", default=None)
     parser.add_argument("--out", default=None, help="the report's path; none: print only")
     args = parser.parse_args()

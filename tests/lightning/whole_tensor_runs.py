@@ -13,24 +13,15 @@ STRATEGY: a name Fabric takes, or ``zero<N>_full`` (one DDP-format checkpoint fi
                                 [--clip MAX_NORM] [--acc K] [--unfused] [--reduce-each-micro]
 """
 
-import argparse
 import copy
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 
-from whole_tensor_runs_common import VOCAB, build, optimizers
+from whole_tensor_runs_common import VOCAB, build, optimizers, run_arguments
 
-parser = argparse.ArgumentParser()
-parser.add_argument("strategy")
-parser.add_argument("model", choices=["gpt", "llama"])
-parser.add_argument("optim", choices=["muon", "adafactor"])
-parser.add_argument("out")
-parser.add_argument("--devices", type=int, default=2)
-parser.add_argument("--save-at", type=int, default=0)
-parser.add_argument("--resume")
-parser.add_argument("--clip", type=float, default=0.5)
+parser = run_arguments()
 parser.add_argument("--acc", type=int, default=2)
 parser.add_argument("--unfused", action="store_true", help="AdamW(fused=False): offload's host step runs DDP's kernel")
 parser.add_argument("--reduce-each-micro", action="store_true", help="no no_backward_sync: every backward reduces")

@@ -2,9 +2,25 @@
 demo GPT or a Hugging Face Llama from a tiny config, built with seed 0; Muon on the hidden matrices with AdamW on the
 rest (embeddings, head, vectors), or Adafactor alone."""
 
+import argparse
+
 import torch
 
 VOCAB = 64
+
+
+def run_arguments() -> argparse.ArgumentParser:
+    """The arguments both run scripts take: STRATEGY MODEL OPTIM OUT, --devices, --save-at, --resume, --clip."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("strategy")
+    parser.add_argument("model", choices=["gpt", "llama"])
+    parser.add_argument("optim", choices=["muon", "adafactor"])
+    parser.add_argument("out")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--save-at", type=int, default=0)
+    parser.add_argument("--resume")
+    parser.add_argument("--clip", type=float, default=0.5)
+    return parser
 
 
 def build(model: str) -> torch.nn.Module:

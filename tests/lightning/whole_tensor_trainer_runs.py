@@ -10,7 +10,6 @@ losses, the final parameters and each optimizer's ``state_dict()`` (gathered by 
                                         [--resume CKPT]
 """
 
-import argparse
 
 import lightning as L
 import torch
@@ -18,18 +17,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import lzero
-from whole_tensor_runs_common import VOCAB, build, optimizers
+from whole_tensor_runs_common import VOCAB, build, optimizers, run_arguments
 
-parser = argparse.ArgumentParser()
-parser.add_argument("strategy")
-parser.add_argument("model", choices=["gpt", "llama"])
-parser.add_argument("optim", choices=["muon", "adafactor"])
-parser.add_argument("out")
-parser.add_argument("--devices", type=int, default=2)
-parser.add_argument("--clip", type=float, default=0.5)
-parser.add_argument("--save-at", type=int, default=0)
-parser.add_argument("--resume")
-args = parser.parse_args()
+args = run_arguments().parse_args()
 
 STEPS, GLOBAL = 6, 8
 ACC = 2 if args.optim == "adafactor" else 1  # manual optimization: one backward per step
