@@ -161,3 +161,24 @@ def test_print_config_comments_show_every_strategy_field_with_its_docstring(caps
             i -= 1
         assert " ".join(comment).startswith(docs[f.name][:40]), f.name
     assert printed[start + 3].strip() == "stage: 3"
+
+
+def test_a_matrix_optimizer_from_the_command_line(tmp_path: Path, in_process_fit) -> None:
+    """`lzero fit --config configs/demo_zero3.yaml --optimizer torch.optim.Adafactor` (one process, two steps): the
+    LightningCLI optimizer runs whole tensor by whole tensor (its factored state per matrix), with no flag."""
+    from lzero import ZeroOptimizer
+
+    assert main(["fit", "--config", str(ROOT / "configs/demo_zero3.yaml"), "--optimizer", "torch.optim.Adafactor",
+                 "--optimizer.lr", "0.01", "--trainer.devices", "1", "--trainer.max_steps", "2",
+                 "--trainer.limit_val_batches", "0", "--trainer.logger", "false",
+                 "--trainer.callbacks", "test_cli.RecordTrainer", "--trainer.enable_progress_bar", "false",
+                 "--trainer.default_root_dir", str(tmp_path), "--model.n_layer", "1", "--model.n_embd", "16",
+                 "--model.n_head", "2", "--model.block_size", "8", "--data.block_size", "8",
+                 "--data.batch_size", "2"]) == 0
+    (optimizer,) = RecordTrainer.last.optimizers
+    assert isinstance(optimizer, ZeroOptimizer) and type(optimizer.optimizer).__name__ == "Adafactor"
+    state = optimizer.state_dict()["state"]  # torch's format, every matrix's factored statistics
+    matrices = [p for group in optimizer.param_groups for p in group["params"] if p.dim() == 2]
+    assert matrices and {"row_var", "col_var", "step"} <= set().union(*(s.keys() for s in state.values()))
+    assert all(optimizer.engine.units[i].spec.per_tensor for i in range(len(optimizer.engine.units))
+               if not optimizer.engine.units[i].spec.frozen)
