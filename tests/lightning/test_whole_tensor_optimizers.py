@@ -99,7 +99,7 @@ def test_bitwise_where_the_order_is_ddps(out: Path, model: str, optim: str) -> N
 def test_world_size_4(out: Path, model: str, optim: str) -> None:
     ref = run(out, "ddp", model, optim, "-w4", ranks=4)
     floor = rel(run(out, "ddp", model, optim)["final"], ref["final"])  # world 2 against 4
-    for preset in ("zero1", "zero3", "zero2_offload"):
+    for preset in ("zero1", "zero3", "zero2_offload", "zero3_hybrid"):  # hybrid: owners within each pair of ranks
         got = run(out, preset, model, optim, "-w4", ranks=4)
         diff = rel(got["final"], ref["final"])
         print(f"{model} {optim} {preset} world 4: params {diff:.2e} (DDP world 2 against 4: {floor:.2e})")

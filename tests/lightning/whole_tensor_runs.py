@@ -7,7 +7,8 @@ same at every world size (rank r takes rows r::world of each micro-batch). Under
 after the last step is recorded too. Models and optimizers:
 whole_tensor_runs_common.py.
 
-STRATEGY: a name Fabric takes, or ``zero<N>_full`` (one DDP-format checkpoint file).
+STRATEGY: a name Fabric takes, ``zero<N>_full`` (one DDP-format checkpoint file) or ``zero<N>_hybrid`` (shard groups
+of 2 ranks).
 
     python whole_tensor_runs.py STRATEGY MODEL OPTIM OUT [--devices N] [--save-at S] [--resume CKPT]
                                 [--clip MAX_NORM] [--acc K] [--unfused] [--reduce-each-micro]
@@ -34,6 +35,10 @@ if strategy.endswith("_full"):  # one DDP-format checkpoint file, gathered, inst
     from lzero.lightning.fabric_strategy import ZeroFabricStrategy
 
     strategy = ZeroFabricStrategy(stage=int(strategy[4]), checkpoint_format="full")
+elif strategy.endswith("_hybrid"):  # shard groups of 2 ranks, replicated across the groups
+    from lzero.lightning.fabric_strategy import ZeroFabricStrategy
+
+    strategy = ZeroFabricStrategy(stage=int(strategy[4]), shard_group_size=2)
 fabric = L.Fabric(accelerator="cpu", devices=args.devices, strategy=strategy)
 fabric.launch()
 model = fabric.setup_module(build(args.model))
