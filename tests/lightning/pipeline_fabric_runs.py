@@ -4,7 +4,8 @@
 
 The loop a Fabric script writes, with the step (model call and loss) handed to ``strategy.pipeline_step``; the
 models, batches and optimizer of pipeline_runs.py (4 micro-batches of 1 per data rank, 4 AdamW steps clipped by
-``fabric.clip_gradients``), at zero1 (the Llama) and zero2, zero3 (the demo GPT, its head tied to the embedding).
+``fabric.clip_gradients``), at zero1 (the Llama) and zero2, zero3 (the demo GPT, its head tied to the embedding; zero3
+also with ``optimizer_partition="per_tensor"``).
 Each run ends with ``fabric.save`` and a ``fabric.load`` into a fresh pipelined model. Rank 0 writes
 ``OUT_DIR/fabric_<run>.pt``: losses, norms, the whole parameters before and after the round trip; pipeline_runs.py's
 references (one process on the same global batches) beside them. tests/lightning/test_pipeline.py compares them.
@@ -25,7 +26,9 @@ from _teardown import destroy_process_group  # a sibling: scripts run from their
 from lzero import ZeroFabricStrategy
 from pipeline_runs import CLIP, GPT, MICROBATCHES, STEPS, dataset, loss_of, make_model, optimizer_of, reference
 
-RUNS = {"llama_zero1": 1, "gpt_zero2": 2, "gpt_zero3": 3}
+RUNS = {"llama_zero1": 1, "gpt_zero2": 2, "gpt_zero3": 3, "gpt_zero3_per_tensor": 3}
+"""Run name -> stage; ``_per_tensor``: ``optimizer_partition="per_tensor"``, each stage's AdamW stepping whole tensors
+on their owners ([Note: per-tensor ownership] in lzero/engine/partition.py), which must train as per element."""
 
 
 def step(model: Any, micro: Any) -> torch.Tensor:
@@ -41,15 +44,17 @@ def whole(model: Any) -> dict[str, torch.Tensor]:
     return {name: value for params in everyone for name, value in params.items()}
 
 
-def fabric_for(stage: int) -> Fabric:
-    strategy = ZeroFabricStrategy(stage=stage, pipeline_parallel_size=2, pipeline_microbatches=MICROBATCHES)
+def fabric_for(stage: int, partition: str = "auto") -> Fabric:
+    strategy = ZeroFabricStrategy(stage=stage, pipeline_parallel_size=2, pipeline_microbatches=MICROBATCHES,
+                                  optimizer_partition=partition)
     fabric = Fabric(accelerator="cpu", devices=4, strategy=strategy)
     fabric.launch()
     return fabric
 
 
 def run(out: Path, name: str, stage: int, llama: Any) -> None:
-    fabric = fabric_for(stage)
+    partition = "per_tensor" if name.endswith("_per_tensor") else "auto"
+    fabric = fabric_for(stage, partition)
     model = fabric.setup_module(make_model(llama))
     optimizer = fabric.setup_optimizers(optimizer_of(model.parameters()))
     loader = fabric.setup_dataloaders(DataLoader(dataset(), batch_size=MICROBATCHES, shuffle=True))
@@ -63,7 +68,7 @@ def run(out: Path, name: str, stage: int, llama: Any) -> None:
         losses.append(fabric.all_reduce(loss, reduce_op="mean").item())
     params = whole(model)
     fabric.save(out / f"fabric_{name}.ckpt", {"model": model, "optimizer": optimizer})
-    again = fabric_for(stage)
+    again = fabric_for(stage, partition)
     fresh = again.setup_module(make_model(llama))
     fresh_optimizer = again.setup_optimizers(optimizer_of(fresh.parameters()))
     again.load(out / f"fabric_{name}.ckpt", {"model": fresh, "optimizer": fresh_optimizer})

@@ -257,6 +257,17 @@ def test_a_joint_fabric_setup_is_refused_under_a_pipeline(fabric_runs: Path) -> 
     assert "HINT: `model = fabric.setup_module(model)`" in message
 
 
+def test_per_tensor_ownership_under_a_pipeline(runs: Path, fabric_runs: Path) -> None:
+    """pp2 x dp2 at zero3 with `optimizer_partition="per_tensor"`: each stage's parameters owned whole by its data ranks
+    (the tied embedding's gradient summed across the end stages, the norm over both), AdamW stepped per tensor: the
+    same run as per element, to the bit, and through fabric.save / fabric.load."""
+    got, trainer = _load(fabric_runs, "fabric_gpt_zero3_per_tensor"), _load(runs, "gpt_zero3_1f1b")
+    assert got["losses"] == trainer["losses"] and got["norms"] == trainer["norms"]
+    for key, value in got["params"].items():
+        assert all(torch.equal(value, held) for held in trainer["params"][key]), key
+        assert torch.equal(got["loaded"][key], value), key
+
+
 def test_the_demo_pipeline_config_trains_logs_stages_and_resumes(tmp_path: Path) -> None:
     """`lzero fit --config configs/demo_pipeline.yaml` as a user runs it (2 processes: pp2 x dp1, zero2, 1F1B; a
     stage's data group of one rank, where every side group's collectives stay local): the sanity check's and each
