@@ -75,6 +75,13 @@ def check(kind: str, block: Any) -> dict[str, Any]:
     if name in NOT_BUILT:
         raise ZeroConfigError(f"`{kind}.type={name!r}` is not built in lzero. HINT: use one of {', '.join(table)}, or"
                               " return the scheduler from `configure_optimizers`.")
+    if kind == "optimizer" and str(name).lower() == "muon":  # DeepSpeed's MuonWithAuxAdam: one optimizer, two halves
+        raise ZeroConfigError(
+            f"`optimizer.type={name!r}` is DeepSpeed's MuonWithAuxAdam (Muon on the parameters tagged `use_muon`, Adam on"
+            " the rest, in one optimizer), which lzero does not build from a config. HINT: drop the `optimizer` block"
+            " and return `torch.optim.Muon(matrices)` and `torch.optim.AdamW(rest)` from `configure_optimizers` (manual"
+            " optimization under the Trainer, or two optimizers under Fabric): lzero steps Muon whole tensor by whole"
+            " tensor, each matrix on the rank owning it (docs/training.md, Matrix optimizers).")
     if name not in table:
         close = difflib.get_close_matches(str(name), list(table), n=1)
         hint = f"did you mean {close[0]!r}?" if close else f"use one of {', '.join(table)}."

@@ -332,6 +332,8 @@ BF16_WITH_BLOCKS = {
 def test_bad_optimizer_and_scheduler_blocks_are_named(tmp_path: Path, in_process_fit) -> None:
     cases = [
         ({"type": "AdamX", "params": {}}, None, r"`optimizer.type='AdamX'` is not a type lzero builds.*'Adam"),
+        ({"type": "Muon", "params": {"lr": 0.02}}, None,
+         r"`optimizer.type='Muon'` is DeepSpeed's MuonWithAuxAdam.*HINT: drop the `optimizer` block.*torch.optim.Muon"),
         ({"type": "AdamW", "params": {"betas2": 0.9}}, None, r"`optimizer.params.betas2`.*did you mean `betas`"),
         ({"type": "AdamW", "params": {"amsgrad": "auto"}}, None, r"`optimizer.params.amsgrad=\"auto\"`.* only for lr"),
         (None, {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}}, r"`scheduler.params.total_num_steps`"),
