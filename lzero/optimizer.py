@@ -317,7 +317,7 @@ def _refuse_swapped_whole_tensors(optimizer: Optimizer, units: list[FlatUnit]) -
 
 
 def _check_host_step(optimizer: Optimizer) -> str:
-    """Step the user's optimizer class, with its flags and the host kernel, on a two-element host tensor: an
+    """Step the user's optimizer class, with its flags and the host kernel, on a 2 x 2 host tensor: an
     optimizer without a CPU implementation is refused now, by name. Returns the kernel's description."""
     flags = {**_flags(optimizer), **_host_kernel(optimizer)}
     # a 2 x 2 matrix: optimizers of matrices (Muon) refuse vectors

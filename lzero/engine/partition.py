@@ -137,15 +137,11 @@ class UnitSpec:
         return rank * self.shard_numel, (rank + 1) * self.shard_numel
 
     def padding(self, rank: int) -> Iterator[tuple[int, int]]:
-        """[start, end) runs of rank's shard that hold no parameter's elements (zero in values and gradients)."""
-        at = 0
-        runs = sorted((s, s + b - a) for _, a, b, s in self.owned_pieces(rank))
-        for start, end in runs:
-            if start > at:
-                yield at, start
-            at = end
-        if at < self.shard_numel:
-            yield at, self.shard_numel
+        """[start, end) of rank's shard holding no parameter's elements (zero in values and gradients): both layouts
+        pack a rank's elements from the start of its shard, so the padding is at most one run, at its end."""
+        used = sum(b - a for _, a, b, _ in self.owned_pieces(rank))
+        if used < self.shard_numel:
+            yield used, self.shard_numel
 
     def owned_params(self, rank: int) -> Iterator[tuple[ParamSpec, int]]:
         """Per-tensor units: each parameter ``rank`` owns, and where it starts in the rank's shard."""

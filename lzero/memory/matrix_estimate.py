@@ -20,7 +20,7 @@ from torch import nn
 from lzero.engine.partition import ParamSpec, UnitSpec, partition_by_label, partition_by_size
 from lzero.memory.estimate import COMPUTE_BYTES, Estimate, EstimateError
 from lzero.memory.optimizer_states import (StateBytes, imbalance, optimizer_store_shares, padding_bytes,
-                                           rank_state_bytes, state_bytes_of)
+                                           rank_state_bytes, shard_rates, state_bytes_of)
 
 OPTIMIZERS = ("adamw", "muon", "adafactor")
 
@@ -42,7 +42,7 @@ def param_specs(module: nn.Module, optimizer: str) -> tuple[list[ParamSpec], dic
 
 
 def formulas(optimizer: str) -> tuple[dict[tuple[int, int], Optional[StateBytes]], dict[tuple[int, int], Any]]:
-    adamw = (8, 4)
+    adamw = shard_rates("AdamW", {})
     if optimizer == "muon":
         return {(0, 0): state_bytes_of("Muon"), (1, 0): state_bytes_of("AdamW")}, {(1, 0): adamw}
     if optimizer == "adafactor":

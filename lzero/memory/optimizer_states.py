@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Optional, Sequence
 
-from lzero.engine.partition import ParamSpec, UnitSpec
+from lzero.engine.partition import UnitSpec
 
 ADAM_FAMILY = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam")
 
@@ -43,11 +43,19 @@ def state_bytes_of(name: str, defaults: Optional[dict[str, Any]] = None) -> Opti
                 return 4 * n + 4
             return 4 * (n // shape[-1] + n // shape[-2]) + 4
         return factored
-    per_element = elementwise_bytes(name, d)
+    rates = shard_rates(name, d)
+    if rates is None:
+        return None
+    return lambda shape: rates[0] * math.prod(shape) + rates[1]
+
+
+def shard_rates(name: str, defaults: dict[str, Any]) -> Optional[tuple[int, int]]:
+    """An elementwise optimizer's (bytes per element, bytes of its 0-dim ``step`` per tensor it steps); None:
+    unknown."""
+    per_element = elementwise_bytes(name, defaults)
     if per_element is None:
         return None
-    step = 4 if name in ADAM_FAMILY or name in ("Adagrad", "RMSprop") else 0
-    return lambda shape: per_element * math.prod(shape) + step
+    return per_element, 4 if name in ADAM_FAMILY or name in ("Adagrad", "RMSprop") else 0
 
 
 def elementwise_bytes(name: str, defaults: dict[str, Any]) -> Optional[int]:
@@ -78,7 +86,7 @@ def rank_state_bytes(units: Sequence[UnitSpec], world_size: int,
             if formula is None:
                 return None
             for spec, owner in zip(unit.params, unit.owners):
-                ranks[owner] += formula(_shape(spec))
+                ranks[owner] += formula(spec.shape)
         else:
             rates = per_element.get(unit.group)
             if rates is None:
@@ -94,10 +102,6 @@ def imbalance(per_rank: Sequence[int]) -> float:
     return max(per_rank) / mean if mean else 1.0
 
 
-def _shape(spec: ParamSpec) -> tuple[int, ...]:
-    return spec.shape
-
-
 def engine_state_bytes(engine: Any, optimizers: Sequence[Any]) -> Optional[list[int]]:
     """Each rank of ``engine``'s group: the optimizer state ``optimizers`` (ZeroOptimizers) hold by the formulas of the
     Note, over the engine's partition; None where an optimizer is unknown."""
@@ -105,13 +109,9 @@ def engine_state_bytes(engine: Any, optimizers: Sequence[Any]) -> Optional[list[
     per_element: dict[tuple[int, int], Optional[tuple[int, int]]] = {}
     for zopt in optimizers:
         name = type(zopt.optimizer).__name__
-        for unit in zopt.units:
-            group = unit.spec.group
-            hyper = zopt.param_groups[group[1]]
-            formulas[group] = state_bytes_of(name, hyper)
-            rate = elementwise_bytes(name, hyper)
-            step = 4 if name in ADAM_FAMILY or name in ("Adagrad", "RMSprop") else 0
-            per_element[group] = None if rate is None else (rate, step)
+        for g, hyper in enumerate(zopt.param_groups):
+            formulas[(zopt.index, g)] = state_bytes_of(name, hyper)
+            per_element[(zopt.index, g)] = shard_rates(name, hyper)
     return rank_state_bytes([u.spec for z in optimizers for u in z.units], engine.world_size, formulas, per_element)
 
 
