@@ -148,6 +148,14 @@ def test_under_the_trainer(out: Path, model: str, optim: str) -> None:
         print(f"trainer {model} {optim} {preset}: params {diff:.2e} (DDP world 1 against 2: {floor:.2e})")
         assert got["global_step"] == 6 and diff <= 4 * floor, (preset, diff, floor)
         state_rel(got["optim"], ref["optim"])
+    # the model built in configure_model: zero3 materializes it shard by shard, as eager code would have built it, so
+    # the run is the __init__ build's to the bit
+    path = out / f"trainer-zero3-configure-{model}-{optim}.pt"
+    run_script("whole_tensor_trainer_runs.py", "zero3", model, optim, str(path), "--configure-model", ranks=2)
+    got, eager = torch.load(path, weights_only=True), trainer_run("zero3")
+    assert got["losses"] == eager["losses"] and got["final"].keys() == eager["final"].keys()
+    for k, want in eager["final"].items():
+        assert torch.equal(got["final"][k], want), k
 
 
 def measured(memory: dict, rank: int, kind: str) -> float:

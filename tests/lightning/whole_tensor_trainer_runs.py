@@ -4,7 +4,7 @@ optimization (two optimizers: Lightning's automatic optimization takes one), ``s
 6 steps (two epochs of 3) of a global batch of 8 sequences on the demo GPT or a Hugging Face Llama. Rank 0 writes the
 losses, the final parameters and each optimizer's ``state_dict()`` (gathered by every rank at the end of fit).
 ``--save-at 3``: stop after epoch 0 (3 steps) and ``trainer.save_checkpoint`` (a sharded directory under lzero); ``--resume``:
-``fit(ckpt_path=...)`` from one, to step 6.
+``fit(ckpt_path=...)`` from one, to step 6. ``--configure-model``: the model built in ``configure_model``.
 
     python whole_tensor_trainer_runs.py STRATEGY MODEL OPTIM OUT [--devices N] [--clip MAX_NORM] [--save-at 3]
                                         [--resume CKPT]
@@ -19,7 +19,10 @@ from torch.utils.data import DataLoader, TensorDataset
 import lzero
 from whole_tensor_runs_common import VOCAB, build, optimizers, run_arguments
 
-args = run_arguments().parse_args()
+parser = run_arguments()
+parser.add_argument("--configure-model", action="store_true", help="build the model in configure_model (zero3: on the"
+                    " meta device, replayed shard by shard) instead of __init__")
+args = parser.parse_args()
 
 STEPS, GLOBAL = 6, 8
 ACC = 2 if args.optim == "adafactor" else 1  # manual optimization: one backward per step
@@ -28,9 +31,13 @@ ACC = 2 if args.optim == "adafactor" else 1  # manual optimization: one backward
 class Job(L.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.model = build(args.model)
+        self.model = None if args.configure_model else build(args.model)
         self.automatic_optimization = args.optim == "adafactor"
         self.losses: list[float] = []
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = build(args.model)
 
     def configure_optimizers(self):
         opts = optimizers(self.model, args.optim)
